@@ -1,0 +1,206 @@
+// One GPU's memory as Salus lays it out: a persistent heap growing down from the
+// top, lanes of ephemeral memory growing up from the bottom, Algorithm-1 lane
+// assignment, the admission queue, and defragmentation at iteration boundaries.
+//
+// Pure and deterministic: no threads, no clocks (times are passed in), no I/O.
+// salusd's worker threads and salus-sim both drive it through the calls below.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "arena/size_units.hpp"
+
+namespace salus::arena {
+
+using SessionId = std::uint64_t;
+using LaneId = std::uint32_t;
+using BufferHandle = std::uint64_t;  // arena-wide, never reused
+using TimeNs = std::int64_t;         // injected clock
+
+// What a session declares with `need`: P and E in the safety condition.
+struct Need {
+  Bytes persistent = 0;
+  Bytes ephemeral = 0;
+};
+
+enum class QueueMode : std::uint8_t {
+  // A later request may be admitted ahead of a blocked earlier one, but each
+  // blocked request can be overtaken at most `max_bypass` times; after that the
+  // queue is strict behind it until it is admitted.
+  bounded_bypass,
+  strict_fifo,
+};
+
+enum class LaneMode : std::uint8_t {
+  salus,           // Salus Algorithm 1: new lane, best existing lane, grow smallest lane
+  lane_per_session,  // every session gets its own lane, or waits (no lane sharing)
+};
+
+struct ArenaOptions {
+  QueueMode queue_mode = QueueMode::bounded_bypass;
+  std::uint32_t max_bypass = 16;
+  LaneMode lane_mode = LaneMode::salus;
+};
+
+enum class ArenaError : std::uint8_t {
+  ok,
+  too_large,         // P + E can never fit this GPU, even empty
+  unknown_session,   // no such session (never requested, or already left)
+  not_admitted,      // the session has no lane yet
+  duplicate,         // request() for a session already known
+  no_memory,         // the safety condition would break
+  fragmented,        // accounting fits but no hole is big enough yet; compaction is planned
+};
+
+const char* to_string(ArenaError);
+
+struct Admitted {
+  SessionId session;
+  LaneId lane;
+};
+
+// A persistent buffer the caller must copy from `from` to `to` (device to device).
+// The two ranges never overlap.
+struct PersistentMove {
+  BufferHandle buffer;
+  SessionId owner;
+  Bytes from;
+  Bytes to;
+  Bytes size;
+};
+
+struct AllocResult {
+  ArenaError error = ArenaError::ok;
+  BufferHandle handle = 0;
+  Bytes offset = 0;
+};
+
+struct MemorySummary {
+  Bytes capacity = 0;
+  Bytes persistent_used = 0;      // bytes held by live persistent buffers
+  Bytes persistent_reserved = 0;  // sum over admitted sessions of max(declared P, used)
+  Bytes lane_total = 0;           // sum of lane sizes (the ephemeral region)
+  Bytes free = 0;                 // capacity - persistent_reserved - lane_total
+  Bytes largest_hole = 0;         // largest physically free contiguous range
+  double fragmentation = 0.0;     // 1 - largest_hole / physically free bytes (0 when none free)
+  std::uint32_t lanes = 0;
+  std::uint32_t queued = 0;
+};
+
+struct LaneView {
+  LaneId id;
+  std::optional<Bytes> offset;  // nullopt while waiting for room to be placed
+  Bytes size;
+  Bytes used;                   // ephemeral bytes of the iteration in flight (0 if idle)
+  bool busy;                    // an iteration is in flight
+  bool move_pending;            // will move at its next iteration boundary
+  std::optional<SessionId> running;  // session whose iteration is in flight
+  std::vector<SessionId> sessions;   // members, in admission order
+};
+
+struct QueueEntry {
+  SessionId session;
+  Need need;
+  TimeNs waiting_since;
+  std::uint32_t bypassed;  // how many later requests were admitted ahead of it
+};
+
+struct Placement {
+  bool admitted = false;
+  std::optional<LaneId> lane;
+  std::optional<Bytes> lane_offset;  // nullopt while the lane waits for room
+  Bytes lane_size = 0;
+  Need declared;
+  Bytes persistent_used = 0;
+};
+
+struct ArenaStats {
+  std::uint64_t admissions = 0;
+  std::uint64_t lanes_opened = 0;
+  std::uint64_t lanes_closed = 0;
+  std::uint64_t lanes_grown = 0;
+  std::uint64_t lane_moves = 0;
+  std::uint64_t persistent_moves = 0;
+  Bytes persistent_bytes_moved = 0;
+};
+
+class GpuArena {
+ public:
+  explicit GpuArena(Bytes capacity, ArenaOptions options = {});
+  ~GpuArena();
+  GpuArena(GpuArena&&) noexcept;
+  GpuArena& operator=(GpuArena&&) noexcept;
+
+  Bytes capacity() const;
+  const ArenaOptions& options() const;
+  void set_queue_mode(QueueMode mode);  // admin: strict FIFO or bounded bypass
+
+  // ---- Admission ----
+  // Queues the session's need (arrival order is the order of these calls) and
+  // runs assignment. too_large if P + E > capacity; duplicate if already known.
+  ArenaError request(SessionId session, Need need, TimeNs now);
+  // New need for a queued or admitted session. An admitted session keeps its
+  // persistent buffers, leaves its lane, and is re-queued at its original
+  // arrival position (re-admission). Runs assignment.
+  ArenaError change_need(SessionId session, Need need, TimeNs now);
+  // The session is gone: its persistent buffers are freed, its lane reference is
+  // dropped (an empty lane is deleted), its queue slot is removed. Runs assignment.
+  void leave(SessionId session, TimeNs now);
+  // Admissions made since the last call, in the order they happened.
+  std::vector<Admitted> take_admissions();
+
+  // ---- Lanes and iterations ----
+  // True when the lane has a physical place and no move is pending, so an
+  // iteration may start in it now.
+  bool lane_ready(LaneId lane) const;
+  Bytes lane_offset(LaneId lane) const;  // precondition: lane_ready
+  Bytes lane_size(LaneId lane) const;
+  // Marks the lane busy with `session`'s iteration using `ephemeral_used` bytes
+  // (<= lane size). The lane does not move until end_iteration.
+  void begin_iteration(LaneId lane, SessionId session, Bytes ephemeral_used);
+  // The iteration boundary: the lane goes idle; pending lane moves that are now
+  // possible happen, and assignment runs again if anything moved.
+  void end_iteration(LaneId lane, TimeNs now);
+
+  // ---- Persistent memory ----
+  // Allocates `size` (rounded up to kAlignment) for an admitted session.
+  // Usage beyond the declared P is allowed while the safety condition holds;
+  // past that: no_memory. If the accounting fits but no hole is large enough,
+  // `fragmented` is returned and compaction is planned (see session_idle).
+  AllocResult alloc_persistent(SessionId session, Bytes size);
+  void free_persistent(BufferHandle buffer);
+  Bytes buffer_offset(BufferHandle buffer) const;
+
+  // ---- Persistent compaction ----
+  // Called when `session` has no work in flight. Returns the moves of this
+  // session's buffers that the caller must perform now (copy from -> to), or an
+  // empty list. The destination ranges stay reserved and the buffers keep their
+  // old offsets until finish_moves.
+  std::vector<PersistentMove> session_idle(SessionId session);
+  // The copies returned by session_idle are done: buffers take their new offsets,
+  // the old ranges are freed, and assignment runs again.
+  void finish_moves(SessionId session, TimeNs now);
+  // Whether compaction has moves planned (so the caller knows to visit idle sessions).
+  bool compaction_pending() const;
+
+  // ---- Observation ----
+  MemorySummary memory() const;
+  std::vector<LaneView> lanes() const;
+  std::vector<QueueEntry> queue() const;
+  std::optional<Placement> placement(SessionId session) const;
+  const ArenaStats& stats() const;
+
+  // Empty when every invariant holds; otherwise a description of the first
+  // violation. Checked after every operation in debug builds.
+  std::string check_invariants() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace salus::arena
