@@ -67,7 +67,8 @@ class Device {
   // on the stream has finished.
   virtual void notify(StreamId stream, std::uint64_t token) = 0;
 
-  // Hint: nothing lives in [offset, offset+length) any more (lets sim drop pages).
+  // Nothing lives in [offset, offset+length) any more. Afterwards the range reads
+  // as zero, so memory never carries data from one owner to the next.
   virtual void discard(DevOffset offset, Bytes length) = 0;
 
   // Fraction of wall time since the device started during which at least one op

@@ -1,0 +1,134 @@
+#include "vgpu/sim/sim_device.hpp"
+
+#include <stdexcept>
+#include <system_error>
+#include <utility>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+namespace salus::vgpu {
+
+using sim::CopyOp;
+using sim::FillOp;
+using sim::FromHostOp;
+using sim::GemmOp;
+using sim::NotifyOp;
+using sim::SimOp;
+using sim::SimStream;
+using sim::SpinOp;
+using sim::StreamEnv;
+using sim::ToHostOp;
+
+namespace {
+
+DeviceInfo make_info(int index, Bytes memory_bytes, std::string name) {
+  DeviceInfo info;
+  info.index = index;
+  info.name = std::move(name);
+  // Shaped like a CUDA UUID so tools that parse one cope, but "5a1a5" (salus) and
+  // the zero groups make it plainly fake; stable across runs for the same index.
+  info.uuid = fmt::format("GPU-5a1a5000-0000-0000-0000-{:012x}",
+                          static_cast<std::uint64_t>(static_cast<std::uint32_t>(index)));
+  info.backend = "sim";
+  info.total_memory = memory_bytes;
+  info.arena_size = memory_bytes;
+  info.sm_count = SimDevice::kSmCount;
+  info.driver_version = "sim";
+  return info;
+}
+
+}  // namespace
+
+SimDevice::SimDevice(int index, Bytes memory_bytes, std::string name)
+    : info_(make_info(index, memory_bytes, std::move(name))), memory_(memory_bytes) {}
+
+SimDevice::~SimDevice() {
+  std::vector<Slot> slots;
+  {
+    std::unique_lock lock(streams_mu_);
+    slots.swap(slots_);
+  }
+  // Destroying each stream drains and joins it; memory_ outlives them all.
+  slots.clear();
+}
+
+void SimDevice::set_sink(CompletionSink* sink) {
+  sink_.store(sink, std::memory_order_release);
+}
+
+StreamId SimDevice::create_stream() {
+  std::unique_lock lock(streams_mu_);
+  std::size_t id = 0;
+  while (id < slots_.size() && (slots_[id].stream || slots_[id].retiring)) ++id;
+  if (id == slots_.size()) slots_.emplace_back();
+  const StreamEnv env{info_.index, memory_, contention_, busy_, sink_};
+  slots_[id].stream = std::make_unique<SimStream>(static_cast<StreamId>(id), env);
+  return static_cast<StreamId>(id);
+}
+
+void SimDevice::destroy_stream(StreamId stream) {
+  std::unique_ptr<SimStream> victim;
+  {
+    std::unique_lock lock(streams_mu_);
+    if (stream >= slots_.size() || !slots_[stream].stream)
+      throw std::invalid_argument(fmt::format("sim gpu{}: no stream {}", info_.index, stream));
+    if (slots_[stream].stream->is_own_thread())
+      throw std::logic_error(
+          fmt::format("sim gpu{}: stream {} destroyed from its own thread", info_.index, stream));
+    victim = std::move(slots_[stream].stream);
+    slots_[stream].retiring = true;
+  }
+  // Drain outside the lock: it can take as long as the queued kernels, and other
+  // streams must keep accepting ops meanwhile.
+  victim.reset();
+  std::unique_lock lock(streams_mu_);
+  if (stream < slots_.size()) slots_[stream].retiring = false;
+}
+
+void SimDevice::enqueue(StreamId stream, const SimOp& op) {
+  // Shared: ops for different streams enqueue in parallel; destroy_stream (unique)
+  // cannot free a stream while an op is being pushed onto it.
+  std::shared_lock lock(streams_mu_);
+  if (stream >= slots_.size() || !slots_[stream].stream)
+    throw std::invalid_argument(fmt::format("sim gpu{}: no stream {}", info_.index, stream));
+  slots_[stream].stream->enqueue(op);
+}
+
+void SimDevice::fill(StreamId stream, DevOffset dst, Bytes length, std::uint32_t pattern,
+                     unsigned width) {
+  enqueue(stream, FillOp{dst, length, pattern, width});
+}
+
+void SimDevice::copy(StreamId stream, DevOffset dst, DevOffset src, Bytes length) {
+  enqueue(stream, CopyOp{dst, src, length});
+}
+
+void SimDevice::spin(StreamId stream, std::uint64_t usec, double util) {
+  enqueue(stream, SpinOp{usec, util});
+}
+
+void SimDevice::gemm(StreamId stream, std::uint32_t m, std::uint32_t n, std::uint32_t k,
+                     DevOffset a, DevOffset b, DevOffset c) {
+  enqueue(stream, GemmOp{m, n, k, a, b, c});
+}
+
+void SimDevice::copy_to_host(StreamId stream, void* host, DevOffset src, Bytes length) {
+  enqueue(stream, ToHostOp{host, src, length});
+}
+
+void SimDevice::copy_from_host(StreamId stream, DevOffset dst, const void* host, Bytes length) {
+  enqueue(stream, FromHostOp{dst, host, length});
+}
+
+void SimDevice::notify(StreamId stream, std::uint64_t token) {
+  enqueue(stream, NotifyOp{token});
+}
+
+void SimDevice::discard(DevOffset offset, Bytes length) {
+  if (const int err = memory_.discard(offset, length); err != 0)
+    spdlog::warn("sim gpu{}: discard of {} bytes at {} failed: {}", info_.index, length, offset,
+                 std::generic_category().message(err));
+}
+
+}  // namespace salus::vgpu

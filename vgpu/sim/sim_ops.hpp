@@ -1,0 +1,56 @@
+// The ops a sim stream queues, as small copyable values (no heap per op), and how
+// each one runs against the device's host memory and contention model.
+#pragma once
+
+#include <cstdint>
+#include <variant>
+
+#include "vgpu/device.hpp"
+
+namespace salus::vgpu::sim {
+
+class HostMapping;
+class RealTimeContention;
+
+struct FillOp {
+  DevOffset dst;
+  Bytes length;
+  std::uint32_t pattern;
+  unsigned width;
+};
+struct CopyOp {
+  DevOffset dst;
+  DevOffset src;
+  Bytes length;
+};
+struct SpinOp {
+  std::uint64_t usec;
+  double util;
+};
+struct GemmOp {
+  std::uint32_t m, n, k;
+  DevOffset a, b, c;
+};
+struct ToHostOp {
+  void* host;
+  DevOffset src;
+  Bytes length;
+};
+struct FromHostOp {
+  DevOffset dst;
+  const void* host;
+  Bytes length;
+};
+// Not executed: the stream reports completion when it reaches one.
+struct NotifyOp {
+  std::uint64_t token;
+};
+
+using SimOp = std::variant<FillOp, CopyOp, SpinOp, GemmOp, ToHostOp, FromHostOp, NotifyOp>;
+
+// Runs one op to completion on the calling thread. Returns 0, or the errno a real
+// device would report: EFAULT for a range outside device memory, EINVAL for a bad
+// fill width.
+int execute_op(const SimOp& op, HostMapping& memory, RealTimeContention& contention);
+
+}  // namespace salus::vgpu::sim
