@@ -1,0 +1,848 @@
+#define FUSE_USE_VERSION 312
+#include "fusefs/filesystem.hpp"
+
+#include <fuse3/fuse_lowlevel.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <vector>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "fusefs/command_parser.hpp"
+#include "fusefs/inode.hpp"
+#include "fusefs/readme.hpp"
+#include "salus_config.hpp"
+
+namespace salus::fusefs {
+
+namespace {
+
+using vgpu::Broker;
+using vgpu::Caller;
+using vgpu::SessionId;
+
+constexpr double kStaticTimeout = 60.0;  // the fixed part of the tree never changes
+constexpr double kDynamicTimeout = 0.0;  // sessions and buffers come and go
+
+struct OpenFile {
+  Inode ino;
+  std::mutex mu;
+  std::string content;  // snapshot taken at open (or the wait result)
+  std::string replies;  // ctl/clone: replies not yet read
+  bool answered = false;  // wait: the result is in `content`
+  bool clone = false;
+  SessionId session = 0;
+};
+
+struct DirHandle {
+  struct Entry {
+    std::string name;
+    std::uint64_t ino;
+    mode_t mode;
+  };
+  std::vector<Entry> entries;
+};
+
+Filesystem* fs_of(fuse_req_t req) { return static_cast<Filesystem*>(fuse_req_userdata(req)); }
+
+std::shared_ptr<OpenFile>& open_of(fuse_file_info* fi) {
+  return *reinterpret_cast<std::shared_ptr<OpenFile>*>(fi->fh);
+}
+
+Caller caller_of(fuse_req_t req, const FilesystemOptions& opts) {
+  const fuse_ctx* ctx = fuse_req_ctx(req);
+  Caller c{ctx->uid, ctx->gid, ctx->pid, ctx->uid == 0};
+  if (!c.admin && opts.admin_group) {
+    if (ctx->gid == *opts.admin_group) {
+      c.admin = true;
+    } else {
+      gid_t groups[64];
+      const int n = fuse_req_getgroups(req, 64, groups);
+      for (int i = 0; i < n && i < 64; ++i) c.admin = c.admin || groups[i] == *opts.admin_group;
+    }
+  }
+  return c;
+}
+
+const char* top_name(TopFile f) {
+  switch (f) {
+    case TopFile::readme: return "README";
+    case TopFile::version: return "version";
+    case TopFile::clone: return "clone";
+    case TopFile::policy: return "policy";
+    case TopFile::ctl: return "ctl";
+    case TopFile::stats: return "stats";
+    case TopFile::metrics: return "metrics";
+    case TopFile::count: break;
+  }
+  return "";
+}
+const char* gpu_file_name(GpuFile f) {
+  switch (f) {
+    case GpuFile::info: return "info";
+    case GpuFile::memory: return "memory";
+    case GpuFile::lanes: return "lanes";
+    case GpuFile::queue: return "queue";
+    case GpuFile::count: break;
+  }
+  return "";
+}
+const char* session_file_name(SessionFile f) {
+  switch (f) {
+    case SessionFile::ctl: return "ctl";
+    case SessionFile::status: return "status";
+    case SessionFile::log: return "log";
+    case SessionFile::wait: return "wait";
+    case SessionFile::count: break;
+  }
+  return "";
+}
+
+// Attributes of an inode; -ENOENT if what it names is gone.
+int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
+  std::memset(&st, 0, sizeof st);
+  st.st_ino = encode(in);
+  st.st_nlink = 1;
+  st.st_blksize = 4096;
+  const auto& opts = fs.options();
+  const gid_t admin_gid = opts.admin_group.value_or(0);
+  Broker& b = fs.broker();
+  switch (in.kind) {
+    case Kind::root:
+      st.st_mode = S_IFDIR | 0755;
+      st.st_nlink = 2;
+      return 0;
+    case Kind::top_file:
+      switch (static_cast<TopFile>(in.sub)) {
+        case TopFile::readme:
+        case TopFile::version:
+        case TopFile::stats:
+        case TopFile::metrics: st.st_mode = S_IFREG | 0444; return 0;
+        case TopFile::clone: st.st_mode = S_IFREG | 0666; return 0;
+        case TopFile::policy:
+          st.st_mode = S_IFREG | (opts.admin_group ? 0664 : 0644);
+          st.st_gid = admin_gid;
+          return 0;
+        case TopFile::ctl:
+          st.st_mode = S_IFREG | (opts.admin_group ? 0660 : 0600);
+          st.st_gid = admin_gid;
+          return 0;
+        default: return -ENOENT;
+      }
+    case Kind::gpus_dir:
+      st.st_mode = S_IFDIR | 0555;
+      st.st_nlink = 2;
+      return 0;
+    case Kind::gpu_dir:
+      if (in.id >= b.gpu_count()) return -ENOENT;
+      st.st_mode = S_IFDIR | 0555;
+      st.st_nlink = 2;
+      return 0;
+    case Kind::gpu_file:
+      if (in.id >= b.gpu_count() || in.sub >= static_cast<std::uint32_t>(GpuFile::count))
+        return -ENOENT;
+      st.st_mode = S_IFREG | 0444;
+      return 0;
+    case Kind::sessions_dir:
+      st.st_mode = S_IFDIR | 01777;  // anyone may mkdir; sticky: only owners rmdir
+      st.st_nlink = 2;
+      return 0;
+    case Kind::session_dir:
+    case Kind::session_file:
+    case Kind::mem_dir:
+    case Kind::mem_file: {
+      const auto owner = b.session_owner(in.id);
+      if (!owner) return -ENOENT;
+      st.st_uid = owner->first;
+      st.st_gid = owner->second;
+      if (in.kind == Kind::session_dir || in.kind == Kind::mem_dir) {
+        st.st_mode = S_IFDIR | 0700;
+        st.st_nlink = 2;
+      } else if (in.kind == Kind::session_file) {
+        if (in.sub >= static_cast<std::uint32_t>(SessionFile::count)) return -ENOENT;
+        st.st_mode = S_IFREG | (static_cast<SessionFile>(in.sub) == SessionFile::ctl ? 0600 : 0400);
+      } else {
+        const auto buf = b.buffer_by_id(in.id, in.sub);
+        if (!buf) return -ENOENT;
+        st.st_mode = S_IFREG | 0600;
+        st.st_size = static_cast<off_t>(buf->size);
+        st.st_blocks = static_cast<blkcnt_t>((buf->size + 511) / 512);
+      }
+      return 0;
+    }
+  }
+  return -ENOENT;
+}
+
+void reply_entry(fuse_req_t req, Filesystem& fs, Inode in) {
+  fuse_entry_param e;
+  std::memset(&e, 0, sizeof e);
+  const int rc = fill_attr(fs, in, e.attr);
+  if (rc) {
+    fuse_reply_err(req, -rc);
+    return;
+  }
+  const bool fixed = in.kind == Kind::top_file || in.kind == Kind::gpus_dir ||
+                     in.kind == Kind::gpu_dir || in.kind == Kind::gpu_file ||
+                     in.kind == Kind::sessions_dir;
+  e.ino = encode(in);
+  e.attr_timeout = fixed ? kStaticTimeout : kDynamicTimeout;
+  e.entry_timeout = fixed ? kStaticTimeout : kDynamicTimeout;
+  fuse_reply_entry(req, &e);
+}
+
+// ---------------------------------------------------------------- lookup
+
+std::optional<Inode> child(Filesystem& fs, Inode parent, const std::string& name,
+                           const Caller& caller, int& err) {
+  Broker& b = fs.broker();
+  err = ENOENT;
+  switch (parent.kind) {
+    case Kind::root:
+      for (std::uint32_t f = 0; f < static_cast<std::uint32_t>(TopFile::count); ++f)
+        if (name == top_name(static_cast<TopFile>(f))) return Inode{Kind::top_file, 0, f};
+      if (name == "gpus") return Inode{Kind::gpus_dir, 0, 0};
+      if (name == "sessions") return Inode{Kind::sessions_dir, 0, 0};
+      return std::nullopt;
+    case Kind::gpus_dir: {
+      if (name.empty() || name.size() > 4 || name.find_first_not_of("0123456789") != std::string::npos)
+        return std::nullopt;
+      const std::size_t gi = std::stoul(name);
+      if (gi >= b.gpu_count() || (name.size() > 1 && name[0] == '0')) return std::nullopt;
+      return Inode{Kind::gpu_dir, gi, 0};
+    }
+    case Kind::gpu_dir:
+      for (std::uint32_t f = 0; f < static_cast<std::uint32_t>(GpuFile::count); ++f)
+        if (name == gpu_file_name(static_cast<GpuFile>(f)))
+          return Inode{Kind::gpu_file, parent.id, f};
+      return std::nullopt;
+    case Kind::sessions_dir: {
+      const auto id = b.find_session(name);
+      if (!id) return std::nullopt;
+      return Inode{Kind::session_dir, *id, 0};
+    }
+    case Kind::session_dir: {
+      if (int rc = b.check_access(parent.id, caller)) {
+        err = -rc;
+        return std::nullopt;
+      }
+      for (std::uint32_t f = 0; f < static_cast<std::uint32_t>(SessionFile::count); ++f)
+        if (name == session_file_name(static_cast<SessionFile>(f)))
+          return Inode{Kind::session_file, parent.id, f};
+      if (name == "mem") return Inode{Kind::mem_dir, parent.id, 0};
+      return std::nullopt;
+    }
+    case Kind::mem_dir: {
+      if (int rc = b.check_access(parent.id, caller)) {
+        err = -rc;
+        return std::nullopt;
+      }
+      const auto buf = b.find_buffer(parent.id, name);
+      if (!buf) return std::nullopt;
+      return Inode{Kind::mem_file, parent.id, buf->id};
+    }
+    default:
+      err = ENOTDIR;
+      return std::nullopt;
+  }
+}
+
+void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  Filesystem& fs = *fs_of(req);
+  int err = ENOENT;
+  const auto in = child(fs, decode(parent), name, caller_of(req, fs.options()), err);
+  if (!in) {
+    fuse_reply_err(req, err);
+    return;
+  }
+  reply_entry(req, fs, *in);
+}
+
+void op_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
+  Filesystem& fs = *fs_of(req);
+  struct stat st;
+  const Inode in = decode(ino);
+  if (int rc = fill_attr(fs, in, st)) {
+    fuse_reply_err(req, -rc);
+    return;
+  }
+  const bool dynamic = in.kind >= Kind::session_dir;
+  fuse_reply_attr(req, &st, dynamic ? kDynamicTimeout : kStaticTimeout);
+}
+
+void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, fuse_file_info*) {
+  Filesystem& fs = *fs_of(req);
+  const Inode in = decode(ino);
+  const Caller caller = caller_of(req, fs.options());
+  if (to_set & (FUSE_SET_ATTR_MODE | FUSE_SET_ATTR_UID | FUSE_SET_ATTR_GID)) {
+    fuse_reply_err(req, EPERM);
+    return;
+  }
+  if (in.kind == Kind::mem_file && (to_set & FUSE_SET_ATTR_SIZE)) {
+    const auto size = static_cast<arena::Bytes>(attr->st_size);
+    fs.broker().resize_buffer(in.id, caller, in.sub, size, [req, &fs, in](int err) {
+      if (err) {
+        fuse_reply_err(req, err);
+        return;
+      }
+      struct stat st;
+      if (int rc = fill_attr(fs, in, st)) {
+        fuse_reply_err(req, -rc);
+        return;
+      }
+      fuse_reply_attr(req, &st, kDynamicTimeout);
+    });
+    return;
+  }
+  // Shell redirections truncate command files; there is nothing to truncate.
+  struct stat st;
+  if (int rc = fill_attr(fs, in, st)) {
+    fuse_reply_err(req, -rc);
+    return;
+  }
+  fuse_reply_attr(req, &st, kDynamicTimeout);
+}
+
+// ---------------------------------------------------------------- directories
+
+void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  Filesystem& fs = *fs_of(req);
+  const Inode in = decode(ino);
+  const Caller caller = caller_of(req, fs.options());
+  auto dh = std::make_unique<DirHandle>();
+  auto add = [&](std::string name, Inode child_in, mode_t mode) {
+    dh->entries.push_back({std::move(name), encode(child_in), mode});
+  };
+  add(".", in, S_IFDIR);
+  add("..", Inode{}, S_IFDIR);
+  Broker& b = fs.broker();
+  switch (in.kind) {
+    case Kind::root:
+      for (std::uint32_t f = 0; f < static_cast<std::uint32_t>(TopFile::count); ++f)
+        add(top_name(static_cast<TopFile>(f)), Inode{Kind::top_file, 0, f}, S_IFREG);
+      add("gpus", Inode{Kind::gpus_dir, 0, 0}, S_IFDIR);
+      add("sessions", Inode{Kind::sessions_dir, 0, 0}, S_IFDIR);
+      break;
+    case Kind::gpus_dir:
+      for (std::size_t i = 0; i < b.gpu_count(); ++i)
+        add(std::to_string(i), Inode{Kind::gpu_dir, i, 0}, S_IFDIR);
+      break;
+    case Kind::gpu_dir:
+      for (std::uint32_t f = 0; f < static_cast<std::uint32_t>(GpuFile::count); ++f)
+        add(gpu_file_name(static_cast<GpuFile>(f)), Inode{Kind::gpu_file, in.id, f}, S_IFREG);
+      break;
+    case Kind::sessions_dir:
+      for (const auto& [name, id] : b.list_sessions())
+        add(name, Inode{Kind::session_dir, id, 0}, S_IFDIR);
+      break;
+    case Kind::session_dir:
+      if (int rc = b.check_access(in.id, caller)) {
+        fuse_reply_err(req, -rc);
+        return;
+      }
+      for (std::uint32_t f = 0; f < static_cast<std::uint32_t>(SessionFile::count); ++f)
+        add(session_file_name(static_cast<SessionFile>(f)), Inode{Kind::session_file, in.id, f},
+            S_IFREG);
+      add("mem", Inode{Kind::mem_dir, in.id, 0}, S_IFDIR);
+      break;
+    case Kind::mem_dir:
+      if (int rc = b.check_access(in.id, caller)) {
+        fuse_reply_err(req, -rc);
+        return;
+      }
+      for (const auto& buf : b.list_buffers(in.id))
+        add(buf.name, Inode{Kind::mem_file, in.id, buf.id}, S_IFREG);
+      break;
+    default:
+      fuse_reply_err(req, ENOTDIR);
+      return;
+  }
+  fi->fh = reinterpret_cast<std::uint64_t>(dh.release());
+  fuse_reply_open(req, fi);
+}
+
+void op_readdir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+  auto* dh = reinterpret_cast<DirHandle*>(fi->fh);
+  std::vector<char> buf(size);
+  std::size_t used = 0;
+  for (std::size_t i = static_cast<std::size_t>(off); i < dh->entries.size(); ++i) {
+    const auto& e = dh->entries[i];
+    struct stat st;
+    std::memset(&st, 0, sizeof st);
+    st.st_ino = e.ino;
+    st.st_mode = e.mode;
+    const std::size_t need = fuse_add_direntry(req, buf.data() + used, size - used,
+                                               e.name.c_str(), &st, static_cast<off_t>(i + 1));
+    if (need > size - used) break;
+    used += need;
+  }
+  fuse_reply_buf(req, buf.data(), used);
+}
+
+void op_releasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  delete reinterpret_cast<DirHandle*>(fi->fh);
+  fuse_reply_err(req, 0);
+}
+
+void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t) {
+  Filesystem& fs = *fs_of(req);
+  if (decode(parent).kind != Kind::sessions_dir) {
+    fuse_reply_err(req, EPERM);
+    return;
+  }
+  const auto id = fs.broker().create_session(caller_of(req, fs.options()), name);
+  if (id < 0) {
+    fuse_reply_err(req, static_cast<int>(-id));
+    return;
+  }
+  reply_entry(req, fs, Inode{Kind::session_dir, static_cast<std::uint64_t>(id), 0});
+}
+
+void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  Filesystem& fs = *fs_of(req);
+  if (decode(parent).kind != Kind::sessions_dir) {
+    fuse_reply_err(req, EPERM);
+    return;
+  }
+  Broker& b = fs.broker();
+  const auto id = b.find_session(name);
+  if (!id) {
+    fuse_reply_err(req, ENOENT);
+    return;
+  }
+  if (int rc = b.check_access(*id, caller_of(req, fs.options()))) {
+    fuse_reply_err(req, -rc);
+    return;
+  }
+  // A clone session belongs to its open file; it ends when that file closes.
+  if (!b.session_is_named(*id)) {
+    fuse_reply_err(req, EBUSY);
+    return;
+  }
+  b.end_session(*id);
+  fuse_reply_err(req, 0);
+}
+
+void op_unlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  Filesystem& fs = *fs_of(req);
+  const Inode p = decode(parent);
+  if (p.kind != Kind::mem_dir) {
+    fuse_reply_err(req, EPERM);
+    return;
+  }
+  const int rc = fs.broker().remove_buffer(p.id, caller_of(req, fs.options()), name);
+  fuse_reply_err(req, rc < 0 ? -rc : 0);
+}
+
+// ---------------------------------------------------------------- files
+
+void reply_open(fuse_req_t req, fuse_file_info* fi, std::shared_ptr<OpenFile> of) {
+  fi->fh = reinterpret_cast<std::uint64_t>(new std::shared_ptr<OpenFile>(std::move(of)));
+  fi->direct_io = 1;  // synthetic content: no page cache, sizes don't matter
+  fi->keep_cache = 0;
+  if (fuse_reply_open(req, fi) == -ENOENT) {
+    // The opener is gone (interrupted); drop our handle.
+    delete reinterpret_cast<std::shared_ptr<OpenFile>*>(fi->fh);
+  }
+}
+
+void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  Filesystem& fs = *fs_of(req);
+  Broker& b = fs.broker();
+  const Inode in = decode(ino);
+  const Caller caller = caller_of(req, fs.options());
+  const bool writing = (fi->flags & O_ACCMODE) != O_RDONLY;
+  auto of = std::make_shared<OpenFile>();
+  of->ino = in;
+  switch (in.kind) {
+    case Kind::top_file:
+      switch (static_cast<TopFile>(in.sub)) {
+        case TopFile::readme: of->content = readme_text(); break;
+        case TopFile::version:
+          of->content = fmt::format("salusd {} api {}\n", SALUS_VERSION, SALUS_API_VERSION);
+          break;
+        case TopFile::stats: of->content = b.render_stats(); break;
+        case TopFile::metrics: of->content = b.render_metrics(); break;
+        case TopFile::policy:
+          if (writing && !caller.admin) {
+            fuse_reply_err(req, EACCES);
+            return;
+          }
+          of->content = b.render_policy();
+          break;
+        case TopFile::ctl:
+          if (!caller.admin) {
+            fuse_reply_err(req, EACCES);
+            return;
+          }
+          break;
+        case TopFile::clone: {
+          const auto id = b.create_session(caller, "");
+          if (id < 0) {
+            fuse_reply_err(req, static_cast<int>(-id));
+            return;
+          }
+          of->clone = true;
+          of->session = static_cast<SessionId>(id);
+          of->replies = fmt::format("{}\n", id);
+          fi->nonseekable = 1;
+          reply_open(req, fi, std::move(of));
+          return;
+        }
+        default: fuse_reply_err(req, ENOENT); return;
+      }
+      break;
+    case Kind::gpu_file:
+      if (writing) {
+        fuse_reply_err(req, EACCES);
+        return;
+      }
+      switch (static_cast<GpuFile>(in.sub)) {
+        case GpuFile::info: of->content = b.render_gpu_info(in.id); break;
+        case GpuFile::memory: of->content = b.render_gpu_memory(in.id); break;
+        case GpuFile::lanes: of->content = b.render_gpu_lanes(in.id); break;
+        case GpuFile::queue: of->content = b.render_gpu_queue(in.id); break;
+        default: fuse_reply_err(req, ENOENT); return;
+      }
+      break;
+    case Kind::session_file:
+    case Kind::mem_file: {
+      if (int rc = b.check_access(in.id, caller)) {
+        fuse_reply_err(req, -rc);
+        return;
+      }
+      of->session = in.id;
+      if (in.kind == Kind::mem_file) {
+        if (!b.buffer_by_id(in.id, in.sub)) {
+          fuse_reply_err(req, ENOENT);
+          return;
+        }
+        break;
+      }
+      const auto f = static_cast<SessionFile>(in.sub);
+      if (writing && f != SessionFile::ctl) {
+        fuse_reply_err(req, EACCES);
+        return;
+      }
+      if (f == SessionFile::status) of->content = b.render_status(in.id);
+      if (f == SessionFile::log) of->content = b.render_log(in.id);
+      if (f == SessionFile::ctl || f == SessionFile::wait) fi->nonseekable = 1;
+      break;
+    }
+    default:
+      fuse_reply_err(req, EISDIR);
+      return;
+  }
+  reply_open(req, fi, std::move(of));
+}
+
+void reply_slice(fuse_req_t req, const std::string& s, size_t size, off_t off) {
+  if (off < 0 || static_cast<std::size_t>(off) >= s.size()) {
+    fuse_reply_buf(req, nullptr, 0);
+    return;
+  }
+  const std::size_t n = std::min(size, s.size() - static_cast<std::size_t>(off));
+  fuse_reply_buf(req, s.data() + off, n);
+}
+
+void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+  Filesystem& fs = *fs_of(req);
+  std::shared_ptr<OpenFile> of = open_of(fi);
+  const Inode in = of->ino;
+  const bool command_file =
+      of->clone || (in.kind == Kind::session_file &&
+                    static_cast<SessionFile>(in.sub) == SessionFile::ctl) ||
+      (in.kind == Kind::top_file && static_cast<TopFile>(in.sub) == TopFile::ctl);
+  if (command_file) {
+    std::lock_guard lk(of->mu);
+    const std::size_t n = std::min(size, of->replies.size());
+    fuse_reply_buf(req, of->replies.data(), n);
+    of->replies.erase(0, n);
+    return;
+  }
+  if (in.kind == Kind::session_file && static_cast<SessionFile>(in.sub) == SessionFile::wait) {
+    {
+      std::lock_guard lk(of->mu);
+      if (of->answered) {
+        reply_slice(req, of->content, size, off);
+        return;
+      }
+    }
+    fs.broker().wait(of->session, [req, of, size](int err, std::string text) {
+      if (err) {
+        fuse_reply_err(req, err);
+        return;
+      }
+      std::lock_guard lk(of->mu);
+      of->answered = true;
+      of->content = std::move(text);
+      reply_slice(req, of->content, size, 0);
+    });
+    return;
+  }
+  if (in.kind == Kind::mem_file) {
+    if (off < 0) {
+      fuse_reply_err(req, EINVAL);
+      return;
+    }
+    fs.broker().read_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), size,
+                            [req](int err, std::vector<char>& data) {
+                              if (err)
+                                fuse_reply_err(req, err);
+                              else
+                                fuse_reply_buf(req, data.data(), data.size());
+                            });
+    return;
+  }
+  reply_slice(req, of->content, size, off);
+}
+
+void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t off,
+              fuse_file_info* fi) {
+  Filesystem& fs = *fs_of(req);
+  Broker& b = fs.broker();
+  std::shared_ptr<OpenFile> of = open_of(fi);
+  const Inode in = of->ino;
+  const Caller caller = caller_of(req, fs.options());
+  const std::string_view text(buf, size);
+  if (in.kind == Kind::top_file && static_cast<TopFile>(in.sub) == TopFile::policy) {
+    if (!caller.admin) {
+      fuse_reply_err(req, EACCES);
+      return;
+    }
+    const int rc = b.set_policy(std::string(text));
+    if (rc) {
+      spdlog::warn("policy: rejected '{}'", std::string(text.substr(0, text.find('\n'))));
+      fuse_reply_err(req, -rc);
+    } else {
+      spdlog::info("policy: now '{}'", std::string(text.substr(0, text.find('\n'))));
+      fuse_reply_write(req, size);
+    }
+    return;
+  }
+  if (in.kind == Kind::top_file && static_cast<TopFile>(in.sub) == TopFile::ctl) {
+    std::string reply;
+    std::size_t start = 0;
+    int rc = 0;
+    while (start < text.size() && rc == 0) {
+      std::size_t nl = text.find('\n', start);
+      if (nl == std::string_view::npos) nl = text.size();
+      rc = b.admin_command(std::string(text.substr(start, nl - start)), reply);
+      start = nl + 1;
+    }
+    {
+      std::lock_guard lk(of->mu);
+      of->replies += rc ? fmt::format("error {}\n", strerrorname_np(-rc)) : reply;
+    }
+    if (rc)
+      fuse_reply_err(req, -rc);
+    else
+      fuse_reply_write(req, size);
+    return;
+  }
+  const bool session_ctl = of->clone || (in.kind == Kind::session_file &&
+                                         static_cast<SessionFile>(in.sub) == SessionFile::ctl);
+  if (session_ctl) {
+    ParseResult parsed = parse_commands(text);
+    std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> perr;
+    if (parsed.error)
+      perr = {parsed.error->line, {parsed.error->error, parsed.error->message}};
+    b.submit(of->session, caller, size, std::move(parsed.commands), std::move(perr),
+             [req, of, size](int err, std::string reply) {
+               {
+                 std::lock_guard lk(of->mu);
+                 of->replies += err ? fmt::format("error {}\n", strerrorname_np(err)) : reply;
+               }
+               if (err)
+                 fuse_reply_err(req, err);
+               else
+                 fuse_reply_write(req, size);
+             });
+    return;
+  }
+  if (in.kind == Kind::mem_file) {
+    if (off < 0) {
+      fuse_reply_err(req, EINVAL);
+      return;
+    }
+    b.write_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), buf, size,
+                   [req](int err, arena::Bytes written) {
+                     if (err)
+                       fuse_reply_err(req, err);
+                     else
+                       fuse_reply_write(req, written);
+                   });
+    return;
+  }
+  fuse_reply_err(req, EACCES);
+}
+
+void op_create(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t, fuse_file_info* fi) {
+  Filesystem& fs = *fs_of(req);
+  const Inode p = decode(parent);
+  if (p.kind != Kind::mem_dir) {
+    fuse_reply_err(req, EPERM);
+    return;
+  }
+  const int bid = fs.broker().create_buffer(p.id, caller_of(req, fs.options()), name);
+  if (bid < 0) {
+    fuse_reply_err(req, -bid);
+    return;
+  }
+  const Inode in{Kind::mem_file, p.id, static_cast<std::uint32_t>(bid)};
+  fuse_entry_param e;
+  std::memset(&e, 0, sizeof e);
+  if (int rc = fill_attr(fs, in, e.attr)) {
+    fuse_reply_err(req, -rc);
+    return;
+  }
+  e.ino = encode(in);
+  auto of = std::make_shared<OpenFile>();
+  of->ino = in;
+  of->session = p.id;
+  fi->fh = reinterpret_cast<std::uint64_t>(new std::shared_ptr<OpenFile>(std::move(of)));
+  fi->direct_io = 1;
+  if (fuse_reply_create(req, &e, fi) == -ENOENT)
+    delete reinterpret_cast<std::shared_ptr<OpenFile>*>(fi->fh);
+}
+
+void op_release(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  Filesystem& fs = *fs_of(req);
+  auto* holder = reinterpret_cast<std::shared_ptr<OpenFile>*>(fi->fh);
+  // The last close of a clone file ends its session and frees everything.
+  if ((*holder)->clone) fs.broker().end_session((*holder)->session);
+  delete holder;
+  fuse_reply_err(req, 0);
+}
+
+void op_statfs(fuse_req_t req, fuse_ino_t) {
+  struct statvfs st;
+  std::memset(&st, 0, sizeof st);
+  st.f_bsize = 4096;
+  st.f_namemax = 255;
+  fuse_reply_statfs(req, &st);
+}
+
+void op_init(void*, fuse_conn_info* conn) {
+  if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC) conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
+  conn->max_write = 1024 * 1024;
+  conn->max_read = 1024 * 1024;
+  conn->max_background = 256;
+}
+
+const fuse_lowlevel_ops kOps = [] {
+  fuse_lowlevel_ops ops;
+  std::memset(&ops, 0, sizeof ops);
+  ops.init = op_init;
+  ops.lookup = op_lookup;
+  ops.getattr = op_getattr;
+  ops.setattr = op_setattr;
+  ops.opendir = op_opendir;
+  ops.readdir = op_readdir;
+  ops.releasedir = op_releasedir;
+  ops.mkdir = op_mkdir;
+  ops.rmdir = op_rmdir;
+  ops.unlink = op_unlink;
+  ops.open = op_open;
+  ops.read = op_read;
+  ops.write = op_write;
+  ops.create = op_create;
+  ops.release = op_release;
+  ops.statfs = op_statfs;
+  return ops;
+}();
+
+// Whether something is already mounted at `path` (per /proc/self/mountinfo).
+bool mounted_at(const std::string& path) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    // fields: id parent major:minor root mountpoint ...
+    std::size_t pos = 0;
+    for (int i = 0; i < 4 && pos != std::string::npos; ++i) pos = line.find(' ', pos + 1);
+    if (pos == std::string::npos) continue;
+    const std::size_t end = line.find(' ', pos + 1);
+    if (line.substr(pos + 1, end - pos - 1) == path) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+Filesystem::Filesystem(vgpu::Broker& broker, FilesystemOptions options)
+    : broker_(broker), options_(std::move(options)) {}
+
+Filesystem::~Filesystem() { unmount(); }
+
+std::optional<std::string> Filesystem::mount() {
+  if (::access("/dev/fuse", R_OK | W_OK) != 0)
+    return fmt::format("cannot use /dev/fuse: {} (load the fuse module, or give the container "
+                       "--device /dev/fuse)",
+                       std::strerror(errno));
+  char resolved[PATH_MAX];
+  struct stat st;
+  if (::stat(options_.mountpoint.c_str(), &st) != 0) {
+    if (errno == ENOTCONN)
+      return fmt::format("mountpoint {} is busy: a dead FUSE mount is there; run "
+                         "`fusermount3 -u {}`",
+                         options_.mountpoint, options_.mountpoint);
+    if (errno != ENOENT || ::mkdir(options_.mountpoint.c_str(), 0755) != 0)
+      return fmt::format("mountpoint {}: {}", options_.mountpoint, std::strerror(errno));
+  } else if (!S_ISDIR(st.st_mode)) {
+    return fmt::format("mountpoint {} is not a directory", options_.mountpoint);
+  }
+  if (!::realpath(options_.mountpoint.c_str(), resolved))
+    return fmt::format("mountpoint {}: {}", options_.mountpoint, std::strerror(errno));
+  if (mounted_at(resolved))
+    return fmt::format("mountpoint {} is busy: something is already mounted there (another "
+                       "salusd?)",
+                       resolved);
+  std::vector<std::string> argv_s = {"salusd", "-o",
+                                     "allow_other,default_permissions,fsname=salus,subtype=salus"};
+  if (options_.debug) argv_s.push_back("-d");
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
+  session_ = fuse_session_new(&args, &kOps, sizeof kOps, this);
+  if (!session_) return std::string("could not create the FUSE session (see messages above)");
+  if (fuse_session_mount(session_, resolved) != 0) {
+    fuse_session_destroy(session_);
+    session_ = nullptr;
+    return fmt::format("could not mount at {} (see messages above)", resolved);
+  }
+  options_.mountpoint = resolved;
+  mounted_ = true;
+  return std::nullopt;
+}
+
+int Filesystem::serve() {
+  if (!session_) return 1;
+  if (fuse_set_signal_handlers(session_) != 0) return 1;
+  fuse_loop_config* cfg = fuse_loop_cfg_create();
+  fuse_loop_cfg_set_max_threads(cfg, options_.max_threads);
+  fuse_loop_cfg_set_idle_threads(cfg, 4);
+  const int rc = fuse_session_loop_mt(session_, cfg);
+  fuse_loop_cfg_destroy(cfg);
+  fuse_remove_signal_handlers(session_);
+  return rc < 0 ? 1 : 0;
+}
+
+void Filesystem::request_exit() {
+  if (session_) fuse_session_exit(session_);
+}
+
+void Filesystem::unmount() {
+  if (!session_) return;
+  if (mounted_) fuse_session_unmount(session_);
+  mounted_ = false;
+  fuse_session_destroy(session_);
+  session_ = nullptr;
+}
+
+}  // namespace salus::fusefs

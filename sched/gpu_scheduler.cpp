@@ -1,0 +1,147 @@
+#include "sched/gpu_scheduler.hpp"
+
+#include <algorithm>
+
+namespace salus::sched {
+
+GpuScheduler::GpuScheduler(arena::Bytes capacity, PolicyKind policy, arena::ArenaOptions options)
+    : arena_(capacity, options), policy_(policy) {}
+
+void GpuScheduler::set_policy(PolicyKind policy) {
+  if (policy == policy_) return;
+  policy_ = policy;
+  for (auto& [id, s] : sessions_) rerank(s);
+}
+
+arena::ArenaError GpuScheduler::arrive(SessionId id, arena::Need need, std::int32_t priority,
+                                       std::optional<std::uint64_t> iters, TimeNs now) {
+  if (sessions_.count(id)) return arena::ArenaError::duplicate;
+  const arena::ArenaError err = arena_.request(id, need, now);
+  if (err != arena::ArenaError::ok) return err;
+  SessionSched& s = sessions_[id];
+  s.id = id;
+  s.in.arrival = next_arrival_++;
+  s.in.priority = priority;
+  s.in.iters = iters;
+  return err;
+}
+
+arena::ArenaError GpuScheduler::change_need(SessionId id, arena::Need need,
+                                            std::optional<std::uint64_t> iters, TimeNs now) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return arena::ArenaError::unknown_session;
+  const arena::ArenaError err = arena_.change_need(id, need, now);
+  if (err != arena::ArenaError::ok) return err;
+  SessionSched& s = it->second;
+  unlink(s);
+  s.lane.reset();  // re-admission decides the lane again
+  if (iters) s.in.iters = iters;
+  return err;
+}
+
+void GpuScheduler::set_priority(SessionId id, std::int32_t priority) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  it->second.in.priority = priority;
+  rerank(it->second);
+}
+
+void GpuScheduler::leave(SessionId id, TimeNs now) {
+  auto it = sessions_.find(id);
+  if (it != sessions_.end()) {
+    unlink(it->second);
+    if (it->second.lane) {
+      auto lq = lanes_.find(*it->second.lane);
+      if (lq != lanes_.end() && lq->second.last == id) lq->second.last.reset();
+    }
+    sessions_.erase(it);
+  }
+  arena_.leave(id, now);
+  // Lanes the arena deleted have no members left; drop their queues.
+  std::erase_if(lanes_, [](const auto& kv) { return kv.second.runnable.empty(); });
+}
+
+std::vector<arena::Admitted> GpuScheduler::take_admissions() {
+  std::vector<arena::Admitted> admitted = arena_.take_admissions();
+  for (const arena::Admitted& a : admitted) {
+    auto it = sessions_.find(a.session);
+    if (it == sessions_.end()) continue;
+    SessionSched& s = it->second;
+    unlink(s);
+    s.lane = a.lane;
+    link(s);
+  }
+  return admitted;
+}
+
+void GpuScheduler::set_runnable(SessionId id, bool runnable) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  SessionSched& s = it->second;
+  if (s.runnable == runnable) return;
+  unlink(s);
+  s.runnable = runnable;
+  link(s);
+}
+
+std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
+  auto it = lanes_.find(lane);
+  if (it == lanes_.end() || it->second.runnable.empty()) return std::nullopt;
+  LaneQueue& q = it->second;
+  const SessionId chosen = q.runnable.begin()->second;
+  ++stats_.decisions;
+  if (q.last && *q.last != chosen) {
+    ++stats_.switches;
+    auto prev = sessions_.find(*q.last);
+    if (prev != sessions_.end() && prev->second.runnable) ++stats_.preemptions;
+  }
+  q.last = chosen;
+  if (policy_ == PolicyKind::fair) q.vclock = std::max(q.vclock, q.runnable.begin()->first.primary);
+  return chosen;
+}
+
+void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  SessionSched& s = it->second;
+  s.in.done += 1;
+  s.gpu_ns += device_ns;
+  const double n = static_cast<double>(s.in.done);
+  s.in.mean_iter_ns += (static_cast<double>(device_ns) - s.in.mean_iter_ns) / n;
+  // Weight 1: equal shares. A 1 ns floor keeps empty iterations from being free.
+  s.in.vtime += static_cast<double>(std::max<std::int64_t>(device_ns, 1));
+  rerank(s);
+}
+
+const SessionSched* GpuScheduler::find(SessionId id) const {
+  auto it = sessions_.find(id);
+  return it == sessions_.end() ? nullptr : &it->second;
+}
+
+std::size_t GpuScheduler::runnable_in_lane(LaneId lane) const {
+  auto it = lanes_.find(lane);
+  return it == lanes_.end() ? 0 : it->second.runnable.size();
+}
+
+void GpuScheduler::unlink(SessionSched& s) {
+  if (!s.runnable || !s.lane) return;
+  auto it = lanes_.find(*s.lane);
+  if (it != lanes_.end()) it->second.runnable.erase({s.key, s.id});
+}
+
+void GpuScheduler::link(SessionSched& s) {
+  if (!s.runnable || !s.lane) return;
+  LaneQueue& q = lanes_[*s.lane];
+  // FAIR: a session that was idle or is new starts at the lane's virtual clock,
+  // so it neither claims credit for time it was absent nor waits behind it.
+  if (policy_ == PolicyKind::fair) s.in.vtime = std::max(s.in.vtime, q.vclock);
+  s.key = rank(policy_, s.in);
+  q.runnable.insert({s.key, s.id});
+}
+
+void GpuScheduler::rerank(SessionSched& s) {
+  unlink(s);
+  link(s);
+}
+
+}  // namespace salus::sched

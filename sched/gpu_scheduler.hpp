@@ -1,0 +1,86 @@
+// One GPU's scheduling state: the arena (admission, lanes, memory) plus, per lane,
+// the ranked set of runnable sessions that decides whose iteration runs next.
+// Event-driven with times passed in, so salusd and salus-sim share it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "arena/gpu_arena.hpp"
+#include "sched/policy.hpp"
+
+namespace salus::sched {
+
+using arena::LaneId;
+using arena::SessionId;
+
+struct SessionSched {
+  SessionId id = 0;
+  RankInputs in;
+  std::optional<LaneId> lane;
+  bool runnable = false;
+  std::int64_t gpu_ns = 0;  // device time of finished iterations
+  RankKey key;              // valid while runnable
+};
+
+struct SchedStats {
+  std::uint64_t decisions = 0;
+  std::uint64_t switches = 0;     // a lane ran a different session than its previous one
+  std::uint64_t preemptions = 0;  // ... while the previous one still had work
+};
+
+class GpuScheduler {
+ public:
+  GpuScheduler(arena::Bytes capacity, PolicyKind policy, arena::ArenaOptions options = {});
+
+  arena::GpuArena& arena() { return arena_; }
+  const arena::GpuArena& arena() const { return arena_; }
+  PolicyKind policy() const { return policy_; }
+  // Sessions already admitted continue under the new policy: every lane is re-ranked.
+  void set_policy(PolicyKind policy);
+
+  arena::ArenaError arrive(SessionId id, arena::Need need, std::int32_t priority,
+                           std::optional<std::uint64_t> iters, TimeNs now);
+  arena::ArenaError change_need(SessionId id, arena::Need need, std::optional<std::uint64_t> iters,
+                                TimeNs now);
+  void set_priority(SessionId id, std::int32_t priority);
+  void leave(SessionId id, TimeNs now);
+  // Admissions since the last call; lane membership is updated before returning.
+  std::vector<arena::Admitted> take_admissions();
+
+  // Whether the session has dispatchable work; only runnable sessions are picked.
+  void set_runnable(SessionId id, bool runnable);
+  // The decision: the lane's best-ranked runnable session, counted in stats.
+  std::optional<SessionId> pick(LaneId lane);
+  // An iteration finished after `device_ns` of device time: updates the mean, the
+  // GPU time and FAIR's virtual time, then re-ranks the session.
+  void iteration_done(SessionId id, std::int64_t device_ns);
+
+  const SessionSched* find(SessionId id) const;
+  const SchedStats& stats() const { return stats_; }
+  std::size_t runnable_in_lane(LaneId lane) const;
+
+ private:
+  using RankSet = std::set<std::pair<RankKey, SessionId>>;
+  struct LaneQueue {
+    RankSet runnable;
+    std::optional<SessionId> last;
+    double vclock = 0.0;  // FAIR: virtual time of the session last put in service
+  };
+  void unlink(SessionSched& s);
+  void link(SessionSched& s);
+  void rerank(SessionSched& s);
+
+  arena::GpuArena arena_;
+  PolicyKind policy_;
+  std::uint64_t next_arrival_ = 0;
+  std::unordered_map<SessionId, SessionSched> sessions_;
+  std::unordered_map<LaneId, LaneQueue> lanes_;
+  SchedStats stats_;
+};
+
+}  // namespace salus::sched

@@ -1,0 +1,51 @@
+// Scheduling policies: which runnable session of a lane runs its next iteration.
+// Every policy is a ranking key; a lane runs its lowest-keyed runnable session, so
+// a decision is one ordered-set lookup and a re-rank is O(log n).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace salus::sched {
+
+using TimeNs = std::int64_t;
+
+enum class PolicyKind : std::uint8_t { fifo, pack, srtf, fair, priority };
+
+std::string_view to_string(PolicyKind kind);
+std::optional<PolicyKind> policy_from_string(std::string_view name);
+
+// What a policy may look at to rank a session.
+struct RankInputs {
+  std::uint64_t arrival = 0;            // admission-request order, unique
+  std::int32_t priority = 0;            // larger runs first
+  std::optional<std::uint64_t> iters;   // declared total iterations
+  std::uint64_t done = 0;               // iterations finished
+  double mean_iter_ns = 0.0;            // measured mean device time per iteration
+  double vtime = 0.0;                   // FAIR virtual time (ns of GPU time / weight)
+};
+
+struct RankKey {
+  double primary = 0.0;
+  std::uint64_t tiebreak = 0;  // arrival: FIFO among equals
+  friend bool operator<(const RankKey& a, const RankKey& b) {
+    if (a.primary != b.primary) return a.primary < b.primary;
+    return a.tiebreak < b.tiebreak;
+  }
+  friend bool operator==(const RankKey&, const RankKey&) = default;
+};
+
+// Sessions without a declared iteration count rank after every session with one
+// under SRTF; among themselves they run in arrival order.
+inline constexpr double kUnknownRemaining = 1e300;
+
+RankKey rank(PolicyKind kind, const RankInputs& in);
+
+// SRTF's estimate: (declared iterations - done) x measured mean iteration time.
+// Before the first measurement the mean is unknown; we rank by remaining count
+// with a 1 ms guess so short declared jobs still go first.
+double remaining_ns(const RankInputs& in);
+
+}  // namespace salus::sched

@@ -1,0 +1,196 @@
+// salusd: the daemon. Parses flags and the TOML config, builds the GPU backends,
+// mounts /salus, notifies systemd, serves until SIGTERM/SIGINT, then drains.
+#include <grp.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+#include <toml++/toml.h>
+
+#include "arena/size_units.hpp"
+#include "fusefs/filesystem.hpp"
+#include "salus_config.hpp"
+#include "vgpu/broker.hpp"
+#include "vgpu/sim/sim_device.hpp"
+
+namespace {
+
+struct Settings {
+  std::string mount = "/salus";
+  std::string backend = "auto";
+  int sim_gpus = 2;
+  std::string sim_memory = "16G";
+  std::string policy = "fair";
+  std::string placement = "magm";
+  std::string admin_group;
+  std::string log_level = "info";
+  std::string config;
+  std::uint32_t pipeline_depth = 2;
+  int shutdown_grace_ms = 5000;
+  salus::vgpu::Quotas quotas;
+  bool fuse_debug = false;
+};
+
+int fail(const std::string& why) {
+  std::fprintf(stderr, "salusd: %s\n", why.c_str());
+  return 1;
+}
+
+// Reads the config file into `s`; flags given on the command line win later.
+std::optional<std::string> load_config(const std::string& path, Settings& s) {
+  toml::table t;
+  try {
+    t = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    return fmt::format("config {}: {} (line {})", path, e.description(),
+                       e.source().begin.line);
+  }
+  s.mount = t["mount"].value_or(s.mount);
+  s.backend = t["backend"].value_or(s.backend);
+  s.policy = t["policy"].value_or(s.policy);
+  s.placement = t["placement"].value_or(s.placement);
+  s.admin_group = t["admin_group"].value_or(s.admin_group);
+  s.log_level = t["log_level"].value_or(s.log_level);
+  s.pipeline_depth = t["pipeline_depth"].value_or(s.pipeline_depth);
+  s.shutdown_grace_ms = t["shutdown_grace_ms"].value_or(s.shutdown_grace_ms);
+  s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
+  s.sim_memory = t["sim"]["memory"].value_or(s.sim_memory);
+  auto& q = s.quotas;
+  q.sessions_per_uid = t["quotas"]["sessions_per_uid"].value_or(q.sessions_per_uid);
+  q.buffers_per_uid = t["quotas"]["buffers_per_uid"].value_or(q.buffers_per_uid);
+  q.queued_iterations_per_uid =
+      t["quotas"]["queued_iterations_per_uid"].value_or(q.queued_iterations_per_uid);
+  q.bytes_per_write = t["quotas"]["bytes_per_write"].value_or(q.bytes_per_write);
+  return std::nullopt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings s;
+  CLI::App app{"salusd: the Salus GPU-sharing daemon; serves the /salus filesystem"};
+  app.set_version_flag("--version", fmt::format("salusd {} api {}", SALUS_VERSION,
+                                                SALUS_API_VERSION));
+  // The config file is read before the other flags so that flags override it.
+  app.add_option("--config", s.config, "TOML config file (e.g. /etc/salus/salusd.toml)");
+  app.allow_extras(true);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (!s.config.empty()) {
+    if (auto err = load_config(s.config, s)) return fail(*err);
+  }
+  CLI::App flags{"salusd: the Salus GPU-sharing daemon; serves the /salus filesystem"};
+  flags.set_version_flag("--version", fmt::format("salusd {} api {}", SALUS_VERSION,
+                                                  SALUS_API_VERSION));
+  flags.add_option("--config", s.config, "TOML config file (e.g. /etc/salus/salusd.toml)");
+  flags.add_option("--mount", s.mount, "Mountpoint (default /salus, or $SALUS_MOUNT)")
+      ->envname("SALUS_MOUNT");
+  flags.add_option("--backend", s.backend, "GPU backend: auto, cuda or sim")
+      ->check(CLI::IsMember({"auto", "cuda", "sim"}));
+  flags.add_option("--sim-gpus", s.sim_gpus, "Simulated GPUs (sim backend)")
+      ->check(CLI::Range(1, 64));
+  flags.add_option("--sim-memory", s.sim_memory, "Memory per simulated GPU, e.g. 16G");
+  flags.add_option("--policy", s.policy, "fifo, pack, srtf, fair or priority")
+      ->check(CLI::IsMember({"fifo", "pack", "srtf", "fair", "priority"}));
+  flags.add_option("--placement", s.placement, "magm, lug, rr or exclusive (for gpu=any)")
+      ->check(CLI::IsMember({"magm", "lug", "rr", "exclusive"}));
+  flags.add_option("--admin-group", s.admin_group, "Group whose members may use the admin files");
+  flags.add_option("--log-level", s.log_level, "trace, debug, info, warn, error")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
+  flags.add_option("--pipeline-depth", s.pipeline_depth,
+                   "Iterations queued per lane ahead of the running one")
+      ->check(CLI::Range(1, 64));
+  flags.add_option("--shutdown-grace-ms", s.shutdown_grace_ms,
+                   "On SIGTERM, how long running iterations may take to finish");
+  flags.add_option("--quota-sessions", s.quotas.sessions_per_uid, "Sessions per uid");
+  flags.add_option("--quota-buffers", s.quotas.buffers_per_uid, "Buffers per uid");
+  flags.add_option("--quota-queued", s.quotas.queued_iterations_per_uid,
+                   "Queued iterations per uid");
+  flags.add_option("--quota-write-bytes", s.quotas.bytes_per_write, "Bytes per command write")
+      ->check(CLI::Range(64u, 1024u * 1024u));
+  flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
+  try {
+    flags.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return flags.exit(e);
+  }
+
+  auto logger = spdlog::stderr_color_mt("salusd");
+  spdlog::set_default_logger(logger);
+  spdlog::set_level(spdlog::level::from_str(s.log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
+
+  const auto sim_memory = salus::arena::parse_size(s.sim_memory);
+  if (!sim_memory || *sim_memory < (1u << 20))
+    return fail(fmt::format("--sim-memory '{}' is not a size of at least 1M", s.sim_memory));
+
+  std::optional<gid_t> admin_gid;
+  if (!s.admin_group.empty()) {
+    if (const group* g = ::getgrnam(s.admin_group.c_str())) {
+      admin_gid = g->gr_gid;
+    } else {
+      return fail(fmt::format("--admin-group {}: no such group", s.admin_group));
+    }
+  }
+
+  std::string backend = s.backend;
+  if (backend == "cuda")
+    return fail("--backend cuda: this salusd was built without the CUDA backend");
+  if (backend == "auto") {
+    spdlog::info("backend auto: no CUDA backend in this build; using the sim backend");
+    backend = "sim";
+  }
+
+  std::vector<std::unique_ptr<salus::vgpu::Device>> devices;
+  try {
+    for (int i = 0; i < s.sim_gpus; ++i)
+      devices.push_back(std::make_unique<salus::vgpu::SimDevice>(i, *sim_memory));
+  } catch (const std::exception& e) {
+    return fail(fmt::format("sim backend: cannot reserve {} per GPU: {}", s.sim_memory, e.what()));
+  }
+
+  salus::vgpu::BrokerConfig bc;
+  bc.policy = *salus::sched::policy_from_string(s.policy);
+  bc.placement = s.placement == "lug"         ? salus::vgpu::Placement::lug
+                 : s.placement == "rr"        ? salus::vgpu::Placement::rr
+                 : s.placement == "exclusive" ? salus::vgpu::Placement::exclusive
+                                              : salus::vgpu::Placement::magm;
+  bc.quotas = s.quotas;
+  bc.pipeline_depth = s.pipeline_depth;
+  salus::vgpu::Broker broker(std::move(devices), bc);
+
+  salus::fusefs::FilesystemOptions fo;
+  fo.mountpoint = s.mount;
+  fo.admin_group = admin_gid;
+  fo.debug = s.fuse_debug;
+  salus::fusefs::Filesystem fs(broker, fo);
+  if (auto err = fs.mount()) {
+    broker.shutdown(std::chrono::milliseconds(0));
+    return fail(*err);
+  }
+  spdlog::info("salusd {} serving {} with {} {} GPU(s) x {}, policy {}", SALUS_VERSION,
+               fs.options().mountpoint, broker.gpu_count(), backend,
+               salus::arena::format_size(*sim_memory), s.policy);
+  sd_notify(0, "READY=1");
+  const int rc = fs.serve();
+  sd_notify(0, "STOPPING=1");
+  spdlog::info("stopping: no new work; letting running iterations finish (up to {} ms)",
+               s.shutdown_grace_ms);
+  broker.shutdown(std::chrono::milliseconds(s.shutdown_grace_ms));
+  fs.unmount();
+  spdlog::info("stopped; {} unmounted", fo.mountpoint);
+  return rc;
+}

@@ -1,0 +1,1164 @@
+#include "vgpu/broker.hpp"
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "vgpu/broker_gpu.hpp"
+
+namespace salus::vgpu {
+
+namespace {
+
+template <class... Ts>
+struct Overloaded : Ts... {
+  using Ts::operator()...;
+};
+template <class... Ts>
+Overloaded(Ts...) -> Overloaded<Ts...>;
+
+void run_all(std::vector<std::function<void()>>& later) {
+  for (auto& fn : later) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      spdlog::error("deferred reply threw: {}", e.what());
+    } catch (...) {
+      spdlog::error("deferred reply threw a non-standard exception");
+    }
+  }
+  later.clear();
+}
+
+constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pass
+
+}  // namespace
+
+const char* to_string(SessionState s) {
+  switch (s) {
+    case SessionState::idle: return "idle";
+    case SessionState::queued: return "queued";
+    case SessionState::admitted: return "admitted";
+    case SessionState::failed: return "failed";
+    case SessionState::ended: return "ended";
+  }
+  return "unknown";
+}
+
+void Broker::Sink::on_complete(StreamId stream, std::uint64_t token, int status,
+                               std::int64_t device_ns) {
+  {
+    std::lock_guard lk(g_.cq_mu);
+    g_.completions.push_back(Completion{stream, token, status, device_ns});
+  }
+  g_.cq_cv.notify_one();
+}
+
+Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config)
+    : config_(std::move(config)), epoch_(std::chrono::steady_clock::now()) {
+  if (config_.pipeline_depth == 0) config_.pipeline_depth = 1;
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    auto g = std::make_unique<Gpu>(i, std::move(devices[i]), config_.policy, config_.arena);
+    g->sink = std::make_unique<Sink>(*g);
+    g->device->set_sink(g->sink.get());
+    gpus_.push_back(std::move(g));
+  }
+  for (auto& g : gpus_) {
+    Gpu* gp = g.get();
+    gp->worker = std::thread([this, gp] { worker_loop(*gp); });
+  }
+}
+
+Broker::~Broker() { shutdown(std::chrono::milliseconds(0)); }
+
+TimeNs Broker::now() const {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                              epoch_)
+      .count();
+}
+
+Session* Broker::get(SessionId id) {
+  auto it = sessions_.find(id);
+  return it == sessions_.end() ? nullptr : it->second.get();
+}
+const Session* Broker::get(SessionId id) const {
+  auto it = sessions_.find(id);
+  return it == sessions_.end() ? nullptr : it->second.get();
+}
+
+Broker::Gpu* Broker::gpu_of(const Session& s) {
+  if (s.gpu < 0 || static_cast<std::size_t>(s.gpu) >= gpus_.size()) return nullptr;
+  return gpus_[static_cast<std::size_t>(s.gpu)].get();
+}
+
+void Broker::log(Session& s, std::string text) {
+  ++s.log_lines_total;
+  s.log.push_back(LogLine{now(), std::move(text)});
+  while (s.log.size() > config_.log_lines) s.log.pop_front();
+}
+
+// ---------------------------------------------------------------- sessions
+
+std::int64_t Broker::create_session(const Caller& caller, const std::string& name) {
+  std::lock_guard lk(mu_);
+  if (stopping_) return -ESHUTDOWN;
+  if (!name.empty()) {
+    if (!is_valid_name(name)) return -EINVAL;
+    bool digits = true;
+    for (char c : name) digits = digits && c >= '0' && c <= '9';
+    if (digits) return -EINVAL;  // numeric names belong to clone sessions
+    if (by_name_.count(name)) return -EEXIST;
+  }
+  UidUsage& u = usage_[caller.uid];
+  if (u.sessions >= config_.quotas.sessions_per_uid) {
+    ++stats_.quota_rejections;
+    spdlog::warn("uid {}: session quota ({}) reached", caller.uid,
+                 config_.quotas.sessions_per_uid);
+    return -EDQUOT;
+  }
+  ++u.sessions;
+  auto s = std::make_unique<Session>();
+  s->id = next_id_++;
+  s->dir_name = name.empty() ? std::to_string(s->id) : name;
+  s->named = !name.empty();
+  s->uid = caller.uid;
+  s->gid = caller.gid;
+  s->created_at = now();
+  const SessionId id = s->id;
+  log(*s, fmt::format("session {} created by uid {} pid {}", s->dir_name, caller.uid, caller.pid));
+  by_name_[s->dir_name] = id;
+  sessions_[id] = std::move(s);
+  ++stats_.sessions_created;
+  return static_cast<std::int64_t>(id);
+}
+
+void Broker::end_session(SessionId id) {
+  Deferred later;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (!s || s->dead) return;
+    s->dead = true;
+    s->state = SessionState::ended;
+    by_name_.erase(s->dir_name);
+    drop_queued(*s, ECANCELED, later);
+    for (PendingWrite& w : s->writes) {
+      auto done = std::move(w.done);
+      later.push_back([done] { done(ECANCELED, {}); });
+    }
+    s->writes.clear();
+    for (Waiter& w : s->waiters) {
+      auto done = std::move(w.done);
+      later.push_back([done] { done(ECANCELED, {}); });
+    }
+    s->waiters.clear();
+    maybe_finalize(*s, later);
+  }
+  run_all(later);
+}
+
+std::optional<SessionId> Broker::find_session(const std::string& dir_name) const {
+  std::lock_guard lk(mu_);
+  auto it = by_name_.find(dir_name);
+  if (it == by_name_.end()) return std::nullopt;
+  return it->second;
+}
+
+int Broker::check_access(SessionId id, const Caller& caller) const {
+  std::lock_guard lk(mu_);
+  const Session* s = get(id);
+  if (!s || s->dead) return -ENOENT;
+  if (caller.admin || caller.uid == s->uid) return 0;
+  return -EACCES;
+}
+
+std::vector<std::pair<std::string, SessionId>> Broker::list_sessions() const {
+  std::lock_guard lk(mu_);
+  std::vector<std::pair<std::string, SessionId>> out;
+  out.reserve(by_name_.size());
+  for (const auto& [name, id] : by_name_) out.emplace_back(name, id);
+  return out;
+}
+
+std::optional<std::pair<uid_t, gid_t>> Broker::session_owner(SessionId id) const {
+  std::lock_guard lk(mu_);
+  const Session* s = get(id);
+  if (!s || s->dead) return std::nullopt;
+  return std::make_pair(s->uid, s->gid);
+}
+
+bool Broker::session_is_named(SessionId id) const {
+  std::lock_guard lk(mu_);
+  const Session* s = get(id);
+  return s && s->named;
+}
+
+int Broker::kill_session(SessionId id) {
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (!s || s->dead) return -ENOENT;
+    log(*s, "killed by admin");
+  }
+  end_session(id);
+  return 0;
+}
+
+// Frees everything once nothing of the session is on a device any more.
+void Broker::maybe_finalize(Session& s, Deferred& later) {
+  if (!s.dead || s.in_flight > 0) return;
+  Gpu* g = gpu_of(s);
+  UidUsage& u = usage_[s.uid];
+  for (auto& [bid, b] : s.buffers) {
+    if (u.buffers > 0) --u.buffers;
+    if (b.handle && g) g->device->discard(g->sched.arena().buffer_offset(b.handle), b.size);
+  }
+  for (auto& [handle, pin] : s.pins)
+    if (pin.retired && g) g->device->discard(g->sched.arena().buffer_offset(handle), pin.size);
+  if (u.sessions > 0) --u.sessions;
+  if (g && g->placed > 0) --g->placed;
+  u.queued -= std::min(u.queued, s.queued_instances);
+  const SessionId id = s.id;
+  ++stats_.sessions_ended;
+  sessions_.erase(id);  // `s` is gone from here on
+  if (g) {
+    g->sched.leave(id, now());  // frees its persistent buffers, lane and queue slot
+    sync_lanes(*g, later);
+    handle_admissions(*g, later);
+    kick(*g);
+  }
+}
+
+// ---------------------------------------------------------------- commands
+
+void Broker::submit(SessionId id, const Caller& caller, std::size_t write_bytes,
+                    std::vector<CommandLine> commands,
+                    std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
+                    WriteReply done) {
+  Deferred later;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (!s || s->dead) {
+      later.push_back([done] { done(ENOENT, {}); });
+    } else if (caller.uid != s->uid && !caller.admin) {
+      later.push_back([done] { done(EACCES, {}); });
+    } else if (write_bytes > config_.quotas.bytes_per_write) {
+      ++stats_.quota_rejections;
+      ++stats_.command_errors;
+      log(*s, fmt::format("write of {} bytes exceeds the per-write quota of {} bytes; "
+                          "split commands over several writes",
+                          write_bytes, config_.quotas.bytes_per_write));
+      later.push_back([done] { done(EMSGSIZE, {}); });
+    } else {
+      PendingWrite w;
+      w.commands = std::move(commands);
+      w.parse_error = std::move(parse_error);
+      w.done = std::move(done);
+      s->writes.push_back(std::move(w));
+      // Writes run strictly in order: only the oldest suspended one may proceed.
+      if (s->writes.size() == 1) resume_writes(*s, later);
+    }
+  }
+  run_all(later);
+}
+
+void Broker::resume_writes(Session& s, Deferred& later) {
+  while (!s.writes.empty()) {
+    PendingWrite& w = s.writes.front();
+    if (!run_write(s, w, later)) return;  // still suspended
+    s.writes.pop_front();
+  }
+}
+
+// Runs the write's remaining lines; false if it must wait (admission or sync).
+bool Broker::run_write(Session& s, PendingWrite& w, Deferred& later) {
+  auto finish = [&](int err) {
+    auto done = std::move(w.done);
+    std::string reply = std::move(w.reply);
+    if (err) ++stats_.command_errors;
+    later.push_back([done, err, reply = std::move(reply)]() mutable {
+      done(err, std::move(reply));
+    });
+  };
+  if (w.syncing) {
+    if (s.error) {
+      finish(s.error);
+      return true;
+    }
+    const bool drained = s.queue.empty() && s.dispatched.empty() && s.in_flight == 0;
+    if (!drained && s.completed_seq < w.sync_target) return false;
+    w.syncing = false;
+  }
+  while (w.next < w.commands.size()) {
+    const CommandLine& line = w.commands[w.next];
+    bool suspend = false;
+    ++stats_.commands;
+    const int err = exec(s, line, w, suspend, later);
+    if (suspend) {
+      --stats_.commands;  // it runs again when resumed
+      return false;
+    }
+    if (err) {
+      finish(err);
+      return true;
+    }
+    ++w.next;
+  }
+  if (w.parse_error) {
+    const auto& [line, e] = *w.parse_error;
+    log(s, e.second);
+    finish(e.first);
+    return true;
+  }
+  if (w.reply.empty()) w.reply = "ok\n";
+  finish(0);
+  return true;
+}
+
+int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& suspend,
+                 Deferred& later) {
+  const std::uint32_t ln = line.line;
+  auto fail = [&](int err, std::string msg) {
+    log(s, fmt::format("line {}: {}", ln, msg));
+    return err;
+  };
+  if (stopping_) return fail(ESHUTDOWN, "salusd is shutting down; no new work is accepted");
+  const Command& cmd = line.command;
+  // Commands that need the GPU wait (without holding a thread) while queued.
+  const bool needs_gpu = !std::holds_alternative<NeedCmd>(cmd) &&
+                         !std::holds_alternative<PriorityCmd>(cmd) &&
+                         !std::holds_alternative<ResetCmd>(cmd) &&
+                         !std::holds_alternative<SyncCmd>(cmd) &&
+                         !std::holds_alternative<BeginCmd>(cmd) && !s.recording;
+  if (needs_gpu && s.state == SessionState::queued) {
+    suspend = true;
+    return 0;
+  }
+  if (needs_gpu && s.state == SessionState::idle)
+    return fail(ENXIO, "no GPU yet: declare needs first with "
+                       "`need persistent=SIZE ephemeral=SIZE`");
+  if (s.error && !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
+      !std::holds_alternative<PriorityCmd>(cmd))
+    return fail(EIO, fmt::format("session failed earlier ({}: {}); write `reset` to continue",
+                                 strerrorname_np(s.error), s.error_text));
+
+  return std::visit(
+      Overloaded{
+          [&](const NeedCmd& c) { return exec_need(s, c, ln, later); },
+          [&](const AllocCmd& c) { return exec_alloc(s, c, ln); },
+          [&](const FreeCmd& c) { return exec_free(s, c, ln); },
+          [&](const BeginCmd&) {
+            if (s.recording) return fail(EINVAL, "begin inside begin: end the open iteration first");
+            s.recording.emplace();
+            s.recording->iter = std::make_shared<Iteration>();
+            return 0;
+          },
+          [&](const EndCmd& c) {
+            if (!s.recording) return fail(EINVAL, "end without begin");
+            std::shared_ptr<Iteration> it = std::move(s.recording->iter);
+            s.recording.reset();
+            it->counts = true;
+            s.last_iteration = it;
+            if (s.state == SessionState::queued) {
+              // The iteration is recorded; submitting it waits for admission.
+              w.commands[w.next].command = RunCmd{c.repeat};
+              suspend = true;
+              return 0;
+            }
+            return submit_iteration(s, it, c.repeat, ln);
+          },
+          [&](const RunCmd& c) {
+            if (!s.last_iteration)
+              return fail(EINVAL, "run: no iteration recorded yet (use begin ... end first)");
+            return submit_iteration(s, s.last_iteration, c.count, ln);
+          },
+          [&](const SyncCmd&) {
+            if (s.state == SessionState::queued) {
+              suspend = true;
+              return 0;
+            }
+            const bool drained = s.queue.empty() && s.dispatched.empty() && s.in_flight == 0;
+            if (drained) return 0;
+            ++w.next;  // sync itself is done once the wait ends
+            w.syncing = true;
+            w.sync_target = s.submitted_seq;
+            suspend = true;
+            ++stats_.commands;
+            return 0;
+          },
+          [&](const PriorityCmd& c) {
+            s.priority = c.priority;
+            s.need.priority = c.priority;
+            if (Gpu* g = gpu_of(s)) g->sched.set_priority(s.id, c.priority);
+            return 0;
+          },
+          [&](const ResetCmd&) {
+            if (s.error) log(s, fmt::format("line {}: error cleared by reset", ln));
+            s.error = 0;
+            s.error_text.clear();
+            if (s.state == SessionState::failed)
+              s.state = s.lane ? SessionState::admitted : SessionState::idle;
+            return 0;
+          },
+          [&](const ModuleCmd&) {
+            return fail(ENOSYS, "module: user modules need the cuda backend or the sim module "
+                                "loader, which this salusd does not have yet");
+          },
+          [&](const LaunchCmd&) {
+            return fail(ENOSYS, "launch: user kernels are not supported by this salusd yet");
+          },
+          [&](const TransferCmd&) {
+            return fail(ENOSYS, "upload/download: the shm and file data paths are not "
+                                "supported by this salusd yet; use mem/NAME");
+          },
+          [&](const auto&) { return record_op(s, cmd, ln); },
+      },
+      cmd);
+}
+
+int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& later) {
+  auto fail = [&](int err, std::string msg) {
+    log(s, fmt::format("line {}: need: {}", ln, msg));
+    return err;
+  };
+  if (s.recording) return fail(EINVAL, "not allowed inside begin/end");
+  const Bytes p = arena::align_up(c.persistent), e = arena::align_up(c.ephemeral);
+  if (p > ~Bytes{0} - e) return fail(ERANGE, "persistent + ephemeral overflows");
+
+  // Choose the GPU: an explicit index, the one already placed on, or by placement.
+  int gpu = s.gpu;
+  if (gpu < 0) {
+    if (c.gpu && *c.gpu != kAnyGpu) {
+      if (*c.gpu < 0 || static_cast<std::size_t>(*c.gpu) >= gpus_.size())
+        return fail(ENODEV, fmt::format("gpu={} does not exist (this host has {} GPU{})", *c.gpu,
+                                        gpus_.size(), gpus_.size() == 1 ? "" : "s"));
+      gpu = *c.gpu;
+    } else {
+      gpu = -1;
+      double best = -1.0;
+      for (std::size_t i = 0; i < gpus_.size(); ++i) {
+        const Gpu& g = *gpus_[i];
+        if (g.draining) continue;
+        const auto m = g.sched.arena().memory();
+        if (p + e > m.capacity) continue;
+        double score = 0.0;
+        switch (config_.placement) {
+          case Placement::magm: score = static_cast<double>(m.free); break;
+          case Placement::lug:
+            score = 1.0 - static_cast<double>(g.device->busy_ns()) /
+                              static_cast<double>(std::max<TimeNs>(now(), 1));
+            break;
+          case Placement::rr:
+            score = static_cast<double>((i + gpus_.size() - rr_next_ % gpus_.size()) %
+                                        gpus_.size()) * -1.0;
+            break;
+          case Placement::exclusive:
+            score = g.placed == 0 ? 1.0 : -0.5;
+            if (g.placed != 0) continue;
+            break;
+        }
+        if (score > best) {
+          best = score;
+          gpu = static_cast<int>(i);
+        }
+      }
+      if (gpu < 0) {
+        return fail(ENOMEM, fmt::format("persistent={} + ephemeral={} fits no GPU{}",
+                                        arena::format_size(p), arena::format_size(e),
+                                        config_.placement == Placement::exclusive
+                                            ? " with no other session (placement exclusive)"
+                                            : ""));
+      }
+      ++rr_next_;
+    }
+  } else if (c.gpu && *c.gpu != kAnyGpu && *c.gpu != s.gpu) {
+    return fail(EBUSY, fmt::format("session is placed on gpu {}; it cannot move to gpu {}", s.gpu,
+                                   *c.gpu));
+  }
+  Gpu& g = *gpus_[static_cast<std::size_t>(gpu)];
+  if (g.draining && s.gpu < 0)
+    return fail(EBUSY, fmt::format("gpu {} is draining and admits no new sessions", gpu));
+  const Bytes cap = g.sched.arena().capacity();
+  if (p + e > cap)
+    return fail(ENOMEM, fmt::format("persistent={} + ephemeral={} exceeds gpu {} capacity {}",
+                                    arena::format_size(p), arena::format_size(e), gpu,
+                                    arena::format_size(cap)));
+  if (c.name && !c.name->empty()) s.need.name = c.name;
+  const arena::Need need{p, e};
+  arena::ArenaError err;
+  const bool first = s.gpu < 0;
+  if (first) {
+    err = g.sched.arrive(s.id, need, c.priority.value_or(s.priority), c.iters, now());
+  } else {
+    err = g.sched.change_need(s.id, need, c.iters, now());
+  }
+  if (err != arena::ArenaError::ok)
+    return fail(err == arena::ArenaError::too_large ? ENOMEM : EINVAL,
+                fmt::format("rejected by gpu {}: {}", gpu, arena::to_string(err)));
+  if (first) ++g.placed;
+  s.gpu = gpu;
+  s.need.persistent = p;
+  s.need.ephemeral = e;
+  if (c.iters) s.need.iters = c.iters;
+  if (c.priority) {
+    s.priority = *c.priority;
+    s.need.priority = c.priority;
+    g.sched.set_priority(s.id, *c.priority);
+  }
+  s.error = 0;
+  s.error_text.clear();
+  s.lane.reset();
+  s.state = SessionState::queued;
+  s.queued_at = now();
+  update_runnable(g, s);
+  handle_admissions(g, later);
+  if (s.state == SessionState::admitted) {
+    log(s, fmt::format("line {}: admitted on gpu {} lane {}", ln, gpu, *s.lane));
+  } else {
+    std::size_t pos = 0;
+    for (const auto& q : g.sched.arena().queue()) {
+      ++pos;
+      if (q.session == s.id) break;
+    }
+    log(s, fmt::format("line {}: queued on gpu {} at position {}: waiting for memory", ln, gpu,
+                       pos));
+  }
+  return 0;
+}
+
+int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln) {
+  auto fail = [&](int err, std::string msg) {
+    log(s, fmt::format("line {}: alloc {}: {}", ln, c.name, msg));
+    return err;
+  };
+  if (c.size == 0) return fail(EINVAL, "size must be positive");
+  if (s.recording) {
+    Recording& r = *s.recording;
+    if (r.ephemeral.count(c.name) || s.names.count(c.name))
+      return fail(EEXIST, "a buffer with this name already exists");
+    const Bytes off = r.iter->ephemeral_bytes;
+    const Bytes size = arena::align_up(c.size);
+    Bytes lane_size = s.need.ephemeral;
+    if (const Gpu* g = gpu_of(s); g && s.lane) lane_size = g->sched.arena().lane_size(*s.lane);
+    if (off + size > lane_size) {
+      s.recording.reset();
+      return fail(ENOMEM, fmt::format("the iteration needs {} bytes of ephemeral memory but its "
+                                      "lane holds {} (declared ephemeral={}); the iteration is "
+                                      "discarded — raise it with `need ... ephemeral=`",
+                                      off + size, lane_size, s.need.ephemeral));
+    }
+    r.ephemeral[c.name] = {off, size};
+    r.iter->ephemeral_bytes = off + size;
+    return 0;
+  }
+  if (s.names.count(c.name)) return fail(EEXIST, "a buffer with this name already exists");
+  UidUsage& u = usage_[s.uid];
+  if (u.buffers >= config_.quotas.buffers_per_uid) {
+    ++stats_.quota_rejections;
+    return fail(EDQUOT, fmt::format("uid {} holds {} buffers, the quota", s.uid, u.buffers));
+  }
+  Gpu& g = *gpu_of(s);
+  const auto r = g.sched.arena().alloc_persistent(s.id, c.size);
+  if (r.error == arena::ArenaError::fragmented)
+    return fail(EAGAIN, "persistent memory is fragmented; compaction is scheduled, retry shortly");
+  if (r.error != arena::ArenaError::ok) {
+    const auto pl = g.sched.arena().placement(s.id);
+    return fail(ENOMEM,
+                fmt::format("persistent memory exhausted: the session uses {} (declared "
+                            "persistent={}), gpu {} has {} free under the safety condition",
+                            arena::format_size(pl ? pl->persistent_used : 0),
+                            arena::format_size(s.need.persistent), s.gpu,
+                            arena::format_size(g.sched.arena().memory().free)));
+  }
+  Buffer b;
+  b.id = s.next_buffer_id++;
+  b.name = c.name;
+  b.size = c.size;
+  b.handle = r.handle;
+  s.names[c.name] = b.id;
+  s.buffers[b.id] = std::move(b);
+  ++u.buffers;
+  return 0;
+}
+
+void Broker::retire(Session& s, arena::BufferHandle handle, Bytes size) {
+  if (!handle) return;
+  auto p = s.pins.find(handle);
+  if (p != s.pins.end() && p->second.count > 0) {
+    p->second.retired = true;
+    p->second.size = size;
+    return;
+  }
+  if (p != s.pins.end()) s.pins.erase(p);
+  if (Gpu* g = gpu_of(s)) {
+    g->device->discard(g->sched.arena().buffer_offset(handle), size);
+    g->sched.arena().free_persistent(handle);
+  }
+}
+
+void Broker::pin(Session& s, arena::BufferHandle handle) {
+  if (handle) ++s.pins[handle].count;
+}
+
+void Broker::unpin(Session& s, arena::BufferHandle handle) {
+  auto p = s.pins.find(handle);
+  if (p == s.pins.end()) return;
+  if (--p->second.count > 0) return;
+  const bool retired = p->second.retired;
+  const Bytes size = p->second.size;
+  s.pins.erase(p);
+  if (retired) retire(s, handle, size);
+}
+
+int Broker::exec_free(Session& s, const FreeCmd& c, std::uint32_t ln) {
+  if (s.recording) {
+    if (s.recording->ephemeral.erase(c.name)) return 0;
+    log(s, fmt::format("line {}: free {}: {}", ln, c.name,
+                       s.names.count(c.name)
+                           ? "persistent buffers cannot be freed inside begin/end"
+                           : "no such ephemeral buffer in this iteration"));
+    return s.names.count(c.name) ? EINVAL : ENOENT;
+  }
+  auto it = s.names.find(c.name);
+  if (it == s.names.end()) {
+    log(s, fmt::format("line {}: free {}: no such buffer", ln, c.name));
+    return ENOENT;
+  }
+  const Buffer b = s.buffers.at(it->second);
+  s.names.erase(it);
+  s.buffers.erase(b.id);
+  UidUsage& u = usage_[s.uid];
+  if (u.buffers > 0) --u.buffers;
+  // Work already submitted keeps the memory until it is done with it.
+  retire(s, b.handle, b.size);
+  return 0;
+}
+
+int Broker::resolve(Session& s, Iteration& it, const BufRef& ref, Bytes length, Operand& out,
+                    std::uint32_t ln, const char* what) {
+  if (s.recording) {
+    auto e = s.recording->ephemeral.find(ref.name);
+    if (e != s.recording->ephemeral.end()) {
+      const auto [off, size] = e->second;
+      if (ref.offset > size || length > size - ref.offset) {
+        log(s, fmt::format("line {}: {}: range +{} len {} is outside ephemeral buffer {} ({} bytes)",
+                           ln, what, ref.offset, length, ref.name, size));
+        return ERANGE;
+      }
+      out = Operand{true, 0, off + ref.offset};
+      return 0;
+    }
+  }
+  auto n = s.names.find(ref.name);
+  if (n == s.names.end()) {
+    log(s, fmt::format("line {}: {}: unknown buffer '{}'", ln, what, ref.name));
+    return ENOENT;
+  }
+  const Buffer& b = s.buffers.at(n->second);
+  if (ref.offset > b.size || length > b.size - ref.offset) {
+    log(s, fmt::format("line {}: {}: range +{} len {} is outside buffer {} ({} bytes)", ln, what,
+                       ref.offset, length, ref.name, b.size));
+    return ERANGE;
+  }
+  std::uint32_t slot = 0;
+  while (slot < it.names.size() && it.names[slot] != ref.name) ++slot;
+  if (slot == it.names.size()) {
+    it.names.push_back(ref.name);
+    it.min_sizes.push_back(0);
+  }
+  it.min_sizes[slot] = std::max(it.min_sizes[slot], ref.offset + length);
+  out = Operand{false, slot, ref.offset};
+  return 0;
+}
+
+int Broker::record_op(Session& s, const Command& cmd, std::uint32_t ln) {
+  std::shared_ptr<Iteration> single;
+  Iteration* it;
+  if (s.recording) {
+    it = s.recording->iter.get();
+  } else {
+    single = std::make_shared<Iteration>();
+    single->counts = false;
+    it = single.get();
+  }
+  Op op;
+  int err = 0;
+  if (const auto* f = std::get_if<FillCmd>(&cmd)) {
+    op.kind = Op::Kind::fill;
+    op.width = f->dtype == DType::u8 ? 1 : 4;
+    op.pattern = f->bits;
+    Bytes len = 0;
+    if (f->length) {
+      len = *f->length;
+    } else {
+      // Default: to the end of the buffer.
+      Bytes size = 0;
+      if (s.recording && s.recording->ephemeral.count(f->dst.name))
+        size = s.recording->ephemeral.at(f->dst.name).second;
+      else if (auto n = s.names.find(f->dst.name); n != s.names.end())
+        size = s.buffers.at(n->second).size;
+      len = size > f->dst.offset ? size - f->dst.offset : 0;
+    }
+    if (len % op.width != 0) {
+      log(s, fmt::format("line {}: fill: length {} is not a multiple of the {}-byte element", ln,
+                         len, op.width));
+      return EINVAL;
+    }
+    op.length = len;
+    err = resolve(s, *it, f->dst, len, op.a, ln, "fill");
+  } else if (const auto* c = std::get_if<CopyCmd>(&cmd)) {
+    op.kind = Op::Kind::copy;
+    op.length = c->length;
+    err = resolve(s, *it, c->dst, c->length, op.a, ln, "copy destination");
+    if (!err) err = resolve(s, *it, c->src, c->length, op.b, ln, "copy source");
+  } else if (const auto* sp = std::get_if<SpinCmd>(&cmd)) {
+    op.kind = Op::Kind::spin;
+    op.usec = sp->usec;
+    op.util = sp->util;
+  } else if (const auto* gm = std::get_if<GemmCmd>(&cmd)) {
+    op.kind = Op::Kind::gemm;
+    op.m = gm->m;
+    op.n = gm->n;
+    op.k = gm->k;
+    const Bytes fm = gm->m, fn = gm->n, fk = gm->k;
+    err = resolve(s, *it, BufRef{gm->a, 0}, fm * fk * 4, op.a, ln, "gemm A");
+    if (!err) err = resolve(s, *it, BufRef{gm->b, 0}, fk * fn * 4, op.b, ln, "gemm B");
+    if (!err) err = resolve(s, *it, BufRef{gm->c, 0}, fm * fn * 4, op.c, ln, "gemm C");
+  } else {
+    log(s, fmt::format("line {}: command not supported here", ln));
+    return EINVAL;
+  }
+  if (err) return err;
+  it->ops.push_back(op);
+  if (single) return submit_iteration(s, std::move(single), 1, ln);
+  return 0;
+}
+
+int Broker::submit_iteration(Session& s, std::shared_ptr<const Iteration> iter,
+                             std::uint64_t repeat, std::uint32_t ln) {
+  if (repeat == 0) return 0;
+  if (s.state == SessionState::queued) {
+    log(s, fmt::format("line {}: the session is still queued for admission", ln));
+    return EAGAIN;
+  }
+  if (s.state != SessionState::admitted || !s.lane) {
+    log(s, fmt::format("line {}: no GPU yet: declare needs with `need` first", ln));
+    return ENXIO;
+  }
+  Gpu& g = *gpu_of(s);
+  const Bytes lane_size = g.sched.arena().lane_size(*s.lane);
+  if (iter->ephemeral_bytes > lane_size) {
+    log(s, fmt::format("line {}: the iteration needs {} bytes of ephemeral memory but its lane "
+                       "holds {}; raise it with `need ... ephemeral=`",
+                       ln, iter->ephemeral_bytes, lane_size));
+    return ENOMEM;
+  }
+  UidUsage& u = usage_[s.uid];
+  if (repeat > config_.quotas.queued_iterations_per_uid ||
+      u.queued > config_.quotas.queued_iterations_per_uid - repeat) {
+    ++stats_.quota_rejections;
+    log(s, fmt::format("line {}: uid {} would have {} iterations queued; the quota is {}", ln,
+                       s.uid, u.queued + repeat, config_.quotas.queued_iterations_per_uid));
+    return EDQUOT;
+  }
+  WorkItem item;
+  item.bound.reserve(iter->names.size());
+  for (std::size_t i = 0; i < iter->names.size(); ++i) {
+    auto n = s.names.find(iter->names[i]);
+    if (n == s.names.end()) {
+      log(s, fmt::format("line {}: buffer '{}' used by the iteration no longer exists", ln,
+                         iter->names[i]));
+      return ENOENT;
+    }
+    const Buffer& b = s.buffers.at(n->second);
+    if (b.size < iter->min_sizes[i]) {
+      log(s, fmt::format("line {}: buffer '{}' is {} bytes; the iteration touches {}", ln, b.name,
+                         b.size, iter->min_sizes[i]));
+      return ERANGE;
+    }
+    item.bound.push_back(b.handle);
+  }
+  for (arena::BufferHandle h : item.bound) pin(s, h);
+  item.iter = std::move(iter);
+  item.remaining = repeat;
+  u.queued += repeat;
+  s.queued_instances += repeat;
+  enqueue(s, std::move(item));
+  return 0;
+}
+
+void Broker::enqueue(Session& s, WorkItem item) {
+  item.seq = ++s.submitted_seq;
+  s.queue.push_back(std::move(item));
+  if (Gpu* g = gpu_of(s)) {
+    update_runnable(*g, s);
+    kick(*g);
+  }
+}
+
+void Broker::wait(SessionId id, std::function<void(int err, std::string text)> done) {
+  Deferred later;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (!s || s->dead) {
+      later.push_back([done] { done(ENOENT, {}); });
+    } else {
+      s->waiters.push_back(Waiter{s->submitted_seq, std::move(done)});
+      check_waiters(*s, later);
+    }
+  }
+  run_all(later);
+}
+
+void Broker::check_waiters(Session& s, Deferred& later) {
+  const bool drained = s.queue.empty() && s.dispatched.empty() && s.in_flight == 0;
+  if (s.waiters.empty()) {
+    // fallthrough to writes
+  } else {
+    std::vector<Waiter> keep;
+    for (Waiter& w : s.waiters) {
+      if (s.error) {
+        auto done = std::move(w.done);
+        const int err = s.error;
+        later.push_back([done, err] { done(err, {}); });
+      } else if (drained || s.completed_seq >= w.target_seq) {
+        auto done = std::move(w.done);
+        std::string text = fmt::format("done {}\n", s.iterations_done);
+        later.push_back([done, text] { done(0, text); });
+      } else {
+        keep.push_back(std::move(w));
+      }
+    }
+    s.waiters = std::move(keep);
+  }
+  if (!s.writes.empty() && s.writes.front().syncing) resume_writes(s, later);
+}
+
+void Broker::fail_session(Session& s, int err, std::string text, Deferred& later) {
+  if (!s.error) {
+    s.error = err;
+    s.error_text = text;
+  }
+  if (s.state == SessionState::admitted) s.state = SessionState::failed;
+  log(s, fmt::format("failed: {} ({}); queued work dropped", text, strerrorname_np(err)));
+  drop_queued(s, err, later);
+  check_waiters(s, later);
+}
+
+void Broker::drop_queued(Session& s, int err, Deferred& later) {
+  UidUsage& u = usage_[s.uid];
+  std::deque<WorkItem> keep;
+  for (WorkItem& item : s.queue) {
+    u.queued -= std::min(u.queued, item.remaining);
+    s.queued_instances -= std::min(s.queued_instances, item.remaining);
+    item.remaining = 0;
+    if (item.outstanding > 0) {
+      s.dispatched.push_back(std::move(item));
+      continue;
+    }
+    for (arena::BufferHandle h : item.bound) unpin(s, h);
+    if (item.on_done) {
+      auto fn = std::move(item.on_done);
+      later.push_back([fn, err]() mutable {
+        std::vector<char> none;
+        fn(err, none);
+      });
+    }
+  }
+  s.queue.clear();
+  if (Gpu* g = gpu_of(s)) update_runnable(*g, s);
+}
+
+// ---------------------------------------------------------------- admission
+
+void Broker::handle_admissions(Gpu& g, Deferred& later) {
+  sync_lanes(g, later);
+  for (const arena::Admitted& a : g.sched.take_admissions()) {
+    Session* s = get(a.session);
+    if (!s) continue;
+    s->lane = a.lane;
+    if (s->state == SessionState::queued) {
+      s->state = s->error ? SessionState::failed : SessionState::admitted;
+      s->admitted_at = now();
+      s->queue_wait_ns += s->admitted_at - s->queued_at;
+    }
+    log(*s, fmt::format("admitted on gpu {} lane {} after {:.1f} ms in the queue", g.index, a.lane,
+                        static_cast<double>(s->admitted_at - s->queued_at) / 1e6));
+    update_runnable(g, *s);
+    resume_writes(*s, later);
+  }
+  sync_lanes(g, later);
+  kick(g);
+}
+
+// Keeps one stream per arena lane: new lanes get a stream now, streams of deleted
+// lanes are destroyed after the broker unlocks (destroy waits for the stream).
+void Broker::sync_lanes(Gpu& g, Deferred& later) {
+  const auto views = g.sched.arena().lanes();
+  for (const auto& v : views) {
+    if (!g.lanes.count(v.id)) {
+      Lane lane;
+      lane.stream = g.device->create_stream();
+      g.stream_lane[lane.stream] = v.id;
+      g.lanes.emplace(v.id, std::move(lane));
+    }
+  }
+  for (auto it = g.lanes.begin(); it != g.lanes.end();) {
+    bool present = false;
+    for (const auto& v : views) present = present || v.id == it->first;
+    if (present || it->second.in_flight > 0) {
+      ++it;
+      continue;
+    }
+    const StreamId stream = it->second.stream;
+    g.stream_lane.erase(stream);
+    Device* dev = g.device.get();
+    later.push_back([dev, stream] { dev->destroy_stream(stream); });
+    it = g.lanes.erase(it);
+  }
+}
+
+void Broker::update_runnable(Gpu& g, Session& s) {
+  const bool runnable = !s.queue.empty() && !s.dead && s.lane &&
+                        (s.state == SessionState::admitted) &&
+                        !(s.in_flight > 0 && s.in_flight_lane != s.lane);
+  g.sched.set_runnable(s.id, runnable);
+}
+
+// ---------------------------------------------------------------- worker
+
+void Broker::kick(Gpu& g) {
+  {
+    std::lock_guard lk(g.cq_mu);
+    g.wake = true;
+  }
+  g.cq_cv.notify_one();
+}
+
+void Broker::worker_loop(Gpu& g) {
+  std::vector<Completion> batch;
+  Deferred later;
+  for (;;) {
+    {
+      std::unique_lock lk(g.cq_mu);
+      g.cq_cv.wait(lk, [&] { return g.wake || !g.completions.empty() || g.stop; });
+      if (g.stop && g.completions.empty()) return;
+      batch.swap(g.completions);
+      g.wake = false;
+    }
+    try {
+      std::lock_guard lk(mu_);
+      for (const Completion& c : batch) complete(g, c, later);
+      dispatch(g, later);
+    } catch (const std::exception& e) {
+      spdlog::error("gpu {} worker: {}", g.index, e.what());
+    }
+    batch.clear();
+    run_all(later);
+  }
+}
+
+void Broker::dispatch(Gpu& g, Deferred& later) {
+  std::uint32_t budget = kInlineBudget;
+  bool progress = true;
+  while (progress && budget > 0) {
+    progress = false;
+    // Completions inside dispatch_one can delete lanes, so iterate over ids.
+    g.lane_ids.clear();
+    for (const auto& [lane_id, lane] : g.lanes) g.lane_ids.push_back(lane_id);
+    for (LaneId lane_id : g.lane_ids) {
+      auto it = g.lanes.find(lane_id);
+      if (it == g.lanes.end()) continue;
+      if (dispatch_one(g, lane_id, it->second, later)) {
+        progress = true;
+        --budget;
+      }
+      if (budget == 0) break;
+    }
+  }
+  if (budget == 0) {
+    std::lock_guard lk(g.cq_mu);
+    g.wake = true;  // more to do: come back after letting others take the lock
+  }
+}
+
+bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
+  arena::GpuArena& ar = g.sched.arena();
+  if (lane.in_flight >= config_.pipeline_depth || !ar.lane_ready(lane_id)) return false;
+  const auto sid = g.sched.pick(lane_id);
+  if (!sid) return false;
+  Session* s = get(*sid);
+  if (!s || s->queue.empty()) {
+    g.sched.set_runnable(*sid, false);
+    return false;
+  }
+  WorkItem& item = s->queue.front();
+  const Iteration& it = *item.iter;
+  if (it.ephemeral_bytes > ar.lane_size(lane_id)) {
+    fail_session(*s, ENOMEM,
+                 fmt::format("the iteration needs {} bytes of ephemeral memory but lane {} holds {}",
+                             it.ephemeral_bytes, lane_id, ar.lane_size(lane_id)),
+                 later);
+    return true;
+  }
+  --item.remaining;
+  ++item.outstanding;
+  if (it.ops.empty() && s->in_flight == 0) {
+    // Nothing for the device: complete in order right here.
+    WorkItem* ip = &item;
+    if (item.remaining == 0) {
+      s->dispatched.push_back(std::move(item));
+      s->queue.pop_front();
+      ip = &s->dispatched.back();
+    }
+    finish_instance(g, *s, *ip, 0, 0, later);
+    if (Session* again = get(*sid)) update_runnable(g, *again);
+    return true;
+  }
+  Device& dev = *g.device;
+  const StreamId st = lane.stream;
+  const Bytes base = ar.lane_offset(lane_id);
+  auto addr = [&](const Operand& o) -> DevOffset {
+    if (o.ephemeral) return base + o.offset;
+    const arena::BufferHandle h = item.bound[o.slot];
+    return h ? ar.buffer_offset(h) + o.offset : 0;
+  };
+  if (lane.in_flight == 0) ar.begin_iteration(lane_id, *sid, it.ephemeral_bytes);
+  for (const Op& op : it.ops) {
+    switch (op.kind) {
+      case Op::Kind::fill: dev.fill(st, addr(op.a), op.length, op.pattern, op.width); break;
+      case Op::Kind::copy: dev.copy(st, addr(op.a), addr(op.b), op.length); break;
+      case Op::Kind::spin: dev.spin(st, op.usec, op.util); break;
+      case Op::Kind::gemm: dev.gemm(st, op.m, op.n, op.k, addr(op.a), addr(op.b), addr(op.c)); break;
+      case Op::Kind::to_host: dev.copy_to_host(st, item.host.data(), addr(op.a), op.length); break;
+      case Op::Kind::from_host:
+        dev.copy_from_host(st, addr(op.a), item.host.data(), op.length);
+        break;
+    }
+  }
+  const std::uint64_t token = next_token_++;
+  lane.tokens.push_back(Lane::InFlight{token, *sid, now()});
+  ++lane.in_flight;
+  ++s->in_flight;
+  s->in_flight_lane = lane_id;
+  if (item.remaining == 0) {
+    s->dispatched.push_back(std::move(item));
+    s->queue.pop_front();
+  }
+  dev.notify(st, token);
+  update_runnable(g, *s);
+  return true;
+}
+
+void Broker::complete(Gpu& g, const Completion& c, Deferred& later) {
+  auto ls = g.stream_lane.find(c.stream);
+  if (ls == g.stream_lane.end()) return;
+  const LaneId lane_id = ls->second;
+  Lane& lane = g.lanes.at(lane_id);
+  if (lane.tokens.empty() || lane.tokens.front().token != c.token) {
+    spdlog::error("gpu {} lane {}: completion token {} out of order", g.index, lane_id, c.token);
+    return;
+  }
+  const Lane::InFlight f = lane.tokens.front();
+  lane.tokens.pop_front();
+  --lane.in_flight;
+  if (lane.in_flight == 0) {
+    g.sched.arena().end_iteration(lane_id, now());
+    handle_admissions(g, later);
+  }
+  Session* s = get(f.session);
+  if (!s) return;
+  --s->in_flight;
+  WorkItem& item = !s->dispatched.empty() ? s->dispatched.front() : s->queue.front();
+  finish_instance(g, *s, item, c.status, c.device_ns, later);
+}
+
+void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status,
+                             std::int64_t device_ns, Deferred& later) {
+  --item.outstanding;
+  const Iteration& it = *item.iter;
+  s.gpu_ns += device_ns;
+  s.ops_done += it.ops.size();
+  stats_.ops += it.ops.size();
+  if (it.counts) {
+    ++s.iterations_done;
+    ++stats_.iterations;
+  }
+  g.sched.iteration_done(s.id, device_ns);
+  UidUsage& u = usage_[s.uid];
+  if (u.queued > 0) --u.queued;
+  if (s.queued_instances > 0) --s.queued_instances;
+  const SessionId id = s.id;
+  if (status != 0 && !s.dead)
+    fail_session(s, status, fmt::format("the device reported {}", std::strerror(status)), later);
+  if (item.remaining == 0 && item.outstanding == 0) {
+    for (arena::BufferHandle h : item.bound) unpin(s, h);
+    if (item.on_done) {
+      auto fn = std::move(item.on_done);
+      auto data = std::make_shared<std::vector<char>>(std::move(item.host));
+      later.push_back([fn, status, data]() mutable { fn(status, *data); });
+    }
+    s.completed_seq = std::max(s.completed_seq, item.seq);
+    // The finished item is the oldest: pop it from whichever deque holds it.
+    if (!s.dispatched.empty() && &s.dispatched.front() == &item)
+      s.dispatched.pop_front();
+    else if (!s.queue.empty() && &s.queue.front() == &item)
+      s.queue.pop_front();
+  }
+  if (Session* again = get(id)) {
+    check_waiters(*again, later);
+    update_runnable(g, *again);
+    maybe_finalize(*again, later);
+  }
+}
+
+// ---------------------------------------------------------------- shutdown
+
+void Broker::shutdown(std::chrono::milliseconds bound) {
+  stopping_ = true;
+  {
+    std::lock_guard lk(mu_);
+    if (stopped_) return;
+  }
+  // Let running iterations finish, up to the bound: nothing new is dispatched
+  // because every queued item is dropped first.
+  std::vector<SessionId> ids;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& [id, s] : sessions_) ids.push_back(id);
+  }
+  for (SessionId id : ids) end_session(id);
+  const auto deadline = std::chrono::steady_clock::now() + bound;
+  for (;;) {
+    {
+      std::lock_guard lk(mu_);
+      if (sessions_.empty()) break;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      spdlog::warn("shutdown: iterations still running after {} ms; stopping anyway",
+                   bound.count());
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  for (auto& g : gpus_) {
+    {
+      std::lock_guard lk(g->cq_mu);
+      g->stop = true;
+    }
+    g->cq_cv.notify_one();
+    if (g->worker.joinable()) g->worker.join();
+  }
+  std::lock_guard lk(mu_);
+  for (auto& g : gpus_) {
+    for (auto& [id, lane] : g->lanes) g->device->destroy_stream(lane.stream);
+    g->lanes.clear();
+  }
+  stopped_ = true;
+}
+
+}  // namespace salus::vgpu

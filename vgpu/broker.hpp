@@ -1,0 +1,222 @@
+// The broker: every GPU (device + scheduler + worker thread) and every session.
+// fusefs calls it with typed commands and callbacks; it never blocks a caller on
+// GPU work — results come back through the callbacks (deferred replies).
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "sched/gpu_scheduler.hpp"
+#include "vgpu/device.hpp"
+#include "vgpu/session.hpp"
+
+namespace salus::vgpu {
+
+struct Caller {
+  uid_t uid = 0;
+  gid_t gid = 0;
+  pid_t pid = 0;
+  bool admin = false;  // root or a member of the admin group
+};
+
+struct Quotas {
+  std::uint32_t sessions_per_uid = 1024;
+  std::uint32_t buffers_per_uid = 4096;
+  std::uint64_t queued_iterations_per_uid = 10'000'000;
+  std::uint32_t bytes_per_write = 64 * 1024;
+};
+
+enum class Placement : std::uint8_t { magm, lug, rr, exclusive };
+
+struct BrokerConfig {
+  sched::PolicyKind policy = sched::PolicyKind::fair;
+  Placement placement = Placement::magm;
+  arena::ArenaOptions arena;
+  Quotas quotas;
+  // Iterations kept queued on a lane's stream ahead of the running one, so the
+  // next kernel starts without waiting for the worker (the switch gap).
+  std::uint32_t pipeline_depth = 2;
+  std::size_t log_lines = 64;  // per session
+};
+
+struct BrokerStats {
+  std::uint64_t sessions_created = 0;
+  std::uint64_t sessions_ended = 0;
+  std::uint64_t commands = 0;
+  std::uint64_t command_errors = 0;
+  std::uint64_t iterations = 0;
+  std::uint64_t ops = 0;
+  std::uint64_t bytes_to_host = 0;
+  std::uint64_t bytes_from_host = 0;
+  std::uint64_t quota_rejections = 0;
+};
+
+class Broker {
+ public:
+  Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config);
+  ~Broker();
+  Broker(const Broker&) = delete;
+  Broker& operator=(const Broker&) = delete;
+
+  // Stops admitting, lets running iterations finish (up to `bound`), ends every
+  // session and stops the workers. Idempotent.
+  void shutdown(std::chrono::milliseconds bound);
+  bool shutting_down() const { return stopping_.load(); }
+
+  // ---- sessions ----
+  // name empty: a clone session named by its id. Returns the id, or -errno.
+  std::int64_t create_session(const Caller& caller, const std::string& name);
+  // Ends the session: queued work is dropped, in-flight work drains, then every
+  // byte, lane and queue slot it held is released.
+  void end_session(SessionId id);
+  // Looks up a session by directory name; nullopt if gone.
+  std::optional<SessionId> find_session(const std::string& dir_name) const;
+  // Whether `caller` may touch session `id`: its owner or an admin.
+  int check_access(SessionId id, const Caller& caller) const;
+  std::vector<std::pair<std::string, SessionId>> list_sessions() const;
+  std::optional<std::pair<uid_t, gid_t>> session_owner(SessionId id) const;
+  bool session_is_named(SessionId id) const;
+
+  // ---- commands ----
+  // Runs `commands` in order. `parse_error` (line, errno, message) is the first
+  // line that failed to parse: earlier lines run, then the write fails with it.
+  // `done` gets 0 or an errno and the reply text; it may run later (deferred).
+  void submit(SessionId id, const Caller& caller, std::size_t write_bytes,
+              std::vector<CommandLine> commands,
+              std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
+              WriteReply done);
+  // Completes when all work submitted so far has finished: "done <n>" or an errno.
+  void wait(SessionId id, std::function<void(int err, std::string text)> done);
+
+  // ---- buffers as files ----
+  struct BufferView {
+    std::uint32_t id;
+    std::string name;
+    Bytes size;
+  };
+  std::vector<BufferView> list_buffers(SessionId id) const;
+  std::optional<BufferView> find_buffer(SessionId id, const std::string& name) const;
+  std::optional<BufferView> buffer_by_id(SessionId id, std::uint32_t buffer_id) const;
+  // mem/NAME: create (size 0), resize (allocate/reallocate keeping contents), remove.
+  int create_buffer(SessionId id, const Caller& caller, const std::string& name);
+  void resize_buffer(SessionId id, const Caller& caller, std::uint32_t buffer_id, Bytes size,
+                     std::function<void(int err)> done);
+  int remove_buffer(SessionId id, const Caller& caller, const std::string& name);
+  // Ordered after the session's earlier work; the callback gets the bytes read.
+  void read_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, Bytes length,
+                   std::function<void(int err, std::vector<char>& data)> done);
+  void write_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, const char* data,
+                    Bytes length, std::function<void(int err, Bytes written)> done);
+
+  // ---- admin ----
+  int kill_session(SessionId id);
+  int set_policy(const std::string& text);  // "NAME [key=value...]"
+  int admin_command(const std::string& line, std::string& reply);
+
+  // ---- views (file contents; snapshots) ----
+  std::size_t gpu_count() const { return gpus_.size(); }
+  std::string render_status(SessionId id) const;
+  std::string render_log(SessionId id) const;
+  std::string render_gpu_info(std::size_t gpu) const;
+  std::string render_gpu_memory(std::size_t gpu) const;
+  std::string render_gpu_lanes(std::size_t gpu) const;
+  std::string render_gpu_queue(std::size_t gpu) const;
+  std::string render_policy() const;
+  std::string render_stats() const;
+  std::string render_metrics() const;
+
+  const BrokerConfig& config() const { return config_; }
+
+ private:
+  struct Lane {
+    StreamId stream = 0;
+    std::uint32_t in_flight = 0;
+    struct InFlight {
+      std::uint64_t token;
+      SessionId session;
+      TimeNs started;
+    };
+    std::deque<InFlight> tokens;
+  };
+  struct Completion {
+    StreamId stream;
+    std::uint64_t token;
+    int status;
+    std::int64_t device_ns;
+  };
+  struct Gpu;  // device + scheduler + worker
+  class Sink;
+  using Deferred = std::vector<std::function<void()>>;
+
+  TimeNs now() const;
+  Session* get(SessionId id);
+  const Session* get(SessionId id) const;
+  void log(Session& s, std::string text);
+  Gpu* gpu_of(const Session& s);
+
+  // Command execution (under mu_). Returns false when the write must wait.
+  bool run_write(Session& s, PendingWrite& w, Deferred& later);
+  int exec(Session& s, const CommandLine& line, PendingWrite& w, bool& suspend, Deferred& later);
+  int exec_need(Session& s, const NeedCmd& cmd, std::uint32_t line, Deferred& later);
+  int exec_alloc(Session& s, const AllocCmd& cmd, std::uint32_t line);
+  int exec_free(Session& s, const FreeCmd& cmd, std::uint32_t line);
+  int record_op(Session& s, const Command& cmd, std::uint32_t line);
+  int submit_iteration(Session& s, std::shared_ptr<const Iteration> iter, std::uint64_t repeat,
+                       std::uint32_t line);
+  int resolve(Session& s, Iteration& it, const BufRef& ref, Bytes length, Operand& out,
+              std::uint32_t line, const char* what);
+  void enqueue(Session& s, WorkItem item);
+  void resume_writes(Session& s, Deferred& later);
+  void fail_session(Session& s, int err, std::string text, Deferred& later);
+  void drop_queued(Session& s, int err, Deferred& later);
+  void check_waiters(Session& s, Deferred& later);
+  void retire(Session& s, arena::BufferHandle handle, Bytes size);
+  void pin(Session& s, arena::BufferHandle handle);
+  void unpin(Session& s, arena::BufferHandle handle);
+  void maybe_finalize(Session& s, Deferred& later);
+  void handle_admissions(Gpu& g, Deferred& later);
+  void sync_lanes(Gpu& g, Deferred& later);
+
+  // Worker side.
+  void worker_loop(Gpu& g);
+  void dispatch(Gpu& g, Deferred& later);
+  bool dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later);
+  void complete(Gpu& g, const Completion& c, Deferred& later);
+  void finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std::int64_t device_ns,
+                       Deferred& later);
+  void kick(Gpu& g);
+  void update_runnable(Gpu& g, Session& s);
+
+  BrokerConfig config_;
+  mutable std::mutex mu_;
+  std::vector<std::unique_ptr<Gpu>> gpus_;
+  std::unordered_map<SessionId, std::unique_ptr<Session>> sessions_;
+  std::unordered_map<std::string, SessionId> by_name_;
+  struct UidUsage {
+    std::uint32_t sessions = 0;
+    std::uint32_t buffers = 0;
+    std::uint64_t queued = 0;
+  };
+  std::unordered_map<uid_t, UidUsage> usage_;
+  SessionId next_id_ = 1;
+  std::uint64_t next_token_ = 1;
+  std::size_t rr_next_ = 0;
+  BrokerStats stats_;
+  std::atomic<bool> stopping_{false};
+  bool stopped_ = false;
+  std::chrono::steady_clock::time_point epoch_;
+};
+
+}  // namespace salus::vgpu

@@ -1,0 +1,242 @@
+// Buffers as files (mem/NAME): listing, create, resize, remove, and reads and
+// writes ordered after the session's earlier work.
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "vgpu/broker.hpp"
+#include "vgpu/broker_gpu.hpp"
+
+namespace salus::vgpu {
+
+namespace {
+void run_all(std::vector<std::function<void()>>& later) {
+  for (auto& fn : later) fn();
+  later.clear();
+}
+}  // namespace
+
+std::vector<Broker::BufferView> Broker::list_buffers(SessionId id) const {
+  std::lock_guard lk(mu_);
+  std::vector<BufferView> out;
+  const Session* s = get(id);
+  if (!s || s->dead) return out;
+  out.reserve(s->names.size());
+  for (const auto& [name, bid] : s->names) out.push_back({bid, name, s->buffers.at(bid).size});
+  return out;
+}
+
+std::optional<Broker::BufferView> Broker::find_buffer(SessionId id, const std::string& name) const {
+  std::lock_guard lk(mu_);
+  const Session* s = get(id);
+  if (!s || s->dead) return std::nullopt;
+  auto it = s->names.find(name);
+  if (it == s->names.end()) return std::nullopt;
+  return BufferView{it->second, name, s->buffers.at(it->second).size};
+}
+
+std::optional<Broker::BufferView> Broker::buffer_by_id(SessionId id, std::uint32_t bid) const {
+  std::lock_guard lk(mu_);
+  const Session* s = get(id);
+  if (!s || s->dead) return std::nullopt;
+  auto it = s->buffers.find(bid);
+  if (it == s->buffers.end()) return std::nullopt;
+  return BufferView{bid, it->second.name, it->second.size};
+}
+
+int Broker::create_buffer(SessionId id, const Caller& caller, const std::string& name) {
+  std::lock_guard lk(mu_);
+  Session* s = get(id);
+  if (!s || s->dead) return -ENOENT;
+  if (caller.uid != s->uid && !caller.admin) return -EACCES;
+  if (!is_valid_name(name)) {
+    log(*s, fmt::format("mem/{}: invalid buffer name (use 1-64 of [A-Za-z0-9_.-])", name));
+    return -EINVAL;
+  }
+  if (s->state != SessionState::admitted) {
+    log(*s, fmt::format("mem/{}: the session has no GPU yet (state {}); send `need` first", name,
+                        to_string(s->state)));
+    return s->state == SessionState::queued ? -EAGAIN : -ENXIO;
+  }
+  if (s->names.count(name)) return -EEXIST;
+  UidUsage& u = usage_[s->uid];
+  if (u.buffers >= config_.quotas.buffers_per_uid) {
+    ++stats_.quota_rejections;
+    log(*s, fmt::format("mem/{}: uid {} holds {} buffers, the quota", name, s->uid, u.buffers));
+    return -EDQUOT;
+  }
+  Buffer b;
+  b.id = s->next_buffer_id++;
+  b.name = name;
+  s->names[name] = b.id;
+  s->buffers[b.id] = std::move(b);
+  ++u.buffers;
+  return static_cast<int>(s->names[name]);
+}
+
+int Broker::remove_buffer(SessionId id, const Caller& caller, const std::string& name) {
+  Deferred later;
+  int rc = 0;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (!s || s->dead) return -ENOENT;
+    if (caller.uid != s->uid && !caller.admin) return -EACCES;
+    rc = -exec_free(*s, FreeCmd{name}, 0);
+  }
+  run_all(later);
+  return rc;
+}
+
+void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid, Bytes size,
+                           std::function<void(int err)> done) {
+  Deferred later;
+  int err = 0;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    auto bit = s && !s->dead ? s->buffers.find(bid) : decltype(s->buffers)::iterator{};
+    if (!s || s->dead || bit == s->buffers.end()) {
+      err = ENOENT;
+    } else if (caller.uid != s->uid && !caller.admin) {
+      err = EACCES;
+    } else if (bit->second.size == size) {
+      err = 0;
+    } else if (s->state != SessionState::admitted) {
+      log(*s, fmt::format("mem/{}: cannot resize: the session is {}", bit->second.name,
+                          to_string(s->state)));
+      err = s->error ? EIO : ENXIO;
+    } else {
+      Buffer& b = bit->second;
+      Gpu& g = *gpu_of(*s);
+      arena::BufferHandle fresh = 0;
+      if (size > 0) {
+        const auto r = g.sched.arena().alloc_persistent(s->id, size);
+        if (r.error != arena::ArenaError::ok) {
+          log(*s, fmt::format("mem/{}: resize to {} failed: {}", b.name, size,
+                              r.error == arena::ArenaError::fragmented
+                                  ? "persistent memory is fragmented; retry shortly"
+                                  : "persistent memory exhausted under the safety condition"));
+          err = r.error == arena::ArenaError::fragmented ? EAGAIN : ENOMEM;
+        } else {
+          fresh = r.handle;
+        }
+      }
+      if (!err) {
+        const Bytes keep = std::min(size, b.size);
+        const arena::BufferHandle old = b.handle;
+        const Bytes old_size = b.size;
+        b.handle = fresh;
+        b.size = size;
+        // Fresh memory is zero (freed memory is discarded); only the kept prefix moves.
+        auto it = std::make_shared<Iteration>();
+        it->counts = false;
+        if (keep > 0 && old) {
+          Op op;
+          op.kind = Op::Kind::copy;
+          op.a = Operand{false, 1, 0};
+          op.b = Operand{false, 0, 0};
+          op.length = keep;
+          it->ops.push_back(op);
+        }
+        WorkItem item;
+        item.bound = {old, fresh};
+        pin(*s, old);
+        pin(*s, fresh);
+        item.iter = std::move(it);
+        item.on_done = [done](int e, std::vector<char>&) { done(e); };
+        retire(*s, old, old_size);
+        enqueue(*s, std::move(item));
+        return;  // replied when the copy is done
+      }
+    }
+  }
+  done(err);
+  run_all(later);
+}
+
+void Broker::read_buffer(SessionId id, std::uint32_t bid, Bytes offset, Bytes length,
+                         std::function<void(int err, std::vector<char>& data)> done) {
+  int err = 0;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    auto bit = s && !s->dead ? s->buffers.find(bid) : decltype(s->buffers)::iterator{};
+    if (!s || s->dead || bit == s->buffers.end()) {
+      err = ENOENT;
+    } else if (s->error) {
+      err = EIO;
+    } else {
+      const Buffer& b = bit->second;
+      if (offset >= b.size || length == 0 || !b.handle) {
+        length = 0;
+      } else {
+        length = std::min(length, b.size - offset);
+        auto it = std::make_shared<Iteration>();
+        it->counts = false;
+        Op op;
+        op.kind = Op::Kind::to_host;
+        op.a = Operand{false, 0, offset};
+        op.length = length;
+        it->ops.push_back(op);
+        WorkItem item;
+        item.bound = {b.handle};
+        pin(*s, b.handle);
+        item.iter = std::move(it);
+        item.host.resize(length);
+        stats_.bytes_to_host += length;
+        item.on_done = std::move(done);
+        enqueue(*s, std::move(item));
+        return;
+      }
+    }
+  }
+  std::vector<char> none;
+  done(err, none);
+}
+
+void Broker::write_buffer(SessionId id, std::uint32_t bid, Bytes offset, const char* data,
+                          Bytes length, std::function<void(int err, Bytes written)> done) {
+  int err = 0;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    auto bit = s && !s->dead ? s->buffers.find(bid) : decltype(s->buffers)::iterator{};
+    if (!s || s->dead || bit == s->buffers.end()) {
+      err = ENOENT;
+    } else if (s->error) {
+      err = EIO;
+    } else {
+      const Buffer& b = bit->second;
+      if (offset > b.size || length > b.size - offset) {
+        log(*s, fmt::format("mem/{}: write of {} bytes at {} runs past the buffer's {} bytes; "
+                            "grow it first with truncate -s",
+                            b.name, length, offset, b.size));
+        err = EFBIG;
+      } else if (length == 0) {
+        err = 0;
+      } else {
+        auto it = std::make_shared<Iteration>();
+        it->counts = false;
+        Op op;
+        op.kind = Op::Kind::from_host;
+        op.a = Operand{false, 0, offset};
+        op.length = length;
+        it->ops.push_back(op);
+        WorkItem item;
+        item.bound = {b.handle};
+        pin(*s, b.handle);
+        item.iter = std::move(it);
+        item.host.assign(data, data + length);
+        stats_.bytes_from_host += length;
+        item.on_done = [done, length](int e, std::vector<char>&) { done(e, e ? 0 : length); };
+        enqueue(*s, std::move(item));
+        return;
+      }
+    }
+  }
+  done(err, 0);
+}
+
+}  // namespace salus::vgpu

@@ -1,0 +1,54 @@
+// Broker-internal: one GPU's device, scheduler, lane streams and worker thread.
+// Only broker*.cpp include this.
+#pragma once
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "vgpu/broker.hpp"
+
+namespace salus::vgpu {
+
+// Hands device completions to the GPU's worker thread.
+class Broker::Sink final : public CompletionSink {
+ public:
+  explicit Sink(Gpu& g) : g_(g) {}
+  void on_complete(StreamId stream, std::uint64_t token, int status,
+                   std::int64_t device_ns) override;
+
+ private:
+  Gpu& g_;
+};
+
+struct Broker::Gpu {
+  Gpu(std::size_t i, std::unique_ptr<Device> dev, sched::PolicyKind policy,
+      arena::ArenaOptions options)
+      : index(i),
+        device(std::move(dev)),
+        sched(device->info().arena_size, policy, options) {}
+
+  std::size_t index;
+  std::unique_ptr<Device> device;
+  sched::GpuScheduler sched;  // guarded by Broker::mu_
+  std::unordered_map<LaneId, Lane> lanes;
+  std::unordered_map<StreamId, LaneId> stream_lane;
+  std::vector<LaneId> lane_ids;  // scratch for dispatch
+  bool draining = false;
+  std::uint32_t placed = 0;  // sessions placed on this GPU
+
+  // Completions from the device and wake-ups for the worker.
+  std::mutex cq_mu;
+  std::condition_variable cq_cv;
+  std::vector<Completion> completions;
+  bool wake = false;
+  bool stop = false;
+
+  std::unique_ptr<Sink> sink;
+  std::thread worker;
+};
+
+}  // namespace salus::vgpu

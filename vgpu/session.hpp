@@ -1,0 +1,167 @@
+// A session as the broker sees it: who owns it, its buffers (by name), the
+// iteration being recorded, the queue of submitted work, its log and counters.
+// Plain data: the Broker mutates it under its lock.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "arena/gpu_arena.hpp"
+#include "vgpu/command.hpp"
+
+namespace salus::vgpu {
+
+using arena::LaneId;
+using arena::SessionId;
+using TimeNs = std::int64_t;
+
+struct Buffer {
+  std::uint32_t id = 0;  // per session, never reused: names mem/ inodes
+  std::string name;
+  Bytes size = 0;
+  arena::BufferHandle handle = 0;  // 0 while size is 0
+};
+
+// Device memory that submitted work still uses. Work binds to arena handles, so a
+// buffer can be freed or reallocated by name while older work keeps its memory;
+// a retired handle is released when its last user completes.
+struct Pin {
+  std::uint32_t count = 0;
+  bool retired = false;
+  Bytes size = 0;
+}; 
+
+// An operand: a persistent buffer (a slot of the iteration's name table, bound at
+// submission) or ephemeral memory at a lane-relative offset.
+struct Operand {
+  bool ephemeral = false;
+  std::uint32_t slot = 0;
+  Bytes offset = 0;
+};
+
+struct Op {
+  enum class Kind : std::uint8_t { fill, copy, spin, gemm, to_host, from_host };
+  Kind kind = Kind::fill;
+  Operand a, b, c;  // fill: a; copy: a=dst b=src; gemm: a b c; host copies: a
+  Bytes length = 0;
+  std::uint32_t pattern = 0;
+  std::uint8_t width = 4;
+  std::uint64_t usec = 0;
+  double util = 1.0;
+  std::uint32_t m = 0, n = 0, k = 0;
+};
+
+// A recorded unit of work. Persistent buffers are referenced by name through
+// `names`, so a recorded iteration keeps working after buffers are reallocated,
+// moved or compacted: names are bound to buffers each time it is submitted.
+struct Iteration {
+  std::vector<Op> ops;
+  std::vector<std::string> names;
+  std::vector<Bytes> min_sizes;  // per name: bytes the ops touch, checked at binding
+  Bytes ephemeral_bytes = 0;
+  bool counts = true;  // a begin/end iteration (counted in iterations done)
+};
+
+struct PendingWrite;
+
+struct WorkItem {
+  std::shared_ptr<const Iteration> iter;
+  std::vector<arena::BufferHandle> bound;  // one per iter->names entry, pinned
+  std::uint64_t remaining = 1;  // instances not yet dispatched
+  std::uint64_t outstanding = 0;  // dispatched, not yet completed
+  std::uint64_t seq = 0;
+  std::vector<char> host;  // staging for mem/ reads and writes
+  std::function<void(int err, std::vector<char>& data)> on_done;  // runs after the broker unlocks
+};
+
+struct Recording {
+  std::shared_ptr<Iteration> iter;
+  std::unordered_map<std::string, std::pair<Bytes, Bytes>> ephemeral;  // name -> (offset, size)
+};
+
+enum class SessionState : std::uint8_t { idle, queued, admitted, failed, ended };
+const char* to_string(SessionState s);
+
+struct LogLine {
+  TimeNs at;
+  std::string text;
+};
+
+using WriteReply = std::function<void(int err, std::string reply)>;
+
+struct PendingWrite {
+  std::vector<CommandLine> commands;
+  std::size_t next = 0;
+  std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error;
+  std::string reply;       // accumulated reply text
+  std::uint64_t sync_target = 0;  // while waiting on `sync`
+  bool syncing = false;
+  WriteReply done;
+};
+
+struct Waiter {
+  std::uint64_t target_seq;
+  std::function<void(int err, std::string text)> done;
+};
+
+struct Session {
+  SessionId id = 0;
+  std::string dir_name;  // the directory name under sessions/
+  bool named = false;    // made by mkdir: lives until rmdir
+  uid_t uid = 0;
+  gid_t gid = 0;
+  TimeNs created_at = 0;
+  SessionState state = SessionState::idle;
+  bool dead = false;  // closed/removed; finalized once nothing is in flight
+
+  // Declared needs.
+  NeedCmd need;
+  std::int32_t priority = 0;
+  int gpu = -1;
+  std::optional<LaneId> lane;
+  TimeNs queued_at = 0;
+  TimeNs admitted_at = 0;
+  TimeNs queue_wait_ns = 0;
+
+  // Buffers.
+  std::unordered_map<std::uint32_t, Buffer> buffers;  // by id
+  std::map<std::string, std::uint32_t> names;         // name -> id
+  std::unordered_map<arena::BufferHandle, Pin> pins;
+  std::uint32_t next_buffer_id = 1;
+
+  // Recording and work.
+  std::optional<Recording> recording;
+  std::shared_ptr<const Iteration> last_iteration;
+  std::deque<WorkItem> queue;       // submitted, not fully dispatched
+  std::deque<WorkItem> dispatched;  // fully dispatched, some instances in flight
+  std::uint64_t in_flight = 0;      // instances on the device
+  std::optional<LaneId> in_flight_lane;
+  std::uint64_t queued_instances = 0;  // counted against the uid's quota
+  std::uint64_t submitted_seq = 0;
+  std::uint64_t completed_seq = 0;
+  std::deque<PendingWrite> writes;  // suspended writes, in order
+  std::vector<Waiter> waiters;
+
+  // Failure latch: set by a failed item; cleared by `reset` or `need`.
+  int error = 0;
+  std::string error_text;
+
+  // Counters.
+  std::uint64_t iterations_done = 0;
+  std::uint64_t ops_done = 0;
+  std::int64_t gpu_ns = 0;
+
+  std::deque<LogLine> log;
+  std::uint64_t log_lines_total = 0;
+};
+
+}  // namespace salus::vgpu
