@@ -732,7 +732,6 @@ void op_statfs(fuse_req_t req, fuse_ino_t) {
 void op_init(void*, fuse_conn_info* conn) {
   if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC) conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
   conn->max_write = 1024 * 1024;
-  conn->max_read = 1024 * 1024;
   conn->max_background = 256;
 }
 

@@ -266,11 +266,16 @@ void Broker::submit(SessionId id, const Caller& caller, std::size_t write_bytes,
 }
 
 void Broker::resume_writes(Session& s, Deferred& later) {
+  // A command of the running write (e.g. `need`) can trigger admissions that
+  // would resume this same session; the outer loop continues it instead.
+  if (s.writing) return;
+  s.writing = true;
   while (!s.writes.empty()) {
     PendingWrite& w = s.writes.front();
-    if (!run_write(s, w, later)) return;  // still suspended
+    if (!run_write(s, w, later)) break;  // still suspended
     s.writes.pop_front();
   }
+  s.writing = false;
 }
 
 // Runs the write's remaining lines; false if it must wait (admission or sync).
@@ -515,9 +520,7 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   s.queued_at = now();
   update_runnable(g, s);
   handle_admissions(g, later);
-  if (s.state == SessionState::admitted) {
-    log(s, fmt::format("line {}: admitted on gpu {} lane {}", ln, gpu, *s.lane));
-  } else {
+  if (s.state != SessionState::admitted) {
     std::size_t pos = 0;
     for (const auto& q : g.sched.arena().queue()) {
       ++pos;

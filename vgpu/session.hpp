@@ -149,6 +149,7 @@ struct Session {
   std::uint64_t submitted_seq = 0;
   std::uint64_t completed_seq = 0;
   std::deque<PendingWrite> writes;  // suspended writes, in order
+  bool writing = false;             // resume_writes is running for this session
   std::vector<Waiter> waiters;
 
   // Failure latch: set by a failed item; cleared by `reset` or `need`.

@@ -1,0 +1,55 @@
+"""salusd start-up refusals and clean shutdown."""
+import os
+import signal
+import subprocess
+import time
+
+from conftest import Salusd, Session, is_mounted, SALUSD
+
+
+def test_sigterm_drains_unmounts_and_exits_zero(salusd_factory):
+    d = salusd_factory().start()
+    s = Session(d)
+    s.cmd("need persistent=1M ephemeral=1M\nbegin\nspin 50000\nend x1000\n")
+    time.sleep(0.1)
+    d.proc.send_signal(signal.SIGTERM)
+    rc = d.proc.wait(10)
+    assert rc == 0, d.daemon_log()
+    assert not is_mounted(d.mnt)
+    assert "unmounted" in d.daemon_log()
+    try:
+        s.close()
+    except OSError:
+        pass
+
+
+def test_refuses_busy_mountpoint(salusd_factory):
+    first = salusd_factory().start()
+    out = subprocess.run([SALUSD, "--backend", "sim", "--sim-memory", "64M", "--mount", first.mnt],
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode != 0
+    assert "busy" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # The running daemon is unaffected.
+    assert os.path.exists(first.path("version"))
+
+
+def test_refuses_cuda_backend_without_cuda(tmp_path):
+    out = subprocess.run([SALUSD, "--backend", "cuda", "--mount", str(tmp_path)],
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode != 0 and "cuda" in out.stderr
+
+
+def test_bad_flag_values_are_rejected(tmp_path):
+    out = subprocess.run([SALUSD, "--sim-memory", "lots", "--mount", str(tmp_path)],
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode != 0 and "--sim-memory" in out.stderr
+
+
+def test_config_file_is_read(salusd_factory, tmp_path):
+    cfg = tmp_path / "salusd.toml"
+    cfg.write_text('policy = "srtf"\n[sim]\ngpus = 3\nmemory = "256M"\n')
+    d = salusd_factory(extra_args=["--config", str(cfg)]).start()
+    # The fixture passes --sim-gpus 2 on the command line: flags win over the file.
+    assert sorted(os.listdir(d.path("gpus"))) == ["0", "1"]
+    with open(d.path("policy")) as f:
+        assert f.readline() == "policy: srtf\n"

@@ -1,0 +1,48 @@
+#!/bin/sh
+# Set-up for a fresh Debian 12 machine, run as root, idempotent:
+#   tools/dev.sh run    install dependencies, build, run salusd in the foreground
+#   tools/dev.sh test   install dependencies, build, run every test
+set -eu
+cd "$(dirname "$0")/.."
+
+PACKAGES="meson ninja-build g++ pkg-config fuse3 libfuse3-dev liburing-dev libboost-dev
+  libgtest-dev libgmock-dev libcli11-dev libfmt-dev libspdlog-dev libtomlplusplus-dev
+  libsystemd-dev libbenchmark-dev python3 python3-pytest util-linux procps"
+
+install_deps() {
+  missing=""
+  for p in $PACKAGES; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+  done
+  if [ -n "$missing" ]; then
+    echo "dev.sh: installing:$missing"
+    if [ "$(id -u)" -ne 0 ]; then echo "dev.sh: run as root to install packages" >&2; exit 1; fi
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing
+  fi
+}
+
+build() {
+  if [ ! -f build/build.ninja ]; then
+    meson setup build --buildtype=debugoptimized
+  fi
+  ninja -C build
+}
+
+case "${1:-}" in
+  run)
+    install_deps
+    build
+    shift
+    exec ./build/tools/salusd --mount "${SALUS_MOUNT:-/salus}" "$@"
+    ;;
+  test)
+    install_deps
+    build
+    meson test -C build --print-errorlogs --num-processes 2
+    ;;
+  *)
+    echo "usage: $0 run [salusd flags] | test" >&2
+    exit 2
+    ;;
+esac
