@@ -1,0 +1,241 @@
+// salus-bench: measures salusd through its real /salus files. Starts its own
+// salusd (sim backend) on a temporary mount unless --mount names a running one.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t i = std::min(v.size() - 1, static_cast<std::size_t>(p * (v.size() - 1) + 0.5));
+  return v[i];
+}
+
+[[noreturn]] void die(const std::string& why) {
+  std::fprintf(stderr, "salus-bench: %s\n", why.c_str());
+  std::exit(1);
+}
+
+void write_all(int fd, const std::string& s) {
+  if (::write(fd, s.data(), s.size()) != static_cast<ssize_t>(s.size()))
+    die(fmt::format("write '{}': {}", s.substr(0, s.find('\n')), std::strerror(errno)));
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A salusd this tool started; stopped and unmounted on destruction.
+struct Daemon {
+  pid_t pid = -1;
+  std::string dir, mnt;
+  Daemon(const std::string& salusd, const std::vector<std::string>& extra) {
+    char tmpl[] = "/tmp/salus-bench-XXXXXX";
+    if (!::mkdtemp(tmpl)) die("mkdtemp failed");
+    dir = tmpl;
+    mnt = dir + "/mnt";
+    ::mkdir(mnt.c_str(), 0755);
+    pid = ::fork();
+    if (pid == 0) {
+      std::vector<std::string> args = {salusd, "--backend", "sim", "--mount", mnt,
+                                       "--log-level", "warn"};
+      args.insert(args.end(), extra.begin(), extra.end());
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      std::_Exit(127);
+    }
+    for (int i = 0; i < 500; ++i) {
+      if (fs::exists(mnt + "/version")) return;
+      int st;
+      if (::waitpid(pid, &st, WNOHANG) == pid) die("salusd exited during start-up");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    die("salusd did not mount");
+  }
+  ~Daemon() {
+    if (pid > 0) {
+      ::kill(pid, SIGTERM);
+      int st;
+      ::waitpid(pid, &st, 0);
+    }
+    std::system(fmt::format("fusermount3 -u -z {} 2>/dev/null", mnt).c_str());
+    fs::remove_all(dir);
+  }
+};
+
+long rss_kib(pid_t pid) {
+  std::ifstream in(fmt::format("/proc/{}/status", pid));
+  std::string key;
+  while (in >> key) {
+    if (key == "VmRSS:") {
+      long v;
+      in >> v;
+      return v;
+    }
+    in.ignore(1 << 12, '\n');
+  }
+  return -1;
+}
+
+struct Clone {
+  int fd;
+  std::string id;
+  explicit Clone(const std::string& mnt) {
+    fd = ::open((mnt + "/clone").c_str(), O_RDWR);
+    if (fd < 0) die(fmt::format("open clone: {}", std::strerror(errno)));
+    char buf[64];
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n <= 0) die("read clone id");
+    id.assign(buf, static_cast<std::size_t>(n) - 1);
+  }
+  ~Clone() { ::close(fd); }
+};
+
+void wait_done(const std::string& mnt, const std::string& id) {
+  const std::string text = read_file(fmt::format("{}/sessions/{}/wait", mnt, id));
+  if (text.rfind("done", 0) != 0) die("wait failed: " + text);
+}
+
+int bench_ctl(const std::string& mnt, int n) {
+  Clone c(mnt);
+  write_all(c.fd, "need persistent=1M ephemeral=1M\n");
+  char buf[256];
+  while (::read(c.fd, buf, sizeof buf) > 0) {
+  }
+  const int vfd = ::open((mnt + "/version").c_str(), O_RDONLY);
+  std::vector<double> ctl, ver;
+  for (int i = 0; i < n + n / 10; ++i) {
+    auto t0 = Clock::now();
+    write_all(c.fd, "priority 0\n");
+    if (::read(c.fd, buf, sizeof buf) <= 0) die("no ctl reply");
+    const double a = us_since(t0);
+    t0 = Clock::now();
+    if (::pread(vfd, buf, sizeof buf, 0) <= 0) die("pread version");
+    const double b = us_since(t0);
+    if (i >= n / 10) {  // the first tenth warms up
+      ctl.push_back(a);
+      ver.push_back(b);
+    }
+  }
+  ::close(vfd);
+  const double c50 = percentile(ctl, 0.5), c99 = percentile(ctl, 0.99);
+  const double v50 = percentile(ver, 0.5), v99 = percentile(ver, 0.99);
+  fmt::print("ctl-roundtrip n={}\n", n);
+  fmt::print("  ctl write+read reply   p50 {:8.1f} us  p99 {:8.1f} us\n", c50, c99);
+  fmt::print("  pread /salus/version   p50 {:8.1f} us  p99 {:8.1f} us\n", v50, v99);
+  fmt::print("  ratio                  p50 {:8.2f}     p99 {:8.2f}   (target p50 <= 2.0)\n",
+             c50 / v50, c99 / v99);
+  return 0;
+}
+
+int bench_dispatch(const std::string& mnt, long iters, int sessions, const std::string& body) {
+  std::vector<std::unique_ptr<Clone>> cs;
+  for (int i = 0; i < sessions; ++i) {
+    cs.push_back(std::make_unique<Clone>(mnt));
+    write_all(cs.back()->fd, fmt::format("need persistent=0 ephemeral=0\nbegin\n{}{}end\n", body,
+                                         body.empty() ? "" : "\n"));
+    wait_done(mnt, cs.back()->id);
+  }
+  const long per = iters / sessions;
+  const auto t0 = Clock::now();
+  for (auto& c : cs) write_all(c->fd, fmt::format("run {}\n", per));
+  for (auto& c : cs) wait_done(mnt, c->id);
+  const double secs = us_since(t0) / 1e6;
+  const long total = per * sessions;
+  fmt::print("dispatch body='{}' sessions={} iterations={} time={:.3f}s rate={:.0f} "
+             "iterations/s (target >= 100000)\n",
+             body, sessions, total, secs, static_cast<double>(total) / secs);
+  return 0;
+}
+
+int bench_scale(const std::string& mnt, pid_t daemon, int n) {
+  const long rss0 = daemon > 0 ? rss_kib(daemon) : -1;
+  for (int i = 0; i < n; ++i) {
+    const std::string d = fmt::format("{}/sessions/bench-{}", mnt, i);
+    if (::mkdir(d.c_str(), 0700) != 0) die(fmt::format("mkdir {}: {}", d, std::strerror(errno)));
+  }
+  const long rss1 = daemon > 0 ? rss_kib(daemon) : -1;
+  std::vector<double> ls_ms, stats_ms;
+  for (int r = 0; r < 20; ++r) {
+    auto t0 = Clock::now();
+    std::size_t count = 0;
+    for (const auto& e : fs::directory_iterator(mnt + "/sessions")) count += !e.path().empty();
+    ls_ms.push_back(us_since(t0) / 1e3);
+    if (count < static_cast<std::size_t>(n)) die("ls saw too few sessions");
+    t0 = Clock::now();
+    (void)read_file(mnt + "/stats");
+    stats_ms.push_back(us_since(t0) / 1e3);
+  }
+  fmt::print("scale sessions={}\n", n);
+  fmt::print("  ls sessions/   p50 {:.2f} ms  max {:.2f} ms  (target < 50 ms)\n",
+             percentile(ls_ms, 0.5), percentile(ls_ms, 1.0));
+  fmt::print("  cat stats      p50 {:.2f} ms  max {:.2f} ms  (target < 50 ms)\n",
+             percentile(stats_ms, 0.5), percentile(stats_ms, 1.0));
+  if (daemon > 0)
+    fmt::print("  daemon RSS {} KiB -> {} KiB: {:.1f} KiB per idle session (target < 64)\n", rss0,
+               rss1, static_cast<double>(rss1 - rss0) / n);
+  for (int i = 0; i < n; ++i) ::rmdir(fmt::format("{}/sessions/bench-{}", mnt, i).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"salus-bench: benchmarks salusd through /salus"};
+  std::string mount, salusd = "build/tools/salusd";
+  int n = 20000, sessions = 1, scale = 1000;
+  long iters = 100000;
+  app.add_option("--mount", mount, "Use a running salusd mounted here");
+  app.add_option("--salusd", salusd, "salusd binary to start (sim backend) when --mount is absent");
+  app.require_subcommand(1);
+  auto* ctl = app.add_subcommand("ctl", "ctl round trip against a pread of version");
+  ctl->add_option("-n", n, "Round trips");
+  auto* disp = app.add_subcommand("dispatch", "Broker-side dispatch rate of empty iterations");
+  disp->add_option("--iterations", iters, "Total iterations");
+  disp->add_option("--sessions", sessions, "Sessions sharing them");
+  std::string body;
+  disp->add_option("--body", body, "Iteration body, e.g. 'spin 0' (default: empty)");
+  auto* sc = app.add_subcommand("scale", "ls and stats latency and RSS with many idle sessions");
+  sc->add_option("--sessions", scale, "Idle sessions");
+  CLI11_PARSE(app, argc, argv);
+
+  std::unique_ptr<Daemon> d;
+  pid_t pid = -1;
+  if (mount.empty()) {
+    d = std::make_unique<Daemon>(salusd, std::vector<std::string>{"--sim-memory", "4G",
+                                                                   "--quota-sessions", "100000"});
+    mount = d->mnt;
+    pid = d->pid;
+  }
+  if (*ctl) return bench_ctl(mount, n);
+  if (*disp) return bench_dispatch(mount, iters, sessions, body);
+  if (*sc) return bench_scale(mount, pid, scale);
+  return 0;
+}
