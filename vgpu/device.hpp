@@ -3,9 +3,11 @@
 // ops on a stream, and completion notification.
 #pragma once
 
+#include <cerrno>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "arena/size_units.hpp"
 
@@ -14,6 +16,14 @@ namespace salus::vgpu {
 using arena::Bytes;
 using DevOffset = Bytes;  // offset within the device's arena
 using StreamId = std::uint32_t;
+using ModuleHandle = std::uint32_t;
+using FunctionHandle = std::uint64_t;
+
+struct LaunchDims {
+  std::uint32_t grid[3] = {1, 1, 1};
+  std::uint32_t block[3] = {1, 1, 1};
+  std::uint32_t shared_mem = 0;
+};
 
 struct DeviceInfo {
   int index = 0;
@@ -74,6 +84,48 @@ class Device {
   // Fraction of wall time since the device started during which at least one op
   // was executing (for utilization metrics).
   virtual std::int64_t busy_ns() const = 0;
+
+  // ---- user modules and kernels ----
+  // Loads a module image (cubin/PTX/fatbin on cuda; an ELF host shared object on
+  // sim) that the broker read with the caller's credentials. Returns 0 and a
+  // handle, or an errno with a one-line reason in `why`.
+  // The defaults say the backend has no module support (ENOSYS).
+  virtual int load_module(const std::vector<std::uint8_t>& image, ModuleHandle& out,
+                          std::string& why) {
+    (void)image;
+    (void)out;
+    why = "this backend cannot load modules";
+    return ENOSYS;
+  }
+  virtual void unload_module(ModuleHandle module) { (void)module; }
+  // Looks up a kernel. When the backend can tell, `param_sizes` receives the byte
+  // size of each parameter in order (cuFuncGetParamInfo; sim: the exported
+  // signature table), otherwise it is left empty.
+  virtual int get_function(ModuleHandle module, const std::string& name, FunctionHandle& out,
+                           std::vector<std::uint32_t>& param_sizes, std::string& why) {
+    (void)module;
+    (void)name;
+    (void)out;
+    (void)param_sizes;
+    why = "this backend cannot load modules";
+    return ENOSYS;
+  }
+  // The address a kernel sees for an arena offset (CUdeviceptr on cuda, a host
+  // pointer on sim); buffer arguments are resolved through it at dispatch time.
+  virtual std::uint64_t device_address(DevOffset offset) const { return offset; }
+  // Enqueues a launch. `args` holds each argument's bytes back to back, in order,
+  // with `arg_sizes` giving their sizes; the backend copies what it needs before
+  // returning.
+  virtual void launch(StreamId stream, FunctionHandle function, const LaunchDims& dims,
+                      const std::uint8_t* args, const std::uint32_t* arg_sizes,
+                      std::size_t arg_count) {
+    (void)stream;
+    (void)function;
+    (void)dims;
+    (void)args;
+    (void)arg_sizes;
+    (void)arg_count;
+  }
 };
 
 }  // namespace salus::vgpu
