@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "vgpu/broker_gpu.hpp"
+#include "vgpu/caller_files.hpp"
 
 namespace salus::vgpu {
 
@@ -33,6 +34,7 @@ void run_all(std::vector<std::function<void()>>& later) {
 }
 
 constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pass
+constexpr std::size_t kMaxModuleBytes = 256u << 20;
 
 }  // namespace
 
@@ -217,6 +219,8 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
   }
   for (auto& [handle, pin] : s.pins)
     if (pin.retired && g) g->device->discard(g->sched.arena().buffer_offset(handle), pin.size);
+  if (g)
+    for (auto& [name, m] : s.modules) g->device->unload_module(m.handle);
   if (u.sessions > 0) --u.sessions;
   if (g && g->placed > 0) --g->placed;
   u.queued -= std::min(u.queued, s.queued_instances);
@@ -238,6 +242,20 @@ void Broker::submit(SessionId id, const Caller& caller, std::size_t write_bytes,
                     std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
                     WriteReply done) {
   Deferred later;
+  // Module files are read here, as the caller and without the broker lock.
+  std::vector<PendingWrite::ModuleFile> module_files;
+  if (write_bytes <= config_.quotas.bytes_per_write) {
+    for (const CommandLine& line : commands) {
+      const auto* m = std::get_if<ModuleCmd>(&line.command);
+      if (!m) continue;
+      PendingWrite::ModuleFile f;
+      f.path = m->path;
+      const int rc = read_file_as_caller(CallerIdentity{caller.uid, caller.gid, caller.pid},
+                                         m->path, kMaxModuleBytes, f.image, f.why);
+      f.error = rc < 0 ? -rc : 0;
+      module_files.push_back(std::move(f));
+    }
+  }
   {
     std::lock_guard lk(mu_);
     Session* s = get(id);
@@ -255,6 +273,7 @@ void Broker::submit(SessionId id, const Caller& caller, std::size_t write_bytes,
     } else {
       PendingWrite w;
       w.commands = std::move(commands);
+      w.module_files = std::move(module_files);
       w.parse_error = std::move(parse_error);
       w.done = std::move(done);
       s->writes.push_back(std::move(w));
@@ -408,13 +427,8 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
               s.state = s.lane ? SessionState::admitted : SessionState::idle;
             return 0;
           },
-          [&](const ModuleCmd&) {
-            return fail(ENOSYS, "module: user modules need the cuda backend or the sim module "
-                                "loader, which this salusd does not have yet");
-          },
-          [&](const LaunchCmd&) {
-            return fail(ENOSYS, "launch: user kernels are not supported by this salusd yet");
-          },
+          [&](const ModuleCmd& c) { return exec_module(s, c, w, ln); },
+          [&](const LaunchCmd&) { return record_op(s, cmd, ln); },
           [&](const TransferCmd&) {
             return fail(ENOSYS, "upload/download: the shm and file data paths are not "
                                 "supported by this salusd yet; use mem/NAME");
@@ -730,12 +744,14 @@ int Broker::record_op(Session& s, const Command& cmd, std::uint32_t ln) {
     err = resolve(s, *it, BufRef{gm->a, 0}, fm * fk * 4, op.a, ln, "gemm A");
     if (!err) err = resolve(s, *it, BufRef{gm->b, 0}, fk * fn * 4, op.b, ln, "gemm B");
     if (!err) err = resolve(s, *it, BufRef{gm->c, 0}, fm * fn * 4, op.c, ln, "gemm C");
+  } else if (const auto* l = std::get_if<LaunchCmd>(&cmd)) {
+    err = record_launch(s, *it, *l, op, ln);
   } else {
     log(s, fmt::format("line {}: command not supported here", ln));
     return EINVAL;
   }
   if (err) return err;
-  it->ops.push_back(op);
+  it->ops.push_back(std::move(op));
   if (single) return submit_iteration(s, std::move(single), 1, ln);
   return 0;
 }
@@ -874,6 +890,83 @@ void Broker::drop_queued(Session& s, int err, Deferred& later) {
   }
   s.queue.clear();
   if (Gpu* g = gpu_of(s)) update_runnable(*g, s);
+}
+
+int Broker::exec_module(Session& s, const ModuleCmd& c, PendingWrite& w, std::uint32_t ln) {
+  auto fail = [&](int err, std::string msg) {
+    log(s, fmt::format("line {}: module {}: {}", ln, c.name, msg));
+    return err;
+  };
+  if (s.recording) return fail(EINVAL, "not allowed inside begin/end");
+  if (s.modules.count(c.name)) return fail(EEXIST, "a module with this name is already loaded");
+  const PendingWrite::ModuleFile* file = nullptr;
+  for (const auto& f : w.module_files)
+    if (f.path == c.path) file = &f;
+  if (!file) return fail(EIO, "internal: module file was not read");
+  if (file->error) return fail(file->error, file->why);
+  Gpu& g = *gpu_of(s);
+  LoadedModule m;
+  std::string why;
+  if (int rc = g.device->load_module(file->image, m.handle, why)) return fail(rc, why);
+  s.modules.emplace(c.name, std::move(m));
+  return 0;
+}
+
+int Broker::record_launch(Session& s, Iteration& it, const LaunchCmd& c, Op& op,
+                          std::uint32_t ln) {
+  const std::string what = fmt::format("launch {}.{}", c.module, c.function);
+  auto fail = [&](int err, std::string msg) {
+    log(s, fmt::format("line {}: {}: {}", ln, what, msg));
+    return err;
+  };
+  auto mit = s.modules.find(c.module);
+  if (mit == s.modules.end())
+    return fail(ENOENT, fmt::format("no module '{}' (load it with `module {} PATH`)", c.module,
+                                    c.module));
+  LoadedModule& mod = mit->second;
+  auto fit = mod.functions.find(c.function);
+  if (fit == mod.functions.end()) {
+    LoadedModule::Function f;
+    std::string why;
+    Gpu& g = *gpu_of(s);
+    if (int rc = g.device->get_function(mod.handle, c.function, f.handle, f.param_sizes, why))
+      return fail(rc, why);
+    fit = mod.functions.emplace(c.function, std::move(f)).first;
+  }
+  const auto& params = fit->second.param_sizes;
+  if (!params.empty() && params.size() != c.args.size())
+    return fail(EINVAL, fmt::format("the kernel takes {} parameter{}, the command gives {}",
+                                    params.size(), params.size() == 1 ? "" : "s", c.args.size()));
+  op.kind = Op::Kind::launch;
+  op.function = fit->second.handle;
+  for (int d = 0; d < 3; ++d) {
+    op.dims.grid[d] = c.grid[d];
+    op.dims.block[d] = c.block[d];
+  }
+  op.dims.shared_mem = c.shared_mem;
+  op.args.reserve(c.args.size());
+  for (std::size_t i = 0; i < c.args.size(); ++i) {
+    const LaunchArg& a = c.args[i];
+    KernelArg k;
+    switch (a.kind) {
+      case LaunchArg::Kind::buffer: k.size = 8; break;
+      case LaunchArg::Kind::i32:
+      case LaunchArg::Kind::u32:
+      case LaunchArg::Kind::f32: k.size = 4; break;
+      default: k.size = 8; break;
+    }
+    if (!params.empty() && params[i] != k.size)
+      return fail(EINVAL, fmt::format("parameter {} is {} bytes but argument {} gives {}", i,
+                                      params[i], i + 1, k.size));
+    if (a.kind == LaunchArg::Kind::buffer) {
+      k.buffer = true;
+      if (int err = resolve(s, it, a.buffer, 0, k.operand, ln, "launch")) return err;
+    } else {
+      k.bits = a.bits;
+    }
+    op.args.push_back(k);
+  }
+  return 0;
 }
 
 // ---------------------------------------------------------------- admission
@@ -1041,6 +1134,19 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
       case Op::Kind::from_host:
         dev.copy_from_host(st, addr(op.a), item.host.data(), op.length);
         break;
+      case Op::Kind::launch: {
+        g.arg_bytes.clear();
+        g.arg_sizes.clear();
+        for (const KernelArg& a : op.args) {
+          const std::uint64_t v = a.buffer ? dev.device_address(addr(a.operand)) : a.bits;
+          const auto* p = reinterpret_cast<const std::uint8_t*>(&v);  // little-endian
+          g.arg_bytes.insert(g.arg_bytes.end(), p, p + a.size);
+          g.arg_sizes.push_back(a.size);
+        }
+        dev.launch(st, op.function, op.dims, g.arg_bytes.data(), g.arg_sizes.data(),
+                   g.arg_sizes.size());
+        break;
+      }
     }
   }
   const std::uint64_t token = next_token_++;

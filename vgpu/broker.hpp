@@ -173,6 +173,8 @@ class Broker {
   int exec_alloc(Session& s, const AllocCmd& cmd, std::uint32_t line);
   int exec_free(Session& s, const FreeCmd& cmd, std::uint32_t line);
   int record_op(Session& s, const Command& cmd, std::uint32_t line);
+  int exec_module(Session& s, const ModuleCmd& cmd, PendingWrite& w, std::uint32_t line);
+  int record_launch(Session& s, Iteration& it, const LaunchCmd& cmd, Op& op, std::uint32_t line);
   int submit_iteration(Session& s, std::shared_ptr<const Iteration> iter, std::uint64_t repeat,
                        std::uint32_t line);
   int resolve(Session& s, Iteration& it, const BufRef& ref, Bytes length, Operand& out,

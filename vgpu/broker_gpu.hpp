@@ -37,6 +37,8 @@ struct Broker::Gpu {
   std::unordered_map<LaneId, Lane> lanes;
   std::unordered_map<StreamId, LaneId> stream_lane;
   std::vector<LaneId> lane_ids;  // scratch for dispatch
+  std::vector<std::uint8_t> arg_bytes;   // scratch for kernel launches
+  std::vector<std::uint32_t> arg_sizes;
   bool draining = false;
   std::uint32_t placed = 0;  // sessions placed on this GPU
 

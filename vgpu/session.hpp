@@ -17,6 +17,7 @@
 
 #include "arena/gpu_arena.hpp"
 #include "vgpu/command.hpp"
+#include "vgpu/device.hpp"
 
 namespace salus::vgpu {
 
@@ -48,8 +49,15 @@ struct Operand {
   Bytes offset = 0;
 };
 
+struct KernelArg {
+  bool buffer = false;
+  Operand operand;           // buffer: resolved to a device address at dispatch
+  std::uint64_t bits = 0;    // scalar value, little-endian
+  std::uint32_t size = 0;    // bytes the kernel receives
+};
+
 struct Op {
-  enum class Kind : std::uint8_t { fill, copy, spin, gemm, to_host, from_host };
+  enum class Kind : std::uint8_t { fill, copy, spin, gemm, to_host, from_host, launch };
   Kind kind = Kind::fill;
   Operand a, b, c;  // fill: a; copy: a=dst b=src; gemm: a b c; host copies: a
   Bytes length = 0;
@@ -58,6 +66,19 @@ struct Op {
   std::uint64_t usec = 0;
   double util = 1.0;
   std::uint32_t m = 0, n = 0, k = 0;
+  // launch
+  std::uint64_t function = 0;
+  LaunchDims dims;
+  std::vector<KernelArg> args;
+};
+
+struct LoadedModule {
+  ModuleHandle handle = 0;
+  struct Function {
+    FunctionHandle handle = 0;
+    std::vector<std::uint32_t> param_sizes;  // empty when the backend cannot tell
+  };
+  std::unordered_map<std::string, Function> functions;
 };
 
 // A recorded unit of work. Persistent buffers are referenced by name through
@@ -100,6 +121,14 @@ using WriteReply = std::function<void(int err, std::string reply)>;
 
 struct PendingWrite {
   std::vector<CommandLine> commands;
+  // Module files, read with the caller's credentials before the broker locks.
+  struct ModuleFile {
+    std::string path;
+    int error = 0;
+    std::string why;
+    std::vector<std::uint8_t> image;
+  };
+  std::vector<ModuleFile> module_files;
   std::size_t next = 0;
   std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error;
   std::string reply;       // accumulated reply text
@@ -160,6 +189,8 @@ struct Session {
   std::uint64_t iterations_done = 0;
   std::uint64_t ops_done = 0;
   std::int64_t gpu_ns = 0;
+
+  std::map<std::string, LoadedModule> modules;
 
   std::deque<LogLine> log;
   std::uint64_t log_lines_total = 0;

@@ -52,7 +52,8 @@ CASES = [
     ("embedded NUL", b"alloc x\x00y 1M\n", errno.EINVAL, "embedded NUL"),
     ("over-long line", "alloc " + "x" * 5000 + "\n", errno.EINVAL, "line 1:"),
     ("relative module path", "module m lib.so\n", errno.EINVAL, "line 1:"),
-    ("module not supported yet", "module m /tmp/x.so\n", errno.ENOSYS, "module"),
+    ("module file missing", "module m /nonexistent/x.so\n", errno.ENOENT, "/nonexistent/x.so"),
+    ("launch of unknown module", "launch nomod.k grid=1 block=1\n", errno.ENOENT, "no module 'nomod'"),
     ("upload not supported yet", "upload w shm:seg 16\n", errno.ENOSYS, "upload"),
 ]
 
