@@ -53,3 +53,16 @@ def test_config_file_is_read(salusd_factory, tmp_path):
     assert sorted(os.listdir(d.path("gpus"))) == ["0", "1"]
     with open(d.path("policy")) as f:
         assert f.readline() == "policy: srtf\n"
+
+
+def test_refuses_without_dev_fuse(tmp_path):
+    import shutil
+    if shutil.which("unshare") is None:
+        import pytest
+        pytest.skip("unshare (util-linux) is not installed")
+    # A private mount namespace whose /dev has no fuse node.
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                          f"mount -t tmpfs none /dev && exec {SALUSD} --backend sim --sim-memory 64M "
+                          f"--mount {tmp_path}"], capture_output=True, text=True, timeout=10)
+    assert out.returncode != 0
+    assert "/dev/fuse" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -1,0 +1,174 @@
+// The broker without FUSE: sessions, commands, deferred replies and cleanup,
+// driven through its public API on a small sim device.
+#include "vgpu/broker.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <thread>
+#include <future>
+#include <mutex>
+
+#include "fusefs/command_parser.hpp"
+#include "vgpu/sim/sim_device.hpp"
+
+using namespace salus;
+using namespace salus::vgpu;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::unique_ptr<Broker> make_broker(int gpus = 1, Bytes memory = 256u << 20,
+                                    sched::PolicyKind policy = sched::PolicyKind::fair) {
+  std::vector<std::unique_ptr<Device>> devs;
+  for (int i = 0; i < gpus; ++i) devs.push_back(std::make_unique<SimDevice>(i, memory));
+  BrokerConfig cfg;
+  cfg.policy = policy;
+  return std::make_unique<Broker>(std::move(devs), cfg);
+}
+
+const Caller kRoot{0, 0, 0, true};
+const Caller kAlice{1000, 1000, 0, false};
+
+// Submits text and waits for the (possibly deferred) reply.
+std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text,
+                                const Caller& who = kRoot) {
+  auto parsed = fusefs::parse_commands(text);
+  std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> perr;
+  if (parsed.error) perr = {parsed.error->line, {parsed.error->error, parsed.error->message}};
+  std::promise<std::pair<int, std::string>> p;
+  auto f = p.get_future();
+  b.submit(id, who, text.size(), std::move(parsed.commands), std::move(perr),
+           [&p](int err, std::string reply) { p.set_value({err, std::move(reply)}); });
+  if (f.wait_for(10s) != std::future_status::ready) return {ETIMEDOUT, {}};
+  return f.get();
+}
+
+std::pair<int, std::string> wait_for(Broker& b, SessionId id) {
+  std::promise<std::pair<int, std::string>> p;
+  auto f = p.get_future();
+  b.wait(id, [&p](int err, std::string text) { p.set_value({err, std::move(text)}); });
+  if (f.wait_for(10s) != std::future_status::ready) return {ETIMEDOUT, {}};
+  return f.get();
+}
+
+std::string field(const std::string& text, const std::string& key) {
+  const auto pos = text.find(key + ": ");
+  if (pos == std::string::npos) return {};
+  const auto start = pos + key.size() + 2;
+  return text.substr(start, text.find('\n', start) - start);
+}
+
+}  // namespace
+
+TEST(Broker, SessionRunsIterationsAndWaitReportsThem) {
+  auto b = make_broker();
+  const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
+  EXPECT_EQ(run(*b, id, "need persistent=1M ephemeral=1M\nbegin\nspin 10\nend x7\n").first, 0);
+  EXPECT_EQ(wait_for(*b, id), std::make_pair(0, std::string("done 7\n")));
+  EXPECT_EQ(field(b->render_status(id), "iterations_done"), "7");
+}
+
+TEST(Broker, FailedLineKeepsEarlierLinesAndLogsTheReason) {
+  auto b = make_broker();
+  const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
+  auto [err, reply] = run(*b, id, "need persistent=1M ephemeral=1M\nalloc w 4K\nfill nope 1\n");
+  EXPECT_EQ(err, ENOENT);
+  EXPECT_TRUE(b->find_buffer(id, "w").has_value());
+  EXPECT_NE(b->render_log(id).find("line 3: fill: unknown buffer 'nope'"), std::string::npos);
+}
+
+TEST(Broker, OtherUidIsRefused) {
+  auto b = make_broker();
+  const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
+  EXPECT_EQ(b->check_access(id, kAlice), -EACCES);
+  EXPECT_EQ(run(*b, id, "need persistent=1M ephemeral=1M\n", kAlice).first, EACCES);
+  EXPECT_EQ(b->check_access(id, kRoot), 0);
+}
+
+TEST(Broker, QueuedSessionsWriteResumesOnAdmission) {
+  auto b = make_broker(1, 100u << 20);
+  const auto a = static_cast<SessionId>(b->create_session(kRoot, ""));
+  const auto c = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, a, "need persistent=60M ephemeral=10M\n").first, 0);
+  ASSERT_EQ(run(*b, c, "need persistent=60M ephemeral=10M\n").first, 0);
+  EXPECT_EQ(field(b->render_status(c), "state"), "queued");
+  // This write suspends (no thread held) until `c` is admitted.
+  std::promise<int> p;
+  auto f = p.get_future();
+  auto parsed = fusefs::parse_commands("alloc w 1M\n");
+  b->submit(c, kRoot, 11, std::move(parsed.commands), std::nullopt,
+            [&p](int err, std::string) { p.set_value(err); });
+  EXPECT_EQ(f.wait_for(100ms), std::future_status::timeout);
+  b->end_session(a);
+  ASSERT_EQ(f.wait_for(5s), std::future_status::ready);
+  EXPECT_EQ(f.get(), 0);
+  EXPECT_EQ(field(b->render_status(c), "state"), "admitted");
+}
+
+TEST(Broker, EndingASessionReleasesMemoryAndQuota) {
+  auto b = make_broker();
+  for (int round = 0; round < 50; ++round) {
+    const auto id = static_cast<SessionId>(b->create_session(kAlice, ""));
+    ASSERT_EQ(run(*b, id, "need persistent=64M ephemeral=64M\nalloc w 60M\nbegin\nspin 1\nend x1000\n",
+                  kAlice).first,
+              0);
+    b->end_session(id);
+  }
+  // Everything drains: the GPU is empty again.
+  for (int i = 0; i < 200; ++i) {
+    if (field(b->render_gpu_memory(0), "persistent_used") == "0" &&
+        field(b->render_gpu_memory(0), "lanes") == "0")
+      break;
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(field(b->render_gpu_memory(0), "persistent_used"), "0");
+  EXPECT_EQ(field(b->render_gpu_memory(0), "lanes"), "0");
+  EXPECT_EQ(b->list_sessions().size(), 0u);
+}
+
+TEST(Broker, BufferReadWriteRoundTripIsOrderedAfterWork) {
+  auto b = make_broker();
+  const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, id, "need persistent=1M ephemeral=1M\nalloc w 16\nfill w 7 dtype=i32\n").first, 0);
+  const auto buf = b->find_buffer(id, "w");
+  ASSERT_TRUE(buf);
+  std::promise<std::vector<char>> p;
+  b->read_buffer(id, buf->id, 0, 16, [&p](int err, std::vector<char>& data) {
+    EXPECT_EQ(err, 0);
+    p.set_value(data);
+  });
+  auto data = p.get_future().get();
+  ASSERT_EQ(data.size(), 16u);
+  std::int32_t v[4];
+  std::memcpy(v, data.data(), 16);
+  for (int x : v) EXPECT_EQ(x, 7);
+}
+
+TEST(Broker, FairPolicyAlternatesSessionsInOneLane) {
+  // Two sessions whose E fill the GPU must share one lane (Salus Figure 6).
+  auto b = make_broker(1, 12u << 20);
+  const auto a = static_cast<SessionId>(b->create_session(kRoot, ""));
+  const auto c = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, a, "need persistent=1M ephemeral=7M\n").first, 0);
+  ASSERT_EQ(run(*b, c, "need persistent=1M ephemeral=7M\n").first, 0);
+  EXPECT_EQ(field(b->render_status(a), "lane"), field(b->render_status(c), "lane"));
+  ASSERT_EQ(run(*b, a, "begin\nspin 2000\nend x20\n").first, 0);
+  ASSERT_EQ(run(*b, c, "begin\nspin 2000\nend x20\n").first, 0);
+  EXPECT_EQ(wait_for(*b, a).first, 0);
+  EXPECT_EQ(wait_for(*b, c).first, 0);
+  // Both finished and the lane went back and forth between them, not A then B.
+  const std::string stats = b->render_stats();
+  const auto pos = stats.find("\nswitches ");
+  ASSERT_NE(pos, std::string::npos);
+  EXPECT_GE(std::stoul(stats.substr(pos + 10)), 5u) << stats;
+}
+
+TEST(Broker, ShutdownRejectsNewWork) {
+  auto b = make_broker();
+  b->shutdown(100ms);
+  EXPECT_EQ(b->create_session(kRoot, ""), -ESHUTDOWN);
+}
