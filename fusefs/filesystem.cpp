@@ -2,6 +2,7 @@
 #include "fusefs/filesystem.hpp"
 
 #include <fuse3/fuse_lowlevel.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -38,6 +39,7 @@ struct OpenFile {
   bool answered = false;  // wait: the result is in `content`
   bool clone = false;
   SessionId session = 0;
+  std::uint64_t version = 0;  // status: the session's status version at open
 };
 
 struct DirHandle {
@@ -530,7 +532,10 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
         fuse_reply_err(req, EACCES);
         return;
       }
-      if (f == SessionFile::status) of->content = b.render_status(in.id);
+      if (f == SessionFile::status) {
+        of->version = b.status_version(in.id);
+        of->content = b.render_status(in.id);
+      }
       if (f == SessionFile::log) of->content = b.render_log(in.id);
       if (f == SessionFile::ctl || f == SessionFile::wait) fi->nonseekable = 1;
       break;
@@ -712,6 +717,33 @@ void op_create(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t, fuse
     delete reinterpret_cast<std::shared_ptr<OpenFile>*>(fi->fh);
 }
 
+// poll(2) on status: readable once the session's status has changed since this
+// file was opened (re-open it to read the new snapshot). The poll handle waits
+// in the broker, not in a daemon thread.
+void op_poll(fuse_req_t req, fuse_ino_t, fuse_file_info* fi, fuse_pollhandle* ph) {
+  Filesystem& fs = *fs_of(req);
+  std::shared_ptr<OpenFile> of = open_of(fi);
+  const bool status = of->ino.kind == Kind::session_file &&
+                      static_cast<SessionFile>(of->ino.sub) == SessionFile::status;
+  if (!status) {
+    if (ph) fuse_pollhandle_destroy(ph);
+    fuse_reply_poll(req, POLLIN | POLLOUT);
+    return;
+  }
+  const bool changed = fs.broker().status_version(of->session) != of->version;
+  if (ph) {
+    if (changed) {
+      fuse_pollhandle_destroy(ph);
+    } else {
+      fs.broker().watch(of->session, of->version, [ph] {
+        fuse_lowlevel_notify_poll(ph);
+        fuse_pollhandle_destroy(ph);
+      });
+    }
+  }
+  fuse_reply_poll(req, changed ? POLLIN : 0);
+}
+
 void op_release(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
   Filesystem& fs = *fs_of(req);
   auto* holder = reinterpret_cast<std::shared_ptr<OpenFile>*>(fi->fh);
@@ -753,6 +785,7 @@ const fuse_lowlevel_ops kOps = [] {
   ops.write = op_write;
   ops.create = op_create;
   ops.release = op_release;
+  ops.poll = op_poll;
   ops.statfs = op_statfs;
   return ops;
 }();

@@ -156,6 +156,8 @@ void Broker::end_session(SessionId id) {
       later.push_back([done] { done(ECANCELED, {}); });
     }
     s->waiters.clear();
+    for (auto& w : s->watchers) later.push_back(std::move(w));
+    s->watchers.clear();
     maybe_finalize(*s, later);
   }
   run_all(later);
@@ -818,6 +820,24 @@ void Broker::enqueue(Session& s, WorkItem item) {
   }
 }
 
+std::uint64_t Broker::status_version(SessionId id) const {
+  std::lock_guard lk(mu_);
+  const Session* s = get(id);
+  return s ? s->version : 0;
+}
+
+void Broker::watch(SessionId id, std::uint64_t seen, std::function<void()> changed) {
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (s && !s->dead && s->version == seen) {
+      s->watchers.push_back(std::move(changed));
+      return;
+    }
+  }
+  changed();  // already changed (or gone)
+}
+
 void Broker::wait(SessionId id, std::function<void(int err, std::string text)> done) {
   Deferred later;
   {
@@ -834,6 +854,9 @@ void Broker::wait(SessionId id, std::function<void(int err, std::string text)> d
 }
 
 void Broker::check_waiters(Session& s, Deferred& later) {
+  ++s.version;
+  for (auto& w : s.watchers) later.push_back(std::move(w));
+  s.watchers.clear();
   const bool drained = s.queue.empty() && s.dispatched.empty() && s.in_flight == 0;
   if (s.waiters.empty()) {
     // fallthrough to writes
@@ -986,6 +1009,7 @@ void Broker::handle_admissions(Gpu& g, Deferred& later) {
                         static_cast<double>(s->admitted_at - s->queued_at) / 1e6));
     update_runnable(g, *s);
     resume_writes(*s, later);
+    check_waiters(*s, later);
   }
   sync_lanes(g, later);
   kick(g);

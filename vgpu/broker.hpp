@@ -97,6 +97,10 @@ class Broker {
               std::vector<CommandLine> commands,
               std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
               WriteReply done);
+  // poll(2) support for status: a counter that moves whenever the status may
+  // have changed, and a one-shot callback for when it moves past `seen`.
+  std::uint64_t status_version(SessionId id) const;
+  void watch(SessionId id, std::uint64_t seen, std::function<void()> changed);
   // Completes when all work submitted so far has finished: "done <n>" or an errno.
   void wait(SessionId id, std::function<void(int err, std::string text)> done);
 

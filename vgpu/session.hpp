@@ -180,6 +180,9 @@ struct Session {
   std::deque<PendingWrite> writes;  // suspended writes, in order
   bool writing = false;             // resume_writes is running for this session
   std::vector<Waiter> waiters;
+  // poll(2) on status: bumped whenever the status may have changed.
+  std::uint64_t version = 0;
+  std::vector<std::function<void()>> watchers;
 
   // Failure latch: set by a failed item; cleared by `reset` or `need`.
   int error = 0;

@@ -226,3 +226,19 @@ time.sleep(60)
     with open(other.file("mem/keep"), "rb") as f:
         assert struct.unpack("<f", f.read(4)) == (3.0,)
     other.close()
+
+
+def test_poll_on_status_wakes_when_work_finishes(session):
+    import select
+    s = session
+    s.cmd("need persistent=1M ephemeral=1M\n")
+    fd = os.open(s.file("status"), os.O_RDONLY)
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    assert p.poll(100) == []           # nothing changed since open
+    t0 = time.time()
+    s.cmd("spin 200000\n")
+    events = p.poll(5000)
+    assert events and events[0][1] & select.POLLIN
+    assert time.time() - t0 >= 0.15    # woke when the spin finished, not before
+    os.close(fd)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <variant>
 
 #include "vgpu/device.hpp"
@@ -11,6 +12,7 @@ namespace salus::vgpu::sim {
 
 class HostMapping;
 class RealTimeContention;
+struct SimLaunch;
 
 struct FillOp {
   DevOffset dst;
@@ -41,12 +43,18 @@ struct FromHostOp {
   const void* host;
   Bytes length;
 };
+// A user kernel from a module (sim_modules.hpp). Shared, not copied, so the op
+// stays small and the module stays loaded until the launch has run.
+struct LaunchOp {
+  std::shared_ptr<const SimLaunch> launch;
+};
 // Not executed: the stream reports completion when it reaches one.
 struct NotifyOp {
   std::uint64_t token;
 };
 
-using SimOp = std::variant<FillOp, CopyOp, SpinOp, GemmOp, ToHostOp, FromHostOp, NotifyOp>;
+using SimOp =
+    std::variant<FillOp, CopyOp, SpinOp, GemmOp, ToHostOp, FromHostOp, LaunchOp, NotifyOp>;
 
 // Runs one op to completion on the calling thread. Returns 0, or the errno a real
 // device would report: EFAULT for a range outside device memory, EINVAL for a bad
