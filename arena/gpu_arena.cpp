@@ -1,0 +1,552 @@
+#include "arena/gpu_arena.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <unordered_map>
+
+#include "arena/admission_queue.hpp"
+#include "arena/lane_assignment.hpp"
+#include "arena/lane_table.hpp"
+#include "arena/persistent_heap.hpp"
+#include "arena/space_map.hpp"
+
+namespace salus::arena {
+
+const char* to_string(ArenaError e) {
+  switch (e) {
+    case ArenaError::ok:
+      return "ok";
+    case ArenaError::too_large:
+      return "too_large";
+    case ArenaError::unknown_session:
+      return "unknown_session";
+    case ArenaError::not_admitted:
+      return "not_admitted";
+    case ArenaError::duplicate:
+      return "duplicate";
+    case ArenaError::no_memory:
+      return "no_memory";
+    case ArenaError::fragmented:
+      return "fragmented";
+  }
+  return "unknown";
+}
+
+namespace {
+
+struct SessionState {
+  Need declared;
+  Bytes p = 0;  // aligned declared persistent
+  Bytes e = 0;  // aligned declared ephemeral
+  std::uint64_t arrival = 0;
+  bool admitted = false;
+  std::optional<LaneId> lane;
+  Bytes used = 0;  // live persistent bytes
+
+  // P_i of the safety condition. A re-queued session has given up its declared P but
+  // still holds its buffers, and those bytes are on the GPU all the same.
+  Bytes reserved() const { return admitted ? std::max(p, used) : used; }
+  // What admission adds to the persistent sum.
+  Bytes p_new() const { return std::max(p, used) - used; }
+};
+
+}  // namespace
+
+struct GpuArena::Impl {
+  Impl(Bytes cap, ArenaOptions opts)
+      : capacity(cap),
+        usable(cap & ~(kAlignment - 1)),
+        options(opts),
+        space(usable),
+        heap(usable) {}
+
+  Bytes capacity;
+  Bytes usable;  // capacity rounded down to kAlignment: the top of the persistent region
+  ArenaOptions options;
+  SpaceMap space;
+  PersistentHeap heap;
+  LaneTable lanes;
+  AdmissionQueue queue;
+  std::unordered_map<SessionId, SessionState> sessions;
+  std::uint64_t next_arrival = 0;
+  Bytes reserved = 0;  // sum of SessionState::reserved()
+  std::vector<Admitted> admissions;
+  ArenaStats stats;
+
+  Bytes slack() const { return usable - reserved - lanes.total(); }
+  bool too_large(const Need& need, Bytes used) const;
+  bool try_admit(const QueuedRequest& q);
+  bool may_admit() const;
+  bool settle_lanes();
+  void reconcile(bool assign);
+  void verify() const;
+  std::string check() const;
+  std::vector<PhysicalRegion> regions() const;
+};
+
+bool GpuArena::Impl::too_large(const Need& need, Bytes used) const {
+  if (need.persistent > usable || need.ephemeral > usable) return true;
+  const Bytes p = std::max(align_up(need.persistent), used), e = align_up(need.ephemeral);
+  return p > usable || e > usable - p;
+}
+
+// Every Algorithm-1 step needs p_new <= slack, and p_new + E <= slack + (the largest
+// lane a request may join or grow; none in lane_per_session). A pass in which no queued
+// request meets both cannot admit anything, so it is skipped: the queue may be long.
+bool GpuArena::Impl::may_admit() const {
+  if (queue.empty()) return false;
+  const Bytes room = slack();
+  const Bytes largest = options.lane_mode == LaneMode::salus ? lanes.largest() : 0;
+  return queue.min_persistent() <= room && queue.min_total() <= room + largest;
+}
+
+bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
+  if (q.persistent > slack()) return false;  // the common refusal, without a lookup
+  const SessionId id = q.session;
+  SessionState& s = sessions.at(id);
+  const Bytes p_new = q.persistent;
+  const LaneDecision d = find_lane(lanes, slack(), p_new, s.e, options.lane_mode);
+  if (d.step == LaneStep::none) return false;
+  if (d.room > 0) {
+    // Opening or growing a lane takes the bytes right above the lane region. Algorithm 1
+    // only looks at the accounting; when those bytes are still held (by a busy lane that
+    // has not slid down yet, or by persistent buffers) the request waits for them rather
+    // than falling through to a later step, because a lane, once joined, is for life.
+    const Bytes top = lanes.total();
+    if (!space.is_free(top, top + d.room)) {
+      if (heap.intersects(top, top + d.room)) heap.request_room(d.room);
+      return false;
+    }
+  }
+  LaneId lane = d.lane;
+  switch (d.step) {
+    case LaneStep::open:
+      lane = lanes.open(id, s.e);
+      ++stats.lanes_opened;
+      break;
+    case LaneStep::join:
+      lanes.join(lane, id, s.e);
+      break;
+    case LaneStep::grow:
+      lanes.grow(lane, id, s.e);
+      ++stats.lanes_grown;
+      break;
+    case LaneStep::none:
+      return false;
+  }
+  reserved += p_new;
+  s.admitted = true;
+  s.lane = lane;
+  ++stats.admissions;
+  admissions.push_back({id, lane});
+  return true;
+}
+
+// True when bytes were given back, i.e. room may have appeared for the queue.
+bool GpuArena::Impl::settle_lanes() {
+  const LaneTable::SettleResult r = lanes.settle(space);
+  stats.lane_moves += r.moved;
+  stats.lanes_closed += r.deleted;
+  return r.released;
+}
+
+void GpuArena::Impl::reconcile(bool assign) {
+  bool run = settle_lanes() || assign;
+  while (run && may_admit()) {
+    const std::size_t admitted =
+        queue.admit(options.queue_mode, options.max_bypass,
+                    [this](const QueuedRequest& q) { return try_admit(q); });
+    // Admissions only take room, so another pass is useful only if placing the new lanes
+    // moved others (a grown lane shifts the lanes above it).
+    run = admitted > 0 && settle_lanes();
+  }
+  heap.settle_compaction(lanes.total());
+  verify();
+}
+
+void GpuArena::Impl::verify() const {
+#ifndef NDEBUG
+  const std::string problem = check();
+  if (!problem.empty()) {
+    std::fprintf(stderr, "salus arena: invariant violated: %s\n", problem.c_str());
+    std::abort();
+  }
+#endif
+}
+
+std::vector<PhysicalRegion> GpuArena::Impl::regions() const {
+  std::vector<PhysicalRegion> out;
+  for (const auto& [id, l] : lanes.all())
+    if (l.offset) out.push_back({PhysicalRegion::Kind::lane, *l.offset, l.held, id});
+  heap.for_each_buffer([&](const PersistentBuffer& b) {
+    out.push_back({PhysicalRegion::Kind::persistent, b.offset, b.size, b.handle});
+    for (const auto& [begin, end] : b.holds)
+      out.push_back({PhysicalRegion::Kind::reserved, begin, end - begin, b.handle});
+  });
+  std::sort(out.begin(), out.end(), [](const PhysicalRegion& a, const PhysicalRegion& b) {
+    return a.offset != b.offset ? a.offset < b.offset : a.size < b.size;
+  });
+  return out;
+}
+
+std::string GpuArena::Impl::check() const {
+  // ---- sessions and accounting ----
+  Bytes sum_reserved = 0, sum_used = 0;
+  std::size_t waiting = 0;
+  for (const auto& [id, s] : sessions) {
+    sum_reserved += s.reserved();
+    sum_used += s.used;
+    if (s.p % kAlignment != 0 || s.e % kAlignment != 0)
+      return fmt::format("session {}: need not aligned", id);
+    Bytes owned = 0;
+    if (const auto* handles = heap.buffers_of(id))
+      for (BufferHandle h : *handles) owned += heap.find(h)->size;
+    if (owned != s.used)
+      return fmt::format("session {}: used {} but its buffers hold {}", id, s.used, owned);
+    if (s.admitted) {
+      const Lane* l = s.lane ? lanes.find(*s.lane) : nullptr;
+      if (!l || !l->has_member(id)) return fmt::format("admitted session {} is in no lane", id);
+      if (queue.contains(id)) return fmt::format("admitted session {} is still queued", id);
+    } else {
+      ++waiting;
+      if (s.lane) return fmt::format("queued session {} has a lane", id);
+      if (!queue.contains(id)) return fmt::format("session {} is neither admitted nor queued", id);
+    }
+  }
+  if (waiting != queue.size())
+    return fmt::format("queue holds {} requests, {} sessions wait", queue.size(), waiting);
+  if (sum_reserved != reserved)
+    return fmt::format("reserved is {} but sessions reserve {}", reserved, sum_reserved);
+  if (sum_used != heap.used())
+    return fmt::format("heap holds {} but sessions use {}", heap.used(), sum_used);
+  std::string queue_problem;
+  std::uint64_t last_arrival = 0;
+  bool first = true;
+  queue.for_each([&](const QueuedRequest& q) {
+    if (!queue_problem.empty()) return;
+    if (!first && q.arrival <= last_arrival) queue_problem = "queue out of arrival order";
+    auto it = sessions.find(q.session);
+    if (it == sessions.end() || it->second.arrival != q.arrival)
+      queue_problem = fmt::format("queued session {} unknown or misplaced", q.session);
+    else if (q.persistent != it->second.p_new() || q.ephemeral != it->second.e)
+      queue_problem = fmt::format("queued session {} has a stale need", q.session);
+    first = false;
+    last_arrival = q.arrival;
+  });
+  if (!queue_problem.empty()) return queue_problem;
+
+  // ---- lanes ----
+  Bytes total = 0;
+  std::size_t with_members = 0;
+  for (const auto& [id, l] : lanes.all()) {
+    Bytes largest = 0;
+    for (const LaneMember& m : l.members) {
+      auto it = sessions.find(m.session);
+      if (it == sessions.end() || !it->second.admitted || it->second.lane != id ||
+          it->second.e != m.ephemeral)
+        return fmt::format("lane {}: member {} is stale", id, m.session);
+      largest = std::max(largest, m.ephemeral);
+    }
+    if (l.size != largest)
+      return fmt::format("lane {}: size {} but largest E {}", id, l.size, largest);
+    if (l.target != total)
+      return fmt::format("lane {}: target {} but layout says {}", id, l.target, total);
+    total += l.size;
+    if (!l.members.empty()) ++with_members;
+    if (l.busy && !l.offset) return fmt::format("lane {}: busy without a place", id);
+    if (l.busy && (!l.running || l.used > l.held))
+      return fmt::format("lane {}: busy state inconsistent", id);
+    if (!l.busy && l.offset && !l.in_place())
+      return fmt::format("lane {}: idle but not at its place in the layout", id);
+    if (!l.busy && !l.offset && space.is_free(l.target, l.target + l.size))
+      return fmt::format("lane {}: waits for room that is free", id);
+    if (!l.busy && l.members.empty()) return fmt::format("lane {}: idle and empty", id);
+  }
+  if (total != lanes.total())
+    return fmt::format("lane total {} but lanes sum {}", lanes.total(), total);
+  if (with_members != lanes.indexed()) return "lane index out of date";
+
+  // ---- the safety condition ----
+  if (reserved > usable || lanes.total() > usable - reserved)
+    return fmt::format("safety condition broken: P {} + L {} > C {}", reserved, lanes.total(),
+                       usable);
+
+  // ---- physical layout ----
+  std::string buffer_problem;
+  heap.for_each_buffer([&](const PersistentBuffer& b) {
+    if (!buffer_problem.empty()) return;
+    if (b.offset < lanes.total())
+      buffer_problem = fmt::format("buffer {} at {} is inside the lane region", b.handle, b.offset);
+    if (b.move_to && !heap.has_outstanding(b.owner))
+      buffer_problem = fmt::format("buffer {} has a move nobody will finish", b.handle);
+    if (b.holds.empty() != (!b.move_to && !b.then_to))
+      buffer_problem =
+          fmt::format("buffer {} holds ranges without a move, or the reverse", b.handle);
+  });
+  if (!buffer_problem.empty()) return buffer_problem;
+  const std::vector<PhysicalRegion> held = regions();
+  Bytes end = 0, held_bytes = 0;
+  std::vector<std::pair<Bytes, Bytes>> gaps;
+  for (const PhysicalRegion& r : held) {
+    if (r.offset % kAlignment != 0 || r.size % kAlignment != 0)
+      return fmt::format("region at {} size {} not aligned", r.offset, r.size);
+    if (r.size == 0) continue;
+    if (r.offset < end) return fmt::format("regions overlap at {}", r.offset);
+    if (r.offset + r.size > usable) return fmt::format("region at {} runs past the top", r.offset);
+    if (r.kind != PhysicalRegion::Kind::lane && r.offset < lanes.total())
+      return fmt::format("persistent region at {} is inside the lane region", r.offset);
+    if (r.offset > end) gaps.emplace_back(end, r.offset);
+    end = r.offset + r.size;
+    held_bytes += r.size;
+  }
+  if (end < usable) gaps.emplace_back(end, usable);
+  std::vector<std::pair<Bytes, Bytes>> holes;
+  space.for_each_hole([&](Bytes b, Bytes e) { holes.emplace_back(b, e); });
+  if (holes != gaps) return "free map does not match the held regions";
+  if (space.free_bytes() != usable - held_bytes) return "free byte count is off";
+  return {};
+}
+
+// ---------------------------------------------------------------- GpuArena
+
+GpuArena::GpuArena(Bytes capacity, ArenaOptions options)
+    : impl_(std::make_unique<Impl>(capacity, options)) {}
+GpuArena::~GpuArena() = default;
+GpuArena::GpuArena(GpuArena&&) noexcept = default;
+GpuArena& GpuArena::operator=(GpuArena&&) noexcept = default;
+
+Bytes GpuArena::capacity() const {
+  return impl_->capacity;
+}
+const ArenaOptions& GpuArena::options() const {
+  return impl_->options;
+}
+
+void GpuArena::set_queue_mode(QueueMode mode) {
+  impl_->options.queue_mode = mode;
+  impl_->reconcile(true);
+}
+
+ArenaError GpuArena::request(SessionId session, Need need, TimeNs now) {
+  Impl& m = *impl_;
+  if (m.sessions.count(session)) return ArenaError::duplicate;
+  if (m.too_large(need, 0)) return ArenaError::too_large;
+  SessionState s;
+  s.declared = need;
+  s.p = align_up(need.persistent);
+  s.e = align_up(need.ephemeral);
+  s.arrival = m.next_arrival++;
+  m.queue.push(session, s.arrival, now, s.p_new(), s.e);
+  m.sessions.emplace(session, s);
+  m.reconcile(true);
+  return ArenaError::ok;
+}
+
+ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now) {
+  Impl& m = *impl_;
+  auto it = m.sessions.find(session);
+  if (it == m.sessions.end()) return ArenaError::unknown_session;
+  SessionState& s = it->second;
+  if (m.too_large(need, s.used)) return ArenaError::too_large;
+  if (s.admitted) {
+    m.reserved -= s.reserved() - s.used;
+    m.lanes.remove_member(*s.lane, session);
+    s.lane.reset();
+    s.admitted = false;
+    m.queue.push(session, s.arrival, now, 0, 0);
+  }
+  s.declared = need;
+  s.p = align_up(need.persistent);
+  s.e = align_up(need.ephemeral);
+  m.queue.set_need(session, s.p_new(), s.e);
+  m.reconcile(true);
+  return ArenaError::ok;
+}
+
+void GpuArena::leave(SessionId session, TimeNs /*now*/) {
+  Impl& m = *impl_;
+  auto it = m.sessions.find(session);
+  if (it == m.sessions.end()) return;
+  SessionState& s = it->second;
+  m.reserved -= s.reserved();
+  if (s.lane) m.lanes.remove_member(*s.lane, session);
+  m.queue.remove(session);
+  if (m.heap.release_all(m.space, session) > 0) m.lanes.mark_dirty();
+  m.sessions.erase(it);
+  m.reconcile(true);
+}
+
+std::vector<Admitted> GpuArena::take_admissions() {
+  std::vector<Admitted> out;
+  out.swap(impl_->admissions);
+  return out;
+}
+
+bool GpuArena::lane_ready(LaneId lane) const {
+  return impl_->lanes.ready(lane);
+}
+
+Bytes GpuArena::lane_offset(LaneId lane) const {
+  const Lane* l = impl_->lanes.find(lane);
+  return l && l->offset ? *l->offset : 0;
+}
+
+Bytes GpuArena::lane_size(LaneId lane) const {
+  const Lane* l = impl_->lanes.find(lane);
+  return l ? l->size : 0;
+}
+
+void GpuArena::begin_iteration(LaneId lane, SessionId session, Bytes ephemeral_used) {
+  impl_->lanes.begin(lane, session, ephemeral_used);
+  impl_->verify();
+}
+
+void GpuArena::end_iteration(LaneId lane, TimeNs /*now*/) {
+  if (impl_->lanes.end(lane)) impl_->reconcile(false);
+}
+
+AllocResult GpuArena::alloc_persistent(SessionId session, Bytes size) {
+  Impl& m = *impl_;
+  auto it = m.sessions.find(session);
+  if (it == m.sessions.end()) return {ArenaError::unknown_session};
+  SessionState& s = it->second;
+  if (!s.admitted) return {ArenaError::not_admitted};
+  if (size > m.usable) return {ArenaError::no_memory};
+  const Bytes rounded = align_up(std::max<Bytes>(size, 1));
+  const Bytes before = s.reserved();
+  const Bytes after = std::max(s.p, s.used + rounded);
+  if (after - before > m.slack()) return {ArenaError::no_memory};
+  const std::optional<BufferHandle> h = m.heap.allocate(m.space, session, rounded, m.lanes.total());
+  if (!h) {
+    m.heap.request_room(rounded);
+    m.heap.settle_compaction(m.lanes.total());
+    m.verify();
+    return {ArenaError::fragmented};
+  }
+  s.used += rounded;
+  m.reserved += after - before;
+  m.heap.settle_compaction(m.lanes.total());
+  m.verify();
+  return {ArenaError::ok, *h, m.heap.find(*h)->offset};
+}
+
+void GpuArena::free_persistent(BufferHandle buffer) {
+  Impl& m = *impl_;
+  const std::optional<PersistentBuffer> b = m.heap.release(m.space, buffer);
+  if (!b) return;
+  SessionState& s = m.sessions.at(b->owner);
+  const Bytes before = s.reserved();
+  s.used -= b->size;
+  m.reserved -= before - s.reserved();
+  if (!s.admitted) m.queue.set_need(b->owner, s.p_new(), s.e);
+  m.lanes.mark_dirty();
+  m.reconcile(true);
+}
+
+Bytes GpuArena::buffer_offset(BufferHandle buffer) const {
+  const PersistentBuffer* b = impl_->heap.find(buffer);
+  return b ? b->offset : 0;
+}
+
+std::vector<PersistentMove> GpuArena::session_idle(SessionId session) {
+  Impl& m = *impl_;
+  auto it = m.sessions.find(session);
+  if (it == m.sessions.end()) return {};
+  if (const Lane* l = it->second.lane ? m.lanes.find(*it->second.lane) : nullptr;
+      l && l->busy && l->running == session)
+    return {};  // not idle after all: its iteration is in flight
+  std::vector<PersistentMove> moves = m.heap.plan_moves(m.space, session, m.lanes.total());
+  m.verify();
+  return moves;
+}
+
+void GpuArena::finish_moves(SessionId session, TimeNs /*now*/) {
+  Impl& m = *impl_;
+  const PersistentHeap::Finished f = m.heap.finish_moves(m.space, session);
+  if (!f.had_moves) return;
+  m.stats.persistent_moves += f.buffers;
+  m.stats.persistent_bytes_moved += f.bytes;
+  m.lanes.mark_dirty();
+  m.reconcile(true);
+}
+
+bool GpuArena::compaction_pending() const {
+  return impl_->heap.compaction_pending(impl_->lanes.total());
+}
+
+MemorySummary GpuArena::memory() const {
+  const Impl& m = *impl_;
+  MemorySummary s;
+  s.capacity = m.capacity;
+  s.persistent_used = m.heap.used();
+  s.persistent_reserved = m.reserved;
+  s.lane_total = m.lanes.total();
+  s.free = m.capacity - m.reserved - m.lanes.total();
+  s.largest_hole = m.space.largest_hole();
+  const Bytes physically_free = m.space.free_bytes();
+  s.fragmentation = physically_free == 0 ? 0.0
+                                         : 1.0 - static_cast<double>(s.largest_hole) /
+                                                     static_cast<double>(physically_free);
+  s.lanes = static_cast<std::uint32_t>(m.lanes.count());
+  s.queued = static_cast<std::uint32_t>(m.queue.size());
+  return s;
+}
+
+std::vector<LaneView> GpuArena::lanes() const {
+  std::vector<LaneView> out;
+  out.reserve(impl_->lanes.count());
+  for (const auto& [id, l] : impl_->lanes.all()) {
+    LaneView v{id, l.offset, l.size, l.used, l.busy, l.busy && !l.in_place(), l.running, {}};
+    v.sessions.reserve(l.members.size());
+    for (const LaneMember& mb : l.members) v.sessions.push_back(mb.session);
+    out.push_back(std::move(v));
+  }
+  // Placed lanes by offset, then the ones waiting for room, by id (the map's order).
+  std::stable_sort(out.begin(), out.end(), [](const LaneView& a, const LaneView& b) {
+    if (a.offset.has_value() != b.offset.has_value()) return a.offset.has_value();
+    return a.offset && *a.offset < *b.offset;
+  });
+  return out;
+}
+
+std::vector<QueueEntry> GpuArena::queue() const {
+  std::vector<QueueEntry> out;
+  out.reserve(impl_->queue.size());
+  impl_->queue.for_each([&](const QueuedRequest& q) {
+    out.push_back({q.session, impl_->sessions.at(q.session).declared, q.waiting_since, q.bypassed});
+  });
+  return out;
+}
+
+std::optional<Placement> GpuArena::placement(SessionId session) const {
+  auto it = impl_->sessions.find(session);
+  if (it == impl_->sessions.end()) return std::nullopt;
+  const SessionState& s = it->second;
+  Placement p;
+  p.admitted = s.admitted;
+  p.lane = s.lane;
+  if (const Lane* l = s.lane ? impl_->lanes.find(*s.lane) : nullptr) {
+    p.lane_offset = l->offset;
+    p.lane_size = l->size;
+  }
+  p.declared = s.declared;
+  p.persistent_used = s.used;
+  return p;
+}
+
+const ArenaStats& GpuArena::stats() const {
+  return impl_->stats;
+}
+
+std::string GpuArena::check_invariants() const {
+  return impl_->check();
+}
+
+std::vector<PhysicalRegion> GpuArena::physical_regions() const {
+  return impl_->regions();
+}
+
+}  // namespace salus::arena

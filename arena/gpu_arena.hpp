@@ -118,6 +118,19 @@ struct Placement {
   Bytes persistent_used = 0;
 };
 
+// One physically held range of GPU memory (an addition for status views and tests).
+struct PhysicalRegion {
+  enum class Kind : std::uint8_t {
+    lane,        // what a lane holds at its current offset
+    persistent,  // a live persistent buffer
+    reserved,    // a move destination held for a persistent buffer until finish_moves
+  };
+  Kind kind;
+  Bytes offset;
+  Bytes size;
+  std::uint64_t id;  // lane id, or the buffer handle
+};
+
 struct ArenaStats {
   std::uint64_t admissions = 0;
   std::uint64_t lanes_opened = 0;
@@ -197,6 +210,9 @@ class GpuArena {
   // Empty when every invariant holds; otherwise a description of the first
   // violation. Checked after every operation in debug builds.
   std::string check_invariants() const;
+  // Every physically held range, in offset order. A busy lane that shrank keeps holding
+  // its old extent until its boundary, so this can differ from lanes().
+  std::vector<PhysicalRegion> physical_regions() const;
 
  private:
   struct Impl;
