@@ -35,6 +35,8 @@ void run_all(std::vector<std::function<void()>>& later) {
 
 constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pass
 constexpr std::size_t kMaxModuleBytes = 256u << 20;
+// exec_* result: the write must wait and run this line again later.
+constexpr int kSuspend = -1;
 
 }  // namespace
 
@@ -212,7 +214,7 @@ int Broker::kill_session(SessionId id) {
 
 // Frees everything once nothing of the session is on a device any more.
 void Broker::maybe_finalize(Session& s, Deferred& later) {
-  if (!s.dead || s.in_flight > 0) return;
+  if (!s.dead || s.in_flight > 0 || s.moving) return;
   Gpu* g = gpu_of(s);
   UidUsage& u = usage_[s.uid];
   for (auto& [bid, b] : s.buffers) {
@@ -374,7 +376,14 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
   return std::visit(
       Overloaded{
           [&](const NeedCmd& c) { return exec_need(s, c, ln, later); },
-          [&](const AllocCmd& c) { return exec_alloc(s, c, ln); },
+          [&](const AllocCmd& c) {
+            const int rc = exec_alloc(s, c, ln);
+            if (rc == kSuspend) {
+              suspend = true;
+              return 0;
+            }
+            return rc;
+          },
           [&](const FreeCmd& c) { return exec_free(s, c, ln); },
           [&](const BeginCmd&) {
             if (s.recording) return fail(EINVAL, "begin inside begin: end the open iteration first");
@@ -581,8 +590,17 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln) {
   }
   Gpu& g = *gpu_of(s);
   const auto r = g.sched.arena().alloc_persistent(s.id, c.size);
-  if (r.error == arena::ArenaError::fragmented)
-    return fail(EAGAIN, "persistent memory is fragmented; compaction is scheduled, retry shortly");
+  if (r.error == arena::ArenaError::fragmented) {
+    // Compaction is planned; the write waits (holding no thread) and retries.
+    kick(g);
+    return kSuspend;
+  }
+  if (r.error == arena::ArenaError::no_memory) {
+    // Memory this session freed may still be in use by its submitted work; it
+    // comes back when that work completes, so wait for it rather than fail.
+    for (const auto& [handle, pin] : s.pins)
+      if (pin.retired) return kSuspend;
+  }
   if (r.error != arena::ArenaError::ok) {
     const auto pl = g.sched.arena().placement(s.id);
     return fail(ENOMEM,
@@ -1043,7 +1061,7 @@ void Broker::sync_lanes(Gpu& g, Deferred& later) {
 }
 
 void Broker::update_runnable(Gpu& g, Session& s) {
-  const bool runnable = !s.queue.empty() && !s.dead && s.lane &&
+  const bool runnable = !s.queue.empty() && !s.dead && s.lane && !s.moving &&
                         (s.state == SessionState::admitted) &&
                         !(s.in_flight > 0 && s.in_flight_lane != s.lane);
   g.sched.set_runnable(s.id, runnable);
@@ -1083,6 +1101,7 @@ void Broker::worker_loop(Gpu& g) {
 }
 
 void Broker::dispatch(Gpu& g, Deferred& later) {
+  compact(g);
   std::uint32_t budget = kInlineBudget;
   bool progress = true;
   while (progress && budget > 0) {
@@ -1187,7 +1206,51 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
   return true;
 }
 
+// Persistent compaction: sessions with nothing in flight hand over their planned
+// buffer moves, which run as device-to-device copies on the GPU's move stream.
+// The session is not dispatched until its copies are done.
+void Broker::compact(Gpu& g) {
+  arena::GpuArena& ar = g.sched.arena();
+  if (!ar.compaction_pending()) return;
+  for (auto& [id, sp] : sessions_) {
+    Session& s = *sp;
+    if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0) continue;
+    const auto moves = ar.session_idle(s.id);
+    if (moves.empty()) continue;
+    if (!g.move_stream) g.move_stream = g.device->create_stream();
+    for (const arena::PersistentMove& m : moves) g.device->copy(*g.move_stream, m.to, m.from, m.size);
+    const std::uint64_t token = next_token_++;
+    g.move_tokens.emplace(token, s.id);
+    s.moving = true;
+    update_runnable(g, s);
+    g.device->notify(*g.move_stream, token);
+    if (!ar.compaction_pending()) break;
+  }
+}
+
+void Broker::finish_compaction(Gpu& g, const Completion& c, Deferred& later) {
+  auto it = g.move_tokens.find(c.token);
+  if (it == g.move_tokens.end()) return;
+  const SessionId id = it->second;
+  g.move_tokens.erase(it);
+  g.sched.arena().finish_moves(id, now());
+  if (Session* s = get(id)) {
+    s->moving = false;
+    if (c.status) fail_session(*s, c.status, "moving its persistent buffers failed", later);
+    update_runnable(g, *s);
+    maybe_finalize(*s, later);
+  }
+  handle_admissions(g, later);
+  // Writes waiting for a fragmented allocation retry now.
+  for (auto& [sid, sp] : sessions_)
+    if (sp->gpu == static_cast<int>(g.index) && !sp->writes.empty()) resume_writes(*sp, later);
+}
+
 void Broker::complete(Gpu& g, const Completion& c, Deferred& later) {
+  if (g.move_stream && c.stream == *g.move_stream) {
+    finish_compaction(g, c, later);
+    return;
+  }
   auto ls = g.stream_lane.find(c.stream);
   if (ls == g.stream_lane.end()) return;
   const LaneId lane_id = ls->second;
@@ -1243,6 +1306,8 @@ void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status,
       s.queue.pop_front();
   }
   if (Session* again = get(id)) {
+    // A write may be waiting for memory this item just released.
+    if (!again->writes.empty() && !again->writes.front().syncing) resume_writes(*again, later);
     check_waiters(*again, later);
     update_runnable(g, *again);
     maybe_finalize(*again, later);
@@ -1289,6 +1354,8 @@ void Broker::shutdown(std::chrono::milliseconds bound) {
   std::lock_guard lk(mu_);
   for (auto& g : gpus_) {
     for (auto& [id, lane] : g->lanes) g->device->destroy_stream(lane.stream);
+    if (g->move_stream) g->device->destroy_stream(*g->move_stream);
+    g->move_stream.reset();
     g->lanes.clear();
   }
   stopped_ = true;

@@ -200,6 +200,8 @@ class Broker {
   void dispatch(Gpu& g, Deferred& later);
   bool dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later);
   void complete(Gpu& g, const Completion& c, Deferred& later);
+  void compact(Gpu& g);
+  void finish_compaction(Gpu& g, const Completion& c, Deferred& later);
   void finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std::int64_t device_ns,
                        Deferred& later);
   void kick(Gpu& g);

@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -39,6 +40,8 @@ struct Broker::Gpu {
   std::vector<LaneId> lane_ids;  // scratch for dispatch
   std::vector<std::uint8_t> arg_bytes;   // scratch for kernel launches
   std::vector<std::uint32_t> arg_sizes;
+  std::optional<StreamId> move_stream;                 // persistent compaction copies
+  std::unordered_map<std::uint64_t, SessionId> move_tokens;
   bool draining = false;
   std::uint32_t placed = 0;  // sessions placed on this GPU
 

@@ -85,6 +85,13 @@ class Device {
   // was executing (for utilization metrics).
   virtual std::int64_t busy_ns() const = 0;
 
+  // Counts the times the backend rebuilt the device after a fault (cuda: a kernel
+  // hit an illegal address, the context was reset and recreated). Each time,
+  // everything queued was completed with an error and all device memory was lost
+  // (it reads as zero again): persistent buffers of every session are gone.
+  // Stream, module and function handles stay valid. Sim never faults: always 0.
+  virtual std::uint64_t generation() const { return 0; }
+
   // ---- user modules and kernels ----
   // Loads a module image (cubin/PTX/fatbin on cuda; an ELF host shared object on
   // sim) that the broker read with the caller's credentials. Returns 0 and a

@@ -174,6 +174,7 @@ struct Session {
   std::deque<WorkItem> dispatched;  // fully dispatched, some instances in flight
   std::uint64_t in_flight = 0;      // instances on the device
   std::optional<LaneId> in_flight_lane;
+  bool moving = false;  // its persistent buffers are being compacted
   std::uint64_t queued_instances = 0;  // counted against the uid's quota
   std::uint64_t submitted_seq = 0;
   std::uint64_t completed_seq = 0;

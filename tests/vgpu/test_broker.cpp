@@ -2,6 +2,7 @@
 // driven through its public API on a small sim device.
 #include "vgpu/broker.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cerrno>
@@ -171,4 +172,31 @@ TEST(Broker, ShutdownRejectsNewWork) {
   auto b = make_broker();
   b->shutdown(100ms);
   EXPECT_EQ(b->create_session(kRoot, ""), -ESHUTDOWN);
+}
+
+TEST(Broker, FragmentedAllocationWaitsForCompactionThenSucceeds) {
+  auto b = make_broker(1, 64u << 20);
+  const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, id, "need persistent=62M ephemeral=1M\n").first, 0);
+  for (int i = 1; i <= 6; ++i)
+    ASSERT_EQ(run(*b, id, fmt::format("alloc b{} 10M\nfill b{} {} dtype=i32\n", i, i, i)).first, 0);
+  ASSERT_EQ(run(*b, id, "free b2\nfree b4\n").first, 0);
+  // 20M fits the accounting but no single hole: the write waits for compaction.
+  auto [err, reply] = run(*b, id, "alloc big 20M\n");
+  ASSERT_EQ(err, 0) << b->render_log(id);
+  EXPECT_NE(field(b->render_gpu_memory(0), "persistent_bytes_moved"), "0");
+  // Moved buffers kept their contents.
+  for (int i : {1, 3, 5, 6}) {
+    const auto buf = b->find_buffer(id, fmt::format("b{}", i));
+    ASSERT_TRUE(buf);
+    std::promise<std::vector<char>> p;
+    b->read_buffer(id, buf->id, (10u << 20) - 4, 4, [&p](int e, std::vector<char>& d) {
+      EXPECT_EQ(e, 0);
+      p.set_value(d);
+    });
+    auto d = p.get_future().get();
+    std::int32_t v = 0;
+    std::memcpy(&v, d.data(), 4);
+    EXPECT_EQ(v, i) << "b" << i;
+  }
 }

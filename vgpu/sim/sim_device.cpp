@@ -13,7 +13,9 @@ using sim::CopyOp;
 using sim::FillOp;
 using sim::FromHostOp;
 using sim::GemmOp;
+using sim::LaunchOp;
 using sim::NotifyOp;
+using sim::SimModule;
 using sim::SimOp;
 using sim::SimStream;
 using sim::SpinOp;
@@ -129,6 +131,117 @@ void SimDevice::discard(DevOffset offset, Bytes length) {
   if (const int err = memory_.discard(offset, length); err != 0)
     spdlog::warn("sim gpu{}: discard of {} bytes at {} failed: {}", info_.index, length, offset,
                  std::generic_category().message(err));
+}
+
+// ---- modules
+
+namespace {
+
+constexpr std::uint32_t kMaxFunctionsPerModule = 1u << 20;
+
+ModuleHandle module_of(FunctionHandle f) {
+  return static_cast<ModuleHandle>(f >> 32);
+}
+std::uint32_t index_of(FunctionHandle f) {
+  return static_cast<std::uint32_t>(f);
+}
+
+}  // namespace
+
+int SimDevice::load_module(const std::vector<std::uint8_t>& image, ModuleHandle& out,
+                           std::string& why) {
+  std::shared_ptr<SimModule> object;
+  // dlopen runs outside the table lock: it can take a while for a big object.
+  if (const int err = SimModule::load(image, object, why); err != 0) return err;
+  std::lock_guard lock(modules_mu_);
+  if (next_module_ == 0) {  // 2^32 loads: refuse rather than reuse a live handle
+    why = "module handles exhausted";
+    return ENOSPC;
+  }
+  out = next_module_++;
+  modules_[out].object = std::move(object);
+  return 0;
+}
+
+void SimDevice::unload_module(ModuleHandle module) {
+  std::shared_ptr<SimModule> object;
+  {
+    std::lock_guard lock(modules_mu_);
+    auto it = modules_.find(module);
+    if (it == modules_.end()) return;
+    object = std::move(it->second.object);
+    modules_.erase(it);
+  }
+  // dlclose (when no queued launch holds the object any more) outside the lock.
+  object.reset();
+}
+
+int SimDevice::get_function(ModuleHandle module, const std::string& name, FunctionHandle& out,
+                            std::vector<std::uint32_t>& param_sizes, std::string& why) {
+  param_sizes.clear();
+  std::lock_guard lock(modules_mu_);
+  auto it = modules_.find(module);
+  if (it == modules_.end()) {
+    why = fmt::format("no module {}", module);
+    return ENOENT;
+  }
+  Module& m = it->second;
+  for (std::size_t i = 0; i < m.functions.size(); ++i) {
+    if (m.functions[i].name != name) continue;
+    out = FunctionHandle{module} << 32 | i;
+    param_sizes = m.functions[i].param_sizes;
+    return 0;
+  }
+  if (m.functions.size() >= kMaxFunctionsPerModule) {
+    why = "too many functions looked up in this module";
+    return ENOSPC;
+  }
+  Function f;
+  f.name = name;
+  if (const int err = m.object->find(name, f.fn, f.param_sizes, f.has_signature, why); err != 0)
+    return err;
+  out = FunctionHandle{module} << 32 | m.functions.size();
+  param_sizes = f.param_sizes;
+  m.functions.push_back(std::move(f));
+  return 0;
+}
+
+std::uint64_t SimDevice::device_address(DevOffset offset) const {
+  return reinterpret_cast<std::uintptr_t>(memory_.data()) + offset;
+}
+
+void SimDevice::launch(StreamId stream, FunctionHandle function, const LaunchDims& dims,
+                       const std::uint8_t* args, const std::uint32_t* arg_sizes,
+                       std::size_t arg_count) {
+  std::shared_ptr<const SimModule> object;
+  ::salus_sim_kernel_fn fn = nullptr;
+  bool checked = false;
+  std::vector<std::uint32_t> sizes;
+  {
+    std::lock_guard lock(modules_mu_);
+    auto it = modules_.find(module_of(function));
+    if (it != modules_.end() && index_of(function) < it->second.functions.size()) {
+      const Function& f = it->second.functions[index_of(function)];
+      object = it->second.object;
+      fn = f.fn;
+      checked = f.has_signature;
+      sizes = f.param_sizes;
+    }
+  }
+  std::string why;
+  std::shared_ptr<const sim::SimLaunch> op;
+  if (fn == nullptr) {
+    auto bad = std::make_shared<sim::SimLaunch>();
+    bad->status = EINVAL;
+    why = fmt::format("no function with handle {:#x} (module unloaded?)", function);
+    op = std::move(bad);
+  } else {
+    op = sim::make_sim_launch(std::move(object), fn, dims, args, arg_sizes, arg_count, checked,
+                              sizes, why);
+  }
+  if (op->status != 0)
+    spdlog::warn("sim gpu{} stream {}: launch refused: {}", info_.index, stream, why);
+  enqueue(stream, LaunchOp{std::move(op)});
 }
 
 }  // namespace salus::vgpu

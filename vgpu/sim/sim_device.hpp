@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <shared_mutex>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "vgpu/sim/busy_meter.hpp"
 #include "vgpu/sim/host_mapping.hpp"
 #include "vgpu/sim/realtime_contention.hpp"
+#include "vgpu/sim/sim_modules.hpp"
 #include "vgpu/sim/sim_stream.hpp"
 
 namespace salus::vgpu {
@@ -61,6 +64,23 @@ class SimDevice final : public Device {
   // stream (notify markers do not count).
   std::int64_t busy_ns() const override { return busy_.busy_ns(); }
 
+  // Modules are host shared objects (client/salus_sim_kernel.h, docs/modules.md).
+  // Loading one runs its code inside this process: the sim backend trusts modules.
+  int load_module(const std::vector<std::uint8_t>& image, ModuleHandle& out,
+                  std::string& why) override;
+  // Launches already queued keep the object loaded until they have run.
+  void unload_module(ModuleHandle module) override;
+  // `param_sizes` comes from the module's salus_signature_NAME table; empty if none.
+  int get_function(ModuleHandle module, const std::string& name, FunctionHandle& out,
+                   std::vector<std::uint32_t>& param_sizes, std::string& why) override;
+  // A host pointer into the simulated device memory.
+  std::uint64_t device_address(DevOffset offset) const override;
+  // Runs the kernel once on the stream's thread. An unknown function, zero
+  // dimensions or arguments that contradict the signature complete with EINVAL.
+  void launch(StreamId stream, FunctionHandle function, const LaunchDims& dims,
+              const std::uint8_t* args, const std::uint32_t* arg_sizes,
+              std::size_t arg_count) override;
+
  private:
   // A slot stays reserved while its stream drains, so a concurrent create_stream
   // cannot hand out an id whose old completions are still arriving.
@@ -79,6 +99,20 @@ class SimDevice final : public Device {
 
   mutable std::shared_mutex streams_mu_;
   std::vector<Slot> slots_;  // indexed by StreamId
+
+  struct Function {
+    std::string name;
+    ::salus_sim_kernel_fn fn = nullptr;
+    bool has_signature = false;
+    std::vector<std::uint32_t> param_sizes;
+  };
+  struct Module {
+    std::shared_ptr<sim::SimModule> object;
+    std::vector<Function> functions;  // FunctionHandle = module << 32 | index
+  };
+  std::mutex modules_mu_;
+  std::map<ModuleHandle, Module> modules_;  // guarded by modules_mu_
+  ModuleHandle next_module_ = 1;            // guarded by modules_mu_; 0 is never valid
 };
 
 }  // namespace salus::vgpu

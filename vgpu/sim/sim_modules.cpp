@@ -98,8 +98,9 @@ int SimModule::load(const std::vector<std::uint8_t>& image, std::shared_ptr<SimM
   std::memcpy(&header, image.data(), sizeof header);
   if (header.e_ident[EI_CLASS] != kHostClass || header.e_type != ET_DYN ||
       (kHostMachine != EM_NONE && header.e_machine != kHostMachine)) {
-    why = "not a shared object for this machine (build the module with -shared -fPIC for the "
-          "host that runs salusd)";
+    why =
+        "not a shared object for this machine (build the module with -shared -fPIC for the "
+        "host that runs salusd)";
     return EINVAL;
   }
 
@@ -197,13 +198,10 @@ int SimModule::find(const std::string& name, salus_sim_kernel_fn& fn,
   return 0;
 }
 
-std::shared_ptr<const SimLaunch> make_sim_launch(std::shared_ptr<const SimModule> module,
-                                                 salus_sim_kernel_fn fn, const LaunchDims& dims,
-                                                 const std::uint8_t* args,
-                                                 const std::uint32_t* arg_sizes,
-                                                 std::size_t arg_count, bool checked,
-                                                 const std::vector<std::uint32_t>& param_sizes,
-                                                 std::string& why) {
+std::shared_ptr<const SimLaunch> make_sim_launch(
+    std::shared_ptr<const SimModule> module, salus_sim_kernel_fn fn, const LaunchDims& dims,
+    const std::uint8_t* args, const std::uint32_t* arg_sizes, std::size_t arg_count, bool checked,
+    const std::vector<std::uint32_t>& param_sizes, std::string& why) {
   auto launch = std::make_shared<SimLaunch>();
   launch->module = std::move(module);
   launch->fn = fn;
@@ -218,8 +216,8 @@ std::shared_ptr<const SimLaunch> make_sim_launch(std::shared_ptr<const SimModule
     if (dims.grid[i] == 0 || dims.block[i] == 0)
       return reject("grid and block dimensions must be at least 1");
   if (dims.shared_mem > kMaxSharedMem)
-    return reject(fmt::format("smem={} is over the sim limit of {}", dims.shared_mem,
-                              kMaxSharedMem));
+    return reject(
+        fmt::format("smem={} is over the sim limit of {}", dims.shared_mem, kMaxSharedMem));
   if (checked) {
     if (param_sizes.size() != arg_count)
       return reject(fmt::format("the kernel takes {} arguments, the launch passed {}",
@@ -241,8 +239,8 @@ std::shared_ptr<const SimLaunch> make_sim_launch(std::shared_ptr<const SimModule
   // vector's allocation is malloc-aligned (16 on x86-64 glibc); align explicitly
   // anyway so the slots are 16-aligned on any allocator.
   auto* base = reinterpret_cast<std::uint8_t*>(launch->storage.data());
-  const std::size_t skew = (kArgAlign - reinterpret_cast<std::uintptr_t>(base) % kArgAlign) %
-                           kArgAlign;
+  const std::size_t skew =
+      (kArgAlign - reinterpret_cast<std::uintptr_t>(base) % kArgAlign) % kArgAlign;
   std::size_t src = 0;
   for (std::size_t i = 0; i < arg_count; ++i) {
     launch->offsets[i] += static_cast<std::uint32_t>(skew);
@@ -253,7 +251,8 @@ std::shared_ptr<const SimLaunch> make_sim_launch(std::shared_ptr<const SimModule
 }
 
 int run_sim_launch(const SimLaunch& launch) {
-  if (launch.status != 0 || launch.fn == nullptr) return launch.status != 0 ? launch.status : EINVAL;
+  if (launch.status != 0 || launch.fn == nullptr)
+    return launch.status != 0 ? launch.status : EINVAL;
   salus_launch info{};
   info.abi = SALUS_SIM_KERNEL_ABI;
   for (int i = 0; i < 3; ++i) {

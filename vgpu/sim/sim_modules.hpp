@@ -59,13 +59,10 @@ struct SimLaunch {
 // Builds a launch, checking the arguments against `param_sizes` when the module
 // exported a signature (`checked`). A bad launch becomes one whose status is EINVAL,
 // logged with `why`, so the error arrives with the stream's next notify as for cuda.
-std::shared_ptr<const SimLaunch> make_sim_launch(std::shared_ptr<const SimModule> module,
-                                                 salus_sim_kernel_fn fn, const LaunchDims& dims,
-                                                 const std::uint8_t* args,
-                                                 const std::uint32_t* arg_sizes,
-                                                 std::size_t arg_count, bool checked,
-                                                 const std::vector<std::uint32_t>& param_sizes,
-                                                 std::string& why);
+std::shared_ptr<const SimLaunch> make_sim_launch(
+    std::shared_ptr<const SimModule> module, salus_sim_kernel_fn fn, const LaunchDims& dims,
+    const std::uint8_t* args, const std::uint32_t* arg_sizes, std::size_t arg_count, bool checked,
+    const std::vector<std::uint32_t>& param_sizes, std::string& why);
 
 // Runs a launch on the calling (stream) thread. Returns 0 or an errno.
 int run_sim_launch(const SimLaunch& launch);

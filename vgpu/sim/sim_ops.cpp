@@ -7,8 +7,8 @@
 
 #include "vgpu/sim/cpu_kernels.hpp"
 #include "vgpu/sim/host_mapping.hpp"
-#include "vgpu/sim/sim_modules.hpp"
 #include "vgpu/sim/realtime_contention.hpp"
+#include "vgpu/sim/sim_modules.hpp"
 
 namespace salus::vgpu::sim {
 namespace {
@@ -63,7 +63,9 @@ struct Executor {
     if (op.length != 0) std::memcpy(at(op.dst), op.host, op.length);
     return 0;
   }
-  int operator()(const LaunchOp& op) const { return op.launch ? run_sim_launch(*op.launch) : EINVAL; }
+  int operator()(const LaunchOp& op) const {
+    return op.launch ? run_sim_launch(*op.launch) : EINVAL;
+  }
   int operator()(const NotifyOp&) const { return 0; }
 };
 

@@ -1,0 +1,50 @@
+// Opening the cuda backend: what salusd calls to get one Device per NVIDIA GPU.
+// Deliberately free of cuda.h, so callers build without the CUDA include path.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vgpu/device.hpp"
+
+namespace salus::vgpu {
+
+struct CudaOptions {
+  // Fraction of the memory free at start-up that each GPU's arena reserves (one
+  // cuMemAlloc). The rest is left for the driver: kernel code, local memory
+  // (stacks) of user kernels, per-stream scratch for overlapping copies.
+  double memory_fraction = 0.9;
+  // Host-to-device and device-to-host copies up to this size go through pinned
+  // staging buffers, so enqueueing them never blocks; larger ones copy straight
+  // from the caller's (pageable) memory, which blocks the enqueuing thread until
+  // the stream reaches the copy.
+  Bytes staging_limit = Bytes{64} << 20;
+  // Pinned staging memory kept cached for reuse, per GPU.
+  Bytes staging_cache = Bytes{256} << 20;
+  // Wake the completion thread from the stream (cuLaunchHostFunc) as soon as a
+  // notify point is reached. Without it completions are found by polling alone.
+  bool host_func_wakeup = true;
+  // How often pending notifies are polled (and a device fault noticed) when no
+  // wake-up arrives.
+  std::chrono::microseconds poll_interval{2000};
+};
+
+// One Device per visible CUDA GPU (CUDA_VISIBLE_DEVICES applies), in ordinal
+// order, with DeviceInfo::index 0, 1, ... Returns an empty vector and a one-line
+// reason in `why` when there is nothing to use, e.g.
+//   "libcuda.so.1 not found: no NVIDIA driver (...)"
+//   "cuInit failed: CUDA_ERROR_NO_DEVICE"
+//   "gpu0: cannot reserve the arena: CUDA_ERROR_OUT_OF_MEMORY"
+// If only some GPUs fail to open, the others are returned and the failures are
+// logged. Only one Device per GPU may exist in a process (they share the primary
+// context, which fault recovery resets).
+std::vector<std::unique_ptr<Device>> open_cuda_devices(const CudaOptions& options,
+                                                       std::string& why);
+
+// Whether this build carries the built-in kernels (spin, gemm); if not, `why`
+// says so ("built-in ops unavailable: salusd was built without nvcc").
+bool cuda_builtins_built(std::string& why);
+
+}  // namespace salus::vgpu

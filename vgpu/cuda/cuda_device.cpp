@@ -1,0 +1,1235 @@
+#include "vgpu/cuda/cuda_device.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "vgpu/cuda/builtin_kernels.hpp"
+
+namespace salus::vgpu::cuda {
+namespace {
+
+constexpr Bytes kArenaAlign = Bytes{2} << 20;  // the driver's large-page granule
+constexpr Bytes kMinStagingClass = Bytes{64} << 10;
+constexpr std::size_t kArgAlign = 16;  // kernel parameters up to float4/double2
+constexpr std::uint32_t kMaxParams = 4096;
+
+std::runtime_error failure(int index, const std::string& what) {
+  return std::runtime_error(fmt::format("gpu{}: {}", index, what));
+}
+
+Bytes size_class(Bytes size) {
+  Bytes c = kMinStagingClass;
+  while (c < size) c <<= 1;
+  return c;
+}
+
+// a * b, saturating: operand sizes come from the broker, bounded by the arena,
+// but a saturated product can only make an overlap test more conservative.
+std::uint64_t mul_sat(std::uint64_t a, std::uint64_t b) {
+  if (a != 0 && b > UINT64_MAX / a) return UINT64_MAX;
+  return a * b;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- op scope
+
+class CudaDevice::OpScope {
+ public:
+  OpScope(CudaDevice& dev, StreamId id) : ctx_(dev.ctx_mu_) {
+    s_ = dev.find_stream(id);
+    if (!s_)
+      throw std::invalid_argument(fmt::format("cuda gpu{}: no stream {}", dev.info_.index, id));
+    lock_ = std::unique_lock(s_->mu);
+    if (s_->closing)
+      throw std::invalid_argument(
+          fmt::format("cuda gpu{}: stream {} is being destroyed", dev.info_.index, id));
+    dev.set_current();
+  }
+  Stream& stream() { return *s_; }
+
+ private:
+  std::shared_lock<std::shared_mutex> ctx_;
+  std::shared_ptr<Stream> s_;
+  std::unique_lock<std::mutex> lock_;
+};
+
+// ---------------------------------------------------------------- lifetime
+
+CudaDevice::CudaDevice(const CudaDriver& driver, int index, CUdevice device,
+                       const CudaOptions& options)
+    : drv_(driver), opts_(options), device_(device) {
+  if (!(opts_.memory_fraction > 0.0 && opts_.memory_fraction <= 1.0))
+    throw failure(index, fmt::format("memory fraction {} is not in (0, 1]", opts_.memory_fraction));
+  info_.index = index;
+  info_.backend = "cuda";
+  info_.driver_version = format_cuda_version(drv_.version());
+
+  char name[256] = {};
+  if (drv_.device_get_name(name, static_cast<int>(sizeof name - 1), device_) == CUDA_SUCCESS) info_.name = name;
+  CUuuid uuid{};
+  if (drv_.device_get_uuid(&uuid, device_) == CUDA_SUCCESS)
+    info_.uuid = format_gpu_uuid(reinterpret_cast<const unsigned char*>(uuid.bytes));
+  std::size_t total = 0;
+  if (const CUresult r = drv_.device_total_mem(&total, device_); r != CUDA_SUCCESS)
+    throw failure(index, fmt::format("cuDeviceTotalMem: {}", drv_.error_name(r)));
+  info_.total_memory = total;
+  auto attribute = [&](CUdevice_attribute a, int fallback) {
+    int v = 0;
+    return drv_.device_get_attribute(&v, a, device_) == CUDA_SUCCESS && v > 0 ? v : fallback;
+  };
+  info_.sm_count =
+      static_cast<std::uint32_t>(attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 1));
+  threads_per_sm_ = static_cast<std::uint32_t>(
+      attribute(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, 2048));
+  clock_khz_ = attribute(CU_DEVICE_ATTRIBUTE_CLOCK_RATE, 1'500'000);
+
+  std::string why;
+  open_context(true, why);  // throws
+  calibrate_spin(clock_khz_);
+  poller_ = std::thread([this] { poll_loop(); });
+  spdlog::info(
+      "cuda gpu{}: {} ({}), {} SMs, {} MiB, arena {} MiB at {:#x}, CUDA {}, built-in kernels: "
+      "{}, spin {:.1f} cycles/us",
+      info_.index, info_.name, info_.uuid, info_.sm_count, info_.total_memory >> 20,
+      info_.arena_size >> 20, arena_base_.load(), info_.driver_version,
+      builtins_why_.empty() ? builtin_fatbin_description : builtins_why_, cycles_per_usec_);
+}
+
+CudaDevice::~CudaDevice() {
+  // Let queued work finish and its completions go out, as sim does.
+  {
+    std::shared_lock ctx(ctx_mu_);
+    if (!dead_.load() && fault_.load() == CUDA_SUCCESS) {
+      set_current();
+      for (const auto& s : all_streams()) {
+        std::lock_guard lock(s->mu);
+        if (s->handle != nullptr) {
+          const CUresult r = drv_.stream_synchronize(s->handle);
+          if (is_sticky(r)) note_fault(r);
+        }
+      }
+    }
+  }
+  {
+    std::lock_guard lock(waker_->mu);
+    waker_->stop = true;
+  }
+  waker_->cv.notify_one();
+  if (poller_.joinable()) poller_.join();
+
+  std::unique_lock ctx(ctx_mu_);
+  if (ctx_ == nullptr) return;  // dead: nothing left to release
+  set_current();
+  const bool clean =
+      fault_.load() == CUDA_SUCCESS && drv_.ctx_synchronize() == CUDA_SUCCESS;
+  if (clean) {
+    release_context_resources();
+  } else {
+    // Everything the context owned goes with the reset. A host function could in
+    // principle still hold the waker: leak it rather than risk a use after free.
+    drv_.primary_ctx_reset(device_);
+    (void)waker_.release();
+  }
+  drv_.primary_ctx_release(device_);
+  ctx_ = nullptr;
+}
+
+void CudaDevice::set_current() const {
+  if (ctx_ != nullptr) drv_.ctx_set_current(ctx_);
+}
+
+void CudaDevice::open_context(bool first, std::string& why) {
+  auto bail = [&](const std::string& what, CUresult r) {
+    why = r == CUDA_SUCCESS ? what : fmt::format("{}: {}", what, drv_.error_name(r));
+    if (first) {
+      if (ctx_ != nullptr) {
+        release_context_resources();
+        drv_.primary_ctx_release(device_);
+        ctx_ = nullptr;
+      }
+      throw failure(info_.index, why);
+    }
+  };
+  if (const CUresult r = drv_.primary_ctx_retain(&ctx_, device_); r != CUDA_SUCCESS) {
+    ctx_ = nullptr;
+    return bail("cuDevicePrimaryCtxRetain", r);
+  }
+  set_current();
+
+  if (first) {
+    std::size_t free = 0, total = 0;
+    if (const CUresult r = drv_.mem_get_info(&free, &total); r != CUDA_SUCCESS)
+      return bail("cuMemGetInfo", r);
+    info_.arena_size =
+        static_cast<Bytes>(static_cast<double>(free) * opts_.memory_fraction) / kArenaAlign *
+        kArenaAlign;
+    if (info_.arena_size == 0) return bail("no free device memory for the arena", CUDA_SUCCESS);
+  }
+  // The free figure includes memory the driver cannot hand out in one piece;
+  // step down a little until the reservation succeeds (first open only: after a
+  // recovery the broker's layout needs exactly the old size).
+  CUdeviceptr base = 0;
+  for (int attempt = 0;; ++attempt) {
+    const CUresult r = drv_.mem_alloc(&base, info_.arena_size);
+    if (r == CUDA_SUCCESS) break;
+    if (!first || r != CUDA_ERROR_OUT_OF_MEMORY || attempt == 8)
+      return bail(fmt::format("cannot reserve the arena ({} MiB)", info_.arena_size >> 20), r);
+    info_.arena_size = info_.arena_size / 100 * 95 / kArenaAlign * kArenaAlign;
+  }
+  arena_base_.store(base);
+
+  if (const CUresult r = drv_.stream_create(&maint_, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS)
+    return bail("cuStreamCreate", r);
+  if (const CUresult r = drv_.event_create(&discard_event_, CU_EVENT_DISABLE_TIMING);
+      r != CUDA_SUCCESS)
+    return bail("cuEventCreate", r);
+  // Fresh device memory may hold anything; the contract is that unused memory
+  // reads as zero. Synchronous: nothing runs before it is done.
+  if (const CUresult r = drv_.memset_d32_async(base, 0, info_.arena_size / 4, maint_);
+      r != CUDA_SUCCESS)
+    return bail("clearing the arena", r);
+  if (const CUresult r = drv_.stream_synchronize(maint_); r != CUDA_SUCCESS)
+    return bail("clearing the arena", r);
+  load_builtins();
+}
+
+void CudaDevice::load_builtins() {
+  builtin_module_ = nullptr;
+  spin_fn_ = gemm_fn_ = nullptr;
+  if (builtin_fatbin_size == 0) {
+    builtins_why_ = kNoBuiltinsReason;
+    return;
+  }
+  CUresult r = drv_.module_load_data_ex(&builtin_module_, builtin_fatbin, 0, nullptr, nullptr);
+  if (r == CUDA_SUCCESS) r = drv_.module_get_function(&spin_fn_, builtin_module_, "salus_spin");
+  if (r == CUDA_SUCCESS) r = drv_.module_get_function(&gemm_fn_, builtin_module_, "salus_gemm");
+  if (r != CUDA_SUCCESS) {
+    // Most likely a driver older than the nvcc that built salusd, or a GPU older
+    // than every architecture in the fatbin. fill/copy/modules still work.
+    builtins_why_ = fmt::format(
+        "built-in ops unavailable: the embedded kernels ({}) do not load on this GPU/driver: {}",
+        builtin_fatbin_description, drv_.describe(r));
+    spin_fn_ = gemm_fn_ = nullptr;
+    spdlog::warn("cuda gpu{}: {}", info_.index, builtins_why_);
+    return;
+  }
+  builtins_why_.clear();
+}
+
+void CudaDevice::calibrate_spin(int clock_khz) {
+  // The nominal clock is the fallback; the measurement wins when it is sane,
+  // since boost clocks run well above the attribute on most parts.
+  const double nominal = clock_khz / 1000.0;
+  cycles_per_usec_ = nominal;
+  if (spin_fn_ == nullptr) return;
+  CUevent e0 = nullptr, e1 = nullptr;
+  if (drv_.event_create(&e0, CU_EVENT_DEFAULT) != CUDA_SUCCESS) return;
+  if (drv_.event_create(&e1, CU_EVENT_DEFAULT) != CUDA_SUCCESS) {
+    drv_.event_destroy(e0);
+    return;
+  }
+  auto run = [&](unsigned long long cycles, float& ms) {
+    void* params[] = {&cycles};
+    if (drv_.event_record(e0, maint_) != CUDA_SUCCESS ||
+        drv_.launch_kernel(spin_fn_, 1, 1, 1, 32, 1, 1, 0, maint_, params, nullptr) !=
+            CUDA_SUCCESS ||
+        drv_.event_record(e1, maint_) != CUDA_SUCCESS ||
+        drv_.event_synchronize(e1) != CUDA_SUCCESS ||
+        drv_.event_elapsed_time(&ms, e0, e1) != CUDA_SUCCESS)
+      return false;
+    return true;
+  };
+  const auto cycles = static_cast<unsigned long long>(nominal * 20'000);  // ~20 ms
+  float ms = 0;
+  std::vector<double> rates;
+  if (run(cycles / 10, ms)) {  // warm-up: wakes the GPU out of its idle clocks
+    for (int i = 0; i < 3; ++i)
+      if (run(cycles, ms) && ms > 0) rates.push_back(static_cast<double>(cycles) / (ms * 1000.0));
+  }
+  drv_.event_destroy(e0);
+  drv_.event_destroy(e1);
+  if (rates.empty()) return;
+  std::sort(rates.begin(), rates.end());
+  const double median = rates[rates.size() / 2];
+  if (median > nominal / 4 && median < nominal * 4) cycles_per_usec_ = median;
+}
+
+void CudaDevice::release_context_resources() {
+  // Healthy teardown only (the context works): each object is destroyed
+  // explicitly. After a fault the context reset frees all of it instead.
+  for (const auto& s : all_streams()) {
+    std::lock_guard lock(s->mu);
+    release_interval(s->open);
+    if (s->scratch != 0) drv_.mem_free(s->scratch);
+    if (s->handle != nullptr) drv_.stream_destroy(s->handle);
+    s->scratch = 0;
+    s->handle = nullptr;
+  }
+  {
+    std::lock_guard lock(modules_mu_);
+    for (auto& [id, m] : modules_)
+      if (m.handle != nullptr) drv_.module_unload(m.handle);
+    modules_.clear();
+    for (RetiredModule& r : retired_) {
+      drv_.module_unload(r.handle);
+      for (CUevent e : r.fences) drv_.event_destroy(e);
+    }
+    retired_.clear();
+  }
+  {
+    std::lock_guard lock(pool_mu_);
+    for (CUevent e : free_events_) drv_.event_destroy(e);
+    free_events_.clear();
+    for (auto& [cls, blocks] : free_blocks_)
+      for (void* p : blocks) drv_.mem_free_host(p);
+    free_blocks_.clear();
+    cached_bytes_ = 0;
+  }
+  if (builtin_module_ != nullptr) drv_.module_unload(builtin_module_);
+  builtin_module_ = nullptr;
+  spin_fn_ = gemm_fn_ = nullptr;
+  if (discard_event_ != nullptr) drv_.event_destroy(discard_event_);
+  discard_event_ = nullptr;
+  if (maint_ != nullptr) drv_.stream_destroy(maint_);
+  maint_ = nullptr;
+  if (const CUdeviceptr base = arena_base_.exchange(0); base != 0) drv_.mem_free(base);
+}
+
+void CudaDevice::set_sink(CompletionSink* sink) {
+  sink_.store(sink, std::memory_order_release);
+}
+
+bool CudaDevice::builtins_available(std::string& why) const {
+  std::shared_lock ctx(ctx_mu_);
+  if (builtins_why_.empty() && spin_fn_ != nullptr) return true;
+  why = builtins_why_.empty() ? "built-in kernels lost in a failed recovery" : builtins_why_;
+  return false;
+}
+
+// ---------------------------------------------------------------- streams
+
+std::shared_ptr<CudaDevice::Stream> CudaDevice::find_stream(StreamId id) const {
+  std::lock_guard lock(table_mu_);
+  return id < streams_.size() ? streams_[id] : nullptr;
+}
+
+std::vector<std::shared_ptr<CudaDevice::Stream>> CudaDevice::all_streams() const {
+  std::lock_guard lock(table_mu_);
+  std::vector<std::shared_ptr<Stream>> out;
+  for (const auto& s : streams_)
+    if (s) out.push_back(s);
+  return out;
+}
+
+StreamId CudaDevice::create_stream() {
+  std::shared_lock ctx(ctx_mu_);
+  CUstream handle = nullptr;
+  if (!dead_.load()) {
+    set_current();
+    const CUresult r = drv_.stream_create(&handle, CU_STREAM_NON_BLOCKING);
+    if (r != CUDA_SUCCESS) {
+      handle = nullptr;
+      if (is_sticky(r)) {
+        // Recovery gives every stream in the table a new handle, this one too;
+        // until then its ops complete with EIO.
+        note_fault(r);
+      } else {
+        throw std::runtime_error(
+            fmt::format("cuda gpu{}: cuStreamCreate: {}", info_.index, drv_.describe(r)));
+      }
+    }
+  }
+  std::lock_guard lock(table_mu_);
+  std::size_t id = 0;
+  while (id < streams_.size() && streams_[id]) ++id;
+  if (id == streams_.size()) streams_.emplace_back();
+  auto s = std::make_shared<Stream>(static_cast<StreamId>(id));
+  s->handle = handle;
+  streams_[id] = std::move(s);
+  return static_cast<StreamId>(id);
+}
+
+void CudaDevice::destroy_stream(StreamId id) {
+  if (std::this_thread::get_id() == poller_.get_id())
+    throw std::logic_error(
+        fmt::format("cuda gpu{}: stream {} destroyed from a completion callback", info_.index, id));
+  const std::shared_ptr<Stream> s = find_stream(id);
+  if (!s) throw std::invalid_argument(fmt::format("cuda gpu{}: no stream {}", info_.index, id));
+  {
+    std::shared_lock ctx(ctx_mu_);
+    std::lock_guard lock(s->mu);
+    if (s->closing)
+      throw std::invalid_argument(
+          fmt::format("cuda gpu{}: stream {} is already being destroyed", info_.index, id));
+    s->closing = true;
+  }
+  // Without the context lock: the completion thread may need it exclusively (a
+  // recovery) before it can deliver what we wait for.
+  {
+    std::unique_lock lock(pending_mu_);
+    pending_cv_.wait(lock, [&] { return s->pending.empty(); });
+  }
+  {
+    std::shared_lock ctx(ctx_mu_);
+    std::lock_guard lock(s->mu);
+    if (s->handle != nullptr) {
+      set_current();
+      // Ops after the last notify still run to the end, as the contract says.
+      const CUresult r = drv_.stream_synchronize(s->handle);
+      if (r == CUDA_SUCCESS) {
+        release_interval(s->open);
+        if (s->scratch != 0) drv_.mem_free(s->scratch);
+        drv_.stream_destroy(s->handle);
+      } else if (is_sticky(r)) {
+        note_fault(r);  // the handles die with the context reset
+      }
+      s->handle = nullptr;
+      s->scratch = 0;
+    }
+    s->open = Interval{};
+  }
+  std::lock_guard lock(table_mu_);
+  if (id < streams_.size() && streams_[id] == s) streams_[id] = nullptr;
+}
+
+// ---------------------------------------------------------------- op helpers
+
+void CudaDevice::fail(Stream& s, int err, const std::string& why) {
+  if (s.open.status == 0) {
+    // First failure per interval only: a broken session would otherwise log a
+    // line per op.
+    spdlog::warn("cuda gpu{} stream {}: {}", info_.index, s.id, why);
+    s.open.status = err;
+  }
+}
+
+bool CudaDevice::check(Stream& s, CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return true;
+  if (is_sticky(r)) {
+    // Not necessarily this op's doing: the recovery decides who gets EFAULT.
+    note_fault(r);
+    fail(s, EIO, fmt::format("{}: {}", what, drv_.describe(r)));
+  } else {
+    fail(s, to_errno(r), fmt::format("{}: {}", what, drv_.describe(r)));
+  }
+  return false;
+}
+
+bool CudaDevice::begin_op(Stream& s) {
+  ++s.open.ops;
+  if (dead_.load()) {
+    fail(s, ENODEV, "the GPU is unusable after a failed fault recovery");
+    return false;
+  }
+  if (s.handle == nullptr) {
+    fail(s, EIO, "the stream was lost in a device fault");
+    return false;
+  }
+  {
+    std::lock_guard lock(maint_mu_);
+    if (s.discards_seen != discard_seq_) {
+      // Freed ranges must read as zero before this stream touches them again.
+      if (!check(s, drv_.stream_wait_event(s.handle, discard_event_, 0), "cuStreamWaitEvent"))
+        return false;
+      s.discards_seen = discard_seq_;
+    }
+  }
+  if (s.open.start == nullptr) {
+    CUevent e = acquire_event();
+    if (e == nullptr) {
+      fail(s, ENOMEM, "cannot create a timing event");
+      return false;
+    }
+    if (!check(s, drv_.event_record(e, s.handle), "cuEventRecord")) {
+      release_event(e);
+      return false;
+    }
+    s.open.start = e;
+  }
+  return true;
+}
+
+bool CudaDevice::ensure_scratch(Stream& s) {
+  if (s.scratch != 0) return true;
+  return check(s, drv_.mem_alloc(&s.scratch, kScratchBytes), "allocating stream scratch");
+}
+
+bool CudaDevice::builtins_ok(Stream& s, CUfunction fn) {
+  if (fn != nullptr) return true;
+  fail(s, ENOSYS, builtins_why_.empty() ? std::string("built-in kernels unavailable")
+                                        : builtins_why_);
+  return false;
+}
+
+CUevent CudaDevice::acquire_event() {
+  {
+    std::lock_guard lock(pool_mu_);
+    if (!free_events_.empty()) {
+      CUevent e = free_events_.back();
+      free_events_.pop_back();
+      return e;
+    }
+  }
+  CUevent e = nullptr;
+  // Timing events (CU_EVENT_DEFAULT): device_ns comes from cuEventElapsedTime.
+  if (drv_.event_create(&e, CU_EVENT_DEFAULT) != CUDA_SUCCESS) return nullptr;
+  return e;
+}
+
+void CudaDevice::release_event(CUevent e) {
+  if (e == nullptr) return;
+  std::lock_guard lock(pool_mu_);
+  free_events_.push_back(e);
+}
+
+CudaDevice::PinnedBlock CudaDevice::acquire_pinned(Bytes size) {
+  const Bytes cls = size_class(size);
+  {
+    std::lock_guard lock(pool_mu_);
+    auto it = free_blocks_.find(cls);
+    if (it != free_blocks_.end() && !it->second.empty()) {
+      void* p = it->second.back();
+      it->second.pop_back();
+      cached_bytes_ -= cls;
+      return PinnedBlock{p, cls};
+    }
+  }
+  void* p = nullptr;
+  if (drv_.mem_host_alloc(&p, cls, 0) != CUDA_SUCCESS) return PinnedBlock{};
+  return PinnedBlock{p, cls};
+}
+
+void CudaDevice::release_pinned(PinnedBlock b) {
+  if (b.ptr == nullptr) return;
+  {
+    std::lock_guard lock(pool_mu_);
+    if (cached_bytes_ + b.size <= opts_.staging_cache) {
+      free_blocks_[b.size].push_back(b.ptr);
+      cached_bytes_ += b.size;
+      return;
+    }
+  }
+  drv_.mem_free_host(b.ptr);
+}
+
+void CudaDevice::release_interval(Interval& iv) {
+  release_event(iv.start);
+  release_event(iv.end);
+  iv.start = iv.end = nullptr;
+  for (const PinnedBlock& b : iv.blocks) release_pinned(b);
+  iv.blocks.clear();
+  iv.copy_out.clear();
+}
+
+// ---------------------------------------------------------------- ops
+
+void CudaDevice::fill(StreamId stream, DevOffset dst, Bytes length, std::uint32_t pattern,
+                      unsigned width) {
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s)) return;
+  std::vector<FillPiece> pieces;
+  if (!plan_fill(at(dst), length, pattern, width, pieces))
+    return fail(s, EINVAL, fmt::format("fill width {} is not 1, 2 or 4", width));
+  for (const FillPiece& p : pieces) {
+    const CUdeviceptr to = at(dst) + p.offset;
+    const CUresult r =
+        p.unit == 1 ? drv_.memset_d8_async(to, static_cast<unsigned char>(p.value), p.count,
+                                           s.handle)
+                    : drv_.memset_d32_async(to, p.value, p.count, s.handle);
+    if (!check(s, r, "fill")) return;
+  }
+}
+
+void CudaDevice::copy(StreamId stream, DevOffset dst, DevOffset src, Bytes length) {
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s)) return;
+  std::vector<CopyPiece> pieces;
+  plan_copy(dst, src, length, kScratchBytes, pieces);
+  for (const CopyPiece& p : pieces) {
+    if ((p.dst_scratch || p.src_scratch) && !ensure_scratch(s)) return;
+    const CUdeviceptr to = p.dst_scratch ? s.scratch + p.dst : at(p.dst);
+    const CUdeviceptr from = p.src_scratch ? s.scratch + p.src : at(p.src);
+    if (!check(s, drv_.memcpy_dtod_async(to, from, p.length, s.handle), "copy")) return;
+  }
+}
+
+void CudaDevice::spin(StreamId stream, std::uint64_t usec, double util) {
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s) || !builtins_ok(s, spin_fn_)) return;
+  unsigned long long cycles = spin_cycles(usec, cycles_per_usec_);
+  if (cycles == 0) return;
+  const std::uint32_t blocks = spin_blocks(util, info_.sm_count, threads_per_sm_);
+  void* params[] = {&cycles};
+  check(s,
+        drv_.launch_kernel(spin_fn_, blocks, 1, 1, kSpinBlockThreads, 1, 1, 0, s.handle, params,
+                           nullptr),
+        "spin");
+}
+
+void CudaDevice::gemm(StreamId stream, std::uint32_t m, std::uint32_t n, std::uint32_t k,
+                      DevOffset a, DevOffset b, DevOffset c) {
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s) || !builtins_ok(s, gemm_fn_)) return;
+  if (m == 0 || n == 0) return;
+  std::uint32_t grid[2];
+  std::string why;
+  if (!gemm_grid(m, n, at(a), at(b), at(c), grid, why)) return fail(s, EINVAL, why);
+  const std::uint64_t c_bytes = mul_sat(mul_sat(m, n), 4);
+  const bool alias = ranges_overlap(c, c_bytes, a, mul_sat(mul_sat(m, k), 4)) ||
+                     ranges_overlap(c, c_bytes, b, mul_sat(mul_sat(k, n), 4));
+  CUdeviceptr out = at(c);
+  if (alias) {
+    // The kernel reads A and B tile by tile while other blocks write C: compute
+    // into scratch, then copy, so the result is as if the inputs were read first.
+    if (c_bytes > kScratchBytes)
+      return fail(s, EINVAL,
+                  fmt::format("gemm output overlapping its inputs is limited to {} MiB on cuda",
+                              kScratchBytes >> 20));
+    if (!ensure_scratch(s)) return;
+    out = s.scratch;
+  }
+  CUdeviceptr pa = at(a), pb = at(b);
+  unsigned um = m, un = n, uk = k;
+  void* params[] = {&um, &un, &uk, &pa, &pb, &out};
+  if (!check(s,
+             drv_.launch_kernel(gemm_fn_, grid[0], grid[1], 1, kGemmBlockThreads, 1, 1, 0,
+                                s.handle, params, nullptr),
+             "gemm"))
+    return;
+  if (alias) check(s, drv_.memcpy_dtod_async(at(c), out, c_bytes, s.handle), "gemm");
+}
+
+void CudaDevice::copy_to_host(StreamId stream, void* host, DevOffset src, Bytes length) {
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s) || length == 0) return;
+  if (length <= opts_.staging_limit) {
+    if (const PinnedBlock b = acquire_pinned(length); b.ptr != nullptr) {
+      s.open.blocks.push_back(b);  // returned to the pool at completion either way
+      if (check(s, drv_.memcpy_dtoh_async(b.ptr, at(src), length, s.handle), "copy to host"))
+        s.open.copy_out.push_back(CopyOut{host, b.ptr, length});
+      return;
+    }
+  }
+  // Pageable memory: the driver returns only once the data has arrived.
+  check(s, drv_.memcpy_dtoh_async(host, at(src), length, s.handle), "copy to host");
+}
+
+void CudaDevice::copy_from_host(StreamId stream, DevOffset dst, const void* host, Bytes length) {
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s) || length == 0) return;
+  if (length <= opts_.staging_limit) {
+    if (const PinnedBlock b = acquire_pinned(length); b.ptr != nullptr) {
+      std::memcpy(b.ptr, host, length);
+      s.open.blocks.push_back(b);
+      check(s, drv_.memcpy_htod_async(at(dst), b.ptr, length, s.handle), "copy from host");
+      return;
+    }
+  }
+  // Pageable memory: the driver stages it itself, after waiting for the stream.
+  check(s, drv_.memcpy_htod_async(at(dst), host, length, s.handle), "copy from host");
+}
+
+void CudaDevice::notify(StreamId stream, std::uint64_t token) {
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  Interval iv = std::move(s.open);
+  s.open = Interval{};
+  iv.token = token;
+  if (dead_.load()) {
+    if (iv.status == 0) iv.status = ENODEV;
+  } else if (s.handle == nullptr) {
+    if (iv.status == 0) iv.status = EIO;
+  } else {
+    CUevent e = acquire_event();
+    CUresult r = e != nullptr ? drv_.event_record(e, s.handle) : CUDA_ERROR_OUT_OF_MEMORY;
+    if (r == CUDA_SUCCESS) {
+      iv.end = e;
+      if (opts_.host_func_wakeup) {
+        // Wakes the completion thread the moment the stream gets here. If it
+        // fails, polling still finds the event.
+        r = drv_.launch_host_func(s.handle, &CudaDevice::on_host_wake, waker_.get());
+        if (is_sticky(r)) note_fault(r);
+      }
+    } else {
+      release_event(e);
+      if (is_sticky(r)) note_fault(r);
+      if (iv.status == 0) {
+        spdlog::warn("cuda gpu{} stream {}: notify: {}", info_.index, s.id, drv_.describe(r));
+        iv.status = is_sticky(r) ? EIO : to_errno(r);
+      }
+    }
+  }
+  const bool immediate = iv.end == nullptr;
+  bool first = false;
+  {
+    std::lock_guard lock(pending_mu_);
+    s.pending.push_back(std::move(iv));
+    first = pending_total_.fetch_add(1) == 0;
+  }
+  // The completion thread sleeps without a timeout while nothing is pending; the
+  // first notify switches it to polling (which also catches faults).
+  if (first || immediate) poke();
+}
+
+void CudaDevice::discard(DevOffset offset, Bytes length) {
+  if (length == 0) return;
+  std::shared_lock ctx(ctx_mu_);
+  if (dead_.load() || maint_ == nullptr) return;  // the memory is gone anyway
+  set_current();
+  std::lock_guard lock(maint_mu_);
+  CUresult r = drv_.memset_d8_async(at(offset), 0, length, maint_);
+  if (r == CUDA_SUCCESS) r = drv_.event_record(discard_event_, maint_);
+  if (r == CUDA_SUCCESS) {
+    ++discard_seq_;
+    return;
+  }
+  spdlog::error("cuda gpu{}: discard of {} bytes at {}: {}", info_.index, length, offset,
+                drv_.describe(r));
+  if (is_sticky(r)) note_fault(r);  // the recovery clears the whole arena
+}
+
+std::int64_t CudaDevice::busy_ns() const {
+  std::lock_guard lock(busy_mu_);
+  return busy_.total();
+}
+
+// ---------------------------------------------------------------- modules
+
+int CudaDevice::load_module(const std::vector<std::uint8_t>& image, ModuleHandle& out,
+                            std::string& why) {
+  const ImageKind kind = classify_image(image.data(), image.size());
+  if (kind == ImageKind::empty) {
+    why = "the module file is empty";
+    return EINVAL;
+  }
+  if (kind == ImageKind::unknown) {
+    why = "not a cubin, fatbin or PTX image (the cuda backend does not load host .so modules)";
+    return EINVAL;
+  }
+  std::vector<std::uint8_t> copy = image;
+  if (kind == ImageKind::ptx && copy.back() != 0) copy.push_back(0);  // the driver wants a C string
+
+  std::shared_lock ctx(ctx_mu_);
+  if (dead_.load()) {
+    why = "the GPU is unusable after a failed fault recovery";
+    return ENODEV;
+  }
+  set_current();
+  // The JIT's own words beat a bare CUDA_ERROR_INVALID_PTX.
+  char log[2048] = {};
+  CUjit_option options[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+  void* values[] = {log, reinterpret_cast<void*>(static_cast<std::uintptr_t>(sizeof log - 1))};
+  CUmodule handle = nullptr;
+  const CUresult r = drv_.module_load_data_ex(&handle, copy.data(), 2, options, values);
+  if (r != CUDA_SUCCESS) {
+    if (is_sticky(r)) note_fault(r);
+    std::string detail(log, ::strnlen(log, sizeof log));
+    if (const auto nl = detail.find('\n'); nl != std::string::npos) detail.resize(nl);
+    switch (r) {
+      case CUDA_ERROR_NO_BINARY_FOR_GPU:
+        why = "the image has no code for this GPU's architecture and no PTX to compile";
+        break;
+      case CUDA_ERROR_UNSUPPORTED_PTX_VERSION:
+        why = fmt::format("the PTX is newer than this driver (CUDA {}) can compile",
+                          info_.driver_version);
+        break;
+      default:
+        why = drv_.describe(r);
+    }
+    if (!detail.empty()) why += ": " + detail;
+    return to_errno(r) == EFAULT ? EIO : to_errno(r);
+  }
+  std::lock_guard lock(modules_mu_);
+  if (next_module_ == 0) {
+    drv_.module_unload(handle);
+    why = "module handles exhausted";
+    return ENOSPC;
+  }
+  out = next_module_++;
+  Module& m = modules_[out];
+  m.image = std::move(copy);
+  m.handle = handle;
+  return 0;
+}
+
+void CudaDevice::unload_module(ModuleHandle module) {
+  std::shared_lock ctx(ctx_mu_);
+  RetiredModule retired{};
+  {
+    std::lock_guard lock(modules_mu_);
+    auto it = modules_.find(module);
+    if (it == modules_.end()) return;
+    retired.handle = it->second.handle;
+    modules_.erase(it);
+  }
+  if (retired.handle == nullptr || dead_.load()) return;
+  set_current();
+  // A fence on every stream: once all have passed, no queued launch can still
+  // need the module's code.
+  for (const auto& s : all_streams()) {
+    std::lock_guard lock(s->mu);
+    if (s->handle == nullptr) continue;
+    CUevent e = acquire_event();
+    if (e != nullptr && drv_.event_record(e, s->handle) == CUDA_SUCCESS) {
+      retired.fences.push_back(e);
+    } else {
+      release_event(e);
+      drv_.stream_synchronize(s->handle);  // no fence: wait instead (rare)
+    }
+  }
+  {
+    std::lock_guard lock(modules_mu_);
+    retired_.push_back(std::move(retired));
+    retired_count_.store(retired_.size());
+  }
+  poke();
+}
+
+int CudaDevice::get_function(ModuleHandle module, const std::string& name, FunctionHandle& out,
+                             std::vector<std::uint32_t>& param_sizes, std::string& why) {
+  param_sizes.clear();
+  std::shared_lock ctx(ctx_mu_);
+  std::lock_guard lock(modules_mu_);
+  auto it = modules_.find(module);
+  if (it == modules_.end()) {
+    why = fmt::format("no module {}", module);
+    return ENOENT;
+  }
+  Module& m = it->second;
+  for (std::size_t i = 0; i < m.functions.size(); ++i)
+    if (m.functions[i].name == name) {
+      out = pack_function(module, static_cast<std::uint32_t>(i));
+      param_sizes = m.functions[i].param_sizes;
+      return 0;
+    }
+  if (m.handle == nullptr) {
+    why = "the module was lost in a device fault and could not be reloaded";
+    return EIO;
+  }
+  set_current();
+  Function f;
+  f.name = name;
+  if (const CUresult r = drv_.module_get_function(&f.handle, m.handle, name.c_str());
+      r != CUDA_SUCCESS) {
+    why = r == CUDA_ERROR_NOT_FOUND
+              ? fmt::format("the module has no kernel '{}' (C++ kernels need their mangled name "
+                            "or extern \"C\")",
+                            name)
+              : drv_.describe(r);
+    return r == CUDA_ERROR_NOT_FOUND ? ENOENT : to_errno(r);
+  }
+  if (drv_.func_get_param_info != nullptr) {
+    f.sizes_known = true;
+    for (std::uint32_t i = 0; i < kMaxParams; ++i) {
+      std::size_t offset = 0, size = 0;
+      const CUresult r = drv_.func_get_param_info(f.handle, i, &offset, &size);
+      if (r == CUDA_ERROR_INVALID_VALUE) break;  // past the last parameter
+      if (r != CUDA_SUCCESS) {
+        f.sizes_known = false;
+        f.param_sizes.clear();
+        break;
+      }
+      f.param_sizes.push_back(static_cast<std::uint32_t>(size));
+    }
+  }
+  out = pack_function(module, static_cast<std::uint32_t>(m.functions.size()));
+  param_sizes = f.param_sizes;
+  m.functions.push_back(std::move(f));
+  return 0;
+}
+
+std::uint64_t CudaDevice::device_address(DevOffset offset) const {
+  return at(offset);
+}
+
+void CudaDevice::launch(StreamId stream, FunctionHandle function, const LaunchDims& dims,
+                        const std::uint8_t* args, const std::uint32_t* arg_sizes,
+                        std::size_t arg_count) {
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s)) return;
+  // Each argument in its own aligned slot: the driver reads kernelParams[i] with
+  // the parameter's own alignment.
+  std::size_t total = 0;
+  std::vector<std::size_t> offsets(arg_count);
+  for (std::size_t i = 0; i < arg_count; ++i) {
+    offsets[i] = total;
+    total += (arg_sizes[i] + kArgAlign - 1) / kArgAlign * kArgAlign;
+  }
+  std::vector<std::uint64_t> storage(total / sizeof(std::uint64_t) + 2);
+  auto* base = reinterpret_cast<std::uint8_t*>(storage.data());
+  base += (kArgAlign - reinterpret_cast<std::uintptr_t>(base) % kArgAlign) % kArgAlign;
+  std::vector<void*> params(arg_count + 1, nullptr);
+  std::size_t src = 0;
+  for (std::size_t i = 0; i < arg_count; ++i) {
+    if (arg_sizes[i] != 0) std::memcpy(base + offsets[i], args + src, arg_sizes[i]);
+    src += arg_sizes[i];
+    params[i] = base + offsets[i];
+  }
+
+  // Held across the launch so a concurrent unload cannot retire the module
+  // between the lookup and cuLaunchKernel.
+  std::lock_guard lock(modules_mu_);
+  auto it = modules_.find(function_module(function));
+  const Function* f = nullptr;
+  if (it != modules_.end() && function_index(function) < it->second.functions.size())
+    f = &it->second.functions[function_index(function)];
+  if (f == nullptr || f->handle == nullptr)
+    return fail(s, EINVAL, fmt::format("launch: no function with handle {:#x}", function));
+  std::string why;
+  if (!check_launch_args(f->sizes_known, f->param_sizes, arg_sizes, arg_count, why))
+    return fail(s, EINVAL, fmt::format("launch {}: {}", f->name, why));
+  const CUresult r = drv_.launch_kernel(f->handle, dims.grid[0], dims.grid[1], dims.grid[2],
+                                        dims.block[0], dims.block[1], dims.block[2],
+                                        dims.shared_mem, s.handle, params.data(), nullptr);
+  if (r == CUDA_SUCCESS) {
+    s.open.user_launch = true;  // a suspect if the context faults before the notify
+    return;
+  }
+  check(s, r, "launch");
+}
+
+// ---------------------------------------------------------------- completion thread
+
+void CUDA_CB CudaDevice::on_host_wake(void* p) {
+  // Runs on the driver's callback thread, in stream order: must not call CUDA,
+  // and must be quick (it holds up the stream). Just wake our thread.
+  auto* w = static_cast<Waker*>(p);
+  {
+    std::lock_guard lock(w->mu);
+    w->woken = true;
+  }
+  w->cv.notify_one();
+}
+
+void CudaDevice::poke() {
+  {
+    std::lock_guard lock(waker_->mu);
+    waker_->woken = true;
+  }
+  waker_->cv.notify_one();
+}
+
+void CudaDevice::note_fault(CUresult r) {
+  int expected = CUDA_SUCCESS;
+  if (fault_.compare_exchange_strong(expected, static_cast<int>(r))) {
+    spdlog::error("cuda gpu{}: device fault {}; recovering", info_.index, drv_.describe(r));
+    poke();
+  }
+}
+
+void CudaDevice::poll_loop() {
+  std::vector<Delivery> out;
+  for (;;) {
+    {
+      std::unique_lock lock(waker_->mu);
+      auto idle = [&] {
+        return pending_total_.load() == 0 && retired_count_.load() == 0 &&
+               fault_.load() == CUDA_SUCCESS;
+      };
+      auto ready = [&] { return waker_->woken || (waker_->stop && idle()); };
+      if (idle())
+        waker_->cv.wait(lock, ready);
+      else
+        waker_->cv.wait_for(lock, opts_.poll_interval, ready);
+      waker_->woken = false;
+      if (waker_->stop && idle()) return;
+    }
+    if (fault_.load() != CUDA_SUCCESS) {
+      bool stopping;
+      {
+        std::lock_guard lock(waker_->mu);
+        stopping = waker_->stop;
+      }
+      // No point rebuilding a context the destructor is about to reset.
+      flush_after_fault(!stopping);
+      continue;
+    }
+    collect(out);
+    deliver(out);
+    if (retired_count_.load() > 0) retire_modules();
+  }
+}
+
+void CudaDevice::collect(std::vector<Delivery>& out) {
+  out.clear();
+  std::shared_lock ctx(ctx_mu_);
+  set_current();
+  for (const auto& s : all_streams()) {
+    for (std::size_t i = 0;; ++i) {
+      Interval* iv;
+      {
+        std::lock_guard lock(pending_mu_);
+        if (i >= s->pending.size()) break;
+        iv = &s->pending[i];  // only this thread removes entries; deque keeps it in place
+      }
+      int status = iv->status;
+      std::int64_t device_ns = 0;
+      if (iv->end != nullptr) {
+        const CUresult r = drv_.event_query(iv->end);
+        if (r == CUDA_ERROR_NOT_READY) break;
+        if (is_sticky(r)) {
+          note_fault(r);
+          return;  // what was collected so far did complete; the rest is the recovery's
+        }
+        if (r == CUDA_SUCCESS) {
+          float ms = 0;
+          if (iv->start != nullptr &&
+              drv_.event_elapsed_time(&ms, iv->start, iv->end) == CUDA_SUCCESS)
+            device_ns = std::llround(static_cast<double>(ms) * 1e6);
+          for (const CopyOut& c : iv->copy_out) std::memcpy(c.host, c.pinned, c.length);
+        } else if (status == 0) {
+          status = to_errno(r);
+        }
+      }
+      release_interval(*iv);
+      out.push_back(Delivery{s, iv->token, status, device_ns});
+    }
+  }
+}
+
+void CudaDevice::deliver(std::vector<Delivery>& out) {
+  if (out.empty()) return;
+  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now() - epoch_)
+                               .count();
+  {
+    std::lock_guard lock(busy_mu_);
+    for (const Delivery& d : out) busy_.add(now, d.device_ns);
+  }
+  CompletionSink* sink = sink_.load(std::memory_order_acquire);
+  for (const Delivery& d : out) {
+    if (sink == nullptr) continue;
+    try {
+      sink->on_complete(d.stream->id, d.token, d.status, d.device_ns);
+    } catch (const std::exception& e) {
+      spdlog::error("cuda gpu{} stream {}: completion handler threw: {}", info_.index,
+                    d.stream->id, e.what());
+    } catch (...) {
+      spdlog::error("cuda gpu{} stream {}: completion handler threw", info_.index, d.stream->id);
+    }
+  }
+  // Removed only now, so destroy_stream returns after its completions went out.
+  {
+    std::lock_guard lock(pending_mu_);
+    for (const Delivery& d : out) {
+      d.stream->pending.pop_front();
+      pending_total_.fetch_sub(1);
+    }
+  }
+  pending_cv_.notify_all();
+  out.clear();
+}
+
+void CudaDevice::retire_modules() {
+  std::shared_lock ctx(ctx_mu_);
+  set_current();
+  std::lock_guard lock(modules_mu_);
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    bool done = true;
+    for (CUevent e : it->fences) {
+      const CUresult r = drv_.event_query(e);
+      if (r == CUDA_ERROR_NOT_READY) {
+        done = false;
+        break;
+      }
+      if (is_sticky(r)) {
+        note_fault(r);
+        return;
+      }
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    drv_.module_unload(it->handle);
+    for (CUevent e : it->fences) release_event(e);
+    it = retired_.erase(it);
+  }
+  retired_count_.store(retired_.size());
+}
+
+void CudaDevice::flush_after_fault(bool rebuild) {
+  const auto cause = static_cast<CUresult>(fault_.load());
+  const bool kernel = is_kernel_fault(cause);
+  std::vector<Delivery> out;
+  {
+    // Waits for API calls in flight; on a faulted context they fail fast.
+    std::unique_lock ctx(ctx_mu_);
+    for (const auto& s : all_streams()) {
+      std::lock_guard lock(pending_mu_);
+      for (Interval& iv : s->pending) {
+        // EFAULT for the likely culprits; an earlier op error (EINVAL, ...) is
+        // kept for the others, whose work is lost either way.
+        int status = fault_status(kernel, iv.user_launch);
+        if (status != EFAULT && iv.status != 0) status = iv.status;
+        out.push_back(Delivery{s, iv.token, status, 0});
+        // Events and staging die with the context: forget, do not free.
+        iv.start = iv.end = nullptr;
+        iv.blocks.clear();
+        iv.copy_out.clear();
+      }
+      // Ops queued since the last notify are lost too; the next notify says so.
+      Interval& open = s->open;
+      if (open.ops > 0) {
+        int status = fault_status(kernel, open.user_launch);
+        if (status != EFAULT && open.status != 0) status = open.status;
+        open.status = status;
+      }
+      open.start = open.end = nullptr;
+      open.blocks.clear();
+      open.copy_out.clear();
+      open.user_launch = false;
+      s->handle = nullptr;
+      s->scratch = 0;
+      s->discards_seen = 0;
+    }
+    {
+      std::lock_guard lock(pool_mu_);
+      free_events_.clear();
+      free_blocks_.clear();
+      cached_bytes_ = 0;
+    }
+    {
+      std::lock_guard lock(modules_mu_);
+      for (auto& [id, m] : modules_) {
+        m.handle = nullptr;
+        for (Function& f : m.functions) f.handle = nullptr;
+      }
+      retired_.clear();
+      retired_count_.store(0);
+    }
+    builtin_module_ = nullptr;
+    spin_fn_ = gemm_fn_ = nullptr;
+    maint_ = nullptr;
+    discard_event_ = nullptr;
+    arena_base_.store(0);
+
+    if (rebuild) {
+      // cuDevicePrimaryCtxReset destroys every allocation, stream, event and
+      // module of the context; releasing and retaining again gives a fresh one.
+      set_current();
+      const CUresult reset = drv_.primary_ctx_reset(device_);
+      drv_.primary_ctx_release(device_);
+      ctx_ = nullptr;
+      std::string why;
+      if (reset != CUDA_SUCCESS) why = fmt::format("cuDevicePrimaryCtxReset: {}", drv_.error_name(reset));
+      if (why.empty()) open_context(false, why);
+      if (why.empty()) {
+        for (const auto& s : all_streams()) {
+          std::lock_guard lock(s->mu);
+          if (const CUresult r = drv_.stream_create(&s->handle, CU_STREAM_NON_BLOCKING);
+              r != CUDA_SUCCESS) {
+            s->handle = nullptr;
+            why = fmt::format("cuStreamCreate: {}", drv_.error_name(r));
+            break;
+          }
+        }
+      }
+      if (why.empty()) {
+        std::lock_guard lock(modules_mu_);
+        for (auto& [id, m] : modules_) {
+          // Same image, same names: the broker's handles keep working.
+          if (drv_.module_load_data_ex(&m.handle, m.image.data(), 0, nullptr, nullptr) !=
+              CUDA_SUCCESS) {
+            m.handle = nullptr;
+            spdlog::error("cuda gpu{}: module {} did not reload after the fault", info_.index,
+                          id);
+            continue;
+          }
+          for (Function& f : m.functions)
+            if (drv_.module_get_function(&f.handle, m.handle, f.name.c_str()) != CUDA_SUCCESS)
+              f.handle = nullptr;
+        }
+      }
+      if (!why.empty()) {
+        spdlog::critical("cuda gpu{}: recovery failed ({}); the GPU is out of service",
+                         info_.index, why);
+        dead_.store(true);
+        if (ctx_ != nullptr) {
+          drv_.primary_ctx_reset(device_);
+          drv_.primary_ctx_release(device_);
+          ctx_ = nullptr;
+        }
+        for (const auto& s : all_streams()) {
+          std::lock_guard lock(s->mu);
+          s->handle = nullptr;
+        }
+      } else {
+        spdlog::warn("cuda gpu{}: context rebuilt after {}; device memory was cleared",
+                     info_.index, drv_.error_name(cause));
+      }
+      generation_.fetch_add(1);
+    }
+    fault_.store(CUDA_SUCCESS);
+  }
+  deliver(out);
+}
+
+// ---------------------------------------------------------------- factory
+
+}  // namespace salus::vgpu::cuda
+
+namespace salus::vgpu {
+
+std::vector<std::unique_ptr<Device>> open_cuda_devices(const CudaOptions& options,
+                                                       std::string& why) {
+  std::vector<std::unique_ptr<Device>> out;
+  if (!(options.memory_fraction > 0.0 && options.memory_fraction <= 1.0)) {
+    why = fmt::format("memory fraction {} is not in (0, 1]", options.memory_fraction);
+    return out;
+  }
+  const cuda::CudaDriver* drv = cuda::CudaDriver::get(why);
+  if (drv == nullptr) return out;
+  int count = 0;
+  if (const CUresult r = drv->device_get_count(&count); r != CUDA_SUCCESS) {
+    why = fmt::format("cuDeviceGetCount failed: {}", drv->error_name(r));
+    return out;
+  }
+  if (count == 0) {
+    why = "no CUDA GPU visible (check CUDA_VISIBLE_DEVICES)";
+    return out;
+  }
+  std::vector<std::string> failures;
+  for (int i = 0; i < count; ++i) {
+    CUdevice dev = 0;
+    if (const CUresult r = drv->device_get(&dev, i); r != CUDA_SUCCESS) {
+      failures.push_back(fmt::format("gpu{}: cuDeviceGet: {}", i, drv->error_name(r)));
+      continue;
+    }
+    try {
+      out.push_back(std::make_unique<cuda::CudaDevice>(*drv, static_cast<int>(out.size()), dev,
+                                                       options));
+    } catch (const std::exception& e) {
+      failures.push_back(e.what());
+      spdlog::warn("cuda: CUDA device {} not used: {}", i, e.what());
+    }
+  }
+  if (out.empty()) {
+    why.clear();
+    for (const std::string& f : failures) why += (why.empty() ? "" : "; ") + f;
+  }
+  return out;
+}
+
+bool cuda_builtins_built(std::string& why) {
+  if (cuda::builtin_fatbin_size != 0) return true;
+  why = cuda::kNoBuiltinsReason;
+  return false;
+}
+
+}  // namespace salus::vgpu

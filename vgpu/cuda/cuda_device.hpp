@@ -1,0 +1,273 @@
+// One NVIDIA GPU behind the Device interface, through the CUDA Driver API: the
+// primary context, an arena reserved up front with a single cuMemAlloc, one
+// non-blocking stream per lane, completions found through events by a
+// backend-owned thread, and recovery from the faults a user kernel can cause
+// (the context is reset and rebuilt; the streams, modules and handles the
+// broker holds stay valid).
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "vgpu/cuda/cuda_backend.hpp"
+#include "vgpu/cuda/cuda_driver.hpp"
+#include "vgpu/cuda/cuda_plans.hpp"
+#include "vgpu/device.hpp"
+
+namespace salus::vgpu::cuda {
+
+// Threading: any thread may call the Device methods (the broker uses one worker
+// per GPU); ops on one stream must come from one thread at a time or in an order
+// the callers agree on, as for any stream. Completions arrive on the device's own
+// completion thread. Errors inside an op (bad launch configuration, a kernel
+// fault) surface as the status of the stream's next notify, as on sim; only an
+// unknown stream id throws (std::invalid_argument).
+class CudaDevice final : public Device {
+ public:
+  // Retains the primary context, reserves the arena, loads the built-in kernels
+  // and calibrates spin. Throws std::runtime_error with a one-line reason.
+  CudaDevice(const CudaDriver& driver, int index, CUdevice device, const CudaOptions& options);
+  // Finishes every stream's queued ops (delivering their completions), then
+  // frees everything and releases the primary context.
+  ~CudaDevice() override;
+  CudaDevice(const CudaDevice&) = delete;
+  CudaDevice& operator=(const CudaDevice&) = delete;
+
+  const DeviceInfo& info() const override { return info_; }
+  void set_sink(CompletionSink* sink) override;
+
+  // Ids are the smallest free ones, as on sim.
+  StreamId create_stream() override;
+  // Must not be called from a completion callback (std::logic_error): it waits
+  // for the completion thread to deliver the stream's last notifies.
+  void destroy_stream(StreamId stream) override;
+
+  // Widths 1, 2 and 4 at any alignment, via cuMemsetD8/D32Async (no kernel).
+  void fill(StreamId stream, DevOffset dst, Bytes length, std::uint32_t pattern,
+            unsigned width) override;
+  // cuMemcpyDtoDAsync; overlapping ranges are split (plan_copy) so the result is
+  // memmove's.
+  void copy(StreamId stream, DevOffset dst, DevOffset src, Bytes length) override;
+  // salus_spin for `usec` at the calibrated clock; `util` scales the grid
+  // (spin_blocks). Completes with ENOSYS in a build without built-in kernels.
+  void spin(StreamId stream, std::uint64_t usec, double util) override;
+  // salus_gemm. A C that overlaps A or B is computed into the stream's scratch
+  // buffer first (up to kScratchBytes of output; larger fails with EINVAL).
+  void gemm(StreamId stream, std::uint32_t m, std::uint32_t n, std::uint32_t k, DevOffset a,
+            DevOffset b, DevOffset c) override;
+  // Through pinned staging up to CudaOptions::staging_limit (never blocks; the
+  // device-to-host data is copied out when the notify completes), directly from
+  // the caller's memory above it (blocks until the stream reaches the copy).
+  void copy_to_host(StreamId stream, void* host, DevOffset src, Bytes length) override;
+  void copy_from_host(StreamId stream, DevOffset dst, const void* host, Bytes length) override;
+  // Records the interval's end event (and a host-function wake-up); device_ns is
+  // cuEventElapsedTime from the event recorded before the interval's first op.
+  void notify(StreamId stream, std::uint64_t token) override;
+
+  // An async memset on an internal stream; every stream waits for it before its
+  // next op, so the caller's thread never waits for the memset itself.
+  void discard(DevOffset offset, Bytes length) override;
+
+  // Union of the completed notify intervals, placed in time by when their
+  // completion was seen (BusyUnion); lags by at most one interval per stream.
+  std::int64_t busy_ns() const override;
+
+  // Modules: cubin, fatbin or PTX (NUL-terminated here if needed). The image is
+  // kept so the module can be reloaded after a fault recovery.
+  int load_module(const std::vector<std::uint8_t>& image, ModuleHandle& out,
+                  std::string& why) override;
+  // Deferred until every stream has passed the point of the call, so launches
+  // already queued still find their code.
+  void unload_module(ModuleHandle module) override;
+  // param_sizes via cuFuncGetParamInfo (drivers >= 12.4), else left empty.
+  int get_function(ModuleHandle module, const std::string& name, FunctionHandle& out,
+                   std::vector<std::uint32_t>& param_sizes, std::string& why) override;
+  // The CUdeviceptr of an arena offset. Changes when a fault recovery reallocates
+  // the arena: resolve at dispatch time, as the broker does.
+  std::uint64_t device_address(DevOffset offset) const override;
+  void launch(StreamId stream, FunctionHandle function, const LaunchDims& dims,
+              const std::uint8_t* args, const std::uint32_t* arg_sizes,
+              std::size_t arg_count) override;
+
+  // Bumped by every fault recovery: the arena was reallocated (all device memory
+  // reads as zero again) and everything queued before the fault was lost.
+  std::uint64_t generation() const override { return generation_.load(); }
+
+  // False once a recovery failed: every op then completes with ENODEV.
+  bool healthy() const { return !dead_.load(); }
+  // Whether spin and gemm can run; if not, `why` says why (no nvcc at build
+  // time, or the embedded kernels do not load on this GPU/driver).
+  bool builtins_available(std::string& why) const;
+  // Measured at start-up (clock64 cycles per microsecond of a timed spin).
+  double spin_cycles_per_usec() const { return cycles_per_usec_; }
+
+  // Output bytes a gemm may stage in scratch, and the scratch buffer size.
+  static constexpr Bytes kScratchBytes = Bytes{16} << 20;
+
+ private:
+  struct PinnedBlock {
+    void* ptr = nullptr;
+    Bytes size = 0;  // the size class it was allocated with
+  };
+  struct CopyOut {  // a staged device-to-host copy, finished on completion
+    void* host;
+    const void* pinned;
+    Bytes length;
+  };
+  // What an interval (the ops since the previous notify) holds until it completes.
+  struct Interval {
+    CUevent start = nullptr;  // recorded before the interval's first op
+    CUevent end = nullptr;    // recorded by notify
+    std::uint64_t token = 0;
+    std::uint32_t ops = 0;
+    int status = 0;  // first error of the interval
+    bool user_launch = false;
+    std::vector<PinnedBlock> blocks;
+    std::vector<CopyOut> copy_out;
+  };
+  struct Stream {
+    explicit Stream(StreamId i) : id(i) {}
+    const StreamId id;
+    // Orders enqueues onto the stream; guards everything below except `pending`.
+    std::mutex mu;
+    CUstream handle = nullptr;  // null while dead
+    bool closing = false;
+    Interval open;
+    std::uint64_t discards_seen = 0;
+    CUdeviceptr scratch = 0;  // kScratchBytes, allocated on first need
+    std::deque<Interval> pending;  // notified, not yet delivered; guarded by pending_mu_
+  };
+  struct Function {
+    std::string name;
+    CUfunction handle = nullptr;  // null if a reload after recovery lost it
+    bool sizes_known = false;
+    std::vector<std::uint32_t> param_sizes;
+  };
+  struct Module {
+    std::vector<std::uint8_t> image;
+    CUmodule handle = nullptr;
+    std::vector<Function> functions;
+  };
+  struct RetiredModule {  // unloaded once every fence has completed
+    CUmodule handle;
+    std::vector<CUevent> fences;
+  };
+  struct Delivery {
+    std::shared_ptr<Stream> stream;
+    std::uint64_t token;
+    int status;
+    std::int64_t device_ns;
+  };
+  // The completion thread's wake-up. Separate and heap-allocated because the
+  // driver's host-function thread holds a pointer to it.
+  struct Waker {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool woken = false;  // guarded by mu
+    bool stop = false;   // guarded by mu
+  };
+  // Holds the context lock (shared) and the stream's lock for one API op.
+  class OpScope;
+
+  // Context lifetime.
+  void open_context(bool first, std::string& why);  // throws on failure when `first`
+  void load_builtins();
+  void calibrate_spin(int clock_khz);
+  void release_context_resources();  // healthy teardown
+  void set_current() const;
+
+  // Op helpers (caller holds ctx_mu_ shared and the stream's mu).
+  bool begin_op(Stream& s);
+  bool check(Stream& s, CUresult r, const char* what);
+  void fail(Stream& s, int err, const std::string& why);
+  bool ensure_scratch(Stream& s);
+  bool builtins_ok(Stream& s, CUfunction fn);
+  CUdeviceptr at(DevOffset offset) const { return arena_base_.load() + offset; }
+
+  CUevent acquire_event();
+  void release_event(CUevent e);
+  PinnedBlock acquire_pinned(Bytes size);
+  void release_pinned(PinnedBlock b);
+  void release_interval(Interval& iv);  // events and blocks back to the pools
+
+  std::shared_ptr<Stream> find_stream(StreamId id) const;
+  std::vector<std::shared_ptr<Stream>> all_streams() const;
+
+  // Completion thread.
+  void poke();
+  void note_fault(CUresult r);
+  void poll_loop();
+  void collect(std::vector<Delivery>& out);
+  void deliver(std::vector<Delivery>& out);
+  void retire_modules();
+  void recover();
+  void flush_after_fault(bool rebuild);
+  static void CUDA_CB on_host_wake(void* waker);
+
+  const CudaDriver& drv_;
+  const CudaOptions opts_;
+  const CUdevice device_;
+  DeviceInfo info_;
+  std::atomic<CompletionSink*> sink_{nullptr};
+  std::uint32_t threads_per_sm_ = 2048;
+  double cycles_per_usec_ = 0;
+  int clock_khz_ = 0;
+
+  // Shared by every API call that touches CUDA objects; exclusive while a fault
+  // recovery tears the context down and rebuilds it.
+  mutable std::shared_mutex ctx_mu_;
+  CUcontext ctx_ = nullptr;
+  std::atomic<CUdeviceptr> arena_base_{0};
+  CUmodule builtin_module_ = nullptr;
+  CUfunction spin_fn_ = nullptr;
+  CUfunction gemm_fn_ = nullptr;
+  std::string builtins_why_;  // empty: built-ins available
+  CUstream maint_ = nullptr;  // discards and start-up work
+
+  std::mutex maint_mu_;  // discards; guards the two below
+  CUevent discard_event_ = nullptr;
+  std::uint64_t discard_seq_ = 0;
+
+  std::atomic<int> fault_{CUDA_SUCCESS};  // a sticky CUresult awaiting recovery
+  std::atomic<bool> dead_{false};
+  std::atomic<std::uint64_t> generation_{0};
+
+  mutable std::mutex table_mu_;
+  std::vector<std::shared_ptr<Stream>> streams_;  // index = StreamId; null = free
+
+  std::mutex pending_mu_;
+  std::condition_variable pending_cv_;  // some stream's pending queue shrank
+  std::atomic<std::size_t> pending_total_{0};
+
+  std::mutex pool_mu_;
+  std::vector<CUevent> free_events_;
+  std::map<Bytes, std::vector<void*>> free_blocks_;  // by size class
+  Bytes cached_bytes_ = 0;
+
+  std::mutex modules_mu_;
+  std::map<ModuleHandle, Module> modules_;
+  ModuleHandle next_module_ = 1;
+  std::vector<RetiredModule> retired_;
+  std::atomic<std::size_t> retired_count_{0};
+
+  mutable std::mutex busy_mu_;
+  BusyUnion busy_;
+  const std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
+
+  std::unique_ptr<Waker> waker_ = std::make_unique<Waker>();
+  std::thread poller_;  // last: starts once everything above exists
+};
+
+}  // namespace salus::vgpu::cuda
