@@ -304,6 +304,12 @@ void Broker::resume_writes(Session& s, Deferred& later) {
 // Runs the write's remaining lines; false if it must wait (admission or sync).
 bool Broker::run_write(Session& s, PendingWrite& w, Deferred& later) {
   auto finish = [&](int err) {
+    if (err && s.recording && w.began_recording) {
+      // Half an iteration from a failed write would poison the next `begin`.
+      s.recording.reset();
+      // Said on the error's own line, so "the last log line" stays the reason.
+      if (!s.log.empty()) s.log.back().text += "; the iteration begun by this write is discarded";
+    }
     auto done = std::move(w.done);
     std::string reply = std::move(w.reply);
     if (err) ++stats_.command_errors;
@@ -389,6 +395,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
             if (s.recording) return fail(EINVAL, "begin inside begin: end the open iteration first");
             s.recording.emplace();
             s.recording->iter = std::make_shared<Iteration>();
+            w.began_recording = true;
             return 0;
           },
           [&](const EndCmd& c) {

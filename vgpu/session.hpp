@@ -134,6 +134,7 @@ struct PendingWrite {
   std::string reply;       // accumulated reply text
   std::uint64_t sync_target = 0;  // while waiting on `sync`
   bool syncing = false;
+  bool began_recording = false;  // a `begin` of this write opened the recording
   WriteReply done;
 };
 

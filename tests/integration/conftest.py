@@ -32,6 +32,13 @@ class Salusd:
         self.proc = None
 
     def start(self, timeout=10):
+        try:
+            return self._start(timeout)
+        except Exception:
+            self.stop()  # unmount and remove the temp dir even when start-up failed
+            raise
+
+    def _start(self, timeout):
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout

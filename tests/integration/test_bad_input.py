@@ -141,3 +141,16 @@ def test_session_and_buffer_quotas(salusd_factory):
     assert "quota" in a.read("log")
     a.close()
     b.close()
+
+
+def test_failed_write_discards_the_iteration_it_began(daemon):
+    s = Session(daemon)
+    s.cmd(SETUP)
+    with pytest.raises(OSError) as e:
+        s.cmd("begin\nspin 10\nfill nope 1\nend x5\n")
+    assert e.value.errno == errno.ENOENT
+    assert s.status()["recording"] == "no"
+    assert "discarded" in s.read("log")
+    s.cmd("begin\nspin 10\nend x2\n")      # a fresh begin works
+    assert s.wait() == "done 2\n"
+    s.close()

@@ -1,0 +1,397 @@
+"""salus: a dependency-free Python client for salusd.
+
+salusd's whole API is the /salus filesystem. This module wraps one session's files
+(ctl, status, log, wait, mem/NAME) in a small class so that Python jobs need not
+format commands by hand. It uses only the standard library (Python 3.11+).
+
+    import salus
+
+    with salus.Session() as s:                  # opens /salus/clone
+        s.need(persistent="64M", ephemeral="256M", iters=100)
+        s.alloc("w", 4 << 20)
+        s.write_buffer("w", initial_weights)    # bytes-like, through mem/w
+        with s.iteration(repeat=100):           # begin ... end x100
+            s.alloc("tmp", 8 << 20)
+            s.gemm(256, 256, 256, "w", "w", "tmp")
+        print(s.wait())                         # blocks: 100
+        weights = s.read_buffer("w")
+
+Failures raise OSError with the errno salusd returned (so FileNotFoundError,
+PermissionError ... can be caught) and a message that ends with the last line of
+the session's log, where salusd explains what went wrong.
+
+The mount point is $SALUS_MOUNT, else /salus. Session.attach() joins an existing
+session directory, by default $SALUS_SESSION (set by `salusctl run`).
+"""
+
+import contextlib
+import errno as _errno
+import os
+import secrets
+
+__all__ = ["Session", "default_mount"]
+
+
+def default_mount():
+    """$SALUS_MOUNT, else /salus."""
+    return os.environ.get("SALUS_MOUNT") or "/salus"
+
+
+def _size(value):
+    """A size for a command: an int (bytes) or a string with a K/M/G suffix."""
+    if isinstance(value, bool):
+        raise TypeError("a size must be an int or a string like '64M'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"negative size {value}")
+        return str(value)
+    value = str(value)
+    if not value or any(c.isspace() or c == "#" for c in value):
+        raise ValueError(f"bad size {value!r}")
+    return value
+
+
+def _word(value, what):
+    value = str(value)
+    if not value or any(c.isspace() or c == "#" for c in value):
+        raise ValueError(f"bad {what} {value!r}")
+    return value
+
+
+def _ref(buf, offset):
+    return f"{_word(buf, 'buffer name')}+{offset}" if offset else _word(buf, "buffer name")
+
+
+def _strip_timestamp(line):
+    if line.startswith("["):
+        close = line.find("] ")
+        if close >= 0:
+            return line[close + 2:]
+    return line
+
+
+class Session:
+    """One salusd session.
+
+    Session()            a new session through <mount>/clone; closing it ends the
+                         session and frees everything it holds.
+    Session(name="x")    a named session (mkdir sessions/x); close() removes it.
+    Session.attach(dir)  an existing session directory (default $SALUS_SESSION);
+                         close() leaves it in place.
+    """
+
+    def __init__(self, mount=None, *, name=None):
+        self.mount = (mount or default_mount()).rstrip("/") or "/"
+        self._fd = None
+        self._remove_dir = False
+        self._batch = None
+        if name is None:
+            clone = os.path.join(self.mount, "clone")
+            try:
+                self._fd = os.open(clone, os.O_RDWR | os.O_CLOEXEC)
+                self.id = os.read(self._fd, 64).decode().strip()
+            except OSError as e:
+                if self._fd is not None:
+                    os.close(self._fd)
+                    self._fd = None
+                raise OSError(e.errno, f"{clone}: cannot open a session: {os.strerror(e.errno)}"
+                              " (is salusd mounted there? set $SALUS_MOUNT)") from None
+            self.dir = os.path.join(self.mount, "sessions", self.id)
+        else:
+            self.id = _word(name, "session name")
+            self.dir = os.path.join(self.mount, "sessions", self.id)
+            try:
+                os.mkdir(self.dir, 0o700)
+            except OSError as e:
+                raise OSError(e.errno, f"{self.dir}: mkdir: {os.strerror(e.errno)}") from None
+            self._remove_dir = True
+            self._open_ctl()
+
+    @classmethod
+    def attach(cls, path=None):
+        """Joins an existing session directory (default $SALUS_SESSION)."""
+        path = path or os.environ.get("SALUS_SESSION")
+        if not path:
+            raise OSError(_errno.ENOENT, "attach: no session directory given and $SALUS_SESSION "
+                          "is not set")
+        path = path.rstrip("/")
+        self = cls.__new__(cls)
+        self._fd = None
+        self._remove_dir = False
+        self._batch = None
+        self.dir = path
+        self.id = os.path.basename(path)
+        parent = os.path.dirname(path)
+        self.mount = os.path.dirname(parent) if os.path.basename(parent) == "sessions" \
+            else default_mount()
+        self._open_ctl()
+        return self
+
+    def _open_ctl(self):
+        ctl = self.path("ctl")
+        try:
+            self._fd = os.open(ctl, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            if self._remove_dir:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.dir)
+                self._remove_dir = False
+            raise OSError(e.errno, f"{ctl}: {os.strerror(e.errno)}") from None
+
+    def __repr__(self):
+        return f"<salus.Session {self.id} at {self.dir}>"
+
+    # ------------------------------------------------------------ lifetime
+
+    def close(self):
+        """Ends the session: closes the clone fd, or removes a named session."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._remove_dir:
+            self._remove_dir = False
+            try:
+                os.rmdir(self.dir)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    # ------------------------------------------------------------ errors
+
+    def _error(self, err, what, with_log=True):
+        msg = f"session {self.id}: {what}: {os.strerror(err)}"
+        if with_log:
+            last = self.last_log_line()
+            if last:
+                msg += f" [salusd log: {last}]"
+        return OSError(err, msg)
+
+    # ------------------------------------------------------------ commands
+
+    def command(self, text):
+        """Sends command text in one write(); raises OSError if salusd rejects it.
+        Inside `with iteration():` the text is kept and sent with the iteration."""
+        if not text.endswith("\n"):
+            text += "\n"
+        if self._batch is not None:
+            self._batch.append(text)
+            return
+        self._send(text)
+
+    def _send(self, text):
+        if self._fd is None:
+            raise OSError(_errno.EBADF, f"session {self.id}: closed")
+        try:
+            os.write(self._fd, text.encode())
+        except OSError as e:
+            shown = "; ".join(text.rstrip("\n").splitlines())
+            if len(shown) > 80:
+                shown = shown[:77] + "..."
+            raise self._error(e.errno, repr(shown)) from None
+
+    def need(self, persistent, ephemeral, *, iters=None, priority=None, gpu=None):
+        """Declares the session's memory; admission follows (state queued until then)."""
+        line = f"need persistent={_size(persistent)} ephemeral={_size(ephemeral)}"
+        if iters is not None:
+            line += f" iters={int(iters)}"
+        if priority is not None:
+            line += f" priority={int(priority)}"
+        if gpu is not None:
+            line += f" gpu={_word(gpu, 'gpu')}"
+        self.command(line)
+
+    def alloc(self, name, size):
+        """Outside an iteration: persistent; inside one: ephemeral, freed at its end."""
+        self.command(f"alloc {_word(name, 'buffer name')} {_size(size)}")
+
+    def free(self, name):
+        self.command(f"free {_word(name, 'buffer name')}")
+
+    def fill(self, buf, value, *, dtype="f32", offset=None, length=None):
+        """Sets every element of buf (or off=offset len=length bytes of it) to value."""
+        if dtype not in ("f32", "i32", "u8"):
+            raise ValueError(f"dtype must be f32, i32 or u8, not {dtype!r}")
+        v = repr(float(value)) if dtype == "f32" else str(int(value))
+        line = f"fill {_ref(buf, 0)} {v} dtype={dtype}"
+        if offset is not None:
+            line += f" off={_size(offset)}"
+        if length is not None:
+            line += f" len={_size(length)}"
+        self.command(line)
+
+    def copy(self, dst, src, length, *, dst_offset=0, src_offset=0):
+        self.command(f"copy {_ref(dst, dst_offset)} {_ref(src, src_offset)} {_size(length)}")
+
+    def gemm(self, m, n, k, a, b, c):
+        """C[m x n] = A[m x k] @ B[k x n] in f32."""
+        self.command(f"gemm {int(m)} {int(n)} {int(k)} {_word(a, 'A')} {_word(b, 'B')} "
+                     f"{_word(c, 'C')}")
+
+    def spin(self, usec, *, util=None):
+        self.command(f"spin {int(usec)}" + (f" util={float(util)!r}" if util is not None else ""))
+
+    def priority(self, p):
+        self.command(f"priority {int(p)}")
+
+    def run(self, n):
+        """Submits the last recorded iteration n more times."""
+        self.command(f"run {int(n)}")
+
+    def sync(self):
+        """Returns when all earlier work has finished."""
+        self.command("sync")
+
+    @contextlib.contextmanager
+    def iteration(self, repeat=1):
+        """Records the commands issued inside the block as one iteration and submits
+        it `repeat` times.
+
+        The commands are sent at the end of the block in one write, "begin ... end
+        xREPEAT". If the block raises, nothing is sent. If a line fails, nothing is
+        submitted and the OSError names the line (from the log); salusd then still
+        holds the lines before it as an open recording (it has no command to abort
+        one): send "end" to submit them anyway, or close the session."""
+        if self._batch is not None:
+            raise RuntimeError("iteration() inside iteration()")
+        repeat = int(repeat)
+        if repeat < 1:
+            raise ValueError("repeat must be at least 1")
+        self._batch = []
+        try:
+            yield self
+            text = "begin\n" + "".join(self._batch) + f"end x{repeat}\n"
+        finally:
+            self._batch = None
+        self._send(text)
+
+    # ------------------------------------------------------------ results
+
+    def wait(self):
+        """Blocks until all submitted work is done; returns the iterations done."""
+        try:
+            with open(self.path("wait"), "rb", buffering=0) as f:
+                text = f.read().decode()
+        except OSError as e:
+            raise self._error(e.errno, "wait") from None
+        parts = text.split()
+        return int(parts[1]) if len(parts) >= 2 and parts[0] == "done" else 0
+
+    def status(self):
+        """The status file as a dict: state, gpu, lane, iterations_done, ..."""
+        try:
+            with open(self.path("status"), "rb", buffering=0) as f:
+                text = f.read().decode()
+        except OSError as e:
+            raise self._error(e.errno, "status", with_log=False) from None
+        out = {}
+        for line in text.splitlines():
+            key, sep, value = line.partition(": ")
+            if sep:
+                out[key] = value
+        return out
+
+    def log(self, n=None):
+        """The session's log lines (oldest first) without timestamps; the last n."""
+        try:
+            with open(self.path("log"), "rb", buffering=0) as f:
+                lines = [_strip_timestamp(l) for l in f.read().decode().splitlines()]
+        except OSError as e:
+            raise self._error(e.errno, "log", with_log=False) from None
+        return lines[-n:] if n else lines
+
+    def last_log_line(self):
+        try:
+            lines = self.log(1)
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+    # ------------------------------------------------------------ buffer contents
+
+    def write_buffer(self, name, data, offset=0):
+        """Copies bytes-like `data` into buffer `name` at `offset` (through mem/NAME)."""
+        p = self.path("mem/" + _word(name, "buffer name"))
+        mv = memoryview(data).cast("B")
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise self._error(e.errno, p) from None
+        try:
+            done = 0
+            while done < mv.nbytes:
+                done += os.pwrite(fd, mv[done:], offset + done)
+        except OSError as e:
+            raise self._error(e.errno, p + ": write") from None
+        finally:
+            os.close(fd)
+            mv.release()
+
+    def read_buffer(self, name, length=None, offset=0):
+        """Reads `length` bytes (default: to the end) of buffer `name` from `offset`."""
+        p = self.path("mem/" + _word(name, "buffer name"))
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise self._error(e.errno, p) from None
+        try:
+            if length is None:
+                length = max(0, os.fstat(fd).st_size - offset)
+            out = bytearray()
+            while len(out) < length:
+                chunk = os.pread(fd, length - len(out), offset + len(out))
+                if not chunk:
+                    raise self._error(_errno.ERANGE, f"{p}: read past the end of the buffer",
+                                      with_log=False)
+                out += chunk
+            return bytes(out)
+        except OSError as e:
+            if e.errno == _errno.ERANGE:
+                raise
+            raise self._error(e.errno, p + ": read") from None
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------ shared-memory transfers
+
+    def _segment(self, size):
+        from multiprocessing import shared_memory
+        name = f"salus-{os.getpid()}-{secrets.token_hex(6)}"
+        return shared_memory.SharedMemory(name=name, create=True, size=max(1, size))
+
+    def upload(self, buf, data, offset=0):
+        """Copies `data` into buffer `buf` through a POSIX shared-memory segment:
+        `upload BUF[+OFF] shm:SEG LEN`, then `sync`; the segment is removed after."""
+        mv = memoryview(data).cast("B")
+        seg = self._segment(mv.nbytes)
+        try:
+            seg.buf[:mv.nbytes] = mv
+            segname = seg.name.lstrip("/")
+            self.command(f"upload {_ref(buf, offset)} shm:{segname} {mv.nbytes}\nsync\n")
+        finally:
+            mv.release()
+            seg.close()
+            seg.unlink()
+
+    def download(self, buf, length, offset=0):
+        """Copies `length` bytes of buffer `buf` out through a shared-memory segment."""
+        seg = self._segment(int(length))
+        try:
+            segname = seg.name.lstrip("/")
+            self.command(f"download {_ref(buf, offset)} shm:{segname} {int(length)}\nsync\n")
+            return bytes(seg.buf[:int(length)])
+        finally:
+            seg.close()
+            seg.unlink()

@@ -1,0 +1,1135 @@
+// salusctl: the operator's command-line tool for salusd.
+//
+// Every subcommand is a thin layer over the files of the /salus tree: whatever it
+// does can be done with cat, echo, mkdir and rmdir, and `salusctl --explain CMD...`
+// prints those shell commands instead of running them. It reads the mount point
+// from --mount, else $SALUS_MOUNT, else /salus.
+//
+// Exit status: 0 on success, 1 when a file operation fails (the message names the
+// file and the error), 2 for usage errors; `run` exits with its command's status.
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "salus_config.hpp"
+
+namespace {
+
+// ---------------------------------------------------------------- errors
+
+// A failure to report as "salusctl: MESSAGE" with exit status 1.
+struct Failure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+[[noreturn]] void fail(const std::string& message) {
+  throw Failure(message);
+}
+
+// ---------------------------------------------------------------- context
+
+struct Ctx {
+  std::string mount;
+  bool explain = false;
+  bool exact = false;  // print byte counts instead of K/M/G
+
+  std::string path(std::string_view rel) const { return mount + "/" + std::string(rel); }
+};
+
+// Quotes a word for sh if it needs quoting.
+std::string sh_quote(std::string_view s) {
+  const bool safe = !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("/._-+=:,@%^", c);
+  });
+  if (safe) return std::string(s);
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'')
+      out += "'\\''";
+    else
+      out += c;
+  }
+  return out + "'";
+}
+
+// A hint for errors that mean "there is no salusd at the mount point".
+std::string mount_hint(const Ctx& ctx, int err) {
+  if (err != ENOENT && err != ENOTCONN) return {};
+  struct stat st;
+  if (::stat(ctx.path("version").c_str(), &st) == 0) return {};
+  if (err == ENOTCONN || errno == ENOTCONN)
+    return fmt::format(" (salusd at {} is gone; clean up with `fusermount3 -u {}`)", ctx.mount,
+                       ctx.mount);
+  return fmt::format(" (no salusd is mounted at {}; use --mount or $SALUS_MOUNT)", ctx.mount);
+}
+
+[[noreturn]] void fail_file(const Ctx& ctx, const std::string& path, int err,
+                            std::string_view extra = {}) {
+  std::string msg = fmt::format("{}: {}", path, std::strerror(err));
+  if (!extra.empty()) msg += fmt::format(": {}", extra);
+  fail(msg + mount_hint(ctx, err));
+}
+
+// ---------------------------------------------------------------- file I/O
+
+// Reads a whole file into `out`; 0 or an errno. Synthetic files are snapshots taken
+// at open, so one open and reads to EOF give a consistent view.
+int try_read(const std::string& path, std::string& out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  out.clear();
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      return err;
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return 0;
+}
+
+std::string read_file(const Ctx& ctx, const std::string& path) {
+  std::string out;
+  if (const int err = try_read(path, out)) fail_file(ctx, path, err);
+  return out;
+}
+
+// One write() of `text`; 0 or an errno.
+int try_write(const std::string& path, std::string_view text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  const ssize_t n = ::write(fd, text.data(), text.size());
+  const int err = n < 0 ? errno : 0;
+  ::close(fd);
+  return err;
+}
+
+// Writes admin commands to /salus/ctl and returns its replies (read on the same fd).
+std::string ctl_command(const Ctx& ctx, const std::string& line) {
+  const std::string path = ctx.path("ctl");
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) fail_file(ctx, path, errno);
+  const std::string text = line + "\n";
+  const ssize_t n = ::write(fd, text.data(), text.size());
+  const int err = n < 0 ? errno : 0;
+  std::string reply;
+  char buf[4096];
+  for (ssize_t r; (r = ::read(fd, buf, sizeof buf)) > 0;)
+    reply.append(buf, static_cast<std::size_t>(r));
+  ::close(fd);
+  if (err) fail_file(ctx, path, err, line);
+  return reply;
+}
+
+// Entries of a directory, numbers first (by value), then names.
+std::vector<std::string> list_dir(const Ctx& ctx, const std::string& path) {
+  DIR* d = ::opendir(path.c_str());
+  if (!d) fail_file(ctx, path, errno);
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(d);
+  auto is_num = [](const std::string& s) {
+    return !s.empty() && s.size() < 19 && s.find_first_not_of("0123456789") == std::string::npos;
+  };
+  std::sort(names.begin(), names.end(), [&](const std::string& a, const std::string& b) {
+    const bool na = is_num(a), nb = is_num(b);
+    if (na != nb) return na;
+    if (na) return std::stoull(a) < std::stoull(b);
+    return a < b;
+  });
+  return names;
+}
+
+// ---------------------------------------------------------------- parsing
+
+using KeyValues = std::map<std::string, std::string>;
+
+// "key: value" lines (status, info, memory) or "key value" lines (stats).
+KeyValues parse_kv(std::string_view text, std::string_view sep) {
+  KeyValues out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    std::size_t nl = text.find('\n', pos);
+    if (nl == std::string_view::npos) nl = text.size();
+    const std::string_view line = text.substr(pos, nl - pos);
+    pos = nl + 1;
+    if (line.empty() || line[0] == '#') continue;
+    const std::size_t at = line.find(sep);
+    if (at == std::string_view::npos) continue;
+    out[std::string(line.substr(0, at))] = std::string(line.substr(at + sep.size()));
+  }
+  return out;
+}
+
+std::string get(const KeyValues& kv, const std::string& key, std::string fallback = "-") {
+  auto it = kv.find(key);
+  return it == kv.end() ? fallback : it->second;
+}
+
+std::vector<std::string> split_lines(std::string_view text) {
+  std::vector<std::string> out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    std::size_t nl = text.find('\n', pos);
+    if (nl == std::string_view::npos) nl = text.size();
+    out.emplace_back(text.substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  return out;
+}
+
+std::vector<std::string> split_words(std::string_view line) {
+  std::vector<std::string> out;
+  std::size_t pos = 0;
+  while (pos < line.size()) {
+    const std::size_t start = line.find_first_not_of(" \t", pos);
+    if (start == std::string_view::npos) break;
+    std::size_t end = line.find_first_of(" \t", start);
+    if (end == std::string_view::npos) end = line.size();
+    out.emplace_back(line.substr(start, end - start));
+    pos = end;
+  }
+  return out;
+}
+
+// Rows of a table file (gpus/N/lanes, gpus/N/queue): '#' lines are headers.
+std::vector<std::vector<std::string>> parse_rows(std::string_view text) {
+  std::vector<std::vector<std::string>> rows;
+  for (const std::string& line : split_lines(text)) {
+    if (line.empty() || line[0] == '#') continue;
+    rows.push_back(split_words(line));
+  }
+  return rows;
+}
+
+std::optional<double> to_double(const std::string& s) {
+  if (s.empty() || s == "-") return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (end == s.c_str()) return std::nullopt;
+  return v;
+}
+
+std::optional<unsigned long long> to_u64(const std::string& s) {
+  if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::strtoull(s.c_str(), nullptr, 10);
+}
+
+// One sample of the Prometheus text exposition.
+struct Metric {
+  std::string name;
+  std::map<std::string, std::string> labels;
+  double value = 0;
+};
+
+std::vector<Metric> parse_metrics(std::string_view text) {
+  std::vector<Metric> out;
+  for (const std::string& line : split_lines(text)) {
+    if (line.empty() || line[0] == '#') continue;
+    Metric m;
+    std::size_t pos = line.find_first_of("{ ");
+    if (pos == std::string::npos) continue;
+    m.name = line.substr(0, pos);
+    if (line[pos] == '{') {
+      ++pos;
+      while (pos < line.size() && line[pos] != '}') {
+        const std::size_t eq = line.find('=', pos);
+        if (eq == std::string::npos || eq + 1 >= line.size() || line[eq + 1] != '"') break;
+        const std::string key = line.substr(pos, eq - pos);
+        std::string value;
+        std::size_t i = eq + 2;
+        for (; i < line.size() && line[i] != '"'; ++i) {
+          if (line[i] == '\\' && i + 1 < line.size()) {
+            ++i;
+            value += line[i] == 'n' ? '\n' : line[i];
+          } else {
+            value += line[i];
+          }
+        }
+        m.labels[key] = value;
+        pos = i + 1;
+        if (pos < line.size() && line[pos] == ',') ++pos;
+      }
+      pos = line.find(' ', pos);
+      if (pos == std::string::npos) continue;
+    }
+    const auto v = to_double(line.substr(pos + 1));
+    if (!v) continue;
+    m.value = *v;
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- formatting
+
+std::string human_bytes(const std::string& raw, bool exact) {
+  const auto v = to_u64(raw);
+  if (!v || exact) return raw.empty() ? "-" : raw;
+  static constexpr const char* kUnits[] = {"K", "M", "G", "T", "P"};
+  if (*v < 1024) return std::to_string(*v);
+  double x = static_cast<double>(*v);
+  int unit = -1;
+  while (x >= 1024 && unit < 4) {
+    x /= 1024;
+    ++unit;
+  }
+  std::string s = fmt::format("{:.1f}", x);
+  if (s.size() > 2 && s.compare(s.size() - 2, 2, ".0") == 0) s.resize(s.size() - 2);
+  return s + kUnits[unit];
+}
+
+// Whether a cell reads as a number (so its column is right-aligned).
+bool numeric_cell(const std::string& s) {
+  if (s == "-") return true;
+  if (s.empty() ||
+      !(std::isdigit(static_cast<unsigned char>(s[0])) || (s[0] == '-' && s.size() > 1)))
+    return false;
+  return s.find_first_not_of("0123456789.-%KMGTP") == std::string::npos;
+}
+
+// Aligned columns separated by two spaces; numeric columns are right-aligned.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) : header_(std::move(header)) {}
+  void add(std::vector<std::string> row) {
+    row.resize(header_.size());
+    rows_.push_back(std::move(row));
+  }
+  bool empty() const { return rows_.empty(); }
+  std::vector<std::string> lines() const {
+    const std::size_t n = header_.size();
+    std::vector<std::size_t> width(n);
+    std::vector<bool> right(n, true);
+    for (std::size_t c = 0; c < n; ++c) {
+      width[c] = header_[c].size();
+      bool any_digit = false;
+      for (const auto& r : rows_) {
+        width[c] = std::max(width[c], r[c].size());
+        right[c] = right[c] && numeric_cell(r[c]);
+        any_digit = any_digit || r[c] != "-";
+      }
+      right[c] = right[c] && any_digit && !rows_.empty();
+    }
+    auto render = [&](const std::vector<std::string>& r) {
+      std::string line;
+      for (std::size_t c = 0; c < n; ++c) {
+        if (c) line += "  ";
+        const std::size_t pad = width[c] - r[c].size();
+        if (right[c])
+          line += std::string(pad, ' ') + r[c];
+        else
+          line += r[c] + std::string(c + 1 == n ? 0 : pad, ' ');
+      }
+      while (!line.empty() && line.back() == ' ') line.pop_back();
+      return line;
+    };
+    std::vector<std::string> out{render(header_)};
+    for (const auto& r : rows_) out.push_back(render(r));
+    return out;
+  }
+
+ private:
+  std::vector<std::string> header_;
+  std::vector<std::vector<std::string>> rows_;
+};
+
+void print_lines(const std::vector<std::string>& lines) {
+  for (const auto& l : lines) fmt::print("{}\n", l);
+}
+
+// ---------------------------------------------------------------- snapshots of the tree
+
+struct GpuView {
+  std::string index;
+  KeyValues info, memory;
+  std::vector<std::vector<std::string>> lanes, queue;
+};
+
+struct SessionView {
+  std::string dir;  // name under sessions/
+  int err = 0;      // reading its status failed with this (EACCES for others' sessions)
+  KeyValues status;
+};
+
+// What /salus/metrics (readable by everyone) tells about each session.
+struct SessionMetrics {
+  std::string uid;
+  double iterations = 0, gpu_s = 0, queue_s = 0;
+};
+using MetricsBySession = std::map<std::string, SessionMetrics>;
+
+std::vector<GpuView> read_gpus(const Ctx& ctx) {
+  std::vector<GpuView> out;
+  for (const std::string& g : list_dir(ctx, ctx.path("gpus"))) {
+    GpuView v;
+    v.index = g;
+    const std::string dir = ctx.path("gpus/" + g);
+    v.info = parse_kv(read_file(ctx, dir + "/info"), ": ");
+    v.memory = parse_kv(read_file(ctx, dir + "/memory"), ": ");
+    v.lanes = parse_rows(read_file(ctx, dir + "/lanes"));
+    v.queue = parse_rows(read_file(ctx, dir + "/queue"));
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+std::vector<SessionView> read_sessions(const Ctx& ctx) {
+  std::vector<SessionView> out;
+  for (const std::string& name : list_dir(ctx, ctx.path("sessions"))) {
+    SessionView v;
+    v.dir = name;
+    std::string text;
+    v.err = try_read(ctx.path("sessions/" + name + "/status"), text);
+    if (v.err == ENOENT) continue;  // ended since the listing
+    if (!v.err) {
+      v.status = parse_kv(text, ": ");
+      if (get(v.status, "state") == "ended") continue;
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+MetricsBySession session_metrics(const std::vector<Metric>& metrics) {
+  MetricsBySession out;
+  for (const Metric& m : metrics) {
+    auto it = m.labels.find("session");
+    if (it == m.labels.end()) continue;
+    SessionMetrics& sm = out[it->second];
+    if (auto u = m.labels.find("uid"); u != m.labels.end()) sm.uid = u->second;
+    if (m.name == "salus_session_iterations_total") sm.iterations = m.value;
+    if (m.name == "salus_session_gpu_seconds_total") sm.gpu_s = m.value;
+    if (m.name == "salus_session_queue_seconds") sm.queue_s = m.value;
+  }
+  return out;
+}
+
+// The STATE cell of a session whose status could not be read.
+std::string unreadable_state(int err) {
+  return err == EACCES ? "no-access" : fmt::format("error:{}", strerrorname_np(err));
+}
+
+Table gpu_table(const std::vector<GpuView>& gpus, bool exact, const std::vector<double>* busy) {
+  std::vector<std::string> header = {"GPU", "NAME", "BACKEND"};
+  if (busy) header.push_back("BUSY%");
+  for (const char* h :
+       {"CAPACITY", "PERSISTENT", "RESERVED", "EPHEMERAL", "FREE", "LANES", "QUEUED", "DRAINING"})
+    header.push_back(h);
+  Table t(header);
+  for (std::size_t i = 0; i < gpus.size(); ++i) {
+    const GpuView& g = gpus[i];
+    std::vector<std::string> row = {g.index, get(g.info, "name"), get(g.info, "backend")};
+    if (busy) row.push_back(i < busy->size() ? fmt::format("{:.1f}", (*busy)[i]) : "-");
+    for (const char* k :
+         {"capacity", "persistent_used", "persistent_reserved", "ephemeral", "free"})
+      row.push_back(human_bytes(get(g.memory, k), exact));
+    row.push_back(get(g.memory, "lanes"));
+    row.push_back(get(g.memory, "queued"));
+    row.push_back(get(g.info, "draining"));
+    t.add(std::move(row));
+  }
+  return t;
+}
+
+Table lane_table(const std::vector<GpuView>& gpus, bool exact) {
+  Table t({"GPU", "LANE", "OFFSET", "SIZE", "USED", "SESSIONS", "RUNNING"});
+  for (const GpuView& g : gpus) {
+    for (const auto& r : g.lanes) {
+      if (r.size() < 6) continue;
+      t.add({g.index, r[0], human_bytes(r[1], exact), human_bytes(r[2], exact),
+             human_bytes(r[3], exact), r[4], r[5]});
+    }
+  }
+  return t;
+}
+
+Table queue_table(const std::vector<GpuView>& gpus, bool exact) {
+  Table t({"GPU", "POS", "SESSION", "PERSISTENT", "EPHEMERAL", "WAITED_MS", "BYPASSED"});
+  for (const GpuView& g : gpus) {
+    for (const auto& r : g.queue) {
+      if (r.size() < 6) continue;
+      t.add({g.index, r[0], r[1], human_bytes(r[2], exact), human_bytes(r[3], exact), r[4], r[5]});
+    }
+  }
+  return t;
+}
+
+// Sessions whose status is not readable (other users') get what metrics has.
+Table session_table(const std::vector<SessionView>& sessions, bool exact,
+                    const MetricsBySession& metrics) {
+  Table t({"ID", "NAME", "UID", "STATE", "GPU", "LANE", "PRIO", "PERSISTENT", "EPHEMERAL", "DONE",
+           "ITERS", "QUEUED", "MEAN_MS", "GPU_MS", "WAIT_MS", "ERROR"});
+  for (const SessionView& s : sessions) {
+    if (s.err) {
+      const auto m = metrics.find(s.dir);
+      const bool have = m != metrics.end();
+      t.add({"-", s.dir, have ? m->second.uid : "-", unreadable_state(s.err), "-", "-", "-", "-",
+             "-", have ? fmt::format("{:.0f}", m->second.iterations) : "-", "-", "-", "-",
+             have ? fmt::format("{:.3f}", m->second.gpu_s * 1e3) : "-",
+             have ? fmt::format("{:.3f}", m->second.queue_s * 1e3) : "-", "-"});
+      continue;
+    }
+    const KeyValues& k = s.status;
+    t.add({get(k, "id"), s.dir, get(k, "uid"), get(k, "state"), get(k, "gpu"), get(k, "lane"),
+           get(k, "priority"), human_bytes(get(k, "persistent"), exact),
+           human_bytes(get(k, "ephemeral"), exact), get(k, "iterations_done"), get(k, "iters"),
+           get(k, "iterations_queued"), get(k, "mean_iteration_ms"), get(k, "gpu_time_ms"),
+           get(k, "queue_wait_ms"), get(k, "error")});
+  }
+  return t;
+}
+
+void print_section(const std::string& title, const Table& t) {
+  fmt::print("\n{}\n", title);
+  if (t.empty())
+    fmt::print("  (none)\n");
+  else
+    print_lines(t.lines());
+}
+
+// ---------------------------------------------------------------- explain
+
+void explain(const std::vector<std::string>& lines) {
+  for (const auto& l : lines) fmt::print("{}\n", l);
+}
+
+std::string q(const Ctx& ctx, std::string_view rel) {
+  return sh_quote(ctx.path(rel));
+}
+
+// ---------------------------------------------------------------- commands
+
+int cmd_status(const Ctx& ctx) {
+  if (ctx.explain) {
+    explain(
+        {fmt::format("cat {} {} {}", q(ctx, "version"), q(ctx, "policy"), q(ctx, "stats")),
+         fmt::format("for g in {}/gpus/*; do cat \"$g/info\" \"$g/memory\" \"$g/lanes\" "
+                     "\"$g/queue\"; done",
+                     sh_quote(ctx.mount)),
+         fmt::format("for s in {}/sessions/*; do cat \"$s/status\"; done", sh_quote(ctx.mount))});
+    return 0;
+  }
+  const std::string version = read_file(ctx, ctx.path("version"));
+  const KeyValues policy = parse_kv(read_file(ctx, ctx.path("policy")), ": ");
+  const KeyValues stats = parse_kv(read_file(ctx, ctx.path("stats")), " ");
+  const auto gpus = read_gpus(ctx);
+  const auto sessions = read_sessions(ctx);
+  const auto metrics = session_metrics(parse_metrics(read_file(ctx, ctx.path("metrics"))));
+  fmt::print("{} at {}: policy {}, placement {}, queue {}\n", version.substr(0, version.find('\n')),
+             ctx.mount, get(policy, "policy"), get(policy, "placement"), get(policy, "queue"));
+  fmt::print(
+      "up {}s; {} GPU(s), {} session(s), {} lane(s), {} queued; {} iterations, {} "
+      "command errors\n",
+      get(stats, "uptime_s"), get(stats, "gpus"), get(stats, "sessions"), get(stats, "lanes"),
+      get(stats, "queued_sessions"), get(stats, "iterations"), get(stats, "command_errors"));
+  print_section("GPUS", gpu_table(gpus, ctx.exact, nullptr));
+  print_section("LANES", lane_table(gpus, ctx.exact));
+  const Table queue = queue_table(gpus, ctx.exact);
+  if (!queue.empty()) print_section("QUEUE", queue);
+  print_section("SESSIONS", session_table(sessions, ctx.exact, metrics));
+  return 0;
+}
+
+int cmd_sessions(const Ctx& ctx) {
+  if (ctx.explain) {
+    explain(
+        {fmt::format("for s in {}/sessions/*; do cat \"$s/status\"; done", sh_quote(ctx.mount))});
+    return 0;
+  }
+  const auto sessions = read_sessions(ctx);
+  const auto metrics = session_metrics(parse_metrics(read_file(ctx, ctx.path("metrics"))));
+  print_lines(session_table(sessions, ctx.exact, metrics).lines());
+  return 0;
+}
+
+int cmd_show(const Ctx& ctx, const std::string& id) {
+  const std::string dir = "sessions/" + id;
+  if (ctx.explain) {
+    explain({fmt::format("cat {}", q(ctx, dir + "/status")),
+             fmt::format("cat {}", q(ctx, dir + "/log"))});
+    return 0;
+  }
+  const std::string status = read_file(ctx, ctx.path(dir + "/status"));
+  const std::string log = read_file(ctx, ctx.path(dir + "/log"));
+  fmt::print("{}", status);
+  fmt::print("\nlog ({}):\n{}", ctx.path(dir + "/log"), log.empty() ? "  (empty)\n" : log);
+  return 0;
+}
+
+void check_word(const std::string& what, const std::string& w) {
+  if (w.empty() || w.find_first_of(" \t\n#") != std::string::npos)
+    throw CLI::ValidationError(what, "must be one word without spaces or '#'");
+}
+
+int cmd_ctl(const Ctx& ctx, const std::string& line) {
+  if (ctx.explain) {
+    explain({fmt::format("echo {} > {}", sh_quote(line), q(ctx, "ctl"))});
+    return 0;
+  }
+  fmt::print("{}", ctl_command(ctx, line));
+  return 0;
+}
+
+int cmd_policy(const Ctx& ctx, std::vector<std::string> args) {
+  const std::string path = ctx.path("policy");
+  if (args.empty()) {
+    if (ctx.explain) {
+      explain({fmt::format("cat {}", sh_quote(path))});
+      return 0;
+    }
+    fmt::print("{}", read_file(ctx, path));
+    return 0;
+  }
+  // "policy placement=lug" keeps the current policy and changes only the options.
+  const bool keep_name = args[0].find('=') != std::string::npos;
+  for (const auto& a : args) check_word("policy", a);
+  if (ctx.explain) {
+    std::string rest;
+    for (const auto& a : args) rest += " " + a;
+    if (keep_name)
+      explain({fmt::format("name=$(sed -n 's/^policy: //p' {})", sh_quote(path)),
+               fmt::format("echo \"$name{}\" > {}", rest, sh_quote(path)),
+               fmt::format("cat {}", sh_quote(path))});
+    else
+      explain({fmt::format("echo {} > {}", sh_quote(rest.substr(1)), sh_quote(path)),
+               fmt::format("cat {}", sh_quote(path))});
+    return 0;
+  }
+  if (keep_name) {
+    const std::string current = get(parse_kv(read_file(ctx, path), ": "), "policy", "");
+    if (current.empty()) fail(path + ": no 'policy:' line to keep");
+    args.insert(args.begin(), current);
+  }
+  std::string line;
+  for (const auto& a : args) line += (line.empty() ? "" : " ") + a;
+  if (const int err = try_write(path, line + "\n")) {
+    std::string why;
+    if (err == EINVAL)
+      why =
+          "salusd rejected it; expected NAME [placement=magm|lug|rr|exclusive] "
+          "[queue=strict|bypass] with NAME fifo, pack, srtf, fair or priority";
+    fail_file(ctx, path, err, why.empty() ? line : fmt::format("'{}': {}", line, why));
+  }
+  fmt::print("{}", read_file(ctx, path));
+  return 0;
+}
+
+// ---------------------------------------------------------------- top
+
+// Everything one frame of `top` needs, read at one instant.
+struct TopSample {
+  std::chrono::steady_clock::time_point at;
+  std::vector<GpuView> gpus;
+  std::vector<SessionView> sessions;
+  std::map<std::string, double> busy_s;  // gpu -> salus_gpu_busy_seconds_total
+  MetricsBySession metrics;
+  KeyValues policy;
+};
+
+TopSample take_sample(const Ctx& ctx) {
+  TopSample s;
+  s.at = std::chrono::steady_clock::now();
+  const auto metrics = parse_metrics(read_file(ctx, ctx.path("metrics")));
+  for (const Metric& m : metrics) {
+    auto gpu = m.labels.find("gpu");
+    if (m.name == "salus_gpu_busy_seconds_total" && gpu != m.labels.end())
+      s.busy_s[gpu->second] = m.value;
+  }
+  s.metrics = session_metrics(metrics);
+  s.gpus = read_gpus(ctx);
+  s.sessions = read_sessions(ctx);
+  s.policy = parse_kv(read_file(ctx, ctx.path("policy")), ": ");
+  return s;
+}
+
+std::vector<std::string> top_frame(const Ctx& ctx, const TopSample& a, const TopSample& b,
+                                   double interval) {
+  const double dt = std::max(1e-6, std::chrono::duration<double>(b.at - a.at).count());
+  std::vector<std::string> out;
+  char clock[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(clock, sizeof clock, "%H:%M:%S", std::localtime(&now));
+  out.push_back(fmt::format("salus top at {}: policy {}, placement {}; every {:g}s  {}", ctx.mount,
+                            get(b.policy, "policy"), get(b.policy, "placement"), interval, clock));
+  out.emplace_back();
+
+  std::vector<double> busy;
+  for (const GpuView& g : b.gpus) {
+    auto i0 = a.busy_s.find(g.index), i1 = b.busy_s.find(g.index);
+    const double d = (i0 != a.busy_s.end() && i1 != b.busy_s.end()) ? i1->second - i0->second : 0;
+    busy.push_back(std::clamp(100.0 * d / dt, 0.0, 100.0));
+  }
+  for (auto& l : gpu_table(b.gpus, ctx.exact, &busy).lines()) out.push_back(std::move(l));
+  out.emplace_back();
+  const Table lanes = lane_table(b.gpus, ctx.exact);
+  if (lanes.empty()) {
+    out.emplace_back("LANES  (none)");
+  } else {
+    for (auto& l : lanes.lines()) out.push_back(std::move(l));
+  }
+  out.emplace_back();
+
+  // Per-session rates over the interval. SHARE is the session's part of the device
+  // time that all sessions on its GPU used; GPU% is its device time per wall second.
+  struct Row {
+    const SessionView* s;
+    std::string gpu;
+    double iters_per_s = 0, gpu_pct = 0, dgpu = 0;
+  };
+  std::vector<Row> rows;
+  std::map<std::string, double> per_gpu;
+  std::map<std::string, const SessionView*> before;
+  for (const SessionView& s : a.sessions) before[s.dir] = &s;
+  for (const SessionView& s : b.sessions) {
+    Row r{&s, s.err ? std::string("-") : get(s.status, "gpu")};
+    double i0 = 0, i1 = 0, g0 = 0, g1 = 0;
+    bool have = false;
+    if (!s.err && before.count(s.dir) && !before[s.dir]->err) {
+      const KeyValues& old = before[s.dir]->status;
+      if (auto x = to_double(get(old, "iterations_done")),
+          y = to_double(get(s.status, "iterations_done"));
+          x && y) {
+        i0 = *x;
+        i1 = *y;
+        have = true;
+      }
+      if (auto x = to_double(get(old, "gpu_time_ms")), y = to_double(get(s.status, "gpu_time_ms"));
+          x && y) {
+        g0 = *x / 1e3;
+        g1 = *y / 1e3;
+      }
+    } else if (a.metrics.count(s.dir) && b.metrics.count(s.dir)) {
+      i0 = a.metrics.at(s.dir).iterations;
+      i1 = b.metrics.at(s.dir).iterations;
+      g0 = a.metrics.at(s.dir).gpu_s;
+      g1 = b.metrics.at(s.dir).gpu_s;
+      have = true;
+    }
+    if (have) {
+      r.iters_per_s = std::max(0.0, (i1 - i0) / dt);
+      r.dgpu = std::max(0.0, g1 - g0);
+      r.gpu_pct = 100.0 * r.dgpu / dt;
+    }
+    per_gpu[r.gpu] += r.dgpu;
+    rows.push_back(r);
+  }
+  Table t({"ID", "NAME", "UID", "STATE", "GPU", "LANE", "ITER/S", "DONE", "QUEUED", "GPU%",
+           "SHARE%", "WAIT_MS"});
+  for (const Row& r : rows) {
+    const SessionView& s = *r.s;
+    const double total = per_gpu[r.gpu];
+    const std::string share = total > 0 ? fmt::format("{:.1f}", 100.0 * r.dgpu / total) : "0.0";
+    if (s.err) {
+      const auto m = b.metrics.find(s.dir);
+      const bool have = m != b.metrics.end();
+      t.add({"-", s.dir, have ? m->second.uid : "-", unreadable_state(s.err), "-", "-",
+             fmt::format("{:.1f}", r.iters_per_s),
+             have ? fmt::format("{:.0f}", m->second.iterations) : "-", "-",
+             fmt::format("{:.1f}", r.gpu_pct), share,
+             have ? fmt::format("{:.3f}", m->second.queue_s * 1e3) : "-"});
+      continue;
+    }
+    const KeyValues& k = s.status;
+    t.add({get(k, "id"), s.dir, get(k, "uid"), get(k, "state"), r.gpu, get(k, "lane"),
+           fmt::format("{:.1f}", r.iters_per_s), get(k, "iterations_done"),
+           get(k, "iterations_queued"), fmt::format("{:.1f}", r.gpu_pct), share,
+           get(k, "queue_wait_ms")});
+  }
+  if (t.empty()) {
+    out.emplace_back("SESSIONS  (none)");
+  } else {
+    for (auto& l : t.lines()) out.push_back(std::move(l));
+  }
+  return out;
+}
+
+// Signals that end `top` or that `run` handles, delivered through a signalfd.
+class SignalFd {
+ public:
+  explicit SignalFd(std::initializer_list<int> signals) {
+    sigemptyset(&set_);
+    for (int s : signals) sigaddset(&set_, s);
+    pthread_sigmask(SIG_BLOCK, &set_, &old_);
+    fd_ = ::signalfd(-1, &set_, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (fd_ < 0) fail(fmt::format("signalfd: {}", std::strerror(errno)));
+  }
+  ~SignalFd() {
+    ::close(fd_);
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SignalFd(const SignalFd&) = delete;
+  SignalFd& operator=(const SignalFd&) = delete;
+  int fd() const { return fd_; }
+  const sigset_t& old_mask() const { return old_; }
+  std::optional<signalfd_siginfo> take() {
+    signalfd_siginfo si;
+    if (::read(fd_, &si, sizeof si) != static_cast<ssize_t>(sizeof si)) return std::nullopt;
+    return si;
+  }
+
+ private:
+  sigset_t set_, old_;
+  int fd_ = -1;
+};
+
+std::pair<int, int> terminal_size() {
+  winsize ws{};
+  if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0 && ws.ws_row > 0)
+    return {ws.ws_col, ws.ws_row};
+  return {0, 0};
+}
+
+int cmd_top(const Ctx& ctx, double interval, bool once) {
+  if (ctx.explain) {
+    explain(
+        {"# busy % = increase of salus_gpu_busy_seconds_total over the interval; iter/s "
+         "from successive status reads",
+         fmt::format("while :; do clear; date; grep -E '^salus_(gpu_busy_seconds_total|gpu_"
+                     "memory_bytes|lane_count)' {}",
+                     q(ctx, "metrics")),
+         fmt::format("  cat {}/gpus/*/lanes", sh_quote(ctx.mount)),
+         fmt::format("  for s in {}/sessions/*; do echo \"== $s\"; grep -E "
+                     "'^(state|gpu|lane|iterations_done|gpu_time_ms|queue_wait_ms):' "
+                     "\"$s/status\"; done",
+                     sh_quote(ctx.mount)),
+         fmt::format("  sleep {:g}; done", interval)});
+    return 0;
+  }
+  SignalFd sigs({SIGINT, SIGTERM, SIGHUP});
+  const bool tty = ::isatty(STDOUT_FILENO) && !once;
+  auto wait_interval = [&](double seconds) {
+    pollfd p{sigs.fd(), POLLIN, 0};
+    const int ms = static_cast<int>(seconds * 1000);
+    if (::poll(&p, 1, std::max(ms, 1)) <= 0) return false;
+    // Consume it: a signal still pending when the mask is restored would kill us.
+    while (sigs.take()) {
+    }
+    return true;  // a signal came
+  };
+  TopSample prev = take_sample(ctx);
+  if (once) {
+    if (wait_interval(interval)) return 130;
+    print_lines(top_frame(ctx, prev, take_sample(ctx), interval));
+    return 0;
+  }
+  if (tty) fmt::print("\x1b[?25l\x1b[H\x1b[2J");
+  // The first frame comes after a short interval so that rates mean something.
+  double wait = std::min(interval, 0.25);
+  for (;;) {
+    if (wait_interval(wait)) break;
+    wait = interval;
+    TopSample cur;
+    try {
+      cur = take_sample(ctx);
+    } catch (const Failure& e) {
+      if (tty) fmt::print("\x1b[?25h\n");
+      std::fflush(stdout);
+      throw;
+    }
+    auto lines = top_frame(ctx, prev, cur, interval);
+    prev = std::move(cur);
+    if (tty) {
+      const auto [cols, rows] = terminal_size();
+      std::string frame = "\x1b[H";
+      for (std::size_t i = 0; i < lines.size(); ++i) {
+        if (rows > 0 && i + 1 >= static_cast<std::size_t>(rows)) break;
+        std::string& l = lines[i];
+        if (cols > 0 && l.size() > static_cast<std::size_t>(cols)) l.resize(cols);
+        frame += l + "\x1b[K\n";
+      }
+      frame += "\x1b[J";
+      fmt::print("{}", frame);
+    } else {
+      print_lines(lines);
+      fmt::print("\n");
+    }
+    std::fflush(stdout);
+  }
+  if (tty) fmt::print("\x1b[?25h\n");
+  return 0;
+}
+
+// ---------------------------------------------------------------- run
+
+struct RunOptions {
+  std::optional<std::string> persistent, ephemeral, gpu, name;
+  std::optional<unsigned long long> iters;
+  std::optional<long long> priority;
+  bool verbose = false;
+  std::vector<std::string> command;
+};
+
+std::string need_line(const RunOptions& o) {
+  if (!o.persistent && !o.ephemeral && !o.iters && !o.priority && !o.gpu) return {};
+  std::string line = fmt::format("need persistent={} ephemeral={}", o.persistent.value_or("0"),
+                                 o.ephemeral.value_or("0"));
+  if (o.iters) line += fmt::format(" iters={}", *o.iters);
+  if (o.priority) line += fmt::format(" priority={}", *o.priority);
+  if (o.gpu) line += fmt::format(" gpu={}", *o.gpu);
+  return line;
+}
+
+// The last line of a session's log, without its timestamp.
+std::string last_log_line(const Ctx& ctx, const std::string& dir) {
+  std::string log;
+  if (try_read(ctx.path(dir + "/log"), log)) return {};
+  const auto lines = split_lines(log);
+  if (lines.empty()) return {};
+  std::string l = lines.back();
+  if (!l.empty() && l[0] == '[') {
+    const std::size_t close = l.find("] ");
+    if (close != std::string::npos) l.erase(0, close + 2);
+  }
+  return l;
+}
+
+int exit_status_of(int wstatus) {
+  if (WIFEXITED(wstatus)) return WEXITSTATUS(wstatus);
+  if (WIFSIGNALED(wstatus)) return 128 + WTERMSIG(wstatus);
+  return 1;
+}
+
+int cmd_run(const Ctx& ctx, RunOptions o) {
+  const std::string name = o.name.value_or(fmt::format("run-{}", ::getpid()));
+  const std::string dir = "sessions/" + name;
+  const std::string need = need_line(o);
+  std::string cmdline;
+  for (const auto& w : o.command) cmdline += (cmdline.empty() ? "" : " ") + sh_quote(w);
+  if (ctx.explain) {
+    const std::string shown_dir = o.name ? ctx.path(dir) : ctx.path("sessions/run-") + "$$";
+    const std::string d = o.name ? sh_quote(shown_dir) : "\"" + shown_dir + "\"";
+    std::vector<std::string> lines = {fmt::format("mkdir {}", d)};
+    if (!need.empty()) lines.push_back(fmt::format("echo {} > {}/ctl", sh_quote(need), d));
+    lines.push_back(
+        fmt::format("SALUS_SESSION={} SALUS_MOUNT={} {}; rc=$?", d, sh_quote(ctx.mount), cmdline));
+    lines.push_back(fmt::format("[ $rc -eq 0 ] && cat {}/wait", d));
+    lines.push_back(fmt::format("rmdir {}", d));
+    lines.push_back("exit $rc");
+    explain(lines);
+    return 0;
+  }
+  const std::string path = ctx.path(dir);
+  if (::mkdir(path.c_str(), 0700) != 0) fail_file(ctx, path, errno);
+  // From here on the session exists and must be removed whatever happens.
+  auto remove_session = [&]() {
+    if (::rmdir(path.c_str()) != 0 && errno != ENOENT)
+      fmt::print(stderr, "salusctl: {}: rmdir: {}\n", path, std::strerror(errno));
+  };
+  if (!need.empty()) {
+    if (const int err = try_write(path + "/ctl", need + "\n")) {
+      const std::string why = last_log_line(ctx, dir);
+      remove_session();
+      fail_file(ctx, path + "/ctl", err, why.empty() ? need : need + ": " + why);
+    }
+  }
+  SignalFd sigs({SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT});
+  const pid_t child = ::fork();
+  if (child < 0) {
+    const int err = errno;
+    remove_session();
+    fail(fmt::format("fork: {}", std::strerror(err)));
+  }
+  if (child == 0) {
+    pthread_sigmask(SIG_SETMASK, &sigs.old_mask(), nullptr);
+    ::setenv("SALUS_SESSION", path.c_str(), 1);
+    ::setenv("SALUS_MOUNT", ctx.mount.c_str(), 1);
+    std::vector<char*> argv;
+    for (auto& w : o.command) argv.push_back(w.data());
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    const int err = errno;
+    fmt::print(stderr, "salusctl: {}: {}\n", o.command[0], std::strerror(err));
+    ::_exit(err == ENOENT ? 127 : 126);
+  }
+  // Wait for the command. Signals typed at the terminal already reach it (same
+  // process group); signals sent to salusctl alone are passed on.
+  int wstatus = 0;
+  int interrupted = 0;
+  for (bool done = false; !done;) {
+    pollfd p{sigs.fd(), POLLIN, 0};
+    if (::poll(&p, 1, -1) < 0 && errno != EINTR) break;
+    while (auto si = sigs.take()) {
+      if (si->ssi_signo == SIGCHLD) continue;
+      if (si->ssi_code == SI_USER || si->ssi_code == SI_QUEUE)
+        ::kill(child, static_cast<int>(si->ssi_signo));
+      interrupted = static_cast<int>(si->ssi_signo);
+    }
+    const pid_t r = ::waitpid(child, &wstatus, WNOHANG);
+    done = r == child || (r < 0 && errno != EINTR);
+  }
+  const int rc = exit_status_of(wstatus);
+  if (rc == 0 && !interrupted) {
+    // Wait for the session's GPU work in a thread so that a signal can still end it:
+    // removing the session answers the pending wait with ECANCELED.
+    std::string result;
+    std::atomic<int> wait_err{0};
+    int pipefd[2];
+    if (::pipe2(pipefd, O_CLOEXEC) != 0) fail(fmt::format("pipe: {}", std::strerror(errno)));
+    std::thread waiter([&] {
+      wait_err = try_read(path + "/wait", result);
+      const char b = 1;
+      [[maybe_unused]] const ssize_t n = ::write(pipefd[1], &b, 1);
+    });
+    int sig = 0;
+    for (bool done = false; !done;) {
+      pollfd p[2] = {{pipefd[0], POLLIN, 0}, {sigs.fd(), POLLIN, 0}};
+      if (::poll(p, 2, -1) < 0 && errno != EINTR) break;
+      if (p[0].revents) done = true;
+      if (p[1].revents) {
+        while (auto si = sigs.take())
+          if (si->ssi_signo != SIGCHLD && !sig) sig = static_cast<int>(si->ssi_signo);
+        if (sig) remove_session();
+      }
+    }
+    waiter.join();
+    ::close(pipefd[0]);
+    ::close(pipefd[1]);
+    if (sig) return 128 + sig;
+    if (wait_err) {
+      const std::string why = last_log_line(ctx, dir);
+      fmt::print(stderr, "salusctl: {}/wait: {}{}\n", path, std::strerror(wait_err),
+                 why.empty() ? "" : ": " + why);
+    } else if (o.verbose) {
+      fmt::print(stderr, "salusctl: session {}: {}\n", name, result.substr(0, result.find('\n')));
+    }
+  } else if (o.verbose) {
+    fmt::print(stderr, "salusctl: {} exited with status {}\n", o.command[0], rc);
+  }
+  remove_session();
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Ctx ctx;
+  const char* env_mount = std::getenv("SALUS_MOUNT");
+  std::string mount = env_mount && *env_mount ? env_mount : "/salus";
+
+  CLI::App app{"salusctl: inspect and administer salusd through the files under /salus"};
+  app.set_version_flag("--version",
+                       fmt::format("salusctl {} (api {})", SALUS_VERSION, SALUS_API_VERSION));
+  app.require_subcommand(1);
+  app.fallthrough();
+  app.add_option("-m,--mount", mount, "Where salusd is mounted (default $SALUS_MOUNT or /salus)");
+  app.add_flag("--explain", ctx.explain,
+               "Print the equivalent shell commands (cat, echo, mkdir...) instead of running");
+  app.add_flag("-b,--bytes", ctx.exact, "Print byte counts instead of K/M/G sizes");
+
+  app.add_subcommand("status", "GPUs, lanes, queues and sessions in aligned tables");
+  app.add_subcommand("sessions", "One line per session");
+  std::string session_id;
+  auto* show = app.add_subcommand("show", "A session's status and log");
+  show->add_option("ID", session_id, "Session id or name (a directory under sessions/)")
+      ->required();
+  std::string kill_id;
+  auto* kill = app.add_subcommand("kill", "End a session and free what it holds (admin)");
+  kill->add_option("ID", kill_id, "Session id or name")->required();
+  std::vector<std::string> policy_args;
+  auto* policy = app.add_subcommand(
+      "policy", "Show the policy, or switch it: policy NAME [placement=P] [queue=strict|bypass]");
+  policy->add_option("ARGS", policy_args, "NAME [key=value...]; key=value alone keeps NAME");
+  unsigned drain_gpu = 0, undrain_gpu = 0;
+  auto* drain = app.add_subcommand("drain", "Stop placing new sessions on a GPU (admin)");
+  drain->add_option("GPU", drain_gpu, "GPU index")->required();
+  auto* undrain = app.add_subcommand("undrain", "Put a drained GPU back in service (admin)");
+  undrain->add_option("GPU", undrain_gpu, "GPU index")->required();
+  double interval = 1.0;
+  bool once = false;
+  auto* top = app.add_subcommand("top", "Live view: GPU busy %, memory, lanes, sessions' rates");
+  top->add_option("-i,--interval", interval, "Seconds between frames")
+      ->check(CLI::Range(0.05, 3600.0));
+  top->add_flag("--once", once, "Print one frame (rates over one interval) and exit");
+  RunOptions run_opts;
+  auto* run = app.add_subcommand(
+      "run", "Run a command in a named session: salusctl run [OPTIONS] -- CMD [ARGS...]");
+  run->add_option("--persistent", run_opts.persistent, "Persistent memory, e.g. 512M");
+  run->add_option("--ephemeral", run_opts.ephemeral, "Ephemeral (per-iteration) memory, e.g. 1G");
+  run->add_option("--iters", run_opts.iters, "Declared iterations (used by srtf)");
+  run->add_option("--priority", run_opts.priority, "Priority (used by the priority policy)");
+  run->add_option("--gpu", run_opts.gpu, "GPU index or 'any'");
+  run->add_option("--name", run_opts.name, "Session name (default run-<pid>)");
+  run->add_flag("-v,--verbose", run_opts.verbose, "Report the session's result on stderr");
+  run->add_option("CMD", run_opts.command, "The command and its arguments, after --")->required();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  while (mount.size() > 1 && mount.back() == '/') mount.pop_back();
+  // Absolute, so that the paths `run` hands to its command work from any directory.
+  if (!mount.empty() && mount[0] != '/') {
+    char cwd[PATH_MAX];
+    if (::getcwd(cwd, sizeof cwd)) mount = std::string(cwd) + "/" + mount;
+  }
+  ctx.mount = mount;
+
+  try {
+    if (app.got_subcommand("status")) return cmd_status(ctx);
+    if (app.got_subcommand("sessions")) return cmd_sessions(ctx);
+    if (app.got_subcommand("show")) {
+      check_word("ID", session_id);
+      return cmd_show(ctx, session_id);
+    }
+    if (app.got_subcommand("kill")) {
+      check_word("ID", kill_id);
+      return cmd_ctl(ctx, "kill " + kill_id);
+    }
+    if (app.got_subcommand("policy")) return cmd_policy(ctx, policy_args);
+    if (app.got_subcommand("drain")) return cmd_ctl(ctx, fmt::format("drain {}", drain_gpu));
+    if (app.got_subcommand("undrain")) return cmd_ctl(ctx, fmt::format("undrain {}", undrain_gpu));
+    if (app.got_subcommand("top")) return cmd_top(ctx, interval, once);
+    if (app.got_subcommand("run")) {
+      if (run_opts.name) check_word("--name", *run_opts.name);
+      for (auto* v : {&run_opts.persistent, &run_opts.ephemeral, &run_opts.gpu})
+        if (*v) check_word("run option", **v);
+      return cmd_run(ctx, std::move(run_opts));
+    }
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "salusctl: {}\n", e.what());
+    return 2;
+  } catch (const Failure& e) {
+    std::fflush(stdout);
+    fmt::print(stderr, "salusctl: {}\n", e.what());
+    return 1;
+  }
+  return 2;
+}
