@@ -100,6 +100,16 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   return chosen;
 }
 
+void GpuScheduler::iteration_dispatched(SessionId id) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  SessionSched& s = it->second;
+  const double estimate = std::max(s.in.mean_iter_ns, 1.0);
+  s.charged.push_back(estimate);
+  s.in.vtime += estimate;
+  rerank(s);
+}
+
 void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
@@ -109,7 +119,13 @@ void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns) {
   const double n = static_cast<double>(s.in.done);
   s.in.mean_iter_ns += (static_cast<double>(device_ns) - s.in.mean_iter_ns) / n;
   // Weight 1: equal shares. A 1 ns floor keeps empty iterations from being free.
-  s.in.vtime += static_cast<double>(std::max<std::int64_t>(device_ns, 1));
+  const double actual = static_cast<double>(std::max<std::int64_t>(device_ns, 1));
+  double charged = 0.0;
+  if (!s.charged.empty()) {
+    charged = s.charged.front();
+    s.charged.pop_front();
+  }
+  s.in.vtime += actual - charged;
   rerank(s);
 }
 

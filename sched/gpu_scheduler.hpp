@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <set>
 #include <unordered_map>
@@ -24,6 +25,7 @@ struct SessionSched {
   std::optional<LaneId> lane;
   bool runnable = false;
   std::int64_t gpu_ns = 0;  // device time of finished iterations
+  std::deque<double> charged;  // FAIR: estimates charged for iterations in flight
   RankKey key;              // valid while runnable
 };
 
@@ -56,6 +58,10 @@ class GpuScheduler {
   void set_runnable(SessionId id, bool runnable);
   // The decision: the lane's best-ranked runnable session, counted in stats.
   std::optional<SessionId> pick(LaneId lane);
+  // An iteration was handed to the device. FAIR charges its expected cost now
+  // (the measured mean) so that a pipelined lane still alternates sessions;
+  // iteration_done replaces the estimate with the measurement.
+  void iteration_dispatched(SessionId id);
   // An iteration finished after `device_ns` of device time: updates the mean, the
   // GPU time and FAIR's virtual time, then re-ranks the session.
   void iteration_done(SessionId id, std::int64_t device_ns);

@@ -22,23 +22,27 @@ install_deps() {
   fi
 }
 
+# build DIR MESON-ARGS...: the daemon runs from a release build (no internal
+# assertions); tests use a debug-optimized build that checks every invariant.
 build() {
-  if [ ! -f build/build.ninja ]; then
-    meson setup build --buildtype=debugoptimized
+  dir=$1
+  shift
+  if [ ! -f "$dir/build.ninja" ]; then
+    meson setup "$dir" "$@"
   fi
-  ninja -C build
+  ninja -C "$dir"
 }
 
 case "${1:-}" in
   run)
     install_deps
-    build
+    build build-release --buildtype=release -Db_ndebug=true -Dtests=false
     shift
-    exec ./build/tools/salusd --mount "${SALUS_MOUNT:-/salus}" "$@"
+    exec ./build-release/tools/salusd --mount "${SALUS_MOUNT:-/salus}" "$@"
     ;;
   test)
     install_deps
-    build
+    build build --buildtype=debugoptimized
     meson test -C build --print-errorlogs --num-processes 2
     ;;
   *)

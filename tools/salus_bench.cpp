@@ -19,8 +19,11 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "arena/gpu_arena.hpp"
+
 namespace {
 
+namespace arena = salus::arena;
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 
@@ -205,6 +208,45 @@ int bench_scale(const std::string& mnt, pid_t daemon, int n) {
   return 0;
 }
 
+// Admission decisions of the pure arena at scale (no daemon involved): ~1,000
+// sessions in ~100 lanes, then request/leave pairs, timing each call.
+int bench_assign(int sessions, int rounds) {
+  using namespace salus::arena;
+  constexpr Bytes M = 1u << 20;
+  GpuArena arena(16ull << 30);
+  arena::SessionId next = 1;
+  for (int i = 0; i < sessions; ++i) {
+    // 100 big lanes first; the rest carry no persistent memory so they can all be
+    // admitted into existing lanes once no new lane fits.
+    const Bytes e = i < 100 ? 150 * M : (50 + static_cast<Bytes>(i % 100)) * M;
+    arena.request(next++, Need{i < 100 ? M : 0, e}, 0);
+  }
+  (void)arena.take_admissions();
+  const auto mem = arena.memory();
+  std::vector<double> req_us, leave_us;
+  for (int r = 0; r < rounds; ++r) {
+    const arena::SessionId id = next++;
+    auto t0 = Clock::now();
+    arena.request(id, Need{0, (60 + static_cast<Bytes>(r % 90)) * M}, r);
+    req_us.push_back(us_since(t0));
+    (void)arena.take_admissions();
+    t0 = Clock::now();
+    arena.leave(id, r);
+    leave_us.push_back(us_since(t0));
+  }
+  fmt::print("assign sessions={} lanes={} queued={} rounds={}\n", sessions, mem.lanes, mem.queued,
+             rounds);
+  fmt::print("  request (assignment decision)  p50 {:.2f} us  p99 {:.2f} us  (target p50 <= 10)\n",
+             percentile(req_us, 0.5), percentile(req_us, 0.99));
+  fmt::print("  leave (reassignment)           p50 {:.2f} us  p99 {:.2f} us\n",
+             percentile(leave_us, 0.5), percentile(leave_us, 0.99));
+#ifndef NDEBUG
+  fmt::print("  note: assertions are on (every call also checks all invariants); build with "
+             "-Db_ndebug=true for decision cost\n");
+#endif
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -224,7 +266,12 @@ int main(int argc, char** argv) {
   disp->add_option("--body", body, "Iteration body, e.g. 'spin 0' (default: empty)");
   auto* sc = app.add_subcommand("scale", "ls and stats latency and RSS with many idle sessions");
   sc->add_option("--sessions", scale, "Idle sessions");
+  auto* asg = app.add_subcommand("assign", "Arena admission decision time (pure, no daemon)");
+  int assign_sessions = 1000, rounds = 20000;
+  asg->add_option("--sessions", assign_sessions, "Sessions admitted first");
+  asg->add_option("--rounds", rounds, "Timed request/leave pairs");
   CLI11_PARSE(app, argc, argv);
+  if (*asg) return bench_assign(assign_sessions, rounds);
 
   std::unique_ptr<Daemon> d;
   pid_t pid = -1;

@@ -1161,6 +1161,7 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
       s->queue.pop_front();
       ip = &s->dispatched.back();
     }
+    g.sched.iteration_dispatched(*sid);
     finish_instance(g, *s, *ip, 0, 0, later);
     if (Session* again = get(*sid)) update_runnable(g, *again);
     return true;
@@ -1199,6 +1200,7 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
       }
     }
   }
+  g.sched.iteration_dispatched(*sid);
   const std::uint64_t token = next_token_++;
   lane.tokens.push_back(Lane::InFlight{token, *sid, now()});
   ++lane.in_flight;
