@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -137,6 +138,9 @@ int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
           return 0;
         default: return -ENOENT;
       }
+    case Kind::clone_file:
+      st.st_mode = S_IFREG | 0666;
+      return 0;
     case Kind::gpus_dir:
       st.st_mode = S_IFDIR | 0555;
       st.st_nlink = 2;
@@ -207,6 +211,11 @@ std::optional<Inode> child(Filesystem& fs, Inode parent, const std::string& name
   err = ENOENT;
   switch (parent.kind) {
     case Kind::root:
+      if (name == top_name(TopFile::clone)) {
+        static std::atomic<std::uint64_t> instances{0};
+        const std::uint64_t n = ++instances;
+        return Inode{Kind::clone_file, n >> 24, static_cast<std::uint32_t>(n & 0xffffff)};
+      }
       for (std::uint32_t f = 0; f < static_cast<std::uint32_t>(TopFile::count); ++f)
         if (name == top_name(static_cast<TopFile>(f))) return Inode{Kind::top_file, 0, f};
       if (name == "gpus") return Inode{Kind::gpus_dir, 0, 0};
@@ -454,6 +463,23 @@ void reply_open(fuse_req_t req, fuse_file_info* fi, std::shared_ptr<OpenFile> of
   }
 }
 
+// Opening clone creates a session tied to this open file; the first read
+// returns its id.
+void open_clone(fuse_req_t req, fuse_file_info* fi, Broker& b, const Caller& caller) {
+  const auto id = b.create_session(caller, "");
+  if (id < 0) {
+    fuse_reply_err(req, static_cast<int>(-id));
+    return;
+  }
+  auto of = std::make_shared<OpenFile>();
+  of->ino = Inode{Kind::top_file, 0, static_cast<std::uint32_t>(TopFile::clone)};
+  of->clone = true;
+  of->session = static_cast<SessionId>(id);
+  of->replies = fmt::format("{}\n", id);
+  fi->nonseekable = 1;
+  reply_open(req, fi, std::move(of));
+}
+
 void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Filesystem& fs = *fs_of(req);
   Broker& b = fs.broker();
@@ -484,22 +510,15 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
             return;
           }
           break;
-        case TopFile::clone: {
-          const auto id = b.create_session(caller, "");
-          if (id < 0) {
-            fuse_reply_err(req, static_cast<int>(-id));
-            return;
-          }
-          of->clone = true;
-          of->session = static_cast<SessionId>(id);
-          of->replies = fmt::format("{}\n", id);
-          fi->nonseekable = 1;
-          reply_open(req, fi, std::move(of));
+        case TopFile::clone:
+          open_clone(req, fi, b, caller);
           return;
-        }
         default: fuse_reply_err(req, ENOENT); return;
       }
       break;
+    case Kind::clone_file:
+      open_clone(req, fi, b, caller);
+      return;
     case Kind::gpu_file:
       if (writing) {
         fuse_reply_err(req, EACCES);

@@ -18,6 +18,10 @@ enum class Kind : std::uint8_t {
   session_file = 7,  // id: session, sub: SessionFile
   mem_dir = 8,       // id: session
   mem_file = 9,      // id: session, sub: buffer id
+  // What a lookup of /salus/clone returns: a fresh inode every time, because the
+  // kernel serializes direct-I/O writes per inode, and clone files whose writes
+  // wait (sync, admission) must not hold up other sessions' clone files.
+  clone_file = 10,   // id and sub: a unique instance number
 };
 
 enum class TopFile : std::uint32_t { readme, version, clone, policy, ctl, stats, metrics, count };

@@ -242,3 +242,18 @@ def test_poll_on_status_wakes_when_work_finishes(session):
     assert events and events[0][1] & select.POLLIN
     assert time.time() - t0 >= 0.15    # woke when the spin finished, not before
     os.close(fd)
+
+
+def test_a_waiting_clone_write_does_not_block_other_clone_sessions(salusd):
+    a, b = Session(salusd), Session(salusd)
+    a.cmd("need persistent=1M ephemeral=1M\n")
+    b.cmd("need persistent=1M ephemeral=1M\n")
+    t = threading.Thread(target=lambda: a.cmd("spin 1500000\nsync\n"))
+    t.start()
+    time.sleep(0.2)                      # a's write is now waiting in `sync`
+    t0 = time.time()
+    b.cmd("spin 10\n")
+    assert time.time() - t0 < 0.5        # not serialized behind a's write
+    t.join(10)
+    a.close()
+    b.close()
