@@ -622,6 +622,9 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln) {
   b.name = c.name;
   b.size = c.size;
   b.handle = r.handle;
+  // Freshly allocated memory reads as zero, whatever lived there before (an old
+  // lane, a compacted buffer): nothing is in flight on a free range.
+  g.device->discard(r.offset, arena::align_up(c.size));
   s.names[c.name] = b.id;
   s.buffers[b.id] = std::move(b);
   ++u.buffers;
@@ -1174,6 +1177,22 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
     const arena::BufferHandle h = item.bound[o.slot];
     return h ? ar.buffer_offset(h) + o.offset : 0;
   };
+  const Bytes lane_size = ar.lane_size(lane_id);
+  if (!lane.cleared || lane.cleared->first != base || lane.cleared->second != lane_size) {
+    // New, grown or moved: nothing of this lane is in flight (lanes move only
+    // when idle) and the region is now exclusively its own.
+    if (lane.in_flight == 0) {
+      dev.discard(base, lane_size);
+      lane.cleared = {base, lane_size};
+      lane.last_used = 0;
+    }
+  } else if (lane.last_session && *lane.last_session != *sid && lane.last_used > 0) {
+    dev.fill(st, base, lane.last_used, 0, 1);
+    lane.last_used = 0;
+  }
+  if (lane.last_session != *sid) lane.last_used = 0;
+  lane.last_session = *sid;
+  lane.last_used = std::max(lane.last_used, it.ephemeral_bytes);
   if (lane.in_flight == 0) ar.begin_iteration(lane_id, *sid, it.ephemeral_bytes);
   for (const Op& op : it.ops) {
     switch (op.kind) {

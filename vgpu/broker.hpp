@@ -147,6 +147,12 @@ class Broker {
   struct Lane {
     StreamId stream = 0;
     std::uint32_t in_flight = 0;
+    // Ephemeral memory never carries one session's data to another: a lane is
+    // cleared where it is (re)placed, and the bytes the previous session used are
+    // cleared, in stream order, when a different session runs next.
+    std::optional<std::pair<Bytes, Bytes>> cleared;  // (offset, size) last cleared
+    std::optional<SessionId> last_session;
+    Bytes last_used = 0;
     struct InFlight {
       std::uint64_t token;
       SessionId session;

@@ -121,6 +121,7 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
           err = r.error == arena::ArenaError::fragmented ? EAGAIN : ENOMEM;
         } else {
           fresh = r.handle;
+          g.device->discard(r.offset, arena::align_up(size));
         }
       }
       if (!err) {
