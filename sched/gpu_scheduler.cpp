@@ -84,6 +84,20 @@ void GpuScheduler::set_runnable(SessionId id, bool runnable) {
   link(s);
 }
 
+bool GpuScheduler::lane_may_dispatch(LaneId lane) const {
+  if (policy_ != PolicyKind::fifo) return true;
+  const std::pair<RankKey, SessionId>* best = nullptr;
+  LaneId best_lane = lane;
+  for (const auto& [id, q] : lanes_) {
+    if (q.runnable.empty()) continue;
+    if (!best || *q.runnable.begin() < *best) {
+      best = &*q.runnable.begin();
+      best_lane = id;
+    }
+  }
+  return best_lane == lane;
+}
+
 std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   auto it = lanes_.find(lane);
   if (it == lanes_.end() || it->second.runnable.empty()) return std::nullopt;
@@ -110,14 +124,16 @@ void GpuScheduler::iteration_dispatched(SessionId id) {
   rerank(s);
 }
 
-void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns) {
+void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool iteration) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
-  s.in.done += 1;
   s.gpu_ns += device_ns;
-  const double n = static_cast<double>(s.in.done);
-  s.in.mean_iter_ns += (static_cast<double>(device_ns) - s.in.mean_iter_ns) / n;
+  if (iteration) {
+    s.in.done += 1;
+    const double n = static_cast<double>(s.in.done);
+    s.in.mean_iter_ns += (static_cast<double>(device_ns) - s.in.mean_iter_ns) / n;
+  }
   // Weight 1: equal shares. A 1 ns floor keeps empty iterations from being free.
   const double actual = static_cast<double>(std::max<std::int64_t>(device_ns, 1));
   double charged = 0.0;

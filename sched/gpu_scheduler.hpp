@@ -56,15 +56,20 @@ class GpuScheduler {
 
   // Whether the session has dispatchable work; only runnable sessions are picked.
   void set_runnable(SessionId id, bool runnable);
+  // Whether a lane may start an iteration now. FIFO runs one session at a time
+  // on the whole GPU (the earliest arrival with work, to completion), so only
+  // that session's lane may dispatch; the other policies run every lane.
+  bool lane_may_dispatch(LaneId lane) const;
   // The decision: the lane's best-ranked runnable session, counted in stats.
   std::optional<SessionId> pick(LaneId lane);
   // An iteration was handed to the device. FAIR charges its expected cost now
   // (the measured mean) so that a pipelined lane still alternates sessions;
   // iteration_done replaces the estimate with the measurement.
   void iteration_dispatched(SessionId id);
-  // An iteration finished after `device_ns` of device time: updates the mean, the
-  // GPU time and FAIR's virtual time, then re-ranks the session.
-  void iteration_done(SessionId id, std::int64_t device_ns);
+  // Work finished after `device_ns` of device time: GPU time and FAIR's virtual
+  // time always count; only a real iteration (`iteration`) advances the done
+  // count and the mean that SRTF ranks by. Then the session is re-ranked.
+  void iteration_done(SessionId id, std::int64_t device_ns, bool iteration = true);
 
   const SessionSched* find(SessionId id) const;
   const SchedStats& stats() const { return stats_; }

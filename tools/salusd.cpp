@@ -74,20 +74,42 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   return std::nullopt;
 }
 
+std::optional<std::string> validate(const Settings& s) {
+  auto one_of = [](const std::string& v, std::initializer_list<const char*> allowed) {
+    for (const char* a : allowed)
+      if (v == a) return true;
+    return false;
+  };
+  if (!one_of(s.backend, {"auto", "cuda", "sim"}))
+    return fmt::format("backend '{}': expected auto, cuda or sim", s.backend);
+  if (!salus::sched::policy_from_string(s.policy))
+    return fmt::format("policy '{}': expected fifo, pack, srtf, fair or priority", s.policy);
+  if (!one_of(s.placement, {"magm", "lug", "rr", "exclusive"}))
+    return fmt::format("placement '{}': expected magm, lug, rr or exclusive", s.placement);
+  if (!one_of(s.log_level, {"trace", "debug", "info", "warn", "error"}))
+    return fmt::format("log_level '{}': expected trace, debug, info, warn or error", s.log_level);
+  if (s.sim_gpus < 1 || s.sim_gpus > 64)
+    return fmt::format("sim gpus {}: expected 1 to 64", s.sim_gpus);
+  if (s.pipeline_depth < 1 || s.pipeline_depth > 64)
+    return fmt::format("pipeline_depth {}: expected 1 to 64", s.pipeline_depth);
+  if (s.shutdown_grace_ms < 0) return std::string("shutdown_grace_ms must not be negative");
+  if (s.quotas.bytes_per_write < 64 || s.quotas.bytes_per_write > 1024 * 1024)
+    return fmt::format("quotas.bytes_per_write {}: expected 64 to 1048576",
+                       s.quotas.bytes_per_write);
+  if (s.mount.empty() || s.mount[0] != '/')
+    return fmt::format("mount '{}' must be an absolute path", s.mount);
+  return std::nullopt;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Settings s;
-  CLI::App app{"salusd: the Salus GPU-sharing daemon; serves the /salus filesystem"};
-  app.set_version_flag("--version", fmt::format("salusd {} api {}", SALUS_VERSION,
-                                                SALUS_API_VERSION));
-  // The config file is read before the other flags so that flags override it.
-  app.add_option("--config", s.config, "TOML config file (e.g. /etc/salus/salusd.toml)");
-  app.allow_extras(true);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  // The config file is read before the flags, so that flags override it.
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--config" && i + 1 < argc) s.config = argv[i + 1];
+    if (a.rfind("--config=", 0) == 0) s.config = a.substr(9);
   }
   if (!s.config.empty()) {
     if (auto err = load_config(s.config, s)) return fail(*err);
@@ -111,7 +133,7 @@ int main(int argc, char** argv) {
   flags.add_option("--log-level", s.log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
   flags.add_option("--pipeline-depth", s.pipeline_depth,
-                   "Iterations queued per lane ahead of the running one")
+                   "Iterations in flight per lane, the running one included")
       ->check(CLI::Range(1, 64));
   flags.add_option("--shutdown-grace-ms", s.shutdown_grace_ms,
                    "On SIGTERM, how long running iterations may take to finish");
@@ -127,6 +149,9 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return flags.exit(e);
   }
+
+  // Values from the config file get the same checks as flags.
+  if (auto why = validate(s)) return fail(*why);
 
   auto logger = spdlog::stderr_color_mt("salusd");
   spdlog::set_default_logger(logger);

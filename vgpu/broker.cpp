@@ -833,6 +833,7 @@ int Broker::submit_iteration(Session& s, std::shared_ptr<const Iteration> iter,
   for (arena::BufferHandle h : item.bound) pin(s, h);
   item.iter = std::move(iter);
   item.remaining = repeat;
+  item.counted = true;
   u.queued += repeat;
   s.queued_instances += repeat;
   enqueue(s, std::move(item));
@@ -923,8 +924,10 @@ void Broker::drop_queued(Session& s, int err, Deferred& later) {
   UidUsage& u = usage_[s.uid];
   std::deque<WorkItem> keep;
   for (WorkItem& item : s.queue) {
-    u.queued -= std::min(u.queued, item.remaining);
-    s.queued_instances -= std::min(s.queued_instances, item.remaining);
+    if (item.counted) {
+      u.queued -= std::min(u.queued, item.remaining);
+      s.queued_instances -= std::min(s.queued_instances, item.remaining);
+    }
     item.remaining = 0;
     if (item.outstanding > 0) {
       s.dispatched.push_back(std::move(item));
@@ -1138,6 +1141,7 @@ void Broker::dispatch(Gpu& g, Deferred& later) {
 bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
   arena::GpuArena& ar = g.sched.arena();
   if (lane.in_flight >= config_.pipeline_depth || !ar.lane_ready(lane_id)) return false;
+  if (!g.sched.lane_may_dispatch(lane_id)) return false;
   const auto sid = g.sched.pick(lane_id);
   if (!sid) return false;
   Session* s = get(*sid);
@@ -1310,12 +1314,15 @@ void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status,
   stats_.ops += it.ops.size();
   if (it.counts) {
     ++s.iterations_done;
+    s.iteration_gpu_ns += device_ns;
     ++stats_.iterations;
   }
-  g.sched.iteration_done(s.id, device_ns);
-  UidUsage& u = usage_[s.uid];
-  if (u.queued > 0) --u.queued;
-  if (s.queued_instances > 0) --s.queued_instances;
+  g.sched.iteration_done(s.id, device_ns, it.counts);
+  if (item.counted) {
+    UidUsage& u = usage_[s.uid];
+    if (u.queued > 0) --u.queued;
+    if (s.queued_instances > 0) --s.queued_instances;
+  }
   const SessionId id = s.id;
   if (status != 0 && !s.dead)
     fail_session(s, status, fmt::format("the device reported {}", std::strerror(status)), later);

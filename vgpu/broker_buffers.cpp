@@ -54,6 +54,11 @@ int Broker::create_buffer(SessionId id, const Caller& caller, const std::string&
     log(*s, fmt::format("mem/{}: invalid buffer name (use 1-64 of [A-Za-z0-9_.-])", name));
     return -EINVAL;
   }
+  if (s->state == SessionState::failed) {
+    log(*s, fmt::format("mem/{}: the session failed earlier ({}); write `reset` to continue", name,
+                        s->error_text));
+    return -EIO;
+  }
   if (s->state != SessionState::admitted) {
     log(*s, fmt::format("mem/{}: the session has no GPU yet (state {}); send `need` first", name,
                         to_string(s->state)));
@@ -106,7 +111,7 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
     } else if (s->state != SessionState::admitted) {
       log(*s, fmt::format("mem/{}: cannot resize: the session is {}", bit->second.name,
                           to_string(s->state)));
-      err = s->error ? EIO : ENXIO;
+      err = s->error ? EIO : s->state == SessionState::queued ? EAGAIN : ENXIO;
     } else {
       Buffer& b = bit->second;
       Gpu& g = *gpu_of(*s);

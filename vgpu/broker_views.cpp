@@ -73,7 +73,8 @@ std::string Broker::render_status(SessionId id) const {
   kv("iterations_queued", s->queued_instances);
   kv("in_flight", s->in_flight);
   kv("buffers", s->names.size());
-  const double mean = s->iterations_done ? ms(s->gpu_ns) / static_cast<double>(s->iterations_done)
+  const double mean = s->iterations_done ? ms(s->iteration_gpu_ns) /
+                                               static_cast<double>(s->iterations_done)
                                          : 0.0;
   kv("mean_iteration_ms", fmt::format("{:.3f}", mean));
   kv("gpu_time_ms", fmt::format("{:.3f}", ms(s->gpu_ns)));

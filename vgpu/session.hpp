@@ -100,6 +100,7 @@ struct WorkItem {
   std::uint64_t remaining = 1;  // instances not yet dispatched
   std::uint64_t outstanding = 0;  // dispatched, not yet completed
   std::uint64_t seq = 0;
+  bool counted = false;  // its instances count against the queued-iterations quota
   std::vector<char> host;  // staging for mem/ reads and writes
   std::function<void(int err, std::vector<char>& data)> on_done;  // runs after the broker unlocks
 };
@@ -193,7 +194,8 @@ struct Session {
   // Counters.
   std::uint64_t iterations_done = 0;
   std::uint64_t ops_done = 0;
-  std::int64_t gpu_ns = 0;
+  std::int64_t gpu_ns = 0;            // all device time, transfers included
+  std::int64_t iteration_gpu_ns = 0;  // device time of counted iterations
 
   std::map<std::string, LoadedModule> modules;
 

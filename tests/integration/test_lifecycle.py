@@ -66,3 +66,23 @@ def test_refuses_without_dev_fuse(tmp_path):
                           f"--mount {tmp_path}"], capture_output=True, text=True, timeout=10)
     assert out.returncode != 0
     assert "/dev/fuse" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_bad_config_values_are_refused(tmp_path):
+    for text, word in [('policy = "lottery"\n', "lottery"), ('[sim]\ngpus = 0\n', "gpus"),
+                       ('placement = "random"\n', "random"), ('log_level = "loud"\n', "loud"),
+                       ('policy = \n', "config")]:
+        cfg = tmp_path / "bad.toml"
+        cfg.write_text(text)
+        out = subprocess.run([SALUSD, "--config", str(cfg), "--mount", str(tmp_path)],
+                             capture_output=True, text=True, timeout=10)
+        assert out.returncode != 0 and word in out.stderr, (text, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_help_lists_every_flag():
+    out = subprocess.run([SALUSD, "--help"], capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0
+    for flag in ["--mount", "--backend", "--sim-gpus", "--sim-memory", "--policy", "--admin-group",
+                 "--log-level", "--config"]:
+        assert flag in out.stdout

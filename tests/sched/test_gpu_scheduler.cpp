@@ -130,3 +130,20 @@ TEST(GpuScheduler, LeaveRemovesFromLaneAndArena) {
   t.s.leave(2, 20);
   EXPECT_EQ(t.s.arena().memory().lanes, 0u);
 }
+
+TEST(GpuScheduler, FifoRunsOneSessionAtATimeAcrossLanesPackRunsAll) {
+  for (PolicyKind p : {PolicyKind::fifo, PolicyKind::pack}) {
+    GpuScheduler s(64 * M, p);
+    ASSERT_EQ(s.arrive(1, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
+    ASSERT_EQ(s.arrive(2, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
+    auto adm = s.take_admissions();
+    ASSERT_EQ(adm.size(), 2u);
+    ASSERT_NE(adm[0].lane, adm[1].lane);  // room for two lanes
+    s.set_runnable(1, true);
+    s.set_runnable(2, true);
+    EXPECT_TRUE(s.lane_may_dispatch(adm[0].lane));
+    EXPECT_EQ(s.lane_may_dispatch(adm[1].lane), p == PolicyKind::pack);
+    s.set_runnable(1, false);  // the first one finished its work
+    EXPECT_TRUE(s.lane_may_dispatch(adm[1].lane));
+  }
+}

@@ -443,11 +443,8 @@ bool CudaDevice::begin_op(Stream& s) {
     }
   }
   if (s.open.start == nullptr) {
-    CUevent e = acquire_event();
-    if (e == nullptr) {
-      fail(s, ENOMEM, "cannot create a timing event");
-      return false;
-    }
+    CUevent e = nullptr;
+    if (!check(s, acquire_event(e), "cuEventCreate")) return false;
     if (!check(s, drv_.event_record(e, s.handle), "cuEventRecord")) {
       release_event(e);
       return false;
@@ -469,19 +466,19 @@ bool CudaDevice::builtins_ok(Stream& s, CUfunction fn) {
   return false;
 }
 
-CUevent CudaDevice::acquire_event() {
+CUresult CudaDevice::acquire_event(CUevent& e) {
   {
     std::lock_guard lock(pool_mu_);
     if (!free_events_.empty()) {
-      CUevent e = free_events_.back();
+      e = free_events_.back();
       free_events_.pop_back();
-      return e;
+      return CUDA_SUCCESS;
     }
   }
-  CUevent e = nullptr;
   // Timing events (CU_EVENT_DEFAULT): device_ns comes from cuEventElapsedTime.
-  if (drv_.event_create(&e, CU_EVENT_DEFAULT) != CUDA_SUCCESS) return nullptr;
-  return e;
+  const CUresult r = drv_.event_create(&e, CU_EVENT_DEFAULT);
+  if (r != CUDA_SUCCESS) e = nullptr;
+  return r;
 }
 
 void CudaDevice::release_event(CUevent e) {
@@ -654,8 +651,9 @@ void CudaDevice::notify(StreamId stream, std::uint64_t token) {
   } else if (s.handle == nullptr) {
     if (iv.status == 0) iv.status = EIO;
   } else {
-    CUevent e = acquire_event();
-    CUresult r = e != nullptr ? drv_.event_record(e, s.handle) : CUDA_ERROR_OUT_OF_MEMORY;
+    CUevent e = nullptr;
+    CUresult r = acquire_event(e);
+    if (r == CUDA_SUCCESS) r = drv_.event_record(e, s.handle);
     if (r == CUDA_SUCCESS) {
       iv.end = e;
       if (opts_.host_func_wakeup) {
@@ -783,8 +781,8 @@ void CudaDevice::unload_module(ModuleHandle module) {
   for (const auto& s : all_streams()) {
     std::lock_guard lock(s->mu);
     if (s->handle == nullptr) continue;
-    CUevent e = acquire_event();
-    if (e != nullptr && drv_.event_record(e, s->handle) == CUDA_SUCCESS) {
+    CUevent e = nullptr;
+    if (acquire_event(e) == CUDA_SUCCESS && drv_.event_record(e, s->handle) == CUDA_SUCCESS) {
       retired.fences.push_back(e);
     } else {
       release_event(e);
@@ -971,6 +969,10 @@ void CudaDevice::collect(std::vector<Delivery>& out) {
   set_current();
   for (const auto& s : all_streams()) {
     for (std::size_t i = 0;; ++i) {
+      // Once the context has faulted nothing it reports can be trusted, not even
+      // an interval that failed before reaching the GPU: the recovery decides
+      // every status still pending.
+      if (fault_.load() != CUDA_SUCCESS) return;
       Interval* iv;
       {
         std::lock_guard lock(pending_mu_);

@@ -196,7 +196,7 @@ class CudaDevice final : public Device {
   bool builtins_ok(Stream& s, CUfunction fn);
   CUdeviceptr at(DevOffset offset) const { return arena_base_.load() + offset; }
 
-  CUevent acquire_event();
+  CUresult acquire_event(CUevent& e);  // from the pool, or a new timing event
   void release_event(CUevent e);
   PinnedBlock acquire_pinned(Bytes size);
   void release_pinned(PinnedBlock b);
