@@ -36,7 +36,7 @@ enum class QueueMode : std::uint8_t {
 };
 
 enum class LaneMode : std::uint8_t {
-  salus,           // Salus Algorithm 1: new lane, best existing lane, grow smallest lane
+  salus,             // Salus Algorithm 1: new lane, best existing lane, grow smallest lane
   lane_per_session,  // every session gets its own lane, or waits (no lane sharing)
 };
 
@@ -48,12 +48,12 @@ struct ArenaOptions {
 
 enum class ArenaError : std::uint8_t {
   ok,
-  too_large,         // P + E can never fit this GPU, even empty
-  unknown_session,   // no such session (never requested, or already left)
-  not_admitted,      // the session has no lane yet
-  duplicate,         // request() for a session already known
-  no_memory,         // the safety condition would break
-  fragmented,        // accounting fits but no hole is big enough yet; compaction is planned
+  too_large,        // P + E can never fit this GPU, even empty
+  unknown_session,  // no such session (never requested, or already left)
+  not_admitted,     // the session has no lane yet
+  duplicate,        // request() for a session already known
+  no_memory,        // the safety condition would break
+  fragmented,       // accounting fits but no hole is big enough yet; compaction is planned
 };
 
 const char* to_string(ArenaError);
@@ -95,9 +95,9 @@ struct LaneView {
   LaneId id;
   std::optional<Bytes> offset;  // nullopt while waiting for room to be placed
   Bytes size;
-  Bytes used;                   // ephemeral bytes of the iteration in flight (0 if idle)
-  bool busy;                    // an iteration is in flight
-  bool move_pending;            // will move at its next iteration boundary
+  Bytes used;                        // ephemeral bytes of the iteration in flight (0 if idle)
+  bool busy;                         // an iteration is in flight
+  bool move_pending;                 // will move at its next iteration boundary
   std::optional<SessionId> running;  // session whose iteration is in flight
   std::vector<SessionId> sessions;   // members, in admission order
 };

@@ -1,7 +1,7 @@
 #include "arena/size_units.hpp"
 
-#include <cmath>
 #include <fmt/format.h>
+#include <cmath>
 
 namespace salus::arena {
 
@@ -33,12 +33,28 @@ std::optional<Bytes> parse_size(std::string_view text) {
   unsigned shift = 0;
   if (i < text.size()) {
     switch (text[i]) {
-      case 'k': case 'K': shift = 10; break;
-      case 'm': case 'M': shift = 20; break;
-      case 'g': case 'G': shift = 30; break;
-      case 't': case 'T': shift = 40; break;
-      case 'b': case 'B': shift = 0; break;
-      default: return std::nullopt;
+      case 'k':
+      case 'K':
+        shift = 10;
+        break;
+      case 'm':
+      case 'M':
+        shift = 20;
+        break;
+      case 'g':
+      case 'G':
+        shift = 30;
+        break;
+      case 't':
+      case 'T':
+        shift = 40;
+        break;
+      case 'b':
+      case 'B':
+        shift = 0;
+        break;
+      default:
+        return std::nullopt;
     }
     if (text[i] != 'b' && text[i] != 'B') {
       ++i;

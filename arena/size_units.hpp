@@ -14,7 +14,9 @@ using Bytes = std::uint64_t;
 // Every arena allocation and lane boundary is aligned to this many bytes.
 inline constexpr Bytes kAlignment = 256;
 
-constexpr Bytes align_up(Bytes n) { return (n + kAlignment - 1) & ~(kAlignment - 1); }
+constexpr Bytes align_up(Bytes n) {
+  return (n + kAlignment - 1) & ~(kAlignment - 1);
+}
 
 // Parses "4096", "64K", "64M", "1.5G", "2T" (binary units; an optional trailing
 // "B"/"iB" is accepted, e.g. "64MiB"). Returns nullopt on junk, a negative sign,

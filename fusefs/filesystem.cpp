@@ -35,8 +35,8 @@ constexpr double kDynamicTimeout = 0.0;  // sessions and buffers come and go
 struct OpenFile {
   Inode ino;
   std::mutex mu;
-  std::string content;  // snapshot taken at open (or the wait result)
-  std::string replies;  // ctl/clone: replies not yet read
+  std::string content;    // snapshot taken at open (or the wait result)
+  std::string replies;    // ctl/clone: replies not yet read
   bool answered = false;  // wait: the result is in `content`
   bool clone = false;
   SessionId session = 0;
@@ -52,7 +52,9 @@ struct DirHandle {
   std::vector<Entry> entries;
 };
 
-Filesystem* fs_of(fuse_req_t req) { return static_cast<Filesystem*>(fuse_req_userdata(req)); }
+Filesystem* fs_of(fuse_req_t req) {
+  return static_cast<Filesystem*>(fuse_req_userdata(req));
+}
 
 std::shared_ptr<OpenFile>& open_of(fuse_file_info* fi) {
   return *reinterpret_cast<std::shared_ptr<OpenFile>*>(fi->fh);
@@ -75,34 +77,52 @@ Caller caller_of(fuse_req_t req, const FilesystemOptions& opts) {
 
 const char* top_name(TopFile f) {
   switch (f) {
-    case TopFile::readme: return "README";
-    case TopFile::version: return "version";
-    case TopFile::clone: return "clone";
-    case TopFile::policy: return "policy";
-    case TopFile::ctl: return "ctl";
-    case TopFile::stats: return "stats";
-    case TopFile::metrics: return "metrics";
-    case TopFile::count: break;
+    case TopFile::readme:
+      return "README";
+    case TopFile::version:
+      return "version";
+    case TopFile::clone:
+      return "clone";
+    case TopFile::policy:
+      return "policy";
+    case TopFile::ctl:
+      return "ctl";
+    case TopFile::stats:
+      return "stats";
+    case TopFile::metrics:
+      return "metrics";
+    case TopFile::count:
+      break;
   }
   return "";
 }
 const char* gpu_file_name(GpuFile f) {
   switch (f) {
-    case GpuFile::info: return "info";
-    case GpuFile::memory: return "memory";
-    case GpuFile::lanes: return "lanes";
-    case GpuFile::queue: return "queue";
-    case GpuFile::count: break;
+    case GpuFile::info:
+      return "info";
+    case GpuFile::memory:
+      return "memory";
+    case GpuFile::lanes:
+      return "lanes";
+    case GpuFile::queue:
+      return "queue";
+    case GpuFile::count:
+      break;
   }
   return "";
 }
 const char* session_file_name(SessionFile f) {
   switch (f) {
-    case SessionFile::ctl: return "ctl";
-    case SessionFile::status: return "status";
-    case SessionFile::log: return "log";
-    case SessionFile::wait: return "wait";
-    case SessionFile::count: break;
+    case SessionFile::ctl:
+      return "ctl";
+    case SessionFile::status:
+      return "status";
+    case SessionFile::log:
+      return "log";
+    case SessionFile::wait:
+      return "wait";
+    case SessionFile::count:
+      break;
   }
   return "";
 }
@@ -126,8 +146,12 @@ int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
         case TopFile::readme:
         case TopFile::version:
         case TopFile::stats:
-        case TopFile::metrics: st.st_mode = S_IFREG | 0444; return 0;
-        case TopFile::clone: st.st_mode = S_IFREG | 0666; return 0;
+        case TopFile::metrics:
+          st.st_mode = S_IFREG | 0444;
+          return 0;
+        case TopFile::clone:
+          st.st_mode = S_IFREG | 0666;
+          return 0;
         case TopFile::policy:
           st.st_mode = S_IFREG | (opts.admin_group ? 0664 : 0644);
           st.st_gid = admin_gid;
@@ -136,7 +160,8 @@ int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
           st.st_mode = S_IFREG | (opts.admin_group ? 0660 : 0600);
           st.st_gid = admin_gid;
           return 0;
-        default: return -ENOENT;
+        default:
+          return -ENOENT;
       }
     case Kind::clone_file:
       st.st_mode = S_IFREG | 0666;
@@ -222,7 +247,8 @@ std::optional<Inode> child(Filesystem& fs, Inode parent, const std::string& name
       if (name == "sessions") return Inode{Kind::sessions_dir, 0, 0};
       return std::nullopt;
     case Kind::gpus_dir: {
-      if (name.empty() || name.size() > 4 || name.find_first_not_of("0123456789") != std::string::npos)
+      if (name.empty() || name.size() > 4 ||
+          name.find_first_not_of("0123456789") != std::string::npos)
         return std::nullopt;
       const std::size_t gi = std::stoul(name);
       if (gi >= b.gpu_count() || (name.size() > 1 && name[0] == '0')) return std::nullopt;
@@ -388,8 +414,8 @@ void op_readdir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_in
     std::memset(&st, 0, sizeof st);
     st.st_ino = e.ino;
     st.st_mode = e.mode;
-    const std::size_t need = fuse_add_direntry(req, buf.data() + used, size - used,
-                                               e.name.c_str(), &st, static_cast<off_t>(i + 1));
+    const std::size_t need = fuse_add_direntry(req, buf.data() + used, size - used, e.name.c_str(),
+                                               &st, static_cast<off_t>(i + 1));
     if (need > size - used) break;
     used += need;
   }
@@ -491,12 +517,18 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   switch (in.kind) {
     case Kind::top_file:
       switch (static_cast<TopFile>(in.sub)) {
-        case TopFile::readme: of->content = readme_text(); break;
+        case TopFile::readme:
+          of->content = readme_text();
+          break;
         case TopFile::version:
           of->content = fmt::format("salusd {} api {}\n", SALUS_VERSION, SALUS_API_VERSION);
           break;
-        case TopFile::stats: of->content = b.render_stats(); break;
-        case TopFile::metrics: of->content = b.render_metrics(); break;
+        case TopFile::stats:
+          of->content = b.render_stats();
+          break;
+        case TopFile::metrics:
+          of->content = b.render_metrics();
+          break;
         case TopFile::policy:
           if (writing && !caller.admin) {
             fuse_reply_err(req, EACCES);
@@ -513,7 +545,9 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
         case TopFile::clone:
           open_clone(req, fi, b, caller);
           return;
-        default: fuse_reply_err(req, ENOENT); return;
+        default:
+          fuse_reply_err(req, ENOENT);
+          return;
       }
       break;
     case Kind::clone_file:
@@ -525,11 +559,21 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
         return;
       }
       switch (static_cast<GpuFile>(in.sub)) {
-        case GpuFile::info: of->content = b.render_gpu_info(in.id); break;
-        case GpuFile::memory: of->content = b.render_gpu_memory(in.id); break;
-        case GpuFile::lanes: of->content = b.render_gpu_lanes(in.id); break;
-        case GpuFile::queue: of->content = b.render_gpu_queue(in.id); break;
-        default: fuse_reply_err(req, ENOENT); return;
+        case GpuFile::info:
+          of->content = b.render_gpu_info(in.id);
+          break;
+        case GpuFile::memory:
+          of->content = b.render_gpu_memory(in.id);
+          break;
+        case GpuFile::lanes:
+          of->content = b.render_gpu_lanes(in.id);
+          break;
+        case GpuFile::queue:
+          of->content = b.render_gpu_queue(in.id);
+          break;
+        default:
+          fuse_reply_err(req, ENOENT);
+          return;
       }
       break;
     case Kind::session_file:
@@ -580,8 +624,8 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
   std::shared_ptr<OpenFile> of = open_of(fi);
   const Inode in = of->ino;
   const bool command_file =
-      of->clone || (in.kind == Kind::session_file &&
-                    static_cast<SessionFile>(in.sub) == SessionFile::ctl) ||
+      of->clone ||
+      (in.kind == Kind::session_file && static_cast<SessionFile>(in.sub) == SessionFile::ctl) ||
       (in.kind == Kind::top_file && static_cast<TopFile>(in.sub) == TopFile::ctl);
   if (command_file) {
     std::lock_guard lk(of->mu);
@@ -675,8 +719,7 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
   if (session_ctl) {
     ParseResult parsed = parse_commands(text);
     std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> perr;
-    if (parsed.error)
-      perr = {parsed.error->line, {parsed.error->error, parsed.error->message}};
+    if (parsed.error) perr = {parsed.error->line, {parsed.error->error, parsed.error->message}};
     b.submit(of->session, caller, size, std::move(parsed.commands), std::move(perr),
              [req, of, size](int err, std::string reply) {
                {
@@ -829,20 +872,24 @@ bool mounted_at(const std::string& path) {
 Filesystem::Filesystem(vgpu::Broker& broker, FilesystemOptions options)
     : broker_(broker), options_(std::move(options)) {}
 
-Filesystem::~Filesystem() { unmount(); }
+Filesystem::~Filesystem() {
+  unmount();
+}
 
 std::optional<std::string> Filesystem::mount() {
   if (::access("/dev/fuse", R_OK | W_OK) != 0)
-    return fmt::format("cannot use /dev/fuse: {} (load the fuse module, or give the container "
-                       "--device /dev/fuse)",
-                       std::strerror(errno));
+    return fmt::format(
+        "cannot use /dev/fuse: {} (load the fuse module, or give the container "
+        "--device /dev/fuse)",
+        std::strerror(errno));
   char resolved[PATH_MAX];
   struct stat st;
   if (::stat(options_.mountpoint.c_str(), &st) != 0) {
     if (errno == ENOTCONN)
-      return fmt::format("mountpoint {} is busy: a dead FUSE mount is there; run "
-                         "`fusermount3 -u {}`",
-                         options_.mountpoint, options_.mountpoint);
+      return fmt::format(
+          "mountpoint {} is busy: a dead FUSE mount is there; run "
+          "`fusermount3 -u {}`",
+          options_.mountpoint, options_.mountpoint);
     if (errno != ENOENT || ::mkdir(options_.mountpoint.c_str(), 0755) != 0)
       return fmt::format("mountpoint {}: {}", options_.mountpoint, std::strerror(errno));
   } else if (!S_ISDIR(st.st_mode)) {
@@ -851,9 +898,10 @@ std::optional<std::string> Filesystem::mount() {
   if (!::realpath(options_.mountpoint.c_str(), resolved))
     return fmt::format("mountpoint {}: {}", options_.mountpoint, std::strerror(errno));
   if (mounted_at(resolved))
-    return fmt::format("mountpoint {} is busy: something is already mounted there (another "
-                       "salusd?)",
-                       resolved);
+    return fmt::format(
+        "mountpoint {} is busy: something is already mounted there (another "
+        "salusd?)",
+        resolved);
   std::vector<std::string> argv_s = {"salusd", "-o",
                                      "allow_other,default_permissions,fsname=salus,subtype=salus"};
   if (options_.debug) argv_s.push_back("-d");

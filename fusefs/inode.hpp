@@ -9,10 +9,10 @@ namespace salus::fusefs {
 
 enum class Kind : std::uint8_t {
   root = 0,
-  top_file = 1,      // sub: TopFile
+  top_file = 1,  // sub: TopFile
   gpus_dir = 2,
-  gpu_dir = 3,       // id: gpu index
-  gpu_file = 4,      // id: gpu index, sub: GpuFile
+  gpu_dir = 3,   // id: gpu index
+  gpu_file = 4,  // id: gpu index, sub: GpuFile
   sessions_dir = 5,
   session_dir = 6,   // id: session
   session_file = 7,  // id: session, sub: SessionFile
@@ -21,7 +21,7 @@ enum class Kind : std::uint8_t {
   // What a lookup of /salus/clone returns: a fresh inode every time, because the
   // kernel serializes direct-I/O writes per inode, and clone files whose writes
   // wait (sync, admission) must not hold up other sessions' clone files.
-  clone_file = 10,   // id and sub: a unique instance number
+  clone_file = 10,  // id and sub: a unique instance number
 };
 
 enum class TopFile : std::uint32_t { readme, version, clone, policy, ctl, stats, metrics, count };

@@ -53,8 +53,8 @@ std::vector<ContentionModel::KernelId> ContentionModel::advance(TimeNs now) {
 
 void ContentionModel::cancel(KernelId id, TimeNs now) {
   progress_to(now);
-  auto it = std::find_if(kernels_.begin(), kernels_.end(),
-                         [id](const Kernel& k) { return k.id == id; });
+  auto it =
+      std::find_if(kernels_.begin(), kernels_.end(), [id](const Kernel& k) { return k.id == id; });
   if (it == kernels_.end()) return;
   total_util_ -= it->util;
   kernels_.erase(it);

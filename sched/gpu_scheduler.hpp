@@ -24,9 +24,9 @@ struct SessionSched {
   RankInputs in;
   std::optional<LaneId> lane;
   bool runnable = false;
-  std::int64_t gpu_ns = 0;  // device time of finished iterations
+  std::int64_t gpu_ns = 0;     // device time of finished iterations
   std::deque<double> charged;  // FAIR: estimates charged for iterations in flight
-  RankKey key;              // valid while runnable
+  RankKey key;                 // valid while runnable
 };
 
 struct SchedStats {

@@ -19,12 +19,12 @@ std::optional<PolicyKind> policy_from_string(std::string_view name);
 
 // What a policy may look at to rank a session.
 struct RankInputs {
-  std::uint64_t arrival = 0;            // admission-request order, unique
-  std::int32_t priority = 0;            // larger runs first
-  std::optional<std::uint64_t> iters;   // declared total iterations
-  std::uint64_t done = 0;               // iterations finished
-  double mean_iter_ns = 0.0;            // measured mean device time per iteration
-  double vtime = 0.0;                   // FAIR virtual time (ns of GPU time / weight)
+  std::uint64_t arrival = 0;           // admission-request order, unique
+  std::int32_t priority = 0;           // larger runs first
+  std::optional<std::uint64_t> iters;  // declared total iterations
+  std::uint64_t done = 0;              // iterations finished
+  double mean_iter_ns = 0.0;           // measured mean device time per iteration
+  double vtime = 0.0;                  // FAIR virtual time (ns of GPU time / weight)
 };
 
 struct RankKey {

@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include "arena/gpu_arena.hpp"
 
@@ -65,8 +65,8 @@ struct Daemon {
     ::mkdir(mnt.c_str(), 0755);
     pid = ::fork();
     if (pid == 0) {
-      std::vector<std::string> args = {salusd, "--backend", "sim", "--mount", mnt,
-                                       "--log-level", "warn"};
+      std::vector<std::string> args = {salusd, "--backend",   "sim", "--mount",
+                                       mnt,    "--log-level", "warn"};
       args.insert(args.end(), extra.begin(), extra.end());
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
@@ -172,9 +172,10 @@ int bench_dispatch(const std::string& mnt, long iters, int sessions, const std::
   for (auto& c : cs) wait_done(mnt, c->id);
   const double secs = us_since(t0) / 1e6;
   const long total = per * sessions;
-  fmt::print("dispatch body='{}' sessions={} iterations={} time={:.3f}s rate={:.0f} "
-             "iterations/s (target >= 100000)\n",
-             body, sessions, total, secs, static_cast<double>(total) / secs);
+  fmt::print(
+      "dispatch body='{}' sessions={} iterations={} time={:.3f}s rate={:.0f} "
+      "iterations/s (target >= 100000)\n",
+      body, sessions, total, secs, static_cast<double>(total) / secs);
   return 0;
 }
 
@@ -241,8 +242,9 @@ int bench_assign(int sessions, int rounds) {
   fmt::print("  leave (reassignment)           p50 {:.2f} us  p99 {:.2f} us\n",
              percentile(leave_us, 0.5), percentile(leave_us, 0.99));
 #ifndef NDEBUG
-  fmt::print("  note: assertions are on (every call also checks all invariants); build with "
-             "-Db_ndebug=true for decision cost\n");
+  fmt::print(
+      "  note: assertions are on (every call also checks all invariants); build with "
+      "-Db_ndebug=true for decision cost\n");
 #endif
   return 0;
 }
@@ -276,8 +278,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<Daemon> d;
   pid_t pid = -1;
   if (mount.empty()) {
-    d = std::make_unique<Daemon>(salusd, std::vector<std::string>{"--sim-memory", "4G",
-                                                                   "--quota-sessions", "100000"});
+    d = std::make_unique<Daemon>(
+        salusd, std::vector<std::string>{"--sim-memory", "4G", "--quota-sessions", "100000"});
     mount = d->mnt;
     pid = d->pid;
   }

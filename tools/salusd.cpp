@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <toml++/toml.h>
+#include <CLI/CLI.hpp>
 
 #include "arena/size_units.hpp"
 #include "fusefs/filesystem.hpp"
@@ -52,8 +52,7 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   try {
     t = toml::parse_file(path);
   } catch (const toml::parse_error& e) {
-    return fmt::format("config {}: {} (line {})", path, e.description(),
-                       e.source().begin.line);
+    return fmt::format("config {}: {} (line {})", path, e.description(), e.source().begin.line);
   }
   s.mount = t["mount"].value_or(s.mount);
   s.backend = t["backend"].value_or(s.backend);
@@ -115,8 +114,8 @@ int main(int argc, char** argv) {
     if (auto err = load_config(s.config, s)) return fail(*err);
   }
   CLI::App flags{"salusd: the Salus GPU-sharing daemon; serves the /salus filesystem"};
-  flags.set_version_flag("--version", fmt::format("salusd {} api {}", SALUS_VERSION,
-                                                  SALUS_API_VERSION));
+  flags.set_version_flag("--version",
+                         fmt::format("salusd {} api {}", SALUS_VERSION, SALUS_API_VERSION));
   flags.add_option("--config", s.config, "TOML config file (e.g. /etc/salus/salusd.toml)");
   flags.add_option("--mount", s.mount, "Mountpoint (default /salus, or $SALUS_MOUNT)")
       ->envname("SALUS_MOUNT");
@@ -132,8 +131,9 @@ int main(int argc, char** argv) {
   flags.add_option("--admin-group", s.admin_group, "Group whose members may use the admin files");
   flags.add_option("--log-level", s.log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
-  flags.add_option("--pipeline-depth", s.pipeline_depth,
-                   "Iterations in flight per lane, the running one included")
+  flags
+      .add_option("--pipeline-depth", s.pipeline_depth,
+                  "Iterations in flight per lane, the running one included")
       ->check(CLI::Range(1, 64));
   flags.add_option("--shutdown-grace-ms", s.shutdown_grace_ms,
                    "On SIGTERM, how long running iterations may take to finish");

@@ -42,11 +42,16 @@ constexpr int kSuspend = -1;
 
 const char* to_string(SessionState s) {
   switch (s) {
-    case SessionState::idle: return "idle";
-    case SessionState::queued: return "queued";
-    case SessionState::admitted: return "admitted";
-    case SessionState::failed: return "failed";
-    case SessionState::ended: return "ended";
+    case SessionState::idle:
+      return "idle";
+    case SessionState::queued:
+      return "queued";
+    case SessionState::admitted:
+      return "admitted";
+    case SessionState::failed:
+      return "failed";
+    case SessionState::ended:
+      return "ended";
   }
   return "unknown";
 }
@@ -75,7 +80,9 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
   }
 }
 
-Broker::~Broker() { shutdown(std::chrono::milliseconds(0)); }
+Broker::~Broker() {
+  shutdown(std::chrono::milliseconds(0));
+}
 
 TimeNs Broker::now() const {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
@@ -118,8 +125,7 @@ std::int64_t Broker::create_session(const Caller& caller, const std::string& nam
   UidUsage& u = usage_[caller.uid];
   if (u.sessions >= config_.quotas.sessions_per_uid) {
     ++stats_.quota_rejections;
-    spdlog::warn("uid {}: session quota ({}) reached", caller.uid,
-                 config_.quotas.sessions_per_uid);
+    spdlog::warn("uid {}: session quota ({}) reached", caller.uid, config_.quotas.sessions_per_uid);
     return -EDQUOT;
   }
   ++u.sessions;
@@ -241,10 +247,10 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
 
 // ---------------------------------------------------------------- commands
 
-void Broker::submit(SessionId id, const Caller& caller, std::size_t write_bytes,
-                    std::vector<CommandLine> commands,
-                    std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
-                    WriteReply done) {
+void Broker::submit(
+    SessionId id, const Caller& caller, std::size_t write_bytes, std::vector<CommandLine> commands,
+    std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
+    WriteReply done) {
   Deferred later;
   // Module files are read here, as the caller and without the broker lock.
   std::vector<PendingWrite::ModuleFile> module_files;
@@ -313,9 +319,8 @@ bool Broker::run_write(Session& s, PendingWrite& w, Deferred& later) {
     auto done = std::move(w.done);
     std::string reply = std::move(w.reply);
     if (err) ++stats_.command_errors;
-    later.push_back([done, err, reply = std::move(reply)]() mutable {
-      done(err, std::move(reply));
-    });
+    later.push_back(
+        [done, err, reply = std::move(reply)]() mutable { done(err, std::move(reply)); });
   };
   if (w.syncing) {
     if (s.error) {
@@ -362,18 +367,18 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
   if (stopping_) return fail(ESHUTDOWN, "salusd is shutting down; no new work is accepted");
   const Command& cmd = line.command;
   // Commands that need the GPU wait (without holding a thread) while queued.
-  const bool needs_gpu = !std::holds_alternative<NeedCmd>(cmd) &&
-                         !std::holds_alternative<PriorityCmd>(cmd) &&
-                         !std::holds_alternative<ResetCmd>(cmd) &&
-                         !std::holds_alternative<SyncCmd>(cmd) &&
-                         !std::holds_alternative<BeginCmd>(cmd) && !s.recording;
+  const bool needs_gpu =
+      !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<PriorityCmd>(cmd) &&
+      !std::holds_alternative<ResetCmd>(cmd) && !std::holds_alternative<SyncCmd>(cmd) &&
+      !std::holds_alternative<BeginCmd>(cmd) && !s.recording;
   if (needs_gpu && s.state == SessionState::queued) {
     suspend = true;
     return 0;
   }
   if (needs_gpu && s.state == SessionState::idle)
-    return fail(ENXIO, "no GPU yet: declare needs first with "
-                       "`need persistent=SIZE ephemeral=SIZE`");
+    return fail(ENXIO,
+                "no GPU yet: declare needs first with "
+                "`need persistent=SIZE ephemeral=SIZE`");
   if (s.error && !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
       !std::holds_alternative<PriorityCmd>(cmd))
     return fail(EIO, fmt::format("session failed earlier ({}: {}); write `reset` to continue",
@@ -392,7 +397,8 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           },
           [&](const FreeCmd& c) { return exec_free(s, c, ln); },
           [&](const BeginCmd&) {
-            if (s.recording) return fail(EINVAL, "begin inside begin: end the open iteration first");
+            if (s.recording)
+              return fail(EINVAL, "begin inside begin: end the open iteration first");
             s.recording.emplace();
             s.recording->iter = std::make_shared<Iteration>();
             w.began_recording = true;
@@ -448,8 +454,9 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           [&](const ModuleCmd& c) { return exec_module(s, c, w, ln); },
           [&](const LaunchCmd&) { return record_op(s, cmd, ln); },
           [&](const TransferCmd&) {
-            return fail(ENOSYS, "upload/download: the shm and file data paths are not "
-                                "supported by this salusd yet; use mem/NAME");
+            return fail(ENOSYS,
+                        "upload/download: the shm and file data paths are not "
+                        "supported by this salusd yet; use mem/NAME");
           },
           [&](const auto&) { return record_op(s, cmd, ln); },
       },
@@ -483,14 +490,17 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
         if (p + e > m.capacity) continue;
         double score = 0.0;
         switch (config_.placement) {
-          case Placement::magm: score = static_cast<double>(m.free); break;
+          case Placement::magm:
+            score = static_cast<double>(m.free);
+            break;
           case Placement::lug:
             score = 1.0 - static_cast<double>(g.device->busy_ns()) /
                               static_cast<double>(std::max<TimeNs>(now(), 1));
             break;
           case Placement::rr:
-            score = static_cast<double>((i + gpus_.size() - rr_next_ % gpus_.size()) %
-                                        gpus_.size()) * -1.0;
+            score =
+                static_cast<double>((i + gpus_.size() - rr_next_ % gpus_.size()) % gpus_.size()) *
+                -1.0;
             break;
           case Placement::exclusive:
             score = g.placed == 0 ? 1.0 : -0.5;
@@ -512,8 +522,8 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
       ++rr_next_;
     }
   } else if (c.gpu && *c.gpu != kAnyGpu && *c.gpu != s.gpu) {
-    return fail(EBUSY, fmt::format("session is placed on gpu {}; it cannot move to gpu {}", s.gpu,
-                                   *c.gpu));
+    return fail(
+        EBUSY, fmt::format("session is placed on gpu {}; it cannot move to gpu {}", s.gpu, *c.gpu));
   }
   Gpu& g = *gpus_[static_cast<std::size_t>(gpu)];
   if (g.draining && s.gpu < 0)
@@ -558,8 +568,8 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
       ++pos;
       if (q.session == s.id) break;
     }
-    log(s, fmt::format("line {}: queued on gpu {} at position {}: waiting for memory", ln, gpu,
-                       pos));
+    log(s,
+        fmt::format("line {}: queued on gpu {} at position {}: waiting for memory", ln, gpu, pos));
   }
   return 0;
 }
@@ -610,12 +620,11 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln) {
   }
   if (r.error != arena::ArenaError::ok) {
     const auto pl = g.sched.arena().placement(s.id);
-    return fail(ENOMEM,
-                fmt::format("persistent memory exhausted: the session uses {} (declared "
-                            "persistent={}), gpu {} has {} free under the safety condition",
-                            arena::format_size(pl ? pl->persistent_used : 0),
-                            arena::format_size(s.need.persistent), s.gpu,
-                            arena::format_size(g.sched.arena().memory().free)));
+    return fail(ENOMEM, fmt::format("persistent memory exhausted: the session uses {} (declared "
+                                    "persistent={}), gpu {} has {} free under the safety condition",
+                                    arena::format_size(pl ? pl->persistent_used : 0),
+                                    arena::format_size(s.need.persistent), s.gpu,
+                                    arena::format_size(g.sched.arena().memory().free)));
   }
   Buffer b;
   b.id = s.next_buffer_id++;
@@ -664,9 +673,8 @@ int Broker::exec_free(Session& s, const FreeCmd& c, std::uint32_t ln) {
   if (s.recording) {
     if (s.recording->ephemeral.erase(c.name)) return 0;
     log(s, fmt::format("line {}: free {}: {}", ln, c.name,
-                       s.names.count(c.name)
-                           ? "persistent buffers cannot be freed inside begin/end"
-                           : "no such ephemeral buffer in this iteration"));
+                       s.names.count(c.name) ? "persistent buffers cannot be freed inside begin/end"
+                                             : "no such ephemeral buffer in this iteration"));
     return s.names.count(c.name) ? EINVAL : ENOENT;
   }
   auto it = s.names.find(c.name);
@@ -691,8 +699,9 @@ int Broker::resolve(Session& s, Iteration& it, const BufRef& ref, Bytes length, 
     if (e != s.recording->ephemeral.end()) {
       const auto [off, size] = e->second;
       if (ref.offset > size || length > size - ref.offset) {
-        log(s, fmt::format("line {}: {}: range +{} len {} is outside ephemeral buffer {} ({} bytes)",
-                           ln, what, ref.offset, length, ref.name, size));
+        log(s,
+            fmt::format("line {}: {}: range +{} len {} is outside ephemeral buffer {} ({} bytes)",
+                        ln, what, ref.offset, length, ref.name, size));
         return ERANGE;
       }
       out = Operand{true, 0, off + ref.offset};
@@ -966,8 +975,7 @@ int Broker::exec_module(Session& s, const ModuleCmd& c, PendingWrite& w, std::ui
   return 0;
 }
 
-int Broker::record_launch(Session& s, Iteration& it, const LaunchCmd& c, Op& op,
-                          std::uint32_t ln) {
+int Broker::record_launch(Session& s, Iteration& it, const LaunchCmd& c, Op& op, std::uint32_t ln) {
   const std::string what = fmt::format("launch {}.{}", c.module, c.function);
   auto fail = [&](int err, std::string msg) {
     log(s, fmt::format("line {}: {}: {}", ln, what, msg));
@@ -975,8 +983,8 @@ int Broker::record_launch(Session& s, Iteration& it, const LaunchCmd& c, Op& op,
   };
   auto mit = s.modules.find(c.module);
   if (mit == s.modules.end())
-    return fail(ENOENT, fmt::format("no module '{}' (load it with `module {} PATH`)", c.module,
-                                    c.module));
+    return fail(ENOENT,
+                fmt::format("no module '{}' (load it with `module {} PATH`)", c.module, c.module));
   LoadedModule& mod = mit->second;
   auto fit = mod.functions.find(c.function);
   if (fit == mod.functions.end()) {
@@ -1003,11 +1011,17 @@ int Broker::record_launch(Session& s, Iteration& it, const LaunchCmd& c, Op& op,
     const LaunchArg& a = c.args[i];
     KernelArg k;
     switch (a.kind) {
-      case LaunchArg::Kind::buffer: k.size = 8; break;
+      case LaunchArg::Kind::buffer:
+        k.size = 8;
+        break;
       case LaunchArg::Kind::i32:
       case LaunchArg::Kind::u32:
-      case LaunchArg::Kind::f32: k.size = 4; break;
-      default: k.size = 8; break;
+      case LaunchArg::Kind::f32:
+        k.size = 4;
+        break;
+      default:
+        k.size = 8;
+        break;
     }
     if (!params.empty() && params[i] != k.size)
       return fail(EINVAL, fmt::format("parameter {} is {} bytes but argument {} gives {}", i,
@@ -1152,10 +1166,11 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
   WorkItem& item = s->queue.front();
   const Iteration& it = *item.iter;
   if (it.ephemeral_bytes > ar.lane_size(lane_id)) {
-    fail_session(*s, ENOMEM,
-                 fmt::format("the iteration needs {} bytes of ephemeral memory but lane {} holds {}",
-                             it.ephemeral_bytes, lane_id, ar.lane_size(lane_id)),
-                 later);
+    fail_session(
+        *s, ENOMEM,
+        fmt::format("the iteration needs {} bytes of ephemeral memory but lane {} holds {}",
+                    it.ephemeral_bytes, lane_id, ar.lane_size(lane_id)),
+        later);
     return true;
   }
   --item.remaining;
@@ -1200,11 +1215,21 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
   if (lane.in_flight == 0) ar.begin_iteration(lane_id, *sid, it.ephemeral_bytes);
   for (const Op& op : it.ops) {
     switch (op.kind) {
-      case Op::Kind::fill: dev.fill(st, addr(op.a), op.length, op.pattern, op.width); break;
-      case Op::Kind::copy: dev.copy(st, addr(op.a), addr(op.b), op.length); break;
-      case Op::Kind::spin: dev.spin(st, op.usec, op.util); break;
-      case Op::Kind::gemm: dev.gemm(st, op.m, op.n, op.k, addr(op.a), addr(op.b), addr(op.c)); break;
-      case Op::Kind::to_host: dev.copy_to_host(st, item.host.data(), addr(op.a), op.length); break;
+      case Op::Kind::fill:
+        dev.fill(st, addr(op.a), op.length, op.pattern, op.width);
+        break;
+      case Op::Kind::copy:
+        dev.copy(st, addr(op.a), addr(op.b), op.length);
+        break;
+      case Op::Kind::spin:
+        dev.spin(st, op.usec, op.util);
+        break;
+      case Op::Kind::gemm:
+        dev.gemm(st, op.m, op.n, op.k, addr(op.a), addr(op.b), addr(op.c));
+        break;
+      case Op::Kind::to_host:
+        dev.copy_to_host(st, item.host.data(), addr(op.a), op.length);
+        break;
       case Op::Kind::from_host:
         dev.copy_from_host(st, addr(op.a), item.host.data(), op.length);
         break;
@@ -1250,7 +1275,8 @@ void Broker::compact(Gpu& g) {
     const auto moves = ar.session_idle(s.id);
     if (moves.empty()) continue;
     if (!g.move_stream) g.move_stream = g.device->create_stream();
-    for (const arena::PersistentMove& m : moves) g.device->copy(*g.move_stream, m.to, m.from, m.size);
+    for (const arena::PersistentMove& m : moves)
+      g.device->copy(*g.move_stream, m.to, m.from, m.size);
     const std::uint64_t token = next_token_++;
     g.move_tokens.emplace(token, s.id);
     s.moving = true;
@@ -1305,8 +1331,8 @@ void Broker::complete(Gpu& g, const Completion& c, Deferred& later) {
   finish_instance(g, *s, item, c.status, c.device_ns, later);
 }
 
-void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status,
-                             std::int64_t device_ns, Deferred& later) {
+void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std::int64_t device_ns,
+                             Deferred& later) {
   --item.outstanding;
   const Iteration& it = *item.iter;
   s.gpu_ns += device_ns;

@@ -40,9 +40,12 @@ int Broker::set_policy(const std::string& text) {
       placement = placement_from(value);
       if (!placement) return -EINVAL;
     } else if (key == "queue") {
-      if (value == "strict") queue = arena::QueueMode::strict_fifo;
-      else if (value == "bypass") queue = arena::QueueMode::bounded_bypass;
-      else return -EINVAL;
+      if (value == "strict")
+        queue = arena::QueueMode::strict_fifo;
+      else if (value == "bypass")
+        queue = arena::QueueMode::bounded_bypass;
+      else
+        return -EINVAL;
     } else {
       return -EINVAL;
     }
@@ -87,9 +90,12 @@ int Broker::admin_command(const std::string& line, std::string& reply) {
   }
   if (words[0] == "queue" && words.size() == 2) {
     arena::QueueMode mode;
-    if (words[1] == "strict") mode = arena::QueueMode::strict_fifo;
-    else if (words[1] == "bypass") mode = arena::QueueMode::bounded_bypass;
-    else return -EINVAL;
+    if (words[1] == "strict")
+      mode = arena::QueueMode::strict_fifo;
+    else if (words[1] == "bypass")
+      mode = arena::QueueMode::bounded_bypass;
+    else
+      return -EINVAL;
     std::lock_guard lk(mu_);
     for (auto& g : gpus_) g->sched.arena().set_queue_mode(mode);
     return 0;

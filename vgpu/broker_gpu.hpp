@@ -28,19 +28,17 @@ class Broker::Sink final : public CompletionSink {
 struct Broker::Gpu {
   Gpu(std::size_t i, std::unique_ptr<Device> dev, sched::PolicyKind policy,
       arena::ArenaOptions options)
-      : index(i),
-        device(std::move(dev)),
-        sched(device->info().arena_size, policy, options) {}
+      : index(i), device(std::move(dev)), sched(device->info().arena_size, policy, options) {}
 
   std::size_t index;
   std::unique_ptr<Device> device;
   sched::GpuScheduler sched;  // guarded by Broker::mu_
   std::unordered_map<LaneId, Lane> lanes;
   std::unordered_map<StreamId, LaneId> stream_lane;
-  std::vector<LaneId> lane_ids;  // scratch for dispatch
-  std::vector<std::uint8_t> arg_bytes;   // scratch for kernel launches
+  std::vector<LaneId> lane_ids;         // scratch for dispatch
+  std::vector<std::uint8_t> arg_bytes;  // scratch for kernel launches
   std::vector<std::uint32_t> arg_sizes;
-  std::optional<StreamId> move_stream;                 // persistent compaction copies
+  std::optional<StreamId> move_stream;  // persistent compaction copies
   std::unordered_map<std::uint64_t, SessionId> move_tokens;
   bool draining = false;
   std::uint32_t placed = 0;  // sessions placed on this GPU

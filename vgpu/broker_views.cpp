@@ -11,13 +11,19 @@
 namespace salus::vgpu {
 
 namespace {
-double ms(std::int64_t ns) { return static_cast<double>(ns) / 1e6; }
+double ms(std::int64_t ns) {
+  return static_cast<double>(ns) / 1e6;
+}
 const char* placement_name(Placement p) {
   switch (p) {
-    case Placement::magm: return "magm";
-    case Placement::lug: return "lug";
-    case Placement::rr: return "rr";
-    case Placement::exclusive: return "exclusive";
+    case Placement::magm:
+      return "magm";
+    case Placement::lug:
+      return "lug";
+    case Placement::rr:
+      return "rr";
+    case Placement::exclusive:
+      return "exclusive";
   }
   return "?";
 }
@@ -49,15 +55,21 @@ std::string Broker::render_status(SessionId id) const {
     }
     if (const auto* ss = g.sched.find(s->id)) {
       switch (g.sched.policy()) {
-        case sched::PolicyKind::fair: rank = fmt::format("vtime={:.0f}ns", ss->in.vtime); break;
+        case sched::PolicyKind::fair:
+          rank = fmt::format("vtime={:.0f}ns", ss->in.vtime);
+          break;
         case sched::PolicyKind::srtf: {
           const double r = sched::remaining_ns(ss->in);
           rank = r >= sched::kUnknownRemaining ? "remaining=unknown(no iters=; ranks last)"
                                                : fmt::format("remaining={:.1f}ms", r / 1e6);
           break;
         }
-        case sched::PolicyKind::priority: rank = fmt::format("priority={}", ss->in.priority); break;
-        default: rank = fmt::format("arrival={}", ss->in.arrival); break;
+        case sched::PolicyKind::priority:
+          rank = fmt::format("priority={}", ss->in.priority);
+          break;
+        default:
+          rank = fmt::format("arrival={}", ss->in.arrival);
+          break;
       }
     }
   }
@@ -73,9 +85,8 @@ std::string Broker::render_status(SessionId id) const {
   kv("iterations_queued", s->queued_instances);
   kv("in_flight", s->in_flight);
   kv("buffers", s->names.size());
-  const double mean = s->iterations_done ? ms(s->iteration_gpu_ns) /
-                                               static_cast<double>(s->iterations_done)
-                                         : 0.0;
+  const double mean =
+      s->iterations_done ? ms(s->iteration_gpu_ns) / static_cast<double>(s->iterations_done) : 0.0;
   kv("mean_iteration_ms", fmt::format("{:.3f}", mean));
   kv("gpu_time_ms", fmt::format("{:.3f}", ms(s->gpu_ns)));
   TimeNs waited = s->queue_wait_ns;
@@ -83,8 +94,8 @@ std::string Broker::render_status(SessionId id) const {
   kv("queue_wait_ms", fmt::format("{:.3f}", ms(waited)));
   kv("rank", rank);
   kv("recording", s->recording ? "yes" : "no");
-  kv("error", s->error ? fmt::format("{} {}", strerrorname_np(s->error), s->error_text)
-                       : std::string("-"));
+  kv("error",
+     s->error ? fmt::format("{} {}", strerrorname_np(s->error), s->error_text) : std::string("-"));
   return o;
 }
 
@@ -93,7 +104,8 @@ std::string Broker::render_log(SessionId id) const {
   const Session* s = get(id);
   if (!s) return {};
   std::string o;
-  for (const LogLine& l : s->log) o += fmt::format("[{:.6f}] {}\n", static_cast<double>(l.at) / 1e9, l.text);
+  for (const LogLine& l : s->log)
+    o += fmt::format("[{:.6f}] {}\n", static_cast<double>(l.at) / 1e9, l.text);
   return o;
 }
 
@@ -213,22 +225,28 @@ std::string Broker::render_metrics() const {
   family("salus_gpu_memory_bytes", "gauge", "GPU arena bytes by class.");
   for (const auto& g : gpus_) {
     const auto m = g->sched.arena().memory();
-    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"capacity\"}} {}\n", g->index, m.capacity);
-    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"persistent\"}} {}\n", g->index, m.persistent_used);
-    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"reserved\"}} {}\n", g->index, m.persistent_reserved);
-    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"ephemeral\"}} {}\n", g->index, m.lane_total);
+    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"capacity\"}} {}\n", g->index,
+                     m.capacity);
+    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"persistent\"}} {}\n", g->index,
+                     m.persistent_used);
+    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"reserved\"}} {}\n", g->index,
+                     m.persistent_reserved);
+    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"ephemeral\"}} {}\n", g->index,
+                     m.lane_total);
     o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"free\"}} {}\n", g->index, m.free);
   }
   family("salus_lane_count", "gauge", "Lanes open on the GPU.");
   for (const auto& g : gpus_)
-    o += fmt::format("salus_lane_count{{gpu=\"{}\"}} {}\n", g->index, g->sched.arena().memory().lanes);
+    o += fmt::format("salus_lane_count{{gpu=\"{}\"}} {}\n", g->index,
+                     g->sched.arena().memory().lanes);
   family("salus_gpu_busy_seconds_total", "counter", "Device time with at least one op running.");
   for (const auto& g : gpus_)
     o += fmt::format("salus_gpu_busy_seconds_total{{gpu=\"{}\"}} {:.9f}\n", g->index,
                      static_cast<double>(g->device->busy_ns()) / 1e9);
   family("salus_switches_total", "counter", "Lane switches between sessions.");
   for (const auto& g : gpus_)
-    o += fmt::format("salus_switches_total{{gpu=\"{}\"}} {}\n", g->index, g->sched.stats().switches);
+    o +=
+        fmt::format("salus_switches_total{{gpu=\"{}\"}} {}\n", g->index, g->sched.stats().switches);
   family("salus_session_iterations_total", "counter", "Iterations finished by the session.");
   for (const auto& [id, s] : sessions_)
     o += fmt::format("salus_session_iterations_total{{session=\"{}\",uid=\"{}\"}} {}\n",

@@ -56,8 +56,8 @@ enum class DType : std::uint8_t { f32, i32, u8 };
 struct FillCmd {
   BufRef dst;  // offset from off=
   DType dtype = DType::f32;
-  std::uint32_t bits = 0;        // one element's bit pattern (low byte only for u8)
-  std::optional<Bytes> length;   // len=; default: to the end of the buffer
+  std::uint32_t bits = 0;       // one element's bit pattern (low byte only for u8)
+  std::optional<Bytes> length;  // len=; default: to the end of the buffer
 };
 
 struct CopyCmd {
@@ -94,8 +94,8 @@ struct ModuleCmd {
 struct LaunchArg {
   enum class Kind : std::uint8_t { buffer, i32, u32, i64, u64, f32, f64 };
   Kind kind = Kind::buffer;
-  BufRef buffer;             // kind == buffer
-  std::uint64_t bits = 0;    // the value's bit pattern, little-endian, for scalars
+  BufRef buffer;           // kind == buffer
+  std::uint64_t bits = 0;  // the value's bit pattern, little-endian, for scalars
 };
 
 struct LaunchCmd {
@@ -119,9 +119,9 @@ struct TransferCmd {
   Bytes length = 0;
 };
 
-using Command = std::variant<NeedCmd, AllocCmd, FreeCmd, BeginCmd, EndCmd, RunCmd, FillCmd,
-                             CopyCmd, SpinCmd, GemmCmd, SyncCmd, PriorityCmd, ResetCmd,
-                             ModuleCmd, LaunchCmd, TransferCmd>;
+using Command =
+    std::variant<NeedCmd, AllocCmd, FreeCmd, BeginCmd, EndCmd, RunCmd, FillCmd, CopyCmd, SpinCmd,
+                 GemmCmd, SyncCmd, PriorityCmd, ResetCmd, ModuleCmd, LaunchCmd, TransferCmd>;
 
 struct CommandLine {
   std::uint32_t line = 0;  // 1-based line number within the write

@@ -27,11 +27,11 @@ struct LaunchDims {
 
 struct DeviceInfo {
   int index = 0;
-  std::string name;            // "Salus simulated GPU" / "NVIDIA H100 80GB HBM3"
-  std::string uuid;            // "GPU-…" on CUDA; a stable fake for sim
-  std::string backend;         // "sim" or "cuda"
-  Bytes total_memory = 0;      // physical memory of the device
-  Bytes arena_size = 0;        // what salusd manages (<= total_memory)
+  std::string name;        // "Salus simulated GPU" / "NVIDIA H100 80GB HBM3"
+  std::string uuid;        // "GPU-…" on CUDA; a stable fake for sim
+  std::string backend;     // "sim" or "cuda"
+  Bytes total_memory = 0;  // physical memory of the device
+  Bytes arena_size = 0;    // what salusd manages (<= total_memory)
   std::uint32_t sm_count = 0;
   std::string driver_version;  // "sim" for the sim backend
 };
@@ -67,12 +67,11 @@ class Device {
   // A kernel that keeps `util` of the GPU busy for `usec` microseconds when alone.
   virtual void spin(StreamId stream, std::uint64_t usec, double util) = 0;
   // C[MxN] = A[MxK] * B[KxN], fp32, row-major.
-  virtual void gemm(StreamId stream, std::uint32_t m, std::uint32_t n, std::uint32_t k,
-                    DevOffset a, DevOffset b, DevOffset c) = 0;
+  virtual void gemm(StreamId stream, std::uint32_t m, std::uint32_t n, std::uint32_t k, DevOffset a,
+                    DevOffset b, DevOffset c) = 0;
   // Host memory must stay valid until the next notify() on the stream completes.
   virtual void copy_to_host(StreamId stream, void* host, DevOffset src, Bytes length) = 0;
-  virtual void copy_from_host(StreamId stream, DevOffset dst, const void* host,
-                              Bytes length) = 0;
+  virtual void copy_from_host(StreamId stream, DevOffset dst, const void* host, Bytes length) = 0;
   // Asks for sink->on_complete(stream, token, ...) once every op enqueued so far
   // on the stream has finished.
   virtual void notify(StreamId stream, std::uint64_t token) = 0;

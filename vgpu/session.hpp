@@ -39,7 +39,7 @@ struct Pin {
   std::uint32_t count = 0;
   bool retired = false;
   Bytes size = 0;
-}; 
+};
 
 // An operand: a persistent buffer (a slot of the iteration's name table, bound at
 // submission) or ephemeral memory at a lane-relative offset.
@@ -51,9 +51,9 @@ struct Operand {
 
 struct KernelArg {
   bool buffer = false;
-  Operand operand;           // buffer: resolved to a device address at dispatch
-  std::uint64_t bits = 0;    // scalar value, little-endian
-  std::uint32_t size = 0;    // bytes the kernel receives
+  Operand operand;         // buffer: resolved to a device address at dispatch
+  std::uint64_t bits = 0;  // scalar value, little-endian
+  std::uint32_t size = 0;  // bytes the kernel receives
 };
 
 struct Op {
@@ -97,10 +97,10 @@ struct PendingWrite;
 struct WorkItem {
   std::shared_ptr<const Iteration> iter;
   std::vector<arena::BufferHandle> bound;  // one per iter->names entry, pinned
-  std::uint64_t remaining = 1;  // instances not yet dispatched
-  std::uint64_t outstanding = 0;  // dispatched, not yet completed
+  std::uint64_t remaining = 1;             // instances not yet dispatched
+  std::uint64_t outstanding = 0;           // dispatched, not yet completed
   std::uint64_t seq = 0;
-  bool counted = false;  // its instances count against the queued-iterations quota
+  bool counted = false;    // its instances count against the queued-iterations quota
   std::vector<char> host;  // staging for mem/ reads and writes
   std::function<void(int err, std::vector<char>& data)> on_done;  // runs after the broker unlocks
 };
@@ -132,7 +132,7 @@ struct PendingWrite {
   std::vector<ModuleFile> module_files;
   std::size_t next = 0;
   std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error;
-  std::string reply;       // accumulated reply text
+  std::string reply;              // accumulated reply text
   std::uint64_t sync_target = 0;  // while waiting on `sync`
   bool syncing = false;
   bool began_recording = false;  // a `begin` of this write opened the recording
@@ -176,7 +176,7 @@ struct Session {
   std::deque<WorkItem> dispatched;  // fully dispatched, some instances in flight
   std::uint64_t in_flight = 0;      // instances on the device
   std::optional<LaneId> in_flight_lane;
-  bool moving = false;  // its persistent buffers are being compacted
+  bool moving = false;                 // its persistent buffers are being compacted
   std::uint64_t queued_instances = 0;  // counted against the uid's quota
   std::uint64_t submitted_seq = 0;
   std::uint64_t completed_seq = 0;

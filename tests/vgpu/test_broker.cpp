@@ -9,9 +9,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
-#include <thread>
 #include <future>
 #include <mutex>
+#include <thread>
 
 #include "fusefs/command_parser.hpp"
 #include "vgpu/sim/sim_device.hpp"
@@ -43,7 +43,9 @@ std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text
   std::promise<std::pair<int, std::string>> p;
   auto f = p.get_future();
   b.submit(id, who, text.size(), std::move(parsed.commands), std::move(perr),
-           [&p](int err, std::string reply) { p.set_value({err, std::move(reply)}); });
+           [&p](int err, std::string reply) {
+             p.set_value({err, std::move(reply)});
+           });
   if (f.wait_for(10s) != std::future_status::ready) return {ETIMEDOUT, {}};
   return f.get();
 }
@@ -114,9 +116,11 @@ TEST(Broker, EndingASessionReleasesMemoryAndQuota) {
   auto b = make_broker();
   for (int round = 0; round < 50; ++round) {
     const auto id = static_cast<SessionId>(b->create_session(kAlice, ""));
-    ASSERT_EQ(run(*b, id, "need persistent=64M ephemeral=64M\nalloc w 60M\nbegin\nspin 1\nend x1000\n",
-                  kAlice).first,
-              0);
+    ASSERT_EQ(
+        run(*b, id, "need persistent=64M ephemeral=64M\nalloc w 60M\nbegin\nspin 1\nend x1000\n",
+            kAlice)
+            .first,
+        0);
     b->end_session(id);
   }
   // Everything drains: the GPU is empty again.
@@ -134,7 +138,8 @@ TEST(Broker, EndingASessionReleasesMemoryAndQuota) {
 TEST(Broker, BufferReadWriteRoundTripIsOrderedAfterWork) {
   auto b = make_broker();
   const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
-  ASSERT_EQ(run(*b, id, "need persistent=1M ephemeral=1M\nalloc w 16\nfill w 7 dtype=i32\n").first, 0);
+  ASSERT_EQ(run(*b, id, "need persistent=1M ephemeral=1M\nalloc w 16\nfill w 7 dtype=i32\n").first,
+            0);
   const auto buf = b->find_buffer(id, "w");
   ASSERT_TRUE(buf);
   std::promise<std::vector<char>> p;
