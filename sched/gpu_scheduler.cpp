@@ -57,8 +57,15 @@ void GpuScheduler::leave(SessionId id, TimeNs now) {
     sessions_.erase(it);
   }
   arena_.leave(id, now);
-  // Lanes the arena deleted have no members left; drop their queues.
-  std::erase_if(lanes_, [](const auto& kv) { return kv.second.runnable.empty(); });
+  // Drop the queues of lanes the arena deleted, and only those: a live lane's
+  // FAIR clock must survive moments when none of its sessions is runnable.
+  if (!lanes_.empty()) {
+    std::vector<LaneId> live;
+    for (const auto& l : arena_.lanes()) live.push_back(l.id);
+    std::erase_if(lanes_, [&](const auto& kv) {
+      return std::find(live.begin(), live.end(), kv.first) == live.end();
+    });
+  }
 }
 
 std::vector<arena::Admitted> GpuScheduler::take_admissions() {
@@ -121,7 +128,7 @@ void GpuScheduler::iteration_dispatched(SessionId id) {
   const double estimate = std::max(s.in.mean_iter_ns, 1.0);
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
-  rerank(s);
+  if (policy_ == PolicyKind::fair) rerank(s);
 }
 
 void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool iteration) {
@@ -142,7 +149,8 @@ void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool ite
     s.charged.pop_front();
   }
   s.in.vtime += actual - charged;
-  rerank(s);
+  // Only FAIR's and SRTF's keys move with progress.
+  if (policy_ == PolicyKind::fair || policy_ == PolicyKind::srtf) rerank(s);
 }
 
 const SessionSched* GpuScheduler::find(SessionId id) const {

@@ -147,3 +147,33 @@ TEST(GpuScheduler, FifoRunsOneSessionAtATimeAcrossLanesPackRunsAll) {
     EXPECT_TRUE(s.lane_may_dispatch(adm[1].lane));
   }
 }
+
+TEST(GpuScheduler, FairLaneClockSurvivesAnotherSessionLeaving) {
+  GpuScheduler s(36 * M, PolicyKind::fair);
+  // Sessions 1 and 2 share a 16M lane; session 3 has its own small lane.
+  ASSERT_EQ(s.arrive(1, arena::Need{M, 16 * M}, 0, {}, 0), arena::ArenaError::ok);
+  ASSERT_EQ(s.arrive(3, arena::Need{M, 4 * M}, 0, {}, 0), arena::ArenaError::ok);
+  ASSERT_EQ(s.arrive(2, arena::Need{M, 16 * M}, 0, {}, 0), arena::ArenaError::ok);
+  auto adm = s.take_admissions();
+  ASSERT_EQ(adm.size(), 3u);
+  const LaneId lane = adm[0].lane;
+  ASSERT_EQ(adm[2].lane, lane);
+  s.set_runnable(1, true);
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_EQ(s.pick(lane), 1u);
+    s.iteration_dispatched(1);
+    s.iteration_done(1, 1000);
+  }
+  s.set_runnable(1, false);  // between submissions: nobody in the lane is runnable
+  s.leave(3, 1);
+  s.set_runnable(2, true);  // a newcomer starts at the lane's clock, not at zero
+  s.set_runnable(1, true);
+  int runs2 = 0;
+  for (int i = 0; i < 10; ++i) {
+    const SessionId id = *s.pick(lane);
+    runs2 += id == 2;
+    s.iteration_dispatched(id);
+    s.iteration_done(id, 1000);
+  }
+  EXPECT_LE(runs2, 6);
+}

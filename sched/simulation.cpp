@@ -1,0 +1,901 @@
+#include "sched/simulation.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <map>
+#include <queue>
+#include <set>
+#include <stdexcept>
+
+#include "sched/contention_model.hpp"
+#include "sched/gpu_scheduler.hpp"
+
+namespace salus::sched {
+
+using arena::Bytes;
+using arena::LaneId;
+using arena::SessionId;
+using arena::TimeNs;
+using KernelId = ContentionModel::KernelId;
+
+std::string_view to_string(Placement p) {
+  switch (p) {
+    case Placement::magm:
+      return "magm";
+    case Placement::lug:
+      return "lug";
+    case Placement::rr:
+      return "rr";
+    case Placement::exclusive:
+      return "exclusive";
+  }
+  return "unknown";
+}
+
+std::optional<Placement> placement_from_string(std::string_view name) {
+  for (Placement p : {Placement::magm, Placement::lug, Placement::rr, Placement::exclusive})
+    if (to_string(p) == name) return p;
+  return std::nullopt;
+}
+
+std::string_view to_string(LaneModel m) {
+  switch (m) {
+    case LaneModel::automatic:
+      return "auto";
+    case LaneModel::exclusive:
+      return "exclusive";
+    case LaneModel::algorithm1:
+      return "algorithm1";
+    case LaneModel::shared:
+      return "shared";
+  }
+  return "unknown";
+}
+
+std::optional<LaneModel> lane_model_from_string(std::string_view name) {
+  for (LaneModel m :
+       {LaneModel::automatic, LaneModel::exclusive, LaneModel::algorithm1, LaneModel::shared})
+    if (to_string(m) == name) return m;
+  return std::nullopt;
+}
+
+LaneModel resolve_lanes(PolicyKind policy, LaneModel requested) {
+  if (requested != LaneModel::automatic) return requested;
+  // The paper's FIFO is TensorFlow without Salus: one job owns the GPU. Its PACK opens as
+  // many lanes as fit; its SRTF and FAIR (and so our PRIORITY) time-share one lane
+  // (section 5.1.2, and Table 2, where their makespans match FIFO's).
+  switch (policy) {
+    case PolicyKind::fifo:
+      return LaneModel::exclusive;
+    case PolicyKind::pack:
+      return LaneModel::algorithm1;
+    case PolicyKind::srtf:
+    case PolicyKind::fair:
+    case PolicyKind::priority:
+      return LaneModel::shared;
+  }
+  return LaneModel::algorithm1;
+}
+
+namespace {
+
+constexpr double kMiB = 1048576.0;
+// Jobs longer than this (alone) would push the nanosecond clock toward overflow once
+// stretched by contention and queueing.
+constexpr double kMaxJobNs = 1e17;
+// A run that alternates sessions keeps one piece per turn; this bounds its memory.
+constexpr std::uint64_t kMaxRunIterations = std::uint64_t{1} << 20;
+
+struct Job {
+  const TraceJob* spec = nullptr;
+  std::size_t index = 0;
+  SessionId id = 0;
+  TimeNs arrival = 0;
+  TimeNs iter_ns = 1;
+  Bytes persistent = 0;
+  Bytes ephemeral = 0;
+  arena::Need declared;  // what the arena is told (see LaneModel::shared)
+  double util = 1.0;
+  std::uint64_t done = 0;
+  std::uint32_t gpu = 0;
+  std::optional<LaneId> lane;
+  TimeNs start = -1;
+  TimeNs finish = -1;
+  std::int64_t device_ns = 0;
+  double work = 0.0;  // alone-equivalent ns done so far
+  // Scratch for forecast_turns(): iterations planned for it in the run being planned,
+  // and its done count and mean as the scheduler will have them.
+  std::uint64_t forecast = 0;
+  std::uint64_t forecast_done = 0;
+  double forecast_mean = 0.0;
+  std::uint64_t left() const { return spec->iters - done; }
+};
+
+// A stretch of one rate in a run: from `t` on, progress grows by `rate` per ns.
+struct Segment {
+  TimeNs t;
+  double progress;
+  double rate;
+};
+
+// Back-to-back iterations of one session inside a run.
+struct Piece {
+  SessionId session;
+  std::uint64_t count;
+  TimeNs iter_ns;
+};
+
+// One kernel in the contention model standing for `planned` consecutive iterations of a
+// lane: of one session, or, under FAIR on an otherwise idle GPU, of several in turn.
+struct Run {
+  std::vector<Piece> pieces;  // in order; the last one's session runs at the end
+  // Waiting entries (original keys) of sessions that take a turn inside the run; they
+  // are re-keyed when it ends.
+  std::vector<std::pair<RankKey, SessionId>> stale;
+  std::uint64_t planned = 1;
+  double alone = 0.0;  // alone-equivalent ns of all planned iterations
+  KernelId kernel = 0;
+  TimeNs t0 = 0;
+  // A mirror of the kernel's progress (alone-equivalent ns) so that the iteration
+  // boundaries inside a coalesced run can be placed exactly when it is replayed.
+  TimeNs t_last = 0;
+  double progress = 0.0;
+  std::vector<Segment> segments;
+  bool predicted = false;  // its length relies on a forecast at the current rate
+  bool mixed = false;      // the kernel spans turns of sessions with different utils
+};
+
+struct LaneState {
+  std::vector<SessionId> members;   // admitted, in admission order
+  std::vector<SessionId> deferred;  // admitted while busy: runnable from its next boundary
+  // Runnable members other than the running one, by their scheduler key: the rivals a
+  // run is forecast against. A waiting session's key does not change until it runs.
+  std::set<std::pair<RankKey, SessionId>> waiting;
+  bool busy = false;
+  Run run;  // valid while busy; kept between runs so its buffers are reused
+};
+
+struct Gpu {
+  Gpu(Bytes capacity, PolicyKind policy, arena::ArenaOptions options)
+      : sched(capacity, policy, options) {}
+  GpuScheduler sched;
+  ContentionModel model;
+  std::map<LaneId, LaneState> lanes;  // ordered: dispatch visits lanes by id
+  std::uint64_t epoch = 0;
+  bool touched = false;
+  bool quiet = true;  // no lane waits to move or for room: boundaries change nothing
+  // Placement bookkeeping.
+  std::int64_t waiting_bytes = 0;  // declared P + E of jobs placed here, not admitted
+  double placed_util = 0.0;
+  std::uint32_t placed_jobs = 0;
+};
+
+struct HeapEntry {
+  TimeNs t;
+  std::uint32_t gpu;
+  std::uint64_t epoch;
+  bool operator>(const HeapEntry& o) const { return t != o.t ? t > o.t : gpu > o.gpu; }
+};
+
+using Keyed = std::pair<RankKey, SessionId>;
+
+class Engine {
+ public:
+  Engine(const std::vector<TraceJob>& trace, const SimConfig& cfg) : cfg_(cfg) {
+    if (cfg_.gpus == 0) throw SimError("at least one GPU is needed");
+    lanes_ = resolve_lanes(cfg_.policy, cfg_.lanes);
+    // One job per GPU needs a cluster-wide queue (a GPU takes the next job when it empties),
+    // and exclusive placement gives one job per GPU whatever the lane model.
+    if (lanes_ == LaneModel::exclusive) cfg_.placement = Placement::exclusive;
+    if (cfg_.placement == Placement::exclusive) lanes_ = LaneModel::exclusive;
+    arena::ArenaOptions opts;  // salusd's defaults: bounded bypass, Algorithm 1
+    if (lanes_ == LaneModel::exclusive) {
+      // Alone on its GPU, a job gets its own lane; keep admission strictly ordered.
+      opts.queue_mode = arena::QueueMode::strict_fifo;
+      opts.lane_mode = arena::LaneMode::lane_per_session;
+    }
+    gpus_.reserve(cfg_.gpus);
+    for (std::uint32_t g = 0; g < cfg_.gpus; ++g)
+      gpus_.emplace_back(cfg_.gpu_memory, cfg_.policy, opts);
+    usable_ = cfg_.gpu_memory & ~(arena::kAlignment - 1);
+    load(trace);
+  }
+
+  SimResult run();
+
+ private:
+  void load(const std::vector<TraceJob>& trace);
+  std::uint32_t choose_gpu();
+  void place_waiting(TimeNs t);
+  void submit(std::uint32_t g, Job& j, TimeNs t);
+  void handle_admissions(std::uint32_t g, TimeNs t);
+  void check_quiet(Gpu& gpu, TimeNs t);
+  void make_runnable(Gpu& gpu, LaneState& ls, SessionId id);
+  void fold(Gpu& gpu, TimeNs t);
+  void cut(Gpu& gpu, LaneState& ls, TimeNs t);
+  void cut_all(Gpu& gpu, TimeNs t);
+  void complete(std::uint32_t g, TimeNs t);
+  void replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end);
+  void boundary(std::uint32_t g, LaneId lane, TimeNs t);
+  void plan(Gpu& gpu, LaneState& ls);
+  std::uint64_t forecast_one(Gpu& gpu, const LaneState& ls, const Job& j, TimeNs t0);
+  void forecast_turns(Gpu& gpu, LaneState& ls);
+  // When the next job arrives: the earliest event that may cut a run. Forecasting past
+  // it is mostly wasted, since the run is then cut and forecast again.
+  TimeNs horizon() const {
+    return pos_ < order_.size() ? jobs_[order_[pos_]].arrival : std::numeric_limits<TimeNs>::max();
+  }
+  void dispatch(std::uint32_t g, TimeNs t);
+  void close_instant(std::uint32_t g, TimeNs t);
+  void record_work(const Job& j, TimeNs t, double work);
+  Job& job_of(SessionId id) { return jobs_[id - 1]; }
+
+  SimConfig cfg_;
+  LaneModel lanes_;
+  Bytes usable_ = 0;
+  std::vector<Job> jobs_;
+  std::vector<Gpu> gpus_;
+  std::vector<std::size_t> order_;         // jobs by arrival
+  std::size_t pos_ = 0;                    // next in order_ to arrive
+  std::deque<std::size_t> cluster_queue_;  // exclusive placement: jobs without a GPU
+  std::priority_queue<HeapEntry, std::vector<HeapEntry>, std::greater<>> heap_;
+  std::vector<LaneId> started_;  // scratch for dispatch()
+  std::vector<Keyed> turns_;     // scratch heap for forecast_turns()
+  std::uint64_t rr_next_ = 0;
+  SimCounters counters_;
+  std::vector<WorkTimeline> work_;
+};
+
+void Engine::load(const std::vector<TraceJob>& trace) {
+  jobs_.resize(trace.size());
+  const Bytes half = arena::align_up(usable_ / 2 + 1);
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    const TraceJob& t = trace[i];
+    Job& j = jobs_[i];
+    j.spec = &t;
+    j.index = i;
+    j.id = static_cast<SessionId>(i + 1);
+    const std::string where =
+        t.line ? fmt::format("line {}: job {}", t.line, t.name) : fmt::format("job {}", t.name);
+    if (t.persistent_mb * kMiB > 1e18 || t.ephemeral_mb * kMiB > 1e18)
+      throw SimError(fmt::format("{}: memory need is absurdly large", where));
+    j.persistent = static_cast<Bytes>(std::llround(t.persistent_mb * kMiB));
+    j.ephemeral = static_cast<Bytes>(std::llround(t.ephemeral_mb * kMiB));
+    j.iter_ns = std::max<TimeNs>(1, std::llround(t.iter_ms * 1e6));
+    j.arrival = std::llround(t.arrival_s * 1e9);
+    j.util = t.util;
+    if (static_cast<double>(t.iters) * static_cast<double>(j.iter_ns) > kMaxJobNs)
+      throw SimError(fmt::format("{}: {} iterations of {} ms are too long to simulate", where,
+                                 t.iters, t.iter_ms));
+    // The arena's own too_large test, so that no job can stall the simulation.
+    const Bytes p = arena::align_up(j.persistent), e = arena::align_up(j.ephemeral);
+    if (p > usable_ || e > usable_ - p)
+      throw SimError(fmt::format("{}: needs {} persistent + {} ephemeral, more than a GPU's {}",
+                                 where, arena::format_size(j.persistent),
+                                 arena::format_size(j.ephemeral),
+                                 arena::format_size(cfg_.gpu_memory)));
+    j.declared = {j.persistent, j.ephemeral};
+    if (lanes_ == LaneModel::shared) {
+      // Algorithm 1 opens a new lane whenever P + E fits the free memory. Declaring an
+      // ephemeral need above half the GPU makes that impossible once one lane exists, so
+      // every later job joins (step 2) or grows (step 3) the one lane, admitted by the
+      // safety condition. The lane is at least half the GPU as a result; see the docs.
+      j.declared.ephemeral = std::max(j.ephemeral, std::min(half, usable_ - p));
+    }
+  }
+  order_.resize(jobs_.size());
+  for (std::size_t i = 0; i < order_.size(); ++i) order_[i] = i;
+  std::stable_sort(order_.begin(), order_.end(), [this](std::size_t a, std::size_t b) {
+    return jobs_[a].arrival < jobs_[b].arrival;
+  });
+  if (cfg_.track_work) work_.resize(jobs_.size());
+}
+
+// ---------------------------------------------------------------- placement
+
+std::uint32_t Engine::choose_gpu() {
+  const std::uint32_t n = cfg_.gpus;
+  if (cfg_.placement == Placement::rr) return static_cast<std::uint32_t>(rr_next_++ % n);
+  // Free memory by the arena's accounting, less what already waits for admission there.
+  auto available = [this](std::uint32_t g) {
+    const Gpu& gpu = gpus_[g];
+    return static_cast<std::int64_t>(gpu.sched.arena().memory().free) - gpu.waiting_bytes;
+  };
+  std::uint32_t best = 0;
+  std::int64_t best_avail = available(0);
+  for (std::uint32_t g = 1; g < n; ++g) {
+    const std::int64_t avail = available(g);
+    bool better = false;
+    if (cfg_.placement == Placement::lug) {
+      const double a = gpus_[g].placed_util, b = gpus_[best].placed_util;
+      better = a < b - 1e-12 || (std::abs(a - b) <= 1e-12 && avail > best_avail);
+    } else {
+      better = avail > best_avail;
+    }
+    if (better) {
+      best = g;
+      best_avail = avail;
+    }
+  }
+  return best;
+}
+
+void Engine::place_waiting(TimeNs t) {
+  while (!cluster_queue_.empty()) {
+    std::optional<std::uint32_t> idle;
+    for (std::uint32_t g = 0; g < cfg_.gpus && !idle; ++g)
+      if (gpus_[g].placed_jobs == 0) idle = g;
+    if (!idle) return;
+    Job& j = jobs_[cluster_queue_.front()];
+    cluster_queue_.pop_front();
+    submit(*idle, j, t);
+  }
+}
+
+void Engine::submit(std::uint32_t g, Job& j, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  fold(gpu, t);
+  const arena::ArenaError err =
+      gpu.sched.arrive(j.id, j.declared, j.spec->priority, j.spec->iters, t);
+  if (err != arena::ArenaError::ok)
+    throw SimError(
+        fmt::format("job {}: admission request failed: {}", j.spec->name, arena::to_string(err)));
+  j.gpu = g;
+  gpu.waiting_bytes += static_cast<std::int64_t>(j.declared.persistent + j.declared.ephemeral);
+  gpu.placed_util += j.util;
+  ++gpu.placed_jobs;
+  handle_admissions(g, t);
+}
+
+// ---------------------------------------------------------------- lanes and admission
+
+void Engine::handle_admissions(std::uint32_t g, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  gpu.touched = true;
+  const std::vector<arena::Admitted> admitted = gpu.sched.take_admissions();
+  for (const arena::Admitted& a : admitted) {
+    Job& j = job_of(a.session);
+    j.lane = a.lane;
+    gpu.waiting_bytes -= static_cast<std::int64_t>(j.declared.persistent + j.declared.ephemeral);
+    LaneState& ls = gpu.lanes[a.lane];
+    ls.members.push_back(a.session);
+    if (ls.busy) {
+      // Decisions happen at iteration boundaries: the newcomer competes from the lane's
+      // next one, which a coalesced run must therefore not skip.
+      ls.deferred.push_back(a.session);
+      cut(gpu, ls, t);
+    } else {
+      make_runnable(gpu, ls, a.session);
+    }
+  }
+  counters_.max_lanes = std::max<std::uint64_t>(counters_.max_lanes, gpu.lanes.size());
+  if (!admitted.empty()) check_quiet(gpu, t);
+}
+
+void Engine::check_quiet(Gpu& gpu, TimeNs t) {
+  bool quiet = true;
+  for (const arena::LaneView& v : gpu.sched.arena().lanes())
+    if (!v.offset || v.move_pending) quiet = false;
+  gpu.quiet = quiet;
+  // Lanes that must slide or wait for room move only at iteration boundaries.
+  if (!quiet) cut_all(gpu, t);
+}
+
+void Engine::make_runnable(Gpu& gpu, LaneState& ls, SessionId id) {
+  gpu.sched.set_runnable(id, true);
+  ls.waiting.insert({gpu.sched.find(id)->key, id});
+}
+
+// ---------------------------------------------------------------- runs
+
+void Engine::fold(Gpu& gpu, TimeNs t) {
+  for (auto& [id, ls] : gpu.lanes) {
+    if (!ls.busy || t <= ls.run.t_last) continue;
+    Run& r = ls.run;
+    r.progress += static_cast<double>(t - r.t_last) * r.segments.back().rate;
+    r.t_last = t;
+  }
+}
+
+// Shortens a coalesced run to end at its next iteration boundary.
+void Engine::cut(Gpu& gpu, LaneState& ls, TimeNs t) {
+  if (!ls.busy || ls.run.planned <= 1 || !gpu.model.running(ls.run.kernel)) return;
+  fold(gpu, t);
+  Run& r = ls.run;
+  const double p = r.progress;
+  // The first boundary not behind us, allowing a nanosecond for the rounding of kernel
+  // times: which piece it falls in, how many iterations lead up to it, where it lies.
+  double cum = 0.0;
+  std::uint64_t m = 0;
+  std::size_t k = 0;
+  std::uint64_t within = 0;
+  for (; k < r.pieces.size(); ++k) {
+    const Piece& pc = r.pieces[k];
+    const double iter = static_cast<double>(pc.iter_ns);
+    const double len = static_cast<double>(pc.count) * iter;
+    if (cum + len < p - 1.0 && k + 1 < r.pieces.size()) {
+      cum += len;
+      m += pc.count;
+      continue;
+    }
+    within = static_cast<std::uint64_t>(std::max(1.0, std::ceil((p - 1.0 - cum) / iter)));
+    within = std::min(within, pc.count);
+    break;
+  }
+  m += within;
+  // Nothing to shorten, unless the kernel carries another session's util into the turn
+  // that is in progress.
+  if (m >= r.planned && !r.mixed) return;
+  const double boundary =
+      cum + static_cast<double>(within) * static_cast<double>(r.pieces[k].iter_ns);
+  r.pieces.resize(k + 1);
+  r.pieces[k].count = within;
+  // A boundary on this very instant ends the run now: per iteration, it would be an event
+  // of this instant and would see whatever caused the cut. A zero-length kernel completes
+  // in a second pass over the instant.
+  const bool now = p > 0.5 && boundary <= p + 1.0;
+  const TimeNs left = now ? 0 : std::max<TimeNs>(1, static_cast<TimeNs>(std::ceil(boundary - p)));
+  gpu.model.cancel(r.kernel, t);
+  r.kernel = gpu.model.start(t, job_of(r.pieces[k].session).util, left);
+  r.planned = m;
+  r.alone = boundary;
+  r.predicted = false;
+  r.mixed = false;  // what is left of the kernel belongs to one session
+  ++counters_.kernels;
+}
+
+void Engine::cut_all(Gpu& gpu, TimeNs t) {
+  for (auto& [id, ls] : gpu.lanes) cut(gpu, ls, t);
+}
+
+void Engine::complete(std::uint32_t g, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  fold(gpu, t);
+  gpu.touched = true;
+  for (KernelId k : gpu.model.advance(t)) {
+    // A GPU has a handful of lanes: a scan beats keeping a kernel-to-lane map.
+    for (auto& [lane, ls] : gpu.lanes) {
+      if (ls.busy && ls.run.kernel == k) {
+        boundary(g, lane, t);
+        break;
+      }
+    }
+  }
+}
+
+void Engine::record_work(const Job& j, TimeNs t, double work) {
+  WorkTimeline& w = work_[j.index];
+  if (!w.empty() && w.back().first == t) {
+    w.back().second = work;
+  } else {
+    w.emplace_back(t, work);
+  }
+}
+
+// Feeds the scheduler the calls salusd would have made at each iteration boundary inside
+// the run: iteration_done with the measured time, then the next pick. The picks must
+// choose the session the run planned; that is what made the run coalescable.
+void Engine::replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
+  TimeNs prev = r.t0;
+  std::size_t seg = 0;
+  double cum = 0.0;
+  std::uint64_t i = 0;
+  for (const Piece& pc : r.pieces) {
+    Job& j = job_of(pc.session);
+    const TimeNs piece_start = prev;
+    const double cum_start = cum;
+    if (j.start < 0) j.start = piece_start;
+    for (std::uint64_t c = 0; c < pc.count; ++c) {
+      ++i;
+      cum += static_cast<double>(pc.iter_ns);
+      TimeNs ti = end;
+      if (i < r.planned) {
+        while (seg + 1 < r.segments.size() && r.segments[seg + 1].progress <= cum) ++seg;
+        const Segment& s = r.segments[seg];
+        const double at = static_cast<double>(s.t) + (cum - s.progress) / s.rate;
+        ti = std::clamp<TimeNs>(static_cast<TimeNs>(at + 0.5), prev, end);
+      }
+      if (i > 1) {
+        const std::optional<SessionId> chosen =
+            gpu.sched.lane_may_dispatch(lane) ? gpu.sched.pick(lane) : std::nullopt;
+        if (!chosen || *chosen != pc.session)
+          throw std::logic_error(fmt::format(
+              "salus-sim: coalesced run of job {} diverged from per-iteration scheduling",
+              j.spec->name));
+      }
+      if (i > 1) gpu.sched.iteration_dispatched(pc.session);  // the first was, at dispatch
+      gpu.sched.iteration_done(pc.session, ti - prev);
+      j.device_ns += ti - prev;
+      prev = ti;
+    }
+    j.done += pc.count;
+    if (cfg_.track_work) {
+      record_work(j, piece_start, j.work);
+      for (const Segment& s : r.segments)
+        if (s.t > piece_start && s.t < prev) record_work(j, s.t, j.work + (s.progress - cum_start));
+    }
+    j.work += static_cast<double>(pc.count) * static_cast<double>(pc.iter_ns);
+    if (cfg_.track_work) record_work(j, prev, j.work);
+  }
+  counters_.iterations += r.planned;
+}
+
+void Engine::boundary(std::uint32_t g, LaneId lane, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  LaneState& ls = gpu.lanes.at(lane);
+  Run& r = ls.run;
+  ls.busy = false;
+  replay(gpu, lane, r, t);
+  Job& j = job_of(r.pieces.back().session);
+
+  gpu.sched.arena().end_iteration(lane, t);
+  // Newcomers join before a finished job leaves, so the lane's FAIR clock survives.
+  for (SessionId s : ls.deferred) make_runnable(gpu, ls, s);
+  ls.deferred.clear();
+  // Sessions that took a turn inside the run wait again, under their new keys.
+  for (const Keyed& k : r.stale) ls.waiting.erase(k);
+  for (const Keyed& k : r.stale)
+    if (k.second != j.id) ls.waiting.insert({gpu.sched.find(k.second)->key, k.second});
+  for (const Piece& pc : r.pieces)
+    if (pc.session != j.id) ls.waiting.insert({gpu.sched.find(pc.session)->key, pc.session});
+  bool structural = !gpu.quiet;
+  if (j.done < j.spec->iters) {
+    ls.waiting.insert({gpu.sched.find(j.id)->key, j.id});
+  } else {
+    j.finish = t;
+    gpu.sched.leave(j.id, t);
+    std::erase(ls.members, j.id);
+    if (ls.members.empty()) gpu.lanes.erase(lane);
+    gpu.placed_util -= j.util;
+    if (--gpu.placed_jobs == 0) gpu.placed_util = 0.0;  // no drift once empty
+    structural = true;
+  }
+  handle_admissions(g, t);
+  if (structural) check_quiet(gpu, t);
+}
+
+// How far the run just started in `ls` can go before a decision could differ from the
+// one it has already made. Runs are never planned across an event: arrivals, admissions,
+// departures and lane moves cut them at their next boundary.
+void Engine::plan(Gpu& gpu, LaneState& ls) {
+  Run& r = ls.run;
+  Piece& first = r.pieces.front();
+  const Job& j = job_of(first.session);
+  const std::uint64_t left = j.left();
+  if (left <= 1 || !cfg_.coalesce || !gpu.quiet) return;
+  std::uint64_t count = left;
+  // Alone in the lane, every pick until the next event is this session, whatever the
+  // policy. FIFO, PACK and PRIORITY keys never change while a session runs.
+  if (!ls.waiting.empty()) {
+    switch (gpu.sched.policy()) {
+      case PolicyKind::fifo:
+      case PolicyKind::pack:
+      case PolicyKind::priority:
+        break;
+      case PolicyKind::fair:
+        if (gpu.model.active() == 1) {
+          forecast_turns(gpu, ls);
+          return;
+        }
+        [[fallthrough]];
+      case PolicyKind::srtf:
+        count = forecast_one(gpu, ls, j, r.t0);
+        r.predicted = true;
+        break;
+    }
+  }
+  first.count = count;
+  r.planned = count;
+  r.alone = static_cast<double>(count) * static_cast<double>(first.iter_ns);
+}
+
+// SRTF and FAIR keys move as a session runs: SRTF's remaining time shrinks while its
+// measured mean drifts toward the current (contention-stretched) iteration time, and
+// FAIR's virtual time grows by that time. Forecast the key at each boundary at the
+// current rate and stop at the first boundary where the best rival could win; the pick
+// there is a real one. close_instant() cuts the run if the rate changes.
+std::uint64_t Engine::forecast_one(Gpu& gpu, const LaneState& ls, const Job& j, TimeNs t0) {
+  const RankKey& rival = ls.waiting.begin()->first;
+  const bool fair = gpu.sched.policy() == PolicyKind::fair;
+  const SessionSched* self = gpu.sched.find(j.id);
+  // The session's inputs include the estimate FAIR charged when its iteration was
+  // dispatched; iteration_done swaps it for the measured time.
+  RankInputs in = self->in;
+  double charged = self->charged.empty() ? 0.0 : self->charged.back();
+  const double d = static_cast<double>(j.iter_ns) * gpu.model.slowdown();
+  // Margin for the nanosecond rounding of the measured times that replay() feeds.
+  const double margin = std::max(1e3, std::abs(rival.primary) * 1e-6);
+  const std::uint64_t left = j.left();
+  const double until = static_cast<double>(horizon() - t0);
+  double elapsed = d;
+  std::uint64_t k = 1;
+  while (k < left && elapsed < until) {
+    // Mirrors GpuScheduler::iteration_done, then iteration_dispatched for the next
+    // iteration; replay() checks that the forecast held.
+    in.done += 1;
+    in.mean_iter_ns += (d - in.mean_iter_ns) / static_cast<double>(in.done);
+    in.vtime += std::max(d, 1.0) - charged;
+    const double key = fair ? in.vtime : remaining_ns(in);
+    if (key + margin >= rival.primary) break;
+    ++k;
+    elapsed += d;
+    charged = std::max(in.mean_iter_ns, 1.0);
+    in.vtime += charged;
+  }
+  return k;
+}
+
+// FAIR on a GPU where this lane's kernel is the only one: every iteration takes exactly
+// its alone time, so the turns the lane's sessions will take are known in advance, down
+// to the tie-breaks: follow them until a job would finish. Utils do not matter while the
+// kernel runs alone; close_instant() cuts the run once another kernel starts.
+void Engine::forecast_turns(Gpu& gpu, LaneState& ls) {
+  Run& r = ls.run;
+  turns_.assign(ls.waiting.begin(), ls.waiting.end());  // sorted, hence a valid min-heap
+  const auto later = [](const Keyed& a, const Keyed& b) { return b < a; };
+  SessionId cur = r.pieces.front().session;
+  const SessionSched* first = gpu.sched.find(cur);
+  // The running session's virtual time includes the estimate charged at its dispatch.
+  RankKey key = first->key;
+  double charged = first->charged.empty() ? 0.0 : first->charged.back();
+  job_of(cur).forecast_done = first->in.done;
+  job_of(cur).forecast_mean = first->in.mean_iter_ns;
+  std::uint64_t total = 0;
+  const double until = static_cast<double>(horizon() - r.t0);
+  double elapsed = 0.0;
+  for (;;) {
+    Job& j = job_of(cur);
+    ++r.pieces.back().count;
+    ++j.forecast;
+    ++total;
+    // Mirrors GpuScheduler::iteration_done and, for the next turn, iteration_dispatched,
+    // operation for operation so that ties come out the same; replay() checks the turns.
+    const double d = static_cast<double>(std::max<TimeNs>(j.iter_ns, 1));
+    j.forecast_done += 1;
+    j.forecast_mean += (d - j.forecast_mean) / static_cast<double>(j.forecast_done);
+    key.primary += d - charged;
+    elapsed += d;
+    if (j.forecast >= j.left() || total >= kMaxRunIterations || elapsed >= until) break;
+    if (!turns_.empty() && turns_.front() < Keyed{key, cur}) {
+      std::pop_heap(turns_.begin(), turns_.end(), later);
+      const Keyed next = turns_.back();
+      turns_.back() = {key, cur};
+      std::push_heap(turns_.begin(), turns_.end(), later);
+      cur = next.second;
+      key = next.first;
+      Job& n = job_of(cur);
+      if (n.forecast == 0) {  // its first turn in this run
+        r.stale.push_back(next);
+        n.forecast_done = gpu.sched.find(cur)->in.done;
+        n.forecast_mean = gpu.sched.find(cur)->in.mean_iter_ns;
+      }
+      r.pieces.push_back({cur, 0, n.iter_ns});
+    }
+    charged = std::max(job_of(cur).forecast_mean, 1.0);
+    key.primary += charged;
+  }
+  r.pieces.front().count -= 1;  // the first piece started with its one iteration counted
+  double alone = 0.0;
+  for (const Piece& pc : r.pieces) {
+    alone += static_cast<double>(pc.count) * static_cast<double>(pc.iter_ns);
+    job_of(pc.session).forecast = 0;
+  }
+  r.planned = total;
+  r.alone = alone;
+  r.predicted = true;
+  r.mixed = r.pieces.size() > 1;
+}
+
+void Engine::dispatch(std::uint32_t g, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  arena::GpuArena& ar = gpu.sched.arena();
+  started_.clear();
+  for (auto& [lane, ls] : gpu.lanes) {
+    // The broker's order: lane ready, lane allowed (FIFO runs one session per GPU), pick,
+    // begin_iteration, iteration_dispatched.
+    if (ls.busy || !ar.lane_ready(lane) || !gpu.sched.lane_may_dispatch(lane)) continue;
+    const std::optional<SessionId> sid = gpu.sched.pick(lane);
+    if (!sid) continue;
+    if (ls.waiting.empty() || ls.waiting.begin()->second != *sid)
+      throw std::logic_error("salus-sim: lane bookkeeping disagrees with the scheduler");
+    ls.waiting.erase(ls.waiting.begin());
+    Job& j = job_of(*sid);
+    ar.begin_iteration(lane, *sid, j.ephemeral);
+    gpu.sched.iteration_dispatched(*sid);
+    if (j.start < 0) j.start = t;
+    Run& r = ls.run;
+    r.pieces.assign(1, Piece{*sid, 1, j.iter_ns});
+    r.stale.clear();
+    r.planned = 1;
+    r.alone = static_cast<double>(j.iter_ns);
+    r.t0 = r.t_last = t;
+    r.progress = 0.0;
+    r.segments.clear();
+    r.predicted = false;
+    r.mixed = false;
+    r.kernel = gpu.model.start(t, j.util, j.iter_ns);
+    ls.busy = true;
+    started_.push_back(lane);
+    ++counters_.kernels;
+  }
+  // Lengths are decided once every lane has started, at the rate they will all run at.
+  for (LaneId lane : started_) {
+    LaneState& ls = gpu.lanes.at(lane);
+    Run& r = ls.run;
+    plan(gpu, ls);
+    if (r.planned <= 1) continue;
+    gpu.model.cancel(r.kernel, t);
+    r.kernel = gpu.model.start(t, job_of(r.pieces.front().session).util,
+                               static_cast<TimeNs>(std::llround(r.alone)));
+  }
+}
+
+void Engine::close_instant(std::uint32_t g, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  fold(gpu, t);
+  dispatch(g, t);
+  // Forecasts made at another rate no longer hold, and a kernel standing for several
+  // sessions' turns must not meet another kernel: cut those runs to their next boundary
+  // (a cut keeps the total util unless it ends a mixed kernel, hence the loop).
+  for (bool again = true; again;) {
+    again = false;
+    const double rate = 1.0 / gpu.model.slowdown();
+    for (auto& [lane, ls] : gpu.lanes) {
+      if (!ls.busy) continue;
+      Run& r = ls.run;
+      const bool rate_changed = !r.segments.empty() && r.segments.back().rate != rate;
+      if ((r.predicted && rate_changed) || (r.mixed && gpu.model.active() > 1)) {
+        const double before = gpu.model.total_util();
+        cut(gpu, ls, t);
+        r.predicted = false;
+        r.mixed = false;
+        again = again || gpu.model.total_util() != before;
+      }
+    }
+  }
+  const double rate = 1.0 / gpu.model.slowdown();
+  for (auto& [lane, ls] : gpu.lanes) {
+    if (!ls.busy) continue;
+    Run& r = ls.run;
+    if (r.segments.empty() || r.segments.back().rate != rate)
+      r.segments.push_back({t, r.progress, rate});
+  }
+  ++gpu.epoch;
+  if (const std::optional<TimeNs> next = gpu.model.next_completion())
+    heap_.push({*next, g, gpu.epoch});
+}
+
+SimResult Engine::run() {
+  std::size_t& pos = pos_;
+  for (;;) {
+    while (!heap_.empty() && heap_.top().epoch != gpus_[heap_.top().gpu].epoch) heap_.pop();
+    const bool have_arrival = pos < order_.size();
+    if (!have_arrival && heap_.empty()) break;
+    TimeNs t = std::numeric_limits<TimeNs>::max();
+    if (have_arrival) t = jobs_[order_[pos]].arrival;
+    if (!heap_.empty()) t = std::min(t, heap_.top().t);
+    ++counters_.events;
+    // Within an instant: arrivals first, so that a boundary at the same time sees them.
+    for (; pos < order_.size() && jobs_[order_[pos]].arrival == t; ++pos) {
+      Job& j = jobs_[order_[pos]];
+      if (cfg_.placement == Placement::exclusive) {
+        cluster_queue_.push_back(j.index);
+      } else {
+        submit(choose_gpu(), j, t);
+      }
+    }
+    while (!heap_.empty() && heap_.top().t == t) {
+      const HeapEntry e = heap_.top();
+      heap_.pop();
+      if (e.epoch == gpus_[e.gpu].epoch) complete(e.gpu, t);
+    }
+    place_waiting(t);
+    for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
+      if (!gpus_[g].touched) continue;
+      gpus_[g].touched = false;
+      close_instant(g, t);
+    }
+  }
+  for (const Job& j : jobs_)
+    if (j.finish < 0)
+      throw std::logic_error(fmt::format("salus-sim: job {} never finished", j.spec->name));
+
+  SimResult res;
+  res.config = cfg_;
+  res.lanes = lanes_;
+  res.jobs.reserve(jobs_.size());
+  for (const Job& j : jobs_) {
+    JobResult r;
+    r.index = j.index;
+    r.arrival = j.arrival;
+    r.start = j.start;
+    r.finish = j.finish;
+    r.gpu = j.gpu;
+    r.lane = j.lane.value_or(0);
+    r.device_ns = j.device_ns;
+    res.jobs.push_back(r);
+  }
+  res.summary = summarize(res.jobs);
+  for (const Gpu& gpu : gpus_) {
+    const SchedStats& s = gpu.sched.stats();
+    counters_.decisions += s.decisions;
+    counters_.switches += s.switches;
+    counters_.preemptions += s.preemptions;
+  }
+  res.counters = counters_;
+  res.work = std::move(work_);
+  return res;
+}
+
+double interpolate(const WorkTimeline& w, TimeNs t) {
+  if (w.empty() || t <= w.front().first) return w.empty() ? 0.0 : w.front().second;
+  if (t >= w.back().first) return w.back().second;
+  auto hi =
+      std::lower_bound(w.begin(), w.end(), t, [](const auto& p, TimeNs x) { return p.first < x; });
+  auto lo = std::prev(hi);
+  if (hi->first == lo->first) return hi->second;
+  const double f = static_cast<double>(t - lo->first) / static_cast<double>(hi->first - lo->first);
+  return lo->second + f * (hi->second - lo->second);
+}
+
+}  // namespace
+
+SimResult simulate(const std::vector<TraceJob>& trace, const SimConfig& config) {
+  if (trace.empty()) throw SimError("the trace has no jobs");
+  Engine engine(trace, config);
+  return engine.run();
+}
+
+Summary summarize(const std::vector<JobResult>& jobs) {
+  Summary s;
+  if (jobs.empty()) return s;
+  TimeNs first = std::numeric_limits<TimeNs>::max(), last = std::numeric_limits<TimeNs>::min();
+  double queue = 0, jct = 0;
+  std::vector<TimeNs> jcts;
+  jcts.reserve(jobs.size());
+  for (const JobResult& j : jobs) {
+    first = std::min(first, j.arrival);
+    last = std::max(last, j.finish);
+    queue += static_cast<double>(j.queue());
+    jct += static_cast<double>(j.jct());
+    jcts.push_back(j.jct());
+  }
+  std::sort(jcts.begin(), jcts.end());
+  const double n = static_cast<double>(jobs.size());
+  const auto rank = static_cast<std::size_t>(std::ceil(0.95 * n));
+  s.makespan_s = static_cast<double>(last - first) / 1e9;
+  s.avg_queue_s = queue / n / 1e9;
+  s.avg_jct_s = jct / n / 1e9;
+  s.p95_jct_s = static_cast<double>(jcts[std::max<std::size_t>(rank, 1) - 1]) / 1e9;
+  return s;
+}
+
+std::vector<ShareWindow> share_windows(const SimResult& result, TimeNs window, TimeNs step) {
+  std::vector<ShareWindow> out;
+  if (result.work.size() != result.jobs.size() || result.jobs.empty() || window <= 0 || step <= 0)
+    return out;
+  TimeNs begin = std::numeric_limits<TimeNs>::min(), end = std::numeric_limits<TimeNs>::max();
+  for (const JobResult& j : result.jobs) {
+    begin = std::max(begin, j.arrival);
+    end = std::min(end, j.finish);
+  }
+  for (TimeNs b = begin; b + window <= end; b += step) {
+    ShareWindow w;
+    w.begin = b;
+    w.end = b + window;
+    double total = 0;
+    for (const WorkTimeline& tl : result.work) {
+      w.work.push_back(interpolate(tl, w.end) - interpolate(tl, w.begin));
+      total += w.work.back();
+    }
+    for (double x : w.work) w.share.push_back(total > 0 ? x / total : 0.0);
+    out.push_back(std::move(w));
+  }
+  return out;
+}
+
+}  // namespace salus::sched

@@ -1,0 +1,84 @@
+#!/bin/bash
+# salus-sim and salus-trace-gen from the outside: output format, exit codes, error
+# messages with line numbers, and the documented commands behind the shipped traces.
+# Usage: test_cli.sh SALUS_SIM SALUS_TRACE_GEN SOURCE_DIR
+set -u
+sim=$1 gen=$2 src=$3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+# expect_exit CODE CMD...: runs CMD, stderr to $tmp/err, stdout to $tmp/out.
+expect_exit() {
+  local want=$1; shift
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  [ "$got" = "$want" ] || fail "'$*' exited $got, wanted $want: $(cat "$tmp/err")"
+}
+
+cat >"$tmp/good.csv" <<'EOF'
+job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util
+a,0,m,100,1000,10,100,1
+b,0.1,m,100,1000,10,10,1
+EOF
+
+# Summary: the stable header, then one line per policy in Table 2's order.
+expect_exit 0 "$sim" --trace "$tmp/good.csv" --policy all
+[ "$(head -1 "$tmp/out")" = "policy makespan_s avg_queue_s avg_jct_s p95_jct_s" ] || fail "header: $(head -1 "$tmp/out")"
+[ "$(awk 'NR>1{print $1}' "$tmp/out" | tr '\n' ' ')" = "fifo srtf pack fair " ] || fail "policies: $(cat "$tmp/out")"
+[ "$(awk '$1=="fifo"{print $2, $4}' "$tmp/out")" = "1.100 1.000" ] || fail "fifo line: $(cat "$tmp/out")"
+[ "$(awk '$1=="srtf"{print $2, $4}' "$tmp/out")" = "1.100 0.600" ] || fail "srtf line: $(cat "$tmp/out")"
+[ "$(awk 'NF!=5' "$tmp/out" | wc -l)" = 0 ] || fail "every line has 5 fields"
+
+# Per-job output.
+expect_exit 0 "$sim" --trace "$tmp/good.csv" --policy srtf --gpus 2 --gpu-memory 8G --placement rr \
+  --jobs-out "$tmp/jobs.csv"
+[ "$(head -1 "$tmp/jobs.csv")" = "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane" ] || fail "jobs-out header"
+[ "$(wc -l <"$tmp/jobs.csv")" = 3 ] || fail "jobs-out rows: $(cat "$tmp/jobs.csv")"
+grep -q '^b,srtf,0.100000,0.100000,0.200000,0.100000,0.000000,1,' "$tmp/jobs.csv" || fail "jobs-out b: $(cat "$tmp/jobs.csv")"
+
+# Share windows.
+expect_exit 0 "$sim" --trace "$src/traces/fair-3.csv" --policy fair --share-window 10 --share-out "$tmp/share.csv"
+[ "$(head -1 "$tmp/share.csv")" = "policy,window_start_s,window_end_s,job,work_s,share" ] || fail "share header"
+[ "$(wc -l <"$tmp/share.csv")" -gt 100 ] || fail "share rows"
+awk -F, 'NR>1 && ($6 < 0.2833 || $6 > 0.3834) {bad=1} END{exit bad}' "$tmp/share.csv" || fail "fair-3 share outside 1/3 +- 0.05"
+grep -q "windows of 10.000 s" "$tmp/err" || fail "share summary on stderr: $(cat "$tmp/err")"
+
+# Bad traces: exit 2 and the file and line in the message.
+printf 'job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util\na,0,m,1,1,10,5,0.5\nb,0,m,1,1,10,5,2\n' >"$tmp/bad.csv"
+expect_exit 2 "$sim" --trace "$tmp/bad.csv" --policy fifo
+grep -q "bad.csv:line 3: util" "$tmp/err" || fail "bad util message: $(cat "$tmp/err")"
+[ ! -s "$tmp/out" ] || fail "no summary on a bad trace"
+printf 'a,0,m,1,1,10\n' >"$tmp/short.csv"
+expect_exit 2 "$sim" --trace "$tmp/short.csv" --policy fifo
+grep -q "line 1: 6 fields" "$tmp/err" || fail "field count message: $(cat "$tmp/err")"
+printf 'a,0,m,1,1,10,5,0.5\nhuge,0,m,9000,9000,10,5,0.5\n' >"$tmp/huge.csv"
+expect_exit 2 "$sim" --trace "$tmp/huge.csv" --policy pack
+grep -q "line 2: job huge" "$tmp/err" || fail "too large message: $(cat "$tmp/err")"
+expect_exit 2 "$sim" --trace "$tmp/nonexistent.csv"
+expect_exit 2 "$sim" --trace "$tmp/good.csv" --policy lottery
+expect_exit 2 "$sim" --trace "$tmp/good.csv" --placement best
+expect_exit 2 "$sim" --trace "$tmp/good.csv" --gpus 0
+expect_exit 2 "$sim" --trace "$tmp/good.csv" --gpu-memory lots
+expect_exit 2 "$sim" --trace "$tmp/good.csv" --share-out "$tmp/x.csv"
+expect_exit 2 "$sim"
+
+# The documented commands regenerate the shipped traces byte for byte.
+expect_exit 0 "$gen" --arrivals 0,15,30 --workloads inception3_50 --iters 900 --prefix fair -o "$tmp/f3.csv"
+cmp -s "$tmp/f3.csv" "$src/traces/fair-3.csv" || fail "fair-3.csv differs from the generator's output"
+expect_exit 0 "$gen" --jobs 100 --seed 1 --interarrival 20 -o "$tmp/o100.csv"
+cmp -s "$tmp/o100.csv" "$src/traces/online-100.csv" || fail "online-100.csv differs from the generator's output"
+expect_exit 0 "$gen" --jobs 300 --seed 1 --interarrival 0 --workloads superres_128 --util 0.3 \
+  --duration-mean 60 --duration-sigma 1 --prefix hp -o "$tmp/hp.csv"
+cmp -s "$tmp/hp.csv" "$src/traces/hyperparam-300.csv" || fail "hyperparam-300.csv differs from the generator's output"
+expect_exit 2 "$gen" --workloads resnet51
+expect_exit 2 "$gen" --arrivals 0,x
+expect_exit 0 "$gen" --list
+[ "$(wc -l <"$tmp/out")" = 46 ] || fail "--list shows 45 workloads"
+
+if [ "$failures" -gt 0 ]; then
+  echo "$failures failure(s)"
+  exit 1
+fi
+echo "all salus-sim CLI checks passed"

@@ -1,0 +1,305 @@
+// The simulation engine on tiny hand-made traces whose outcome is computed by hand in
+// the comments: each policy, the lane models, contention, admission, lane moves, and
+// placement on two GPUs. Every case runs both coalesced and one event per iteration.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "sched/simulation.hpp"
+#include "sched/trace.hpp"
+
+namespace sc = salus::sched;
+using sc::LaneModel;
+using sc::Placement;
+using sc::PolicyKind;
+
+namespace {
+
+constexpr std::int64_t kMs = 1'000'000;
+constexpr std::int64_t kSec = 1'000'000'000;
+
+sc::TraceJob job(std::string name, double arrival_s, double iter_ms, std::uint64_t iters,
+                 double util = 1.0, double p_mb = 100, double e_mb = 1000, std::int32_t prio = 0) {
+  sc::TraceJob j;
+  j.name = std::move(name);
+  j.arrival_s = arrival_s;
+  j.model = "test";
+  j.persistent_mb = p_mb;
+  j.ephemeral_mb = e_mb;
+  j.iter_ms = iter_ms;
+  j.iters = iters;
+  j.util = util;
+  j.priority = prio;
+  return j;
+}
+
+struct RunSpec {
+  PolicyKind policy = PolicyKind::fifo;
+  LaneModel lanes = LaneModel::automatic;
+  std::uint32_t gpus = 1;
+  Placement placement = Placement::magm;
+};
+
+sc::SimResult run(const std::vector<sc::TraceJob>& trace, RunSpec s, bool coalesce = true) {
+  sc::SimConfig c;
+  c.policy = s.policy;
+  c.lanes = s.lanes;
+  c.gpus = s.gpus;
+  c.placement = s.placement;
+  c.coalesce = coalesce;
+  return sc::simulate(trace, c);
+}
+
+// Expected start and finish of each job, checked in both simulation modes. Coalesced
+// runs place boundaries by arithmetic, so allow a microsecond of rounding.
+struct Expect {
+  std::int64_t start, finish;
+};
+void check(const std::vector<sc::TraceJob>& trace, RunSpec s, const std::vector<Expect>& want) {
+  for (bool coalesce : {true, false}) {
+    const sc::SimResult r = run(trace, s, coalesce);
+    ASSERT_EQ(r.jobs.size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_NEAR(r.jobs[i].start, want[i].start, 1000)
+          << trace[i].name << " start, coalesce=" << coalesce;
+      EXPECT_NEAR(r.jobs[i].finish, want[i].finish, 1000)
+          << trace[i].name << " finish, coalesce=" << coalesce;
+    }
+  }
+}
+
+// A: 100 iterations of 10 ms from t=0 (1 s alone); B: 10 of 10 ms (0.1 s) from t=0.1 s,
+// which is exactly A's 10th iteration boundary.
+std::vector<sc::TraceJob> long_then_short() {
+  return {job("A", 0.0, 10, 100), job("B", 0.1, 10, 10)};
+}
+
+}  // namespace
+
+TEST(SimPolicies, FifoRunsEachJobToCompletionInArrivalOrder) {
+  // B waits for A: A [0, 1.0], B [1.0, 1.1].
+  check(long_then_short(), {PolicyKind::fifo}, {{0, 1 * kSec}, {1 * kSec, 1100 * kMs}});
+  const sc::SimResult r = run(long_then_short(), {PolicyKind::fifo});
+  EXPECT_EQ(r.lanes, LaneModel::exclusive);
+  EXPECT_NEAR(r.summary.makespan_s, 1.1, 1e-6);
+  EXPECT_NEAR(r.summary.avg_queue_s, 0.45, 1e-6);  // (0 + 0.9) / 2
+  EXPECT_NEAR(r.summary.avg_jct_s, 1.0, 1e-6);     // (1.0 + 1.0) / 2
+  EXPECT_EQ(r.counters.preemptions, 0u);
+}
+
+TEST(SimPolicies, SrtfPreemptsAtTheNextIterationBoundary) {
+  // At 0.1 s B (10 iterations left, unmeasured: 10 x 1 ms guess) beats A (90 x 10 ms):
+  // B [0.1, 0.2], then A resumes and ends at 1.1. Same makespan, JCT 0.6 instead of 1.0.
+  check(long_then_short(), {PolicyKind::srtf}, {{0, 1100 * kMs}, {100 * kMs, 200 * kMs}});
+  const sc::SimResult r = run(long_then_short(), {PolicyKind::srtf});
+  EXPECT_EQ(r.lanes, LaneModel::shared);
+  EXPECT_NEAR(r.summary.makespan_s, 1.1, 1e-6);
+  EXPECT_NEAR(r.summary.avg_queue_s, 0.0, 1e-6);
+  EXPECT_NEAR(r.summary.avg_jct_s, 0.6, 1e-6);
+  EXPECT_EQ(r.jobs[0].lane, r.jobs[1].lane);  // time-shared in one lane
+  EXPECT_GE(r.counters.preemptions, 1u);
+}
+
+TEST(SimPolicies, PriorityPreemptsForTheHigherNumber) {
+  std::vector<sc::TraceJob> t = long_then_short();
+  t[0].iters = 10;  // A would now be the shorter one: priority, not size, decides
+  t[0].priority = 0;
+  t[1] = job("B", 0.05, 10, 10, 1.0, 100, 1000, 5);
+  // A [0, 0.05) runs 5 iterations, B [0.05, 0.15], A resumes and ends at 0.2.
+  check(t, {PolicyKind::priority}, {{0, 200 * kMs}, {50 * kMs, 150 * kMs}});
+}
+
+TEST(SimPolicies, PackRunsLanesConcurrentlyUnderContention) {
+  // Two lanes, utils 1 + 1: while both run each goes at half speed. B's 0.1 s of work
+  // takes [0.1, 0.3]; A has 0.1 + 0.1 done by 0.3 and needs 0.8 more: ends at 1.1.
+  check(long_then_short(), {PolicyKind::pack}, {{0, 1100 * kMs}, {100 * kMs, 300 * kMs}});
+  const sc::SimResult r = run(long_then_short(), {PolicyKind::pack});
+  EXPECT_EQ(r.lanes, LaneModel::algorithm1);
+  EXPECT_NE(r.jobs[0].lane, r.jobs[1].lane);
+  // Measured device time is the stretched time: B's 10 iterations took 20 ms each.
+  EXPECT_NEAR(r.jobs[1].device_ns, 200 * kMs, 1000);
+}
+
+TEST(SimPolicies, PackGainsWhenUtilizationsLeaveRoom) {
+  // util 0.5 + 0.5 fits the GPU: both 1 s jobs finish at 1 s, versus 1 s and 2 s in FIFO.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 100, 0.5), job("B", 0, 10, 100, 0.5)};
+  check(t, {PolicyKind::pack}, {{0, 1 * kSec}, {0, 1 * kSec}});
+  check(t, {PolicyKind::fifo}, {{0, 1 * kSec}, {1 * kSec, 2 * kSec}});
+  // util 0.8 + 0.8 oversubscribes it 1.6x: both end at 1.6 s.
+  const std::vector<sc::TraceJob> u{job("A", 0, 10, 100, 0.8), job("B", 0, 10, 100, 0.8)};
+  check(u, {PolicyKind::pack}, {{0, 1600 * kMs}, {0, 1600 * kMs}});
+}
+
+TEST(SimPolicies, PackSharesALaneWhenMemoryForcesIt) {
+  // 16 GiB GPU. A opens a 10 GiB lane; B (1 + 10 GiB) cannot open another (16 - 11 - 1 <
+  // 10) and joins A's lane (step 2), where PACK runs arrival order: A [0,1], B [1,2].
+  // C (1 + 2 GiB) still opens a lane of its own and runs beside A from t = 0.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 100, 0.5, 1024, 10240),
+                                    job("B", 0, 10, 100, 0.5, 1024, 10240),
+                                    job("C", 0, 10, 100, 0.5, 1024, 2048)};
+  check(t, {PolicyKind::pack}, {{0, 1 * kSec}, {1 * kSec, 2 * kSec}, {0, 1 * kSec}});
+  const sc::SimResult r = run(t, {PolicyKind::pack});
+  EXPECT_EQ(r.jobs[0].lane, r.jobs[1].lane);
+  EXPECT_NE(r.jobs[0].lane, r.jobs[2].lane);
+}
+
+TEST(SimPolicies, AdmissionWaitsForPersistentMemory) {
+  // P 8 GiB + E 4 GiB twice does not fit 16 GiB: B is admitted when A leaves at 1 s.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 100, 0.5, 8192, 4096),
+                                    job("B", 0, 10, 100, 0.5, 8192, 4096)};
+  check(t, {PolicyKind::pack}, {{0, 1 * kSec}, {1 * kSec, 2 * kSec}});
+  EXPECT_NEAR(run(t, {PolicyKind::pack}).jobs[1].queue(), 1 * kSec, 1000);
+}
+
+TEST(SimPolicies, FairAlternatesEqualJobs) {
+  // Equal virtual times break ties by arrival: A B A B ... A ends at 190 ms, B at 200.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 10), job("B", 0, 10, 10)};
+  check(t, {PolicyKind::fair}, {{0, 190 * kMs}, {10 * kMs, 200 * kMs}});
+}
+
+TEST(SimPolicies, FairNewcomerStartsAtTheLaneClock) {
+  // A runs alone for 0.5 s. B arrives at its 50th boundary and starts at the lane's
+  // virtual clock (A's time before its last iteration), so B goes first, then they
+  // alternate: B's 10th iteration is [0.68, 0.69]. A ends after 1.1 s of GPU work.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 100), job("B", 0.5, 10, 10)};
+  check(t, {PolicyKind::fair}, {{0, 1100 * kMs}, {500 * kMs, 690 * kMs}});
+}
+
+TEST(SimPolicies, FairIsPerLaneUnderAlgorithm1) {
+  // With Algorithm-1 lanes, three 7 GiB jobs get two lanes (the third joins the first):
+  // FAIR equalizes only inside a lane, so the lone job gets twice the others' share.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 300, 1.0, 270, 7030),
+                                    job("B", 0, 10, 300, 1.0, 270, 7030),
+                                    job("C", 0, 10, 300, 1.0, 270, 7030)};
+  const sc::SimResult shared = run(t, {PolicyKind::fair});
+  const sc::SimResult alg1 = run(t, {PolicyKind::fair, LaneModel::algorithm1});
+  EXPECT_EQ(shared.jobs[0].lane, shared.jobs[2].lane);
+  EXPECT_NE(alg1.jobs[0].lane, alg1.jobs[1].lane);
+  // Shared: round robin, all end within one round of each other at ~9 s.
+  EXPECT_NEAR(shared.jobs[0].finish, 9 * kSec, 30 * kMs);
+  EXPECT_NEAR(shared.jobs[2].finish, 9 * kSec, 30 * kMs);
+  // Algorithm 1: B alone in lane 2 gets half the GPU and ends at 6 s.
+  EXPECT_NEAR(alg1.jobs[1].finish, 6 * kSec, 30 * kMs);
+}
+
+TEST(SimLanes, LaneSlidesDownAtItsBoundaryBeforeANewcomerFits) {
+  // A and B open lanes of 4 GiB at [0, 4) and [4, 8) GiB; utils sum to 1, no slowdown.
+  // A ends at 0.1 s; lane B must slide to 0 but is busy until its boundary at 0.105
+  // (7 ms iterations). C (10 GiB) arrives at 0.101: its lane's room is still held by
+  // lane B, so it waits for that boundary and starts at 0.105.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 10, 0.5, 512, 4096),
+                                    job("B", 0, 7, 100, 0.5, 512, 4096),
+                                    job("C", 0.101, 10, 10, 0.5, 512, 10240)};
+  check(t, {PolicyKind::pack}, {{0, 100 * kMs}, {0, 700 * kMs}, {105 * kMs, 205 * kMs}});
+}
+
+TEST(SimLanes, SharedModelPutsEveryJobInOneLane) {
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 50, 0.5), job("B", 0.01, 10, 50, 0.5),
+                                    job("C", 0.02, 10, 50, 0.5)};
+  const sc::SimResult shared = run(t, {PolicyKind::pack, LaneModel::shared});
+  EXPECT_EQ(shared.counters.max_lanes, 1u);
+  // PACK in one lane runs arrival order: A [0, 0.5], B [0.5, 1.0], C [1.0, 1.5].
+  check(t, {PolicyKind::pack, LaneModel::shared},
+        {{0, 500 * kMs}, {500 * kMs, 1 * kSec}, {1 * kSec, 1500 * kMs}});
+}
+
+TEST(SimLanes, SalusdFifoRunsOneSessionPerGpuEvenWithManyLanes) {
+  // Under Algorithm-1 lanes the three jobs get three lanes, but salusd's FIFO lets only
+  // the lane of the earliest job with work dispatch: the same times as exclusive FIFO.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 50, 0.5), job("B", 0.01, 10, 50, 0.5),
+                                    job("C", 0.02, 10, 50, 0.5)};
+  const std::vector<Expect> serial{{0, 500 * kMs}, {500 * kMs, 1 * kSec}, {1 * kSec, 1500 * kMs}};
+  check(t, {PolicyKind::fifo, LaneModel::algorithm1}, serial);
+  check(t, {PolicyKind::fifo}, serial);
+  const sc::SimResult a1 = run(t, {PolicyKind::fifo, LaneModel::algorithm1});
+  EXPECT_EQ(a1.counters.max_lanes, 3u);
+  // PACK runs the three lanes at once: utils 1.5 in all slow each kernel 1.5x.
+  EXPECT_LT(run(t, {PolicyKind::pack}).jobs[2].start, 100 * kMs);
+}
+
+TEST(SimPlacement, RoundRobinAlternatesGpus) {
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 10), job("B", 0.001, 10, 10),
+                                    job("C", 0.002, 10, 10)};
+  const sc::SimResult r = run(t, {PolicyKind::pack, LaneModel::automatic, 2, Placement::rr});
+  EXPECT_EQ(r.jobs[0].gpu, 0u);
+  EXPECT_EQ(r.jobs[1].gpu, 1u);
+  EXPECT_EQ(r.jobs[2].gpu, 0u);
+}
+
+TEST(SimPlacement, MostAvailableMemoryPicksTheEmptierGpu) {
+  // A (1 + 7 GiB) takes GPU 0 (tie: lowest); B and C go to GPU 1, which has more free.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 100, 0.5, 1024, 7168),
+                                    job("B", 0.001, 10, 100, 0.5, 1024, 1024),
+                                    job("C", 0.002, 10, 100, 0.5, 1024, 1024)};
+  const sc::SimResult r = run(t, {PolicyKind::pack, LaneModel::automatic, 2, Placement::magm});
+  EXPECT_EQ(r.jobs[0].gpu, 0u);
+  EXPECT_EQ(r.jobs[1].gpu, 1u);
+  EXPECT_EQ(r.jobs[2].gpu, 1u);
+}
+
+TEST(SimPlacement, LeastUtilizedPicksTheLighterGpu) {
+  // Placed util: A 0.9 -> GPU 0; B 0.2 -> GPU 1; C 0.2 -> GPU 1 (0.2 < 0.9); D 0.6 ->
+  // GPU 1 (0.4 < 0.9); E 0.1 -> GPU 0 (0.9 < 1.0).
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 100, 0.9), job("B", 0.001, 10, 100, 0.2),
+                                    job("C", 0.002, 10, 100, 0.2), job("D", 0.003, 10, 100, 0.6),
+                                    job("E", 0.004, 10, 100, 0.1)};
+  const sc::SimResult r = run(t, {PolicyKind::pack, LaneModel::automatic, 2, Placement::lug});
+  const std::vector<std::uint32_t> want{0, 1, 1, 1, 0};
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(r.jobs[i].gpu, want[i]) << t[i].name;
+}
+
+TEST(SimPlacement, ExclusiveGivesEachJobAWholeGpu) {
+  // FIFO on two GPUs: A and B start at once; C takes the first GPU to empty (B's, at
+  // 0.5 s) and D the next (A's, at 1 s).
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 100), job("B", 0, 10, 50), job("C", 0, 10, 100),
+                                    job("D", 0, 10, 10)};
+  RunSpec s{PolicyKind::fifo, LaneModel::automatic, 2, Placement::magm};
+  check(t, s, {{0, 1 * kSec}, {0, 500 * kMs}, {500 * kMs, 1500 * kMs}, {1 * kSec, 1100 * kMs}});
+  const sc::SimResult r = run(t, s);
+  EXPECT_EQ(r.config.placement, Placement::exclusive);
+  EXPECT_EQ(r.jobs[0].gpu, 0u);
+  EXPECT_EQ(r.jobs[1].gpu, 1u);
+  EXPECT_EQ(r.jobs[2].gpu, 1u);
+  EXPECT_EQ(r.jobs[3].gpu, 0u);
+  // Exclusive placement makes any policy exclusive.
+  const sc::SimResult p = run(t, {PolicyKind::pack, LaneModel::automatic, 2, Placement::exclusive});
+  for (std::size_t i = 0; i < t.size(); ++i) EXPECT_EQ(p.jobs[i].finish, r.jobs[i].finish);
+}
+
+TEST(SimPlacement, PackOnTwoGpusBeatsOneGpu) {
+  std::vector<sc::TraceJob> t;
+  for (int i = 0; i < 8; ++i)
+    t.push_back(job("j" + std::to_string(i), 0, 10, 100, 1.0, 1024, 6144));
+  const double one = run(t, {PolicyKind::pack}).summary.makespan_s;
+  const double two =
+      run(t, {PolicyKind::pack, LaneModel::automatic, 2, Placement::magm}).summary.makespan_s;
+  EXPECT_NEAR(one, 8.0, 1e-3);  // util 1: no packing gain on one GPU
+  EXPECT_NEAR(two, 4.0, 1e-3);  // the work splits evenly
+}
+
+TEST(SimErrors, AJobThatCanNeverFitNamesItsLine) {
+  std::vector<sc::TraceJob> t{job("A", 0, 10, 10), job("big", 0, 10, 10, 1.0, 4096, 13000)};
+  t[1].line = 3;
+  try {
+    run(t, {PolicyKind::pack});
+    FAIL() << "expected SimError";
+  } catch (const sc::SimError& e) {
+    EXPECT_NE(std::string(e.what()).find("line 3"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(sc::simulate({}, sc::SimConfig{}), sc::SimError);
+}
+
+TEST(SimSummary, NearestRankPercentileAndAverages) {
+  std::vector<sc::JobResult> jobs(20);
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    jobs[i].arrival = static_cast<std::int64_t>(i) * kSec;
+    jobs[i].start = jobs[i].arrival + kSec;
+    jobs[i].finish = jobs[i].arrival + static_cast<std::int64_t>(i + 1) * kSec;  // JCT i+1
+  }
+  const sc::Summary s = sc::summarize(jobs);
+  EXPECT_DOUBLE_EQ(s.p95_jct_s, 19.0);  // ceil(0.95 * 20) = 19th smallest
+  EXPECT_DOUBLE_EQ(s.avg_jct_s, 10.5);
+  EXPECT_DOUBLE_EQ(s.avg_queue_s, 1.0);
+  EXPECT_DOUBLE_EQ(s.makespan_s, 39.0);  // last finish 19 + 20, first arrival 0
+}

@@ -1,0 +1,241 @@
+// salus-sim: replays a job trace through Salus's real scheduler, arena and contention
+// model in virtual time and prints makespan, queueing and completion-time statistics.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "arena/size_units.hpp"
+#include "sched/simulation.hpp"
+#include "sched/trace.hpp"
+
+namespace {
+
+using salus::sched::PolicyKind;
+namespace sc = salus::sched;
+
+// Exit codes: 2 for anything wrong with the input (trace, flags), 1 for I/O failures.
+constexpr int kInputError = 2;
+constexpr int kIoError = 1;
+
+struct Options {
+  std::string trace;
+  std::string policy = "all";
+  std::uint32_t gpus = 1;
+  std::string gpu_memory = "16G";
+  std::string placement = "magm";
+  std::string lanes = "auto";
+  std::string jobs_out;
+  double share_window_s = 0;
+  double share_step_s = 0;
+  std::string share_out;
+  bool no_coalesce = false;
+  bool stats = false;
+};
+
+std::string seconds(salus::arena::TimeNs ns) {
+  return fmt::format("{:.6f}", static_cast<double>(ns) / 1e9);
+}
+
+// The paper's Table 2 order.
+const std::vector<PolicyKind> kAll{PolicyKind::fifo, PolicyKind::srtf, PolicyKind::pack,
+                                   PolicyKind::fair};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "Replays a job trace (CSV: job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,"
+      "util[,priority]) through Salus's scheduler in virtual time and prints, per policy: "
+      "policy makespan_s avg_queue_s avg_jct_s p95_jct_s",
+      "salus-sim"};
+  app.add_option("--trace", o.trace, "trace CSV file")->required();
+  app.add_option("--policy", o.policy,
+                 "fifo, pack, srtf, fair, priority, or all (fifo srtf pack fair)")
+      ->capture_default_str();
+  app.add_option("--gpus", o.gpus, "number of GPUs")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 4096u));
+  app.add_option("--gpu-memory", o.gpu_memory, "memory of each GPU (K/M/G suffixes)")
+      ->capture_default_str();
+  app.add_option(
+         "--placement", o.placement,
+         "GPU placement: magm, lug, rr, or exclusive (one job per GPU; implied by exclusive lanes)")
+      ->capture_default_str();
+  app.add_option(
+         "--lanes", o.lanes,
+         "lane model: auto (fifo: exclusive, pack: algorithm1, srtf/fair/priority: shared), "
+         "exclusive (one job per GPU), algorithm1 (salusd), shared (one lane per GPU)")
+      ->capture_default_str();
+  app.add_option(
+      "--jobs-out", o.jobs_out,
+      "write per-job results: job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane");
+  app.add_option("--share-window", o.share_window_s,
+                 "measure each job's share of GPU work in sliding windows of this many seconds, "
+                 "between the last arrival and the first finish")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--share-step", o.share_step_s, "step between share windows (default: window/10)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--share-out", o.share_out,
+                 "write the share windows: policy,window_start_s,window_end_s,job,work_s,share");
+  app.add_flag("--no-coalesce", o.no_coalesce,
+               "simulate every iteration as its own event (slower; same decisions)");
+  app.add_flag("--stats", o.stats, "print event counts and wall time per policy to stderr");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return kInputError;
+  }
+
+  auto usage = [](const std::string& why) {
+    std::fprintf(stderr, "salus-sim: %s\n", why.c_str());
+    return kInputError;
+  };
+
+  std::vector<PolicyKind> policies;
+  if (o.policy == "all") {
+    policies = kAll;
+  } else if (auto p = sc::policy_from_string(o.policy)) {
+    policies = {*p};
+  } else {
+    return usage(
+        fmt::format("unknown policy '{}' (fifo, pack, srtf, fair, priority, all)", o.policy));
+  }
+  sc::SimConfig base;
+  base.gpus = o.gpus;
+  const auto memory = salus::arena::parse_size(o.gpu_memory);
+  if (!memory || *memory < salus::arena::kAlignment)
+    return usage(fmt::format("bad --gpu-memory '{}'", o.gpu_memory));
+  base.gpu_memory = *memory;
+  const auto placement = sc::placement_from_string(o.placement);
+  if (!placement)
+    return usage(fmt::format("unknown placement '{}' (magm, lug, rr, exclusive)", o.placement));
+  base.placement = *placement;
+  const auto lanes = sc::lane_model_from_string(o.lanes);
+  if (!lanes)
+    return usage(
+        fmt::format("unknown lane model '{}' (auto, exclusive, algorithm1, shared)", o.lanes));
+  base.lanes = *lanes;
+  base.coalesce = !o.no_coalesce;
+  if (!o.share_out.empty() && o.share_window_s <= 0)
+    return usage("--share-out needs --share-window");
+  base.track_work = o.share_window_s > 0;
+
+  std::vector<sc::TraceJob> trace;
+  {
+    std::ifstream in(o.trace);
+    if (!in) return usage(fmt::format("cannot open trace '{}'", o.trace));
+    try {
+      trace = sc::parse_trace(in);
+    } catch (const sc::TraceError& e) {
+      return usage(fmt::format("{}:{}", o.trace, e.what()));
+    }
+  }
+
+  std::ofstream jobs_out, share_out;
+  if (!o.jobs_out.empty()) {
+    jobs_out.open(o.jobs_out);
+    if (!jobs_out) {
+      std::fprintf(stderr, "salus-sim: cannot write '%s'\n", o.jobs_out.c_str());
+      return kIoError;
+    }
+    jobs_out << "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane\n";
+  }
+  if (!o.share_out.empty()) {
+    share_out.open(o.share_out);
+    if (!share_out) {
+      std::fprintf(stderr, "salus-sim: cannot write '%s'\n", o.share_out.c_str());
+      return kIoError;
+    }
+    share_out << "policy,window_start_s,window_end_s,job,work_s,share\n";
+  }
+
+  std::cout << "policy makespan_s avg_queue_s avg_jct_s p95_jct_s\n";
+  for (PolicyKind policy : policies) {
+    sc::SimConfig cfg = base;
+    cfg.policy = policy;
+    const auto t0 = std::chrono::steady_clock::now();
+    sc::SimResult res;
+    try {
+      res = sc::simulate(trace, cfg);
+    } catch (const sc::SimError& e) {
+      return usage(fmt::format("{}:{}", o.trace, e.what()));
+    }
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const sc::Summary& s = res.summary;
+    std::cout << fmt::format("{} {:.3f} {:.3f} {:.3f} {:.3f}\n", sc::to_string(policy),
+                             s.makespan_s, s.avg_queue_s, s.avg_jct_s, s.p95_jct_s)
+              << std::flush;
+    if (o.stats) {
+      const sc::SimCounters& c = res.counters;
+      std::fprintf(
+          stderr,
+          "salus-sim: %s: lanes %s, placement %s, %zu jobs, %llu iterations, %llu kernels, "
+          "%llu events, %llu decisions, %llu preemptions, max %llu lanes, %.3f s wall\n",
+          std::string(sc::to_string(policy)).c_str(), std::string(sc::to_string(res.lanes)).c_str(),
+          std::string(sc::to_string(res.config.placement)).c_str(), res.jobs.size(),
+          static_cast<unsigned long long>(c.iterations), static_cast<unsigned long long>(c.kernels),
+          static_cast<unsigned long long>(c.events), static_cast<unsigned long long>(c.decisions),
+          static_cast<unsigned long long>(c.preemptions),
+          static_cast<unsigned long long>(c.max_lanes), wall);
+    }
+    if (jobs_out.is_open()) {
+      for (const sc::JobResult& j : res.jobs)
+        jobs_out << fmt::format("{},{},{},{},{},{},{},{},{}\n", trace[j.index].name,
+                                sc::to_string(policy), seconds(j.arrival), seconds(j.start),
+                                seconds(j.finish), seconds(j.jct()), seconds(j.queue()), j.gpu,
+                                j.lane);
+    }
+    if (base.track_work) {
+      const auto window = static_cast<salus::arena::TimeNs>(o.share_window_s * 1e9);
+      const auto step = static_cast<salus::arena::TimeNs>(
+          (o.share_step_s > 0 ? o.share_step_s : o.share_window_s / 10) * 1e9);
+      const std::vector<sc::ShareWindow> windows =
+          sc::share_windows(res, window, std::max<salus::arena::TimeNs>(step, 1));
+      double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+      for (const sc::ShareWindow& w : windows) {
+        for (std::size_t i = 0; i < w.share.size(); ++i) {
+          lo = std::min(lo, w.share[i]);
+          hi = std::max(hi, w.share[i]);
+          if (share_out.is_open())
+            share_out << fmt::format("{},{},{},{},{:.6f},{:.6f}\n", sc::to_string(policy),
+                                     seconds(w.begin), seconds(w.end), trace[i].name,
+                                     w.work[i] / 1e9, w.share[i]);
+        }
+      }
+      if (windows.empty())
+        std::fprintf(
+            stderr,
+            "salus-sim: %s: no %.3f s window fits between the last arrival and the first finish\n",
+            std::string(sc::to_string(policy)).c_str(), o.share_window_s);
+      else
+        std::fprintf(
+            stderr,
+            "salus-sim: %s: %zu windows of %.3f s from %.3f s: job shares between %.4f and %.4f "
+            "(equal share %.4f)\n",
+            std::string(sc::to_string(policy)).c_str(), windows.size(), o.share_window_s,
+            static_cast<double>(windows.front().begin) / 1e9, lo, hi,
+            1.0 / static_cast<double>(trace.size()));
+    }
+  }
+  if (jobs_out.is_open() && !jobs_out.flush()) {
+    std::fprintf(stderr, "salus-sim: writing '%s' failed\n", o.jobs_out.c_str());
+    return kIoError;
+  }
+  if (share_out.is_open() && !share_out.flush()) {
+    std::fprintf(stderr, "salus-sim: writing '%s' failed\n", o.share_out.c_str());
+    return kIoError;
+  }
+  return 0;
+}
