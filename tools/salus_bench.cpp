@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -20,6 +21,8 @@
 #include <CLI/CLI.hpp>
 
 #include "arena/gpu_arena.hpp"
+#include "sched/gpu_scheduler.hpp"
+#include "sched/trace_generator.hpp"
 
 namespace {
 
@@ -249,6 +252,85 @@ int bench_assign(int sessions, int rounds) {
   return 0;
 }
 
+// Scheduler decisions with many sessions in one lane: pick + the dispatch and
+// completion bookkeeping that follow every decision.
+int bench_decide(int sessions, int rounds, const std::string& policy_name) {
+  using namespace salus;
+  const auto policy = sched::policy_from_string(policy_name);
+  if (!policy) die("unknown policy " + policy_name);
+  constexpr arena::Bytes M = 1u << 20;
+  sched::GpuScheduler s(M + M / 2, *policy);  // room for exactly one 1M lane
+  for (int i = 1; i <= sessions; ++i) {
+    s.arrive(static_cast<arena::SessionId>(i), arena::Need{0, M}, i % 7,
+             static_cast<std::uint64_t>(1000 + i % 500), 0);
+  }
+  const auto adm = s.take_admissions();
+  if (adm.size() != static_cast<std::size_t>(sessions)) die("not every session was admitted");
+  for (const auto& a : adm) s.set_runnable(a.session, true);
+  const arena::LaneId lane = adm.front().lane;
+  std::vector<double> pick_us, cycle_us;
+  std::uint64_t ns = 1;
+  for (int r = 0; r < rounds; ++r) {
+    auto t0 = Clock::now();
+    const auto id = s.pick(lane);
+    pick_us.push_back(us_since(t0));
+    s.iteration_dispatched(*id);
+    s.iteration_done(*id, static_cast<std::int64_t>(1000 + (ns++ * 7919) % 5000));
+    cycle_us.push_back(us_since(t0));
+  }
+  fmt::print("decide policy={} sessions={} (one lane) rounds={}\n", policy_name, sessions, rounds);
+  fmt::print("  pick                        p50 {:.3f} us  p99 {:.3f} us  (target p50 <= 5)\n",
+             percentile(pick_us, 0.5), percentile(pick_us, 0.99));
+  fmt::print("  pick + dispatched + done    p50 {:.3f} us  p99 {:.3f} us\n",
+             percentile(cycle_us, 0.5), percentile(cycle_us, 0.99));
+  return 0;
+}
+
+// Memory utilization: the Salus workload mix arriving in a seeded random order on
+// one 16 GiB GPU, nobody leaving. Lanes (Algorithm 1) against static partitioning
+// (each job an exclusive region of its peak), as admitted peak memory / capacity.
+int bench_memutil(int seeds) {
+  using namespace salus;
+  const auto mix = sched::salus_workloads();
+  constexpr arena::Bytes kCap = 16ull << 30;
+  constexpr double M = 1 << 20;
+  double lanes_sum = 0, static_sum = 0;
+  std::size_t lanes_jobs = 0, static_jobs = 0;
+  for (int seed = 1; seed <= seeds; ++seed) {
+    std::vector<std::size_t> order(mix.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::mt19937_64 rng(static_cast<std::uint64_t>(seed));
+    std::shuffle(order.begin(), order.end(), rng);
+    arena::GpuArena ar(kCap);
+    double static_used = 0, lane_peaks = 0, static_peaks = 0;
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      const auto& w = mix[order[i]];
+      const auto p = static_cast<arena::Bytes>(w.persistent_mb * M);
+      const auto e = static_cast<arena::Bytes>((w.peak_mb - w.persistent_mb) * M);
+      ar.request(i + 1, arena::Need{p, e}, 0);
+      if (static_used + w.peak_mb * M <= static_cast<double>(kCap)) {
+        static_used += w.peak_mb * M;
+        static_peaks += w.peak_mb * M;
+        ++static_jobs;
+      }
+    }
+    for (const auto& a : ar.take_admissions()) {
+      const auto& w = mix[order[a.session - 1]];
+      lane_peaks += w.peak_mb * M;
+      ++lanes_jobs;
+    }
+    lanes_sum += lane_peaks / static_cast<double>(kCap);
+    static_sum += static_peaks / static_cast<double>(kCap);
+  }
+  fmt::print("memutil workloads={} gpu=16GiB seeds={}\n", mix.size(), seeds);
+  fmt::print("  lanes (Algorithm 1)    admitted peaks / capacity {:.2f}  jobs admitted {:.1f}\n",
+             lanes_sum / seeds, static_cast<double>(lanes_jobs) / seeds);
+  fmt::print("  static partitioning    admitted peaks / capacity {:.2f}  jobs admitted {:.1f}\n",
+             static_sum / seeds, static_cast<double>(static_jobs) / seeds);
+  fmt::print("  ratio lanes/static     {:.2f}\n", lanes_sum / static_sum);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -272,8 +354,19 @@ int main(int argc, char** argv) {
   int assign_sessions = 1000, rounds = 20000;
   asg->add_option("--sessions", assign_sessions, "Sessions admitted first");
   asg->add_option("--rounds", rounds, "Timed request/leave pairs");
+  auto* dec = app.add_subcommand("decide", "Scheduler decision time (pure, no daemon)");
+  int decide_sessions = 10000, decide_rounds = 100000;
+  std::string decide_policy = "fair";
+  dec->add_option("--sessions", decide_sessions, "Sessions sharing one lane");
+  dec->add_option("--rounds", decide_rounds, "Timed decisions");
+  dec->add_option("--policy", decide_policy, "fifo, pack, srtf, fair or priority");
+  auto* mu = app.add_subcommand("memutil", "Lanes vs static partitioning memory utilization");
+  int memutil_seeds = 100;
+  mu->add_option("--seeds", memutil_seeds, "Random arrival orders");
   CLI11_PARSE(app, argc, argv);
   if (*asg) return bench_assign(assign_sessions, rounds);
+  if (*dec) return bench_decide(decide_sessions, decide_rounds, decide_policy);
+  if (*mu) return bench_memutil(memutil_seeds);
 
   std::unique_ptr<Daemon> d;
   pid_t pid = -1;
