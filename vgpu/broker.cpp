@@ -34,6 +34,7 @@ void run_all(std::vector<std::function<void()>>& later) {
 }
 
 constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pass
+constexpr std::chrono::milliseconds kBusySamplePeriod{100};
 constexpr std::size_t kMaxModuleBytes = 256u << 20;
 // exec_* result: the write must wait and run this line again later.
 constexpr int kSuspend = -1;
@@ -1110,7 +1111,9 @@ void Broker::worker_loop(Gpu& g) {
   for (;;) {
     {
       std::unique_lock lk(g.cq_mu);
-      g.cq_cv.wait(lk, [&] { return g.wake || !g.completions.empty() || g.stop; });
+      // Wakes at least every sampling period to record the busy-time sample.
+      g.cq_cv.wait_for(lk, kBusySamplePeriod,
+                       [&] { return g.wake || !g.completions.empty() || g.stop; });
       if (g.stop && g.completions.empty()) return;
       batch.swap(g.completions);
       g.wake = false;
@@ -1119,12 +1122,42 @@ void Broker::worker_loop(Gpu& g) {
       std::lock_guard lk(mu_);
       for (const Completion& c : batch) complete(g, c, later);
       dispatch(g, later);
+      sample_busy(g);
     } catch (const std::exception& e) {
       spdlog::error("gpu {} worker: {}", g.index, e.what());
     }
     batch.clear();
     run_all(later);
   }
+}
+
+void Broker::sample_busy(Gpu& g) {
+  const TimeNs t = now();
+  if (!g.busy_samples.empty() &&
+      t - g.busy_samples.back().first <
+          std::chrono::duration_cast<std::chrono::nanoseconds>(kBusySamplePeriod).count())
+    return;
+  g.busy_samples.emplace_back(t, g.device->busy_ns());
+  // Keep a little over the longest window (60 s).
+  while (g.busy_samples.size() > 2 && t - g.busy_samples[1].first > 61'000'000'000) {
+    g.busy_samples.pop_front();
+  }
+}
+
+double Broker::busy_fraction(const Gpu& g, TimeNs window) const {
+  const TimeNs t = now();
+  const std::int64_t busy = g.device->busy_ns();
+  // The newest sample at least `window` old, else the oldest one there is.
+  std::pair<TimeNs, std::int64_t> from{0, 0};
+  for (const auto& sample : g.busy_samples) {
+    if (sample.first > t - window) break;
+    from = sample;
+  }
+  if (from.first == 0 && !g.busy_samples.empty() && g.busy_samples.front().first > t - window)
+    from = {0, 0};  // younger than the window: since start
+  const double span = static_cast<double>(t - from.first);
+  if (span <= 0) return 0.0;
+  return std::clamp(static_cast<double>(busy - from.second) / span, 0.0, 1.0);
 }
 
 void Broker::dispatch(Gpu& g, Deferred& later) {

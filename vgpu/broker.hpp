@@ -211,6 +211,10 @@ class Broker {
   void finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std::int64_t device_ns,
                        Deferred& later);
   void kick(Gpu& g);
+  // Utilization from the device's busy time, sampled by the worker every 100 ms:
+  // the busy fraction over the last `window` ns.
+  void sample_busy(Gpu& g);
+  double busy_fraction(const Gpu& g, TimeNs window) const;
   void update_runnable(Gpu& g, Session& s);
 
   BrokerConfig config_;

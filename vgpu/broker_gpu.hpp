@@ -3,6 +3,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -40,6 +41,7 @@ struct Broker::Gpu {
   std::vector<std::uint32_t> arg_sizes;
   std::optional<StreamId> move_stream;  // persistent compaction copies
   std::unordered_map<std::uint64_t, SessionId> move_tokens;
+  std::deque<std::pair<TimeNs, std::int64_t>> busy_samples;  // (time, busy_ns)
   bool draining = false;
   std::uint32_t placed = 0;  // sessions placed on this GPU
 

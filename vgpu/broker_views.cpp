@@ -115,9 +115,10 @@ std::string Broker::render_gpu_info(std::size_t gi) const {
   const DeviceInfo& d = gpus_[gi]->device->info();
   return fmt::format(
       "index: {}\nname: {}\nuuid: {}\nbackend: {}\ncapacity: {}\nmemory_total: {}\nsms: {}\n"
-      "driver: {}\ndraining: {}\n",
+      "driver: {}\ndraining: {}\nbusy_1s: {:.3f}\nbusy_10s: {:.3f}\nbusy_60s: {:.3f}\n",
       gi, d.name, d.uuid, d.backend, d.arena_size, d.total_memory, d.sm_count, d.driver_version,
-      gpus_[gi]->draining ? "yes" : "no");
+      gpus_[gi]->draining ? "yes" : "no", busy_fraction(*gpus_[gi], 1'000'000'000),
+      busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000));
 }
 
 std::string Broker::render_gpu_memory(std::size_t gi) const {
@@ -243,6 +244,14 @@ std::string Broker::render_metrics() const {
   for (const auto& g : gpus_)
     o += fmt::format("salus_gpu_busy_seconds_total{{gpu=\"{}\"}} {:.9f}\n", g->index,
                      static_cast<double>(g->device->busy_ns()) / 1e9);
+  family("salus_gpu_busy_ratio", "gauge",
+         "Fraction of the last window during which the GPU ran at least one op.");
+  for (const auto& g : gpus_)
+    for (const auto& [label, ns] : {std::pair<const char*, TimeNs>{"1s", 1'000'000'000},
+                                    {"10s", 10'000'000'000},
+                                    {"60s", 60'000'000'000}})
+      o += fmt::format("salus_gpu_busy_ratio{{gpu=\"{}\",window=\"{}\"}} {:.4f}\n", g->index,
+                       label, busy_fraction(*g, ns));
   family("salus_switches_total", "counter", "Lane switches between sessions.");
   for (const auto& g : gpus_)
     o +=

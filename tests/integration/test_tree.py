@@ -127,3 +127,19 @@ def test_admin_ctl_drain(salusd):
     assert e.value.errno == errno.EBUSY
     s.close()
     t.close()
+
+
+def test_busy_fraction_windows(salusd):
+    import time
+    s = Session(salusd)
+    s.cmd("need persistent=1M ephemeral=1M gpu=0\nbegin\nspin 100000\nend x15\n")
+    time.sleep(1.3)
+    with open(salusd.path("gpus", "0", "info")) as f:
+        info = dict(line.split(": ", 1) for line in f.read().splitlines())
+    with open(salusd.path("gpus", "1", "info")) as f:
+        idle = dict(line.split(": ", 1) for line in f.read().splitlines())
+    assert float(info["busy_1s"]) > 0.8, info
+    assert float(idle["busy_1s"]) == 0.0
+    with open(salusd.path("metrics")) as f:
+        assert 'salus_gpu_busy_ratio{gpu="0",window="10s"}' in f.read()
+    s.close()
