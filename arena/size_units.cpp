@@ -6,14 +6,22 @@
 namespace salus::arena {
 
 std::optional<Bytes> parse_size(std::string_view text) {
-  if (text.empty()) return std::nullopt;
+  Bytes out = 0;
+  if (parse_size(text, out) != SizeParse::ok) return std::nullopt;
+  return out;
+}
+
+SizeParse parse_size(std::string_view text, Bytes& out) {
+  constexpr SizeParse bad = SizeParse::malformed;
+  if (text.empty()) return bad;
   std::size_t i = 0;
   unsigned long long whole = 0;
   bool any_digit = false;
+  bool whole_overflow = false;
   while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
     const unsigned digit = static_cast<unsigned>(text[i] - '0');
-    if (whole > (~0ULL - digit) / 10) return std::nullopt;
-    whole = whole * 10 + digit;
+    if (whole > (~0ULL - digit) / 10) whole_overflow = true;
+    if (!whole_overflow) whole = whole * 10 + digit;
     any_digit = true;
     ++i;
   }
@@ -22,14 +30,14 @@ std::optional<Bytes> parse_size(std::string_view text) {
   if (i < text.size() && text[i] == '.') {
     ++i;
     while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
-      if (frac_den >= 1'000'000ULL) return std::nullopt;  // more than 6 decimals
+      if (frac_den >= 1'000'000ULL) return bad;  // more than 6 decimals
       frac_num = frac_num * 10 + static_cast<unsigned>(text[i] - '0');
       frac_den *= 10;
       any_digit = true;
       ++i;
     }
   }
-  if (!any_digit) return std::nullopt;
+  if (!any_digit) return bad;
   unsigned shift = 0;
   if (i < text.size()) {
     switch (text[i]) {
@@ -54,7 +62,7 @@ std::optional<Bytes> parse_size(std::string_view text) {
         shift = 0;
         break;
       default:
-        return std::nullopt;
+        return bad;
     }
     if (text[i] != 'b' && text[i] != 'B') {
       ++i;
@@ -64,17 +72,18 @@ std::optional<Bytes> parse_size(std::string_view text) {
       ++i;
     }
   }
-  if (i != text.size()) return std::nullopt;
+  if (i != text.size()) return bad;
   constexpr unsigned long long kLimit = 1ULL << 63;
-  if (shift > 0 && whole > (kLimit >> shift)) return std::nullopt;
+  if (whole_overflow || whole > (kLimit >> shift)) return SizeParse::out_of_range;
   unsigned long long value = whole << shift;
   if (frac_num != 0) {
     const unsigned long long scaled = (frac_num << shift);
-    if (scaled % frac_den != 0) return std::nullopt;  // not a whole number of bytes
+    if (scaled % frac_den != 0) return bad;  // not a whole number of bytes
     value += scaled / frac_den;
   }
-  if (value > kLimit) return std::nullopt;
-  return value;
+  if (value > kLimit) return SizeParse::out_of_range;
+  out = value;
+  return SizeParse::ok;
 }
 
 std::string format_size(Bytes n) {

@@ -23,6 +23,11 @@ constexpr Bytes align_up(Bytes n) {
 // a fraction that is not a whole byte count, or overflow past 2^63.
 std::optional<Bytes> parse_size(std::string_view text);
 
+// The same, telling why a text is not a size: `out_of_range` for a well-formed
+// size past 2^63 (so callers can say ERANGE rather than "junk").
+enum class SizeParse : std::uint8_t { ok, malformed, out_of_range };
+SizeParse parse_size(std::string_view text, Bytes& out);
+
 // "64.0M", "1.5G", "512" — the inverse of parse_size, rounded to one decimal.
 std::string format_size(Bytes n);
 

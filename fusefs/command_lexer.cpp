@@ -134,69 +134,12 @@ NumStatus parse_double(std::string_view text, double& out) {
 }
 
 NumStatus parse_size(std::string_view text, arena::Bytes& out) {
-  if (const auto v = arena::parse_size(text)) {
-    out = *v;
-    return NumStatus::ok;
+  switch (arena::parse_size(text, out)) {
+    case arena::SizeParse::ok: return NumStatus::ok;
+    case arena::SizeParse::out_of_range: return NumStatus::range;
+    case arena::SizeParse::malformed: break;
   }
-  if (looks_negative(text)) return NumStatus::negative;
-  // arena::parse_size says only "no"; re-read the shape it accepts
-  // (DIGITS[.DIGITS][K|M|G|T][i][B]) to tell a too-large value from junk.
-  std::size_t i = 0;
-  std::uint64_t whole = 0;
-  bool whole_overflow = false;
-  bool any_digit = false;
-  for (; i < text.size() && is_digit(text[i]); ++i) {
-    const unsigned d = static_cast<unsigned>(text[i] - '0');
-    if (whole > (UINT64_MAX - d) / 10) whole_overflow = true;
-    if (!whole_overflow) whole = whole * 10 + d;
-    any_digit = true;
-  }
-  bool nonzero_fraction = false;
-  if (i < text.size() && text[i] == '.') {
-    for (++i; i < text.size() && is_digit(text[i]); ++i) {
-      any_digit = true;
-      nonzero_fraction |= text[i] != '0';
-    }
-  }
-  if (!any_digit) return NumStatus::bad;
-  unsigned shift = 0;
-  if (i < text.size()) {
-    switch (text[i]) {
-      case 'k':
-      case 'K':
-        shift = 10;
-        break;
-      case 'm':
-      case 'M':
-        shift = 20;
-        break;
-      case 'g':
-      case 'G':
-        shift = 30;
-        break;
-      case 't':
-      case 'T':
-        shift = 40;
-        break;
-      case 'b':
-      case 'B':
-        break;
-      default:
-        return NumStatus::bad;
-    }
-    const bool unit = shift != 0;
-    ++i;
-    if (unit && i < text.size() && text[i] == 'i') ++i;
-    if (unit && i < text.size() && (text[i] == 'b' || text[i] == 'B')) ++i;
-  }
-  if (i != text.size()) return NumStatus::bad;
-  constexpr std::uint64_t kLimit = 1ULL << 63;
-  if (whole_overflow || whole > (kLimit >> shift)) return NumStatus::range;
-  const std::uint64_t scaled = whole << shift;
-  if (scaled > kLimit || (scaled == kLimit && nonzero_fraction)) return NumStatus::range;
-  // Well-formed and small enough, so what failed was a fraction of a byte or
-  // more decimals than parse_size takes.
-  return NumStatus::bad;
+  return looks_negative(text) ? NumStatus::negative : NumStatus::bad;
 }
 
 }  // namespace salus::fusefs::lex
