@@ -4,7 +4,19 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import Salusd, Session, is_mounted, SALUSD
+
+
+@pytest.fixture(autouse=True)
+def unmount_tmp_path(tmp_path):
+    """A refusal test whose salusd unexpectedly mounted must not leave the mount."""
+    yield
+    for root, dirs, _ in os.walk(tmp_path):
+        for d in [root] + [os.path.join(root, x) for x in dirs]:
+            if is_mounted(d):
+                subprocess.run(["fusermount3", "-u", "-z", d], check=False)
 
 
 def test_sigterm_drains_unmounts_and_exits_zero(salusd_factory):
