@@ -53,7 +53,7 @@ typedef void (*salus_sim_kernel_fn)(const salus_launch* launch, void* const* arg
  * initialized extern) the parameter list of kernel `name` so salusd can check a launch's
  * argument count and sizes before running it: comma-separated tokens from
  * ptr (8 bytes), i32, u32, f32 (4 bytes), i64, u64, f64 (8 bytes); "" means none. */
-#define SALUS_SIM_SIGNATURE(name, sig)                                     \
+#define SALUS_SIM_SIGNATURE(name, sig)                                    \
   SALUS_SIM_EXTERN_C SALUS_SIM_EXPORT const char* salus_signature_##name; \
   const char* salus_signature_##name = sig
 

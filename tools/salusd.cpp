@@ -21,6 +21,7 @@
 #include "fusefs/filesystem.hpp"
 #include "salus_config.hpp"
 #include "vgpu/broker.hpp"
+#include "vgpu/cuda/cuda_backend.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 namespace {
@@ -36,6 +37,7 @@ struct Settings {
   std::string log_level = "info";
   std::string config;
   std::uint32_t pipeline_depth = 2;
+  double cuda_memory_fraction = 0.9;
   int shutdown_grace_ms = 5000;
   salus::vgpu::Quotas quotas;
   bool fuse_debug = false;
@@ -63,6 +65,7 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   s.pipeline_depth = t["pipeline_depth"].value_or(s.pipeline_depth);
   s.shutdown_grace_ms = t["shutdown_grace_ms"].value_or(s.shutdown_grace_ms);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
+  s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.sim_memory = t["sim"]["memory"].value_or(s.sim_memory);
   auto& q = s.quotas;
   q.sessions_per_uid = t["quotas"]["sessions_per_uid"].value_or(q.sessions_per_uid);
@@ -92,6 +95,9 @@ std::optional<std::string> validate(const Settings& s) {
   if (s.pipeline_depth < 1 || s.pipeline_depth > 64)
     return fmt::format("pipeline_depth {}: expected 1 to 64", s.pipeline_depth);
   if (s.shutdown_grace_ms < 0) return std::string("shutdown_grace_ms must not be negative");
+  if (!(s.cuda_memory_fraction > 0.0 && s.cuda_memory_fraction <= 1.0))
+    return fmt::format("cuda memory_fraction {}: expected more than 0 and at most 1",
+                       s.cuda_memory_fraction);
   if (s.quotas.bytes_per_write < 64 || s.quotas.bytes_per_write > 1024 * 1024)
     return fmt::format("quotas.bytes_per_write {}: expected 64 to 1048576",
                        s.quotas.bytes_per_write);
@@ -143,6 +149,8 @@ int main(int argc, char** argv) {
                    "Queued iterations per uid");
   flags.add_option("--quota-write-bytes", s.quotas.bytes_per_write, "Bytes per command write")
       ->check(CLI::Range(64u, 1024u * 1024u));
+  flags.add_option("--cuda-memory-fraction", s.cuda_memory_fraction,
+                   "Share of each GPU's free memory salusd reserves for its arena (cuda)");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
   try {
     flags.parse(argc, argv);
@@ -172,19 +180,29 @@ int main(int argc, char** argv) {
   }
 
   std::string backend = s.backend;
-  if (backend == "cuda")
-    return fail("--backend cuda: this salusd was built without the CUDA backend");
-  if (backend == "auto") {
-    spdlog::info("backend auto: no CUDA backend in this build; using the sim backend");
-    backend = "sim";
-  }
-
   std::vector<std::unique_ptr<salus::vgpu::Device>> devices;
-  try {
-    for (int i = 0; i < s.sim_gpus; ++i)
-      devices.push_back(std::make_unique<salus::vgpu::SimDevice>(i, *sim_memory));
-  } catch (const std::exception& e) {
-    return fail(fmt::format("sim backend: cannot reserve {} per GPU: {}", s.sim_memory, e.what()));
+  if (backend == "cuda" || backend == "auto") {
+    salus::vgpu::CudaOptions co;
+    co.memory_fraction = s.cuda_memory_fraction;
+    std::string why;
+    devices = salus::vgpu::open_cuda_devices(co, why);
+    if (!devices.empty()) {
+      backend = "cuda";
+    } else if (backend == "cuda") {
+      return fail(fmt::format("--backend cuda: {}", why));
+    } else {
+      spdlog::info("backend auto: {}; using the sim backend", why);
+      backend = "sim";
+    }
+  }
+  if (backend == "sim") {
+    try {
+      for (int i = 0; i < s.sim_gpus; ++i)
+        devices.push_back(std::make_unique<salus::vgpu::SimDevice>(i, *sim_memory));
+    } catch (const std::exception& e) {
+      return fail(
+          fmt::format("sim backend: cannot reserve {} per GPU: {}", s.sim_memory, e.what()));
+    }
   }
 
   salus::vgpu::BrokerConfig bc;
@@ -206,9 +224,10 @@ int main(int argc, char** argv) {
     broker.shutdown(std::chrono::milliseconds(0));
     return fail(*err);
   }
-  spdlog::info("salusd {} serving {} with {} {} GPU(s) x {}, policy {}", SALUS_VERSION,
-               fs.options().mountpoint, broker.gpu_count(), backend,
-               salus::arena::format_size(*sim_memory), s.policy);
+  spdlog::info("salusd {} serving {} with {} {} GPU(s), policy {}", SALUS_VERSION,
+               fs.options().mountpoint, broker.gpu_count(), backend, s.policy);
+  for (std::size_t i = 0; i < broker.gpu_count(); ++i)
+    spdlog::info("gpu {}: {}", i, broker.render_gpu_summary(i));
   sd_notify(0, "READY=1");
   const int rc = fs.serve();
   sd_notify(0, "STOPPING=1");

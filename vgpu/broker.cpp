@@ -285,6 +285,7 @@ void Broker::submit(
       PendingWrite w;
       w.commands = std::move(commands);
       w.module_files = std::move(module_files);
+      w.caller_admin = caller.admin;
       w.parse_error = std::move(parse_error);
       w.done = std::move(done);
       s->writes.push_back(std::move(w));
@@ -969,6 +970,10 @@ int Broker::exec_module(Session& s, const ModuleCmd& c, PendingWrite& w, std::ui
   if (!file) return fail(EIO, "internal: module file was not read");
   if (file->error) return fail(file->error, file->why);
   Gpu& g = *gpu_of(s);
+  // A sim module is host code that would run inside this root daemon.
+  if (g.device->info().backend == "sim" && !w.caller_admin)
+    return fail(EPERM, "sim-backend modules are host code run inside salusd; only root or the "
+                       "admin group may load them");
   LoadedModule m;
   std::string why;
   if (int rc = g.device->load_module(file->image, m.handle, why)) return fail(rc, why);
@@ -1121,6 +1126,7 @@ void Broker::worker_loop(Gpu& g) {
     try {
       std::lock_guard lk(mu_);
       for (const Completion& c : batch) complete(g, c, later);
+      check_generation(g, later);
       dispatch(g, later);
       sample_busy(g);
     } catch (const std::exception& e) {
@@ -1128,6 +1134,23 @@ void Broker::worker_loop(Gpu& g) {
     }
     batch.clear();
     run_all(later);
+  }
+}
+
+void Broker::check_generation(Gpu& g, Deferred& later) {
+  const std::uint64_t gen = g.device->generation();
+  if (gen == g.generation) return;
+  g.generation = gen;
+  spdlog::error("gpu {}: the device context was recreated after a fault; every session on it "
+                "loses its GPU memory",
+                g.index);
+  for (auto& [id, sp] : sessions_) {
+    Session& s = *sp;
+    if (s.gpu != static_cast<int>(g.index) || s.dead) continue;
+    fail_session(s, s.error ? s.error : EIO,
+                 "gpu context lost: a kernel faulted on this GPU and its context was recreated; "
+                 "device memory is gone",
+                 later);
   }
 }
 

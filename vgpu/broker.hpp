@@ -134,6 +134,7 @@ class Broker {
   std::string render_status(SessionId id) const;
   std::string render_log(SessionId id) const;
   std::string render_gpu_info(std::size_t gpu) const;
+  std::string render_gpu_summary(std::size_t gpu) const;  // one line for logs
   std::string render_gpu_memory(std::size_t gpu) const;
   std::string render_gpu_lanes(std::size_t gpu) const;
   std::string render_gpu_queue(std::size_t gpu) const;
@@ -214,6 +215,9 @@ class Broker {
   // Utilization from the device's busy time, sampled by the worker every 100 ms:
   // the busy fraction over the last `window` ns.
   void sample_busy(Gpu& g);
+  // After a device fault the backend recreates its context and every byte on
+  // that GPU is lost: every session placed there fails with "gpu context lost".
+  void check_generation(Gpu& g, Deferred& later);
   double busy_fraction(const Gpu& g, TimeNs window) const;
   void update_runnable(Gpu& g, Session& s);
 

@@ -42,6 +42,7 @@ struct Broker::Gpu {
   std::optional<StreamId> move_stream;  // persistent compaction copies
   std::unordered_map<std::uint64_t, SessionId> move_tokens;
   std::deque<std::pair<TimeNs, std::int64_t>> busy_samples;  // (time, busy_ns)
+  std::uint64_t generation = 0;  // the device's context generation last seen
   bool draining = false;
   std::uint32_t placed = 0;  // sessions placed on this GPU
 

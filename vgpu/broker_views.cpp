@@ -121,6 +121,14 @@ std::string Broker::render_gpu_info(std::size_t gi) const {
       busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000));
 }
 
+std::string Broker::render_gpu_summary(std::size_t gi) const {
+  if (gi >= gpus_.size()) return {};
+  const DeviceInfo& d = gpus_[gi]->device->info();
+  return fmt::format("{} ({}, {}, {} managed of {}, {} SMs, driver {})", d.name, d.backend, d.uuid,
+                     arena::format_size(d.arena_size), arena::format_size(d.total_memory),
+                     d.sm_count, d.driver_version);
+}
+
 std::string Broker::render_gpu_memory(std::size_t gi) const {
   std::lock_guard lk(mu_);
   if (gi >= gpus_.size()) return {};

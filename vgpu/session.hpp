@@ -130,6 +130,7 @@ struct PendingWrite {
     std::vector<std::uint8_t> image;
   };
   std::vector<ModuleFile> module_files;
+  bool caller_admin = false;
   std::size_t next = 0;
   std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error;
   std::string reply;              // accumulated reply text

@@ -73,7 +73,8 @@ CudaDevice::CudaDevice(const CudaDriver& driver, int index, CUdevice device,
   info_.driver_version = format_cuda_version(drv_.version());
 
   char name[256] = {};
-  if (drv_.device_get_name(name, static_cast<int>(sizeof name - 1), device_) == CUDA_SUCCESS) info_.name = name;
+  if (drv_.device_get_name(name, static_cast<int>(sizeof name - 1), device_) == CUDA_SUCCESS)
+    info_.name = name;
   CUuuid uuid{};
   if (drv_.device_get_uuid(&uuid, device_) == CUDA_SUCCESS)
     info_.uuid = format_gpu_uuid(reinterpret_cast<const unsigned char*>(uuid.bytes));
@@ -93,8 +94,15 @@ CudaDevice::CudaDevice(const CudaDriver& driver, int index, CUdevice device,
 
   std::string why;
   open_context(true, why);  // throws
-  calibrate_spin(clock_khz_);
-  poller_ = std::thread([this] { poll_loop(); });
+  try {
+    calibrate_spin(clock_khz_);
+    poller_ = std::thread([this] { poll_loop(); });
+  } catch (...) {
+    // No destructor runs for a constructor that throws: give the context back.
+    release_context_resources();
+    drv_.primary_ctx_release(device_);
+    throw;
+  }
   spdlog::info(
       "cuda gpu{}: {} ({}), {} SMs, {} MiB, arena {} MiB at {:#x}, CUDA {}, built-in kernels: "
       "{}, spin {:.1f} cycles/us",
@@ -128,8 +136,7 @@ CudaDevice::~CudaDevice() {
   std::unique_lock ctx(ctx_mu_);
   if (ctx_ == nullptr) return;  // dead: nothing left to release
   set_current();
-  const bool clean =
-      fault_.load() == CUDA_SUCCESS && drv_.ctx_synchronize() == CUDA_SUCCESS;
+  const bool clean = fault_.load() == CUDA_SUCCESS && drv_.ctx_synchronize() == CUDA_SUCCESS;
   if (clean) {
     release_context_resources();
   } else {
@@ -168,9 +175,8 @@ void CudaDevice::open_context(bool first, std::string& why) {
     std::size_t free = 0, total = 0;
     if (const CUresult r = drv_.mem_get_info(&free, &total); r != CUDA_SUCCESS)
       return bail("cuMemGetInfo", r);
-    info_.arena_size =
-        static_cast<Bytes>(static_cast<double>(free) * opts_.memory_fraction) / kArenaAlign *
-        kArenaAlign;
+    info_.arena_size = static_cast<Bytes>(static_cast<double>(free) * opts_.memory_fraction) /
+                       kArenaAlign * kArenaAlign;
     if (info_.arena_size == 0) return bail("no free device memory for the arena", CUDA_SUCCESS);
   }
   // The free figure includes memory the driver cannot hand out in one piece;
@@ -461,8 +467,8 @@ bool CudaDevice::ensure_scratch(Stream& s) {
 
 bool CudaDevice::builtins_ok(Stream& s, CUfunction fn) {
   if (fn != nullptr) return true;
-  fail(s, ENOSYS, builtins_why_.empty() ? std::string("built-in kernels unavailable")
-                                        : builtins_why_);
+  fail(s, ENOSYS,
+       builtins_why_.empty() ? std::string("built-in kernels unavailable") : builtins_why_);
   return false;
 }
 
@@ -538,10 +544,9 @@ void CudaDevice::fill(StreamId stream, DevOffset dst, Bytes length, std::uint32_
     return fail(s, EINVAL, fmt::format("fill width {} is not 1, 2 or 4", width));
   for (const FillPiece& p : pieces) {
     const CUdeviceptr to = at(dst) + p.offset;
-    const CUresult r =
-        p.unit == 1 ? drv_.memset_d8_async(to, static_cast<unsigned char>(p.value), p.count,
-                                           s.handle)
-                    : drv_.memset_d32_async(to, p.value, p.count, s.handle);
+    const CUresult r = p.unit == 1 ? drv_.memset_d8_async(to, static_cast<unsigned char>(p.value),
+                                                          p.count, s.handle)
+                                   : drv_.memset_d32_async(to, p.value, p.count, s.handle);
     if (!check(s, r, "fill")) return;
   }
 }
@@ -601,8 +606,8 @@ void CudaDevice::gemm(StreamId stream, std::uint32_t m, std::uint32_t n, std::ui
   unsigned um = m, un = n, uk = k;
   void* params[] = {&um, &un, &uk, &pa, &pb, &out};
   if (!check(s,
-             drv_.launch_kernel(gemm_fn_, grid[0], grid[1], 1, kGemmBlockThreads, 1, 1, 0,
-                                s.handle, params, nullptr),
+             drv_.launch_kernel(gemm_fn_, grid[0], grid[1], 1, kGemmBlockThreads, 1, 1, 0, s.handle,
+                                params, nullptr),
              "gemm"))
     return;
   if (alias) check(s, drv_.memcpy_dtod_async(at(c), out, c_bytes, s.handle), "gemm");
@@ -824,9 +829,10 @@ int CudaDevice::get_function(ModuleHandle module, const std::string& name, Funct
   if (const CUresult r = drv_.module_get_function(&f.handle, m.handle, name.c_str());
       r != CUDA_SUCCESS) {
     why = r == CUDA_ERROR_NOT_FOUND
-              ? fmt::format("the module has no kernel '{}' (C++ kernels need their mangled name "
-                            "or extern \"C\")",
-                            name)
+              ? fmt::format(
+                    "the module has no kernel '{}' (C++ kernels need their mangled name "
+                    "or extern \"C\")",
+                    name)
               : drv_.describe(r);
     return r == CUDA_ERROR_NOT_FOUND ? ENOENT : to_errno(r);
   }
@@ -835,7 +841,12 @@ int CudaDevice::get_function(ModuleHandle module, const std::string& name, Funct
     for (std::uint32_t i = 0; i < kMaxParams; ++i) {
       std::size_t offset = 0, size = 0;
       const CUresult r = drv_.func_get_param_info(f.handle, i, &offset, &size);
-      if (r == CUDA_ERROR_INVALID_VALUE) break;  // past the last parameter
+      if (r == CUDA_ERROR_INVALID_VALUE) {
+        // Past the last parameter. At index 0 it may also mean the driver cannot
+        // tell for this function: claim nothing rather than "no parameters".
+        if (i == 0) f.sizes_known = false;
+        break;
+      }
       if (r != CUDA_SUCCESS) {
         f.sizes_known = false;
         f.param_sizes.clear();
@@ -1019,8 +1030,8 @@ void CudaDevice::deliver(std::vector<Delivery>& out) {
     try {
       sink->on_complete(d.stream->id, d.token, d.status, d.device_ns);
     } catch (const std::exception& e) {
-      spdlog::error("cuda gpu{} stream {}: completion handler threw: {}", info_.index,
-                    d.stream->id, e.what());
+      spdlog::error("cuda gpu{} stream {}: completion handler threw: {}", info_.index, d.stream->id,
+                    e.what());
     } catch (...) {
       spdlog::error("cuda gpu{} stream {}: completion handler threw", info_.index, d.stream->id);
     }
@@ -1129,7 +1140,8 @@ void CudaDevice::flush_after_fault(bool rebuild) {
       drv_.primary_ctx_release(device_);
       ctx_ = nullptr;
       std::string why;
-      if (reset != CUDA_SUCCESS) why = fmt::format("cuDevicePrimaryCtxReset: {}", drv_.error_name(reset));
+      if (reset != CUDA_SUCCESS)
+        why = fmt::format("cuDevicePrimaryCtxReset: {}", drv_.error_name(reset));
       if (why.empty()) open_context(false, why);
       if (why.empty()) {
         for (const auto& s : all_streams()) {
@@ -1149,8 +1161,7 @@ void CudaDevice::flush_after_fault(bool rebuild) {
           if (drv_.module_load_data_ex(&m.handle, m.image.data(), 0, nullptr, nullptr) !=
               CUDA_SUCCESS) {
             m.handle = nullptr;
-            spdlog::error("cuda gpu{}: module {} did not reload after the fault", info_.index,
-                          id);
+            spdlog::error("cuda gpu{}: module {} did not reload after the fault", info_.index, id);
             continue;
           }
           for (Function& f : m.functions)
@@ -1159,8 +1170,8 @@ void CudaDevice::flush_after_fault(bool rebuild) {
         }
       }
       if (!why.empty()) {
-        spdlog::critical("cuda gpu{}: recovery failed ({}); the GPU is out of service",
-                         info_.index, why);
+        spdlog::critical("cuda gpu{}: recovery failed ({}); the GPU is out of service", info_.index,
+                         why);
         dead_.store(true);
         if (ctx_ != nullptr) {
           drv_.primary_ctx_reset(device_);
@@ -1172,8 +1183,8 @@ void CudaDevice::flush_after_fault(bool rebuild) {
           s->handle = nullptr;
         }
       } else {
-        spdlog::warn("cuda gpu{}: context rebuilt after {}; device memory was cleared",
-                     info_.index, drv_.error_name(cause));
+        spdlog::warn("cuda gpu{}: context rebuilt after {}; device memory was cleared", info_.index,
+                     drv_.error_name(cause));
       }
       generation_.fetch_add(1);
     }
@@ -1214,8 +1225,8 @@ std::vector<std::unique_ptr<Device>> open_cuda_devices(const CudaOptions& option
       continue;
     }
     try {
-      out.push_back(std::make_unique<cuda::CudaDevice>(*drv, static_cast<int>(out.size()), dev,
-                                                       options));
+      out.push_back(
+          std::make_unique<cuda::CudaDevice>(*drv, static_cast<int>(out.size()), dev, options));
     } catch (const std::exception& e) {
       failures.push_back(e.what());
       spdlog::warn("cuda: CUDA device {} not used: {}", i, e.what());

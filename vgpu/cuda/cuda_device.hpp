@@ -146,7 +146,7 @@ class CudaDevice final : public Device {
     bool closing = false;
     Interval open;
     std::uint64_t discards_seen = 0;
-    CUdeviceptr scratch = 0;  // kScratchBytes, allocated on first need
+    CUdeviceptr scratch = 0;       // kScratchBytes, allocated on first need
     std::deque<Interval> pending;  // notified, not yet delivered; guarded by pending_mu_
   };
   struct Function {

@@ -163,8 +163,7 @@ std::string CudaDriver::error_name(CUresult r) const {
 
 std::string CudaDriver::describe(CUresult r) const {
   const char* text = nullptr;
-  if (get_error_string != nullptr && get_error_string(r, &text) == CUDA_SUCCESS &&
-      text != nullptr)
+  if (get_error_string != nullptr && get_error_string(r, &text) == CUDA_SUCCESS && text != nullptr)
     return fmt::format("{} ({})", error_name(r), text);
   return error_name(r);
 }

@@ -51,8 +51,7 @@ bool ranges_overlap(std::uint64_t a, std::uint64_t alen, std::uint64_t b, std::u
 }
 
 bool plan_copy(std::uint64_t dst, std::uint64_t src, std::uint64_t length,
-               std::uint64_t scratch_size, std::vector<CopyPiece>& pieces,
-               std::size_t max_direct) {
+               std::uint64_t scratch_size, std::vector<CopyPiece>& pieces, std::size_t max_direct) {
   pieces.clear();
   if (length == 0 || dst == src) return true;
   if (!ranges_overlap(dst, length, src, length)) {
@@ -115,7 +114,11 @@ bool gemm_grid(std::uint32_t m, std::uint32_t n, std::uint64_t a_addr, std::uint
 
 ImageKind classify_image(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return ImageKind::empty;
-  if (size >= 4 && std::memcmp(data, "\x7f" "ELF", 4) == 0) return ImageKind::cubin;
+  if (size >= 4 && std::memcmp(data,
+                               "\x7f"
+                               "ELF",
+                               4) == 0)
+    return ImageKind::cubin;
   if (size >= 4) {
     const std::uint32_t magic = std::uint32_t{data[0]} | std::uint32_t{data[1]} << 8 |
                                 std::uint32_t{data[2]} << 16 | std::uint32_t{data[3]} << 24;
@@ -127,7 +130,8 @@ ImageKind classify_image(const std::uint8_t* data, std::size_t size) {
   while (end > 0 && data[end - 1] == 0) --end;
   for (std::size_t i = 0; i < end; ++i) {
     const std::uint8_t c = data[i];
-    if (!(c == '\t' || c == '\n' || c == '\r' || (c >= 0x20 && c < 0x7f))) return ImageKind::unknown;
+    if (!(c == '\t' || c == '\n' || c == '\r' || (c >= 0x20 && c < 0x7f)))
+      return ImageKind::unknown;
   }
   const std::string_view text(reinterpret_cast<const char*>(data), end);
   if (text.find(".version") != std::string_view::npos &&
@@ -172,8 +176,8 @@ std::string format_gpu_uuid(const unsigned char b[16]) {
   return fmt::format(
       "GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-"
       "{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
-      b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
-      b[14], b[15]);
+      b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
+      b[15]);
 }
 
 std::string format_cuda_version(int version) {

@@ -65,7 +65,7 @@ std::uint32_t spin_blocks(double util, std::uint32_t sm_count, std::uint32_t thr
 std::uint64_t spin_cycles(std::uint64_t usec, double cycles_per_usec);
 
 // ---- gemm ----
-constexpr unsigned kGemmTile = 64;          // C tile edge per block (builtin_kernels.cu)
+constexpr unsigned kGemmTile = 64;           // C tile edge per block (builtin_kernels.cu)
 constexpr unsigned kGemmBlockThreads = 256;  // 16 x 16 threads, 4 x 4 outputs each
 // Grid for C[m x n]; false with a reason if it exceeds the grid limits or an
 // operand is not 4-byte aligned (a misaligned float load would fault the context).

@@ -1,0 +1,861 @@
+// A stand-in libcuda.so.1 for running the cuda backend's tests on machines with
+// no GPU. It implements, on the host, exactly the Driver API subset salusd
+// resolves through cuGetProcAddress: device memory is host memory, each stream is
+// a thread, events carry host timestamps, and the kernels salusd and the tests use
+// (salus_spin, salus_gemm, the test module's) have CPU implementations found by
+// name in the loaded image. It is strict where a real GPU is undefined or unkind:
+// overlapping cuMemcpy, use of a handle after a context reset, a launch from an
+// unloaded module or a call without a current context abort the process loudly,
+// and a store outside every allocation makes the context sticky-faulted with
+// CUDA_ERROR_ILLEGAL_ADDRESS until cuDevicePrimaryCtxReset.
+//
+// Only for tests: selected with LD_LIBRARY_PATH by tests/gpu/meson.build.
+#include <cuda.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void misuse(const char* format, ...) {
+  std::va_list ap;
+  va_start(ap, format);
+  std::fprintf(stderr, "MOCK libcuda: misuse: ");
+  std::vfprintf(stderr, format, ap);
+  std::fprintf(stderr, "\n");
+  va_end(ap);
+  std::abort();
+}
+
+constexpr std::size_t kTotalMemory = std::size_t{512} << 20;
+constexpr int kClockKhz = 1'000'000;  // 1 GHz: 1000 cycles per microsecond
+
+struct Dims {
+  unsigned grid[3];
+  unsigned block[3];
+};
+using Params = std::vector<std::vector<std::uint8_t>>;
+struct Kernel {
+  const char* name;
+  std::vector<std::uint32_t> sizes;
+  void (*run)(const Dims&, const Params&);
+};
+
+struct MockStream {
+  std::uint64_t gen = 0;
+  bool destroyed = false;
+  bool exit = false;
+  bool busy = false;
+  std::deque<std::function<void()>> queue;
+};
+struct MockEvent {
+  std::uint64_t gen;
+  unsigned flags;
+  bool destroyed = false;
+  std::uint64_t recorded = 0;  // records issued
+  std::uint64_t done = 0;      // records completed
+  Clock::time_point at{};
+};
+struct MockModule {
+  std::uint64_t gen = 0;
+  bool unloaded = false;
+  std::vector<const Kernel*> kernels;
+};
+struct MockFunction {
+  MockModule* module;
+  const Kernel* kernel;
+};
+
+struct State {
+  std::mutex mu;
+  std::condition_variable cv;  // any progress: op done, event done, fault, reset
+  CUresult sticky = CUDA_SUCCESS;
+  std::uint64_t gen = 1;  // bumped by every context reset
+  int refs = 0;
+  std::map<std::uintptr_t, std::size_t> device;  // allocations, by address
+  std::map<std::uintptr_t, std::size_t> pinned;
+  std::size_t used = 0;
+  std::vector<MockStream*> streams;  // of the current generation
+};
+// Never destroyed: detached stream threads may still wait on it at exit.
+State& g = *new State;
+// Handles are never freed (a stale one must still be recognisable as stale); kept
+// reachable here so leak checkers do not count them.
+std::mutex& g_keep_mu = *new std::mutex;
+std::vector<void*>& g_keep = *new std::vector<void*>;
+template <typename T>
+T* keep(T* p) {
+  std::lock_guard lk(g_keep_mu);
+  g_keep.push_back(p);
+  return p;
+}
+char g_ctx_token;
+thread_local CUcontext t_current = nullptr;
+
+CUcontext the_ctx() {
+  return reinterpret_cast<CUcontext>(&g_ctx_token);
+}
+
+// Common entry check for calls that need the context. Caller holds g.mu.
+CUresult enter_locked() {
+  if (t_current != the_ctx())
+    misuse("a context call on a thread without the primary context current");
+  if (g.refs == 0) misuse("a context call while the primary context is not retained");
+  return g.sticky;
+}
+#define ENTER()              \
+  std::unique_lock lk(g.mu); \
+  if (CUresult e_ = enter_locked(); e_ != CUDA_SUCCESS) return e_
+
+bool range_in(const std::map<std::uintptr_t, std::size_t>& m, std::uintptr_t p, std::size_t n) {
+  auto it = m.upper_bound(p);
+  if (it == m.begin()) return false;
+  --it;
+  return p >= it->first && p - it->first <= it->second && n <= it->second - (p - it->first);
+}
+
+// Caller holds g.mu.
+void fault_locked(CUresult r) {
+  if (g.sticky == CUDA_SUCCESS) g.sticky = r;
+  for (MockStream* s : g.streams) s->queue.clear();
+  g.cv.notify_all();
+}
+
+// For kernels: device memory they touch must be allocated, or the context faults.
+bool device_ok(std::uint64_t p, std::size_t n) {
+  std::lock_guard lk(g.mu);
+  if (range_in(g.device, p, n)) return true;
+  fault_locked(CUDA_ERROR_ILLEGAL_ADDRESS);
+  return false;
+}
+
+// Waits (interruptibly, like a kernel killed by a fault) up to `d`, or until pred.
+template <typename Pred>
+void kernel_wait(std::chrono::microseconds d, Pred pred) {
+  std::unique_lock lk(g.mu);
+  const std::uint64_t gen = g.gen;
+  g.cv.wait_until(lk, Clock::now() + d,
+                  [&] { return g.sticky != CUDA_SUCCESS || g.gen != gen || pred(); });
+}
+
+template <typename T>
+T param(const Params& p, std::size_t i) {
+  T v;
+  std::memcpy(&v, p[i].data(), sizeof v);
+  return v;
+}
+
+// ---- kernels, by name ----
+
+void k_spin(const Dims&, const Params& p) {
+  const auto cycles = param<unsigned long long>(p, 0);
+  kernel_wait(std::chrono::microseconds(cycles / (kClockKhz / 1000)), [] { return false; });
+}
+
+void k_gemm(const Dims& d, const Params& p) {
+  const auto m = param<unsigned>(p, 0), n = param<unsigned>(p, 1), k = param<unsigned>(p, 2);
+  const auto a = param<std::uint64_t>(p, 3), b = param<std::uint64_t>(p, 4),
+             c = param<std::uint64_t>(p, 5);
+  if (std::uint64_t{d.grid[0]} * 64 < n || std::uint64_t{d.grid[1]} * 64 < m || d.block[0] != 256)
+    misuse("salus_gemm launched with a grid that does not cover %ux%u", m, n);
+  if (!device_ok(a, std::size_t{m} * k * 4) || !device_ok(b, std::size_t{k} * n * 4) ||
+      !device_ok(c, std::size_t{m} * n * 4))
+    return;
+  auto* A = reinterpret_cast<const float*>(a);
+  auto* B = reinterpret_cast<const float*>(b);
+  auto* C = reinterpret_cast<float*>(c);
+  // Writes C as it goes, like blocks of a real kernel do: aliasing shows.
+  for (unsigned i = 0; i < m; ++i)
+    for (unsigned j = 0; j < n; ++j) {
+      double sum = 0;
+      for (unsigned q = 0; q < k; ++q)
+        sum += double{A[std::size_t{i} * k + q]} * B[std::size_t{q} * n + j];
+      C[std::size_t{i} * n + j] = static_cast<float>(sum);
+    }
+}
+
+void k_all_types(const Dims&, const Params& p) {
+  const auto out = param<std::uint64_t>(p, 0);
+  if (!device_ok(out, 40)) return;
+  auto* o = reinterpret_cast<std::uint8_t*>(out);
+  std::memcpy(o + 0, p[1].data(), 4);
+  std::memcpy(o + 4, p[2].data(), 4);
+  std::memcpy(o + 8, p[3].data(), 8);
+  std::memcpy(o + 16, p[4].data(), 8);
+  std::memcpy(o + 24, p[5].data(), 4);
+  std::memcpy(o + 32, p[6].data(), 8);
+}
+
+void k_saxpy(const Dims& d, const Params& p) {
+  const auto y = param<std::uint64_t>(p, 0), x = param<std::uint64_t>(p, 1);
+  const auto a = param<float>(p, 2);
+  const auto n = param<unsigned>(p, 3);
+  const std::uint64_t threads = std::uint64_t{d.grid[0]} * d.block[0];
+  const std::uint64_t count = std::min<std::uint64_t>(threads, n);
+  if (count == 0) return;
+  if (!device_ok(y, count * 4) || !device_ok(x, count * 4)) return;
+  auto* Y = reinterpret_cast<float*>(y);
+  auto* X = reinterpret_cast<const float*>(x);
+  for (std::uint64_t i = 0; i < count; ++i) Y[i] = a * X[i] + Y[i];
+}
+
+void k_wait_flag(const Dims&, const Params& p) {
+  const auto flag = param<std::uint64_t>(p, 0), seen = param<std::uint64_t>(p, 1);
+  const auto cycles = param<unsigned long long>(p, 2);
+  if (!device_ok(flag, 4) || !device_ok(seen, 4)) return;
+  auto* f = reinterpret_cast<std::atomic<unsigned>*>(flag);
+  kernel_wait(std::chrono::microseconds(cycles / (kClockKhz / 1000)),
+              [&] { return f->load() != 0; });
+  *reinterpret_cast<unsigned*>(seen) = f->load() != 0 ? 1 : 0;
+}
+
+void k_set_flag(const Dims&, const Params& p) {
+  const auto flag = param<std::uint64_t>(p, 0);
+  if (!device_ok(flag, 4)) return;
+  {
+    std::lock_guard lk(g.mu);  // so the waiter's predicate sees it promptly
+    reinterpret_cast<std::atomic<unsigned>*>(flag)->store(1);
+  }
+  g.cv.notify_all();
+}
+
+void k_bad_store(const Dims&, const Params& p) {
+  const auto ptr = param<std::uint64_t>(p, 0);
+  if (device_ok(ptr, 4)) *reinterpret_cast<unsigned*>(ptr) = 0xdead;
+}
+
+const Kernel kKernels[] = {
+    {"salus_spin", {8}, k_spin},
+    {"salus_gemm", {4, 4, 4, 8, 8, 8}, k_gemm},
+    {"all_types", {8, 4, 4, 8, 8, 4, 8}, k_all_types},
+    {"saxpy", {8, 8, 4, 4}, k_saxpy},
+    {"wait_flag", {8, 8, 8}, k_wait_flag},
+    {"set_flag", {8}, k_set_flag},
+    {"bad_store", {8}, k_bad_store},
+};
+
+// ---- streams ----
+
+void stream_loop(MockStream* s) {
+  for (;;) {
+    std::function<void()> op;
+    {
+      std::unique_lock lk(g.mu);
+      g.cv.wait(lk, [&] { return !s->queue.empty() || s->exit; });
+      if (s->queue.empty()) return;  // exiting and drained
+      if (g.sticky != CUDA_SUCCESS || s->gen != g.gen) {
+        s->queue.clear();  // a faulted context runs nothing more
+        g.cv.notify_all();
+        continue;
+      }
+      op = std::move(s->queue.front());
+      s->queue.pop_front();
+      s->busy = true;
+    }
+    op();
+    std::lock_guard lk(g.mu);
+    s->busy = false;
+    g.cv.notify_all();
+  }
+}
+
+MockStream* stream_of(CUstream h) {
+  if (h == nullptr) misuse("the NULL stream is not emulated (salusd must use its own streams)");
+  auto* s = reinterpret_cast<MockStream*>(h);
+  if (s->gen != g.gen) misuse("stream %p used after a context reset", static_cast<void*>(s));
+  if (s->destroyed) misuse("stream %p used after cuStreamDestroy", static_cast<void*>(s));
+  return s;
+}
+MockEvent* event_of(CUevent h) {
+  auto* e = reinterpret_cast<MockEvent*>(h);
+  if (e == nullptr) misuse("null event");
+  if (e->gen != g.gen) misuse("event %p used after a context reset", static_cast<void*>(e));
+  if (e->destroyed) misuse("event %p used after cuEventDestroy", static_cast<void*>(e));
+  return e;
+}
+
+// Caller holds g.mu (as `lk`). Enqueues and returns.
+void push(MockStream* s, std::function<void()> op) {
+  s->queue.push_back(std::move(op));
+  g.cv.notify_all();
+}
+// Enqueues and waits for the op to have run (pageable copies are synchronous).
+CUresult push_and_wait(std::unique_lock<std::mutex>& lk, MockStream* s, std::function<void()> op) {
+  auto done = std::make_shared<bool>(false);
+  push(s, [op = std::move(op), done] {
+    op();
+    std::lock_guard l(g.mu);
+    *done = true;
+  });
+  const std::uint64_t gen = g.gen;
+  g.cv.wait(lk, [&] { return *done || g.sticky != CUDA_SUCCESS || g.gen != gen; });
+  return *done ? CUDA_SUCCESS : g.sticky;
+}
+
+void destroy_everything_locked(std::unique_lock<std::mutex>& lk) {
+  ++g.gen;
+  for (MockStream* s : g.streams) {
+    s->queue.clear();
+    s->exit = true;
+  }
+  g.cv.notify_all();
+  // Kernels in flight notice the generation change and return; wait for them
+  // before freeing the memory they may be touching.
+  g.cv.wait(lk, [] {
+    return std::none_of(g.streams.begin(), g.streams.end(), [](MockStream* s) { return s->busy; });
+  });
+  g.streams.clear();  // threads were detached; objects leak on purpose (stale handles abort)
+  for (auto& [p, n] : g.device) std::free(reinterpret_cast<void*>(p));
+  for (auto& [p, n] : g.pinned) std::free(reinterpret_cast<void*>(p));
+  g.device.clear();
+  g.pinned.clear();
+  g.used = 0;
+  g.sticky = CUDA_SUCCESS;
+}
+
+// ---- API ----
+
+CUresult m_cuGetErrorName(CUresult r, const char** s) {
+  switch (r) {
+#define NAME(x) \
+  case x:       \
+    *s = #x;    \
+    return CUDA_SUCCESS;
+    NAME(CUDA_SUCCESS)
+    NAME(CUDA_ERROR_INVALID_VALUE)
+    NAME(CUDA_ERROR_OUT_OF_MEMORY)
+    NAME(CUDA_ERROR_NO_DEVICE)
+    NAME(CUDA_ERROR_INVALID_IMAGE)
+    NAME(CUDA_ERROR_INVALID_HANDLE)
+    NAME(CUDA_ERROR_NOT_FOUND)
+    NAME(CUDA_ERROR_NOT_READY)
+    NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
+    NAME(CUDA_ERROR_INVALID_PTX)
+    NAME(CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+#undef NAME
+    default:
+      *s = nullptr;
+      return CUDA_ERROR_INVALID_VALUE;
+  }
+}
+CUresult m_cuGetErrorString(CUresult r, const char** s) {
+  const char* name = nullptr;
+  if (m_cuGetErrorName(r, &name) != CUDA_SUCCESS) return CUDA_ERROR_INVALID_VALUE;
+  *s = "mock driver error";
+  return CUDA_SUCCESS;
+}
+CUresult m_cuInit(unsigned flags) {
+  return flags == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+CUresult m_cuDriverGetVersion(int* v) {
+  *v = 13000;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuDeviceGetCount(int* n) {
+  *n = 1;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuDeviceGet(CUdevice* d, int ordinal) {
+  if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuDeviceGetName(char* name, int len, CUdevice) {
+  std::snprintf(name, static_cast<std::size_t>(len), "Salus mock GPU");
+  return CUDA_SUCCESS;
+}
+CUresult m_cuDeviceGetUuid(CUuuid* u, CUdevice) {
+  for (int i = 0; i < 16; ++i) u->bytes[i] = static_cast<char>(0xa0 + i);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuDeviceTotalMem(std::size_t* bytes, CUdevice) {
+  *bytes = kTotalMemory;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuDeviceGetAttribute(int* v, CUdevice_attribute a, CUdevice) {
+  switch (a) {
+    case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT:
+      *v = 8;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR:
+      *v = 2048;
+      break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
+      *v = 1024;
+      break;
+    case CU_DEVICE_ATTRIBUTE_CLOCK_RATE:
+      *v = kClockKhz;
+      break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+      *v = 9;
+      break;
+    default:
+      *v = 0;
+  }
+  return CUDA_SUCCESS;
+}
+CUresult m_cuDevicePrimaryCtxRetain(CUcontext* c, CUdevice) {
+  std::lock_guard lk(g.mu);
+  ++g.refs;
+  *c = the_ctx();
+  return CUDA_SUCCESS;
+}
+CUresult m_cuDevicePrimaryCtxRelease(CUdevice) {
+  std::unique_lock lk(g.mu);
+  if (g.refs == 0) misuse("cuDevicePrimaryCtxRelease without a retain");
+  if (--g.refs == 0) destroy_everything_locked(lk);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuDevicePrimaryCtxReset(CUdevice) {
+  std::unique_lock lk(g.mu);
+  destroy_everything_locked(lk);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuCtxSetCurrent(CUcontext c) {
+  if (c != nullptr && c != the_ctx()) misuse("cuCtxSetCurrent with a foreign context");
+  t_current = c;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuCtxSynchronize() {
+  ENTER();
+  const std::uint64_t gen = g.gen;
+  g.cv.wait(lk, [&] {
+    return g.sticky != CUDA_SUCCESS || g.gen != gen ||
+           std::all_of(g.streams.begin(), g.streams.end(),
+                       [](MockStream* s) { return s->queue.empty() && !s->busy; });
+  });
+  return g.sticky;
+}
+CUresult m_cuMemGetInfo(std::size_t* free, std::size_t* total) {
+  ENTER();
+  *free = kTotalMemory - g.used;
+  *total = kTotalMemory;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemAlloc(CUdeviceptr* p, std::size_t n) {
+  ENTER();
+  if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (n > kTotalMemory - g.used) return CUDA_ERROR_OUT_OF_MEMORY;
+  void* mem = std::malloc(n);
+  if (mem == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  std::memset(mem, 0xab, n);  // fresh device memory is not zero
+  g.device[reinterpret_cast<std::uintptr_t>(mem)] = n;
+  g.used += n;
+  *p = reinterpret_cast<CUdeviceptr>(mem);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemFree(CUdeviceptr p) {
+  ENTER();
+  auto it = g.device.find(p);
+  if (it == g.device.end()) misuse("cuMemFree of %#llx, not an allocation", p);
+  // cuMemFree waits for the device: nothing queued may still use the memory.
+  g.cv.wait(lk, [] {
+    return g.sticky != CUDA_SUCCESS ||
+           std::all_of(g.streams.begin(), g.streams.end(),
+                       [](MockStream* s) { return s->queue.empty() && !s->busy; });
+  });
+  g.used -= it->second;
+  std::free(reinterpret_cast<void*>(p));
+  g.device.erase(it);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemHostAlloc(void** p, std::size_t n, unsigned) {
+  ENTER();
+  void* mem = std::malloc(n);
+  if (mem == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+  std::memset(mem, 0xcd, n);
+  g.pinned[reinterpret_cast<std::uintptr_t>(mem)] = n;
+  *p = mem;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemFreeHost(void* p) {
+  ENTER();
+  auto it = g.pinned.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == g.pinned.end()) misuse("cuMemFreeHost of %p, not a pinned allocation", p);
+  std::free(p);
+  g.pinned.erase(it);
+  return CUDA_SUCCESS;
+}
+
+void check_device_range(CUdeviceptr p, std::size_t n, const char* what) {
+  if (n != 0 && !range_in(g.device, p, n))
+    misuse("%s of %zu bytes at %#llx is outside every allocation", what, n, p);
+}
+bool is_pinned(const void* p, std::size_t n) {
+  return range_in(g.pinned, reinterpret_cast<std::uintptr_t>(p), n);
+}
+
+CUresult m_cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, std::size_t n, CUstream h) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  check_device_range(dst, n, "cuMemcpyHtoDAsync");
+  auto op = [dst, src, n] { std::memcpy(reinterpret_cast<void*>(dst), src, n); };
+  if (is_pinned(src, n)) {
+    push(s, op);
+    return CUDA_SUCCESS;
+  }
+  return push_and_wait(lk, s, op);  // pageable: returns once the data is taken
+}
+CUresult m_cuMemcpyDtoHAsync(void* dst, CUdeviceptr src, std::size_t n, CUstream h) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  check_device_range(src, n, "cuMemcpyDtoHAsync");
+  auto op = [dst, src, n] { std::memcpy(dst, reinterpret_cast<const void*>(src), n); };
+  if (is_pinned(dst, n)) {
+    push(s, op);
+    return CUDA_SUCCESS;
+  }
+  return push_and_wait(lk, s, op);  // pageable: returns once the data has arrived
+}
+CUresult m_cuMemcpyDtoDAsync(CUdeviceptr dst, CUdeviceptr src, std::size_t n, CUstream h) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  check_device_range(dst, n, "cuMemcpyDtoDAsync (dst)");
+  check_device_range(src, n, "cuMemcpyDtoDAsync (src)");
+  if (n != 0 && (dst < src ? src - dst < n : dst - src < n) && dst != src)
+    misuse("overlapping cuMemcpyDtoDAsync (dst %#llx, src %#llx, %zu bytes)", dst, src, n);
+  push(s, [dst, src, n] {
+    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+  });
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemsetD8Async(CUdeviceptr dst, unsigned char v, std::size_t n, CUstream h) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  check_device_range(dst, n, "cuMemsetD8Async");
+  push(s, [dst, v, n] {
+    // Big memsets take a while, as on a GPU: a stream that does not wait for a
+    // discard's memset would see the old bytes.
+    if (n > (std::size_t{2} << 20)) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::memset(reinterpret_cast<void*>(dst), v, n);
+  });
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemsetD32Async(CUdeviceptr dst, unsigned v, std::size_t n, CUstream h) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  if (dst % 4 != 0) return CUDA_ERROR_INVALID_VALUE;
+  check_device_range(dst, n * 4, "cuMemsetD32Async");
+  push(s, [dst, v, n] {
+    auto* p = reinterpret_cast<std::uint32_t*>(dst);
+    std::fill(p, p + n, v);
+  });
+  return CUDA_SUCCESS;
+}
+CUresult m_cuStreamCreate(CUstream* h, unsigned flags) {
+  ENTER();
+  if (flags != CU_STREAM_NON_BLOCKING) misuse("streams must be created non-blocking");
+  auto* s = keep(new MockStream);
+  s->gen = g.gen;
+  g.streams.push_back(s);
+  std::thread(stream_loop, s).detach();
+  *h = reinterpret_cast<CUstream>(s);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuStreamDestroy(CUstream h) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  s->destroyed = true;
+  s->exit = true;  // its thread finishes what is queued, then leaves
+  g.cv.notify_all();
+  return CUDA_SUCCESS;
+}
+CUresult m_cuStreamSynchronize(CUstream h) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  const std::uint64_t gen = g.gen;
+  g.cv.wait(lk, [&] {
+    return g.sticky != CUDA_SUCCESS || g.gen != gen || (s->queue.empty() && !s->busy);
+  });
+  return g.sticky;
+}
+CUresult m_cuStreamWaitEvent(CUstream h, CUevent ev, unsigned) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  MockEvent* e = event_of(ev);
+  const std::uint64_t target = e->recorded;  // the record current at the call
+  push(s, [e, target] {
+    std::unique_lock l(g.mu);
+    const std::uint64_t gen = g.gen;
+    g.cv.wait(l, [&] { return e->done >= target || g.sticky != CUDA_SUCCESS || g.gen != gen; });
+  });
+  return CUDA_SUCCESS;
+}
+CUresult m_cuEventCreate(CUevent* ev, unsigned flags) {
+  ENTER();
+  *ev = reinterpret_cast<CUevent>(keep(new MockEvent{g.gen, flags}));
+  return CUDA_SUCCESS;
+}
+CUresult m_cuEventDestroy(CUevent ev) {
+  ENTER();
+  event_of(ev)->destroyed = true;  // leaked: a later use aborts
+  return CUDA_SUCCESS;
+}
+CUresult m_cuEventRecord(CUevent ev, CUstream h) {
+  ENTER();
+  MockEvent* e = event_of(ev);
+  MockStream* s = stream_of(h);
+  const std::uint64_t target = ++e->recorded;
+  push(s, [e, target] {
+    std::lock_guard l(g.mu);
+    e->done = std::max(e->done, target);
+    e->at = Clock::now();
+    g.cv.notify_all();
+  });
+  return CUDA_SUCCESS;
+}
+CUresult m_cuEventQuery(CUevent ev) {
+  ENTER();
+  MockEvent* e = event_of(ev);
+  return e->done >= e->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+CUresult m_cuEventSynchronize(CUevent ev) {
+  ENTER();
+  MockEvent* e = event_of(ev);
+  const std::uint64_t gen = g.gen;
+  g.cv.wait(lk, [&] { return e->done >= e->recorded || g.sticky != CUDA_SUCCESS || g.gen != gen; });
+  return g.sticky;
+}
+CUresult m_cuEventElapsedTime(float* ms, CUevent a, CUevent b) {
+  ENTER();
+  MockEvent* e0 = event_of(a);
+  MockEvent* e1 = event_of(b);
+  if ((e0->flags & CU_EVENT_DISABLE_TIMING) || (e1->flags & CU_EVENT_DISABLE_TIMING))
+    return CUDA_ERROR_INVALID_HANDLE;
+  if (e0->recorded == 0 || e1->recorded == 0) return CUDA_ERROR_INVALID_HANDLE;
+  if (e0->done < e0->recorded || e1->done < e1->recorded) return CUDA_ERROR_NOT_READY;
+  *ms = std::chrono::duration<float, std::milli>(e1->at - e0->at).count();
+  return CUDA_SUCCESS;
+}
+
+// The image's length, as the driver works it out from the headers.
+std::size_t image_size(const std::uint8_t* p) {
+  if (std::memcmp(p,
+                  "\x7f"
+                  "ELF",
+                  4) == 0) {
+    std::uint64_t shoff;
+    std::uint16_t shentsize, shnum;
+    std::memcpy(&shoff, p + 0x28, 8);
+    std::memcpy(&shentsize, p + 0x3a, 2);
+    std::memcpy(&shnum, p + 0x3c, 2);
+    return shoff + std::size_t{shentsize} * shnum;
+  }
+  std::uint32_t magic;
+  std::memcpy(&magic, p, 4);
+  if (magic == 0xBA55ED50u) {
+    std::uint16_t header;
+    std::uint64_t body;
+    std::memcpy(&header, p + 6, 2);
+    std::memcpy(&body, p + 8, 8);
+    return header + body;
+  }
+  return std::strlen(reinterpret_cast<const char*>(p));  // PTX: a C string
+}
+
+CUresult m_cuModuleLoadDataEx(CUmodule* mod, const void* image, unsigned n, CUjit_option* opts,
+                              void** vals) {
+  ENTER();
+  const auto* p = static_cast<const std::uint8_t*>(image);
+  if (reinterpret_cast<std::uintptr_t>(p) % 8 != 0) misuse("module image not 8-byte aligned");
+  auto log = [&](const char* text) {
+    char* buf = nullptr;
+    std::size_t size = 0;
+    for (unsigned i = 0; i < n; ++i) {
+      if (opts[i] == CU_JIT_ERROR_LOG_BUFFER) buf = static_cast<char*>(vals[i]);
+      if (opts[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)
+        size = reinterpret_cast<std::uintptr_t>(vals[i]);
+    }
+    if (buf != nullptr && size > 0) std::snprintf(buf, size, "%s", text);
+  };
+  const bool elf = std::memcmp(p,
+                               "\x7f"
+                               "ELF",
+                               4) == 0;
+  std::uint32_t magic;
+  std::memcpy(&magic, p, 4);
+  const bool fatbin = magic == 0xBA55ED50u;
+  if (elf) {
+    std::uint16_t machine;
+    std::memcpy(&machine, p + 0x12, 2);
+    if (machine != 190) return CUDA_ERROR_INVALID_IMAGE;  // EM_CUDA
+  }
+  const std::string_view text(reinterpret_cast<const char*>(p), image_size(p));
+  if (!elf && !fatbin) {
+    if (text.find(".version") == std::string_view::npos) return CUDA_ERROR_INVALID_IMAGE;
+    if (text.find(".entry") == std::string_view::npos) {
+      log("ptxas fatal   : syntax error (mock JIT)");
+      return CUDA_ERROR_INVALID_PTX;
+    }
+  }
+  auto* m = keep(new MockModule);
+  m->gen = g.gen;
+  for (const Kernel& k : kKernels)
+    if (text.find(k.name) != std::string_view::npos) m->kernels.push_back(&k);
+  if (m->kernels.empty()) return CUDA_ERROR_INVALID_IMAGE;
+  *mod = reinterpret_cast<CUmodule>(m);
+  return CUDA_SUCCESS;
+}
+MockModule* module_of(CUmodule h) {
+  auto* m = reinterpret_cast<MockModule*>(h);
+  if (m->gen != g.gen) misuse("module used after a context reset");
+  if (m->unloaded) misuse("module used after cuModuleUnload");
+  return m;
+}
+CUresult m_cuModuleUnload(CUmodule h) {
+  ENTER();
+  module_of(h)->unloaded = true;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuModuleGetFunction(CUfunction* f, CUmodule h, const char* name) {
+  ENTER();
+  MockModule* m = module_of(h);
+  for (const Kernel* k : m->kernels)
+    if (std::strcmp(k->name, name) == 0) {
+      *f = reinterpret_cast<CUfunction>(keep(new MockFunction{m, k}));
+      return CUDA_SUCCESS;
+    }
+  return CUDA_ERROR_NOT_FOUND;
+}
+CUresult m_cuFuncGetAttribute(int* v, CUfunction_attribute, CUfunction) {
+  *v = 0;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuFuncGetParamInfo(CUfunction f, std::size_t i, std::size_t* offset, std::size_t* size) {
+  const Kernel* k = reinterpret_cast<MockFunction*>(f)->kernel;
+  if (i >= k->sizes.size()) return CUDA_ERROR_INVALID_VALUE;
+  std::size_t off = 0;
+  for (std::size_t j = 0; j < i; ++j) off += k->sizes[j];
+  *offset = off;
+  *size = k->sizes[i];
+  return CUDA_SUCCESS;
+}
+CUresult m_cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                          unsigned by, unsigned bz, unsigned smem, CUstream h, void** params,
+                          void** extra) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  auto* fn = reinterpret_cast<MockFunction*>(f);
+  module_of(reinterpret_cast<CUmodule>(fn->module));
+  if (extra != nullptr) misuse("cuLaunchKernel extra is not used by salusd");
+  if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx > 1024 || by > 1024 ||
+      bz > 64 || std::uint64_t{bx} * by * bz > 1024 || gy > 65535 || gz > 65535 || smem > 49152)
+    return CUDA_ERROR_INVALID_VALUE;
+  // The driver copies the values at launch time; so does the mock.
+  Params copy;
+  for (std::size_t i = 0; i < fn->kernel->sizes.size(); ++i) {
+    if (params[i] == nullptr) misuse("kernel parameter %zu is null", i);
+    const auto* v = static_cast<const std::uint8_t*>(params[i]);
+    copy.emplace_back(v, v + fn->kernel->sizes[i]);
+  }
+  const Dims dims{{gx, gy, gz}, {bx, by, bz}};
+  push(s, [fn, dims, copy = std::move(copy)] {
+    {
+      std::lock_guard l(g.mu);
+      if (fn->module->unloaded)
+        misuse("%s ran after its module was unloaded (unload did not wait)", fn->kernel->name);
+    }
+    fn->kernel->run(dims, copy);
+  });
+  return CUDA_SUCCESS;
+}
+CUresult m_cuLaunchHostFunc(CUstream h, CUhostFn fn, void* user) {
+  ENTER();
+  push(stream_of(h), [fn, user] { fn(user); });
+  return CUDA_SUCCESS;
+}
+
+struct Entry {
+  const char* name;
+  void* fn;
+  int version;  // the version salusd must ask for
+};
+#define E(n, v) \
+  { #n, reinterpret_cast < void*>(&m_##n), v }
+const Entry kEntries[] = {
+    E(cuGetErrorName, 12000),
+    E(cuGetErrorString, 12000),
+    E(cuInit, 12000),
+    E(cuDriverGetVersion, 12000),
+    E(cuDeviceGet, 12000),
+    E(cuDeviceGetCount, 12000),
+    E(cuDeviceGetName, 12000),
+    E(cuDeviceGetUuid, 12000),
+    E(cuDeviceTotalMem, 12000),
+    E(cuDeviceGetAttribute, 12000),
+    E(cuDevicePrimaryCtxRetain, 12000),
+    E(cuDevicePrimaryCtxRelease, 12000),
+    E(cuDevicePrimaryCtxReset, 12000),
+    E(cuCtxSetCurrent, 12000),
+    E(cuCtxSynchronize, 12000),
+    E(cuMemGetInfo, 12000),
+    E(cuMemAlloc, 12000),
+    E(cuMemFree, 12000),
+    E(cuMemHostAlloc, 12000),
+    E(cuMemFreeHost, 12000),
+    E(cuMemcpyHtoDAsync, 12000),
+    E(cuMemcpyDtoHAsync, 12000),
+    E(cuMemcpyDtoDAsync, 12000),
+    E(cuMemsetD8Async, 12000),
+    E(cuMemsetD32Async, 12000),
+    E(cuStreamCreate, 12000),
+    E(cuStreamDestroy, 12000),
+    E(cuStreamSynchronize, 12000),
+    E(cuStreamWaitEvent, 12000),
+    E(cuEventCreate, 12000),
+    E(cuEventDestroy, 12000),
+    E(cuEventRecord, 12000),
+    E(cuEventQuery, 12000),
+    E(cuEventSynchronize, 12000),
+    E(cuEventElapsedTime, 12000),
+    E(cuModuleLoadDataEx, 12000),
+    E(cuModuleUnload, 12000),
+    E(cuModuleGetFunction, 12000),
+    E(cuLaunchKernel, 12000),
+    E(cuLaunchHostFunc, 12000),
+    E(cuFuncGetAttribute, 12000),
+    E(cuFuncGetParamInfo, 12040),
+};
+#undef E
+
+}  // namespace
+
+// The only symbol salusd takes from dlsym.
+extern "C" __attribute__((visibility("default"))) CUresult cuGetProcAddress_v2(
+    const char* symbol, void** pfn, int version, cuuint64_t flags,
+    CUdriverProcAddressQueryResult* status) {
+  if (flags != CU_GET_PROC_ADDRESS_DEFAULT) misuse("cuGetProcAddress flags %llu", flags);
+  for (const Entry& e : kEntries)
+    if (std::strcmp(e.name, symbol) == 0) {
+      if (version < e.version) {
+        *pfn = nullptr;
+        if (status) *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+        return CUDA_ERROR_NOT_FOUND;
+      }
+      if (version != e.version)
+        misuse("%s asked for at version %d, not %d", symbol, version, e.version);
+      *pfn = e.fn;
+      if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+      return CUDA_SUCCESS;
+    }
+  *pfn = nullptr;
+  if (status) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  return CUDA_ERROR_NOT_FOUND;
+}

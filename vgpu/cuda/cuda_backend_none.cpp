@@ -1,0 +1,20 @@
+// open_cuda_devices() for a build without the CUDA backend (no cuda.h >= 12.0 at
+// build time, or -Dcuda=disabled): always empty, with the reason, so salusd can
+// call it unconditionally and fall back to sim.
+#include "vgpu/cuda/cuda_backend.hpp"
+
+namespace salus::vgpu {
+
+std::vector<std::unique_ptr<Device>> open_cuda_devices(const CudaOptions& options,
+                                                       std::string& why) {
+  (void)options;
+  why = "this salusd was built without the CUDA backend (no cuda.h at build time)";
+  return {};
+}
+
+bool cuda_builtins_built(std::string& why) {
+  why = "this salusd was built without the CUDA backend";
+  return false;
+}
+
+}  // namespace salus::vgpu
