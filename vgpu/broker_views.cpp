@@ -191,9 +191,14 @@ std::string Broker::render_policy() const {
 
 std::string Broker::render_stats() const {
   std::lock_guard lk(mu_);
-  std::uint64_t decisions = 0, switches = 0, preemptions = 0;
+  std::uint64_t decisions = 0, switches = 0, preemptions = 0, lane_moves = 0, moves = 0;
+  arena::Bytes bytes_moved = 0;
   std::size_t lanes = 0, queued = 0;
   for (const auto& g : gpus_) {
+    const auto& as = g->sched.arena().stats();
+    lane_moves += as.lane_moves;
+    moves += as.persistent_moves;
+    bytes_moved += as.persistent_bytes_moved;
     decisions += g->sched.stats().decisions;
     switches += g->sched.stats().switches;
     preemptions += g->sched.stats().preemptions;
@@ -222,6 +227,9 @@ std::string Broker::render_stats() const {
   kv("decisions_per_s", fmt::format("{:.1f}", up > 0 ? static_cast<double>(decisions) / up : 0.0));
   kv("switches", switches);
   kv("preemptions", preemptions);
+  kv("lane_moves", lane_moves);
+  kv("persistent_moves", moves);
+  kv("persistent_bytes_moved", bytes_moved);
   return o;
 }
 

@@ -190,6 +190,8 @@ TEST(Broker, FragmentedAllocationWaitsForCompactionThenSucceeds) {
   auto [err, reply] = run(*b, id, "alloc big 20M\n");
   ASSERT_EQ(err, 0) << b->render_log(id);
   EXPECT_NE(field(b->render_gpu_memory(0), "persistent_bytes_moved"), "0");
+  EXPECT_EQ(b->render_stats().find("\npersistent_bytes_moved 0\n"), std::string::npos);
+  EXPECT_NE(b->render_stats().find("\npersistent_bytes_moved "), std::string::npos);
   // Moved buffers kept their contents.
   for (int i : {1, 3, 5, 6}) {
     const auto buf = b->find_buffer(id, fmt::format("b{}", i));
