@@ -12,19 +12,10 @@
 
 #include "arena/gpu_arena.hpp"
 #include "sched/policy.hpp"
+#include "sched/placement.hpp"
 #include "sched/trace.hpp"
 
 namespace salus::sched {
-
-// Which GPU a job goes to (CARMA section 2.4, minus its risk filter).
-enum class Placement : std::uint8_t {
-  magm,       // most available GPU memory, counting what already waits there
-  lug,        // least utilized: smallest sum of util over the jobs placed there
-  rr,         // round robin in arrival order
-  exclusive,  // a GPU with no job at all; jobs wait in one cluster-wide FIFO queue
-};
-std::string_view to_string(Placement p);
-std::optional<Placement> placement_from_string(std::string_view name);
 
 // How the jobs of one GPU are laid out in lanes (see docs/simulation.md).
 enum class LaneModel : std::uint8_t {

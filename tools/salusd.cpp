@@ -86,7 +86,7 @@ std::optional<std::string> validate(const Settings& s) {
     return fmt::format("backend '{}': expected auto, cuda or sim", s.backend);
   if (!salus::sched::policy_from_string(s.policy))
     return fmt::format("policy '{}': expected fifo, pack, srtf, fair or priority", s.policy);
-  if (!one_of(s.placement, {"magm", "lug", "rr", "exclusive"}))
+  if (!salus::sched::placement_from_string(s.placement))
     return fmt::format("placement '{}': expected magm, lug, rr or exclusive", s.placement);
   if (!one_of(s.log_level, {"trace", "debug", "info", "warn", "error"}))
     return fmt::format("log_level '{}': expected trace, debug, info, warn or error", s.log_level);
@@ -207,10 +207,7 @@ int main(int argc, char** argv) {
 
   salus::vgpu::BrokerConfig bc;
   bc.policy = *salus::sched::policy_from_string(s.policy);
-  bc.placement = s.placement == "lug"         ? salus::vgpu::Placement::lug
-                 : s.placement == "rr"        ? salus::vgpu::Placement::rr
-                 : s.placement == "exclusive" ? salus::vgpu::Placement::exclusive
-                                              : salus::vgpu::Placement::magm;
+  bc.placement = *salus::sched::placement_from_string(s.placement);
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
   salus::vgpu::Broker broker(std::move(devices), bc);

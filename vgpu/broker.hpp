@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "sched/gpu_scheduler.hpp"
+#include "sched/placement.hpp"
 #include "vgpu/device.hpp"
 #include "vgpu/session.hpp"
 
@@ -38,7 +39,7 @@ struct Quotas {
   std::uint32_t bytes_per_write = 64 * 1024;
 };
 
-enum class Placement : std::uint8_t { magm, lug, rr, exclusive };
+using sched::Placement;
 
 struct BrokerConfig {
   sched::PolicyKind policy = sched::PolicyKind::fair;

@@ -16,13 +16,7 @@ std::vector<std::string> split_words(const std::string& line) {
   for (std::string w; in >> w;) words.push_back(w);
   return words;
 }
-std::optional<Placement> placement_from(const std::string& v) {
-  if (v == "magm") return Placement::magm;
-  if (v == "lug") return Placement::lug;
-  if (v == "rr") return Placement::rr;
-  if (v == "exclusive") return Placement::exclusive;
-  return std::nullopt;
-}
+
 }  // namespace
 
 int Broker::set_policy(const std::string& text) {
@@ -37,7 +31,7 @@ int Broker::set_policy(const std::string& text) {
     if (eq == std::string::npos) return -EINVAL;
     const std::string key = words[i].substr(0, eq), value = words[i].substr(eq + 1);
     if (key == "placement") {
-      placement = placement_from(value);
+      placement = sched::placement_from_string(value);
       if (!placement) return -EINVAL;
     } else if (key == "queue") {
       if (value == "strict")
@@ -101,7 +95,7 @@ int Broker::admin_command(const std::string& line, std::string& reply) {
     return 0;
   }
   if (words[0] == "placement" && words.size() == 2) {
-    const auto p = placement_from(words[1]);
+    const auto p = sched::placement_from_string(words[1]);
     if (!p) return -EINVAL;
     std::lock_guard lk(mu_);
     config_.placement = *p;

@@ -14,19 +14,7 @@ namespace {
 double ms(std::int64_t ns) {
   return static_cast<double>(ns) / 1e6;
 }
-const char* placement_name(Placement p) {
-  switch (p) {
-    case Placement::magm:
-      return "magm";
-    case Placement::lug:
-      return "lug";
-    case Placement::rr:
-      return "rr";
-    case Placement::exclusive:
-      return "exclusive";
-  }
-  return "?";
-}
+
 }  // namespace
 
 std::string Broker::render_status(SessionId id) const {
@@ -177,7 +165,7 @@ std::string Broker::render_policy() const {
   const sched::PolicyKind p = gpus_.empty() ? config_.policy : gpus_[0]->sched.policy();
   const auto& opts = gpus_.empty() ? config_.arena : gpus_[0]->sched.arena().options();
   std::string o = fmt::format("policy: {}\n", sched::to_string(p));
-  o += fmt::format("placement: {}\n", placement_name(config_.placement));
+  o += fmt::format("placement: {}\n", sched::to_string(config_.placement));
   o += fmt::format("queue: {}\n", opts.queue_mode == arena::QueueMode::strict_fifo
                                       ? "strict"
                                       : fmt::format("bypass max_bypass={}", opts.max_bypass));
