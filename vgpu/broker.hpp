@@ -192,6 +192,9 @@ class Broker {
   int resolve(Session& s, Iteration& it, const BufRef& ref, Bytes length, Operand& out,
               std::uint32_t line, const char* what);
   void enqueue(Session& s, WorkItem item);
+  void enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle, Bytes offset,
+                         std::vector<char> host,
+                         std::function<void(int err, std::vector<char>& data)> done);
   void resume_writes(Session& s, Deferred& later);
   void fail_session(Session& s, int err, std::string text, Deferred& later);
   void drop_queued(Session& s, int err, Deferred& later);

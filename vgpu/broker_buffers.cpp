@@ -162,6 +162,27 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
   run_all(later);
 }
 
+// mem/ reads and writes: one host copy, queued like any other work of the
+// session, so it is ordered after everything submitted before it.
+void Broker::enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle, Bytes offset,
+                               std::vector<char> host,
+                               std::function<void(int err, std::vector<char>& data)> done) {
+  auto it = std::make_shared<Iteration>();
+  it->counts = false;
+  Op op;
+  op.kind = kind;
+  op.a = Operand{false, 0, offset};
+  op.length = host.size();
+  it->ops.push_back(op);
+  WorkItem item;
+  item.bound = {handle};
+  pin(s, handle);
+  item.iter = std::move(it);
+  item.host = std::move(host);
+  item.on_done = std::move(done);
+  enqueue(s, std::move(item));
+}
+
 void Broker::read_buffer(SessionId id, std::uint32_t bid, Bytes offset, Bytes length,
                          std::function<void(int err, std::vector<char>& data)> done) {
   int err = 0;
@@ -179,21 +200,9 @@ void Broker::read_buffer(SessionId id, std::uint32_t bid, Bytes offset, Bytes le
         length = 0;
       } else {
         length = std::min(length, b.size - offset);
-        auto it = std::make_shared<Iteration>();
-        it->counts = false;
-        Op op;
-        op.kind = Op::Kind::to_host;
-        op.a = Operand{false, 0, offset};
-        op.length = length;
-        it->ops.push_back(op);
-        WorkItem item;
-        item.bound = {b.handle};
-        pin(*s, b.handle);
-        item.iter = std::move(it);
-        item.host.resize(length);
         stats_.bytes_to_host += length;
-        item.on_done = std::move(done);
-        enqueue(*s, std::move(item));
+        enqueue_host_copy(*s, Op::Kind::to_host, b.handle, offset, std::vector<char>(length),
+                          std::move(done));
         return;
       }
     }
@@ -223,21 +232,10 @@ void Broker::write_buffer(SessionId id, std::uint32_t bid, Bytes offset, const c
       } else if (length == 0) {
         err = 0;
       } else {
-        auto it = std::make_shared<Iteration>();
-        it->counts = false;
-        Op op;
-        op.kind = Op::Kind::from_host;
-        op.a = Operand{false, 0, offset};
-        op.length = length;
-        it->ops.push_back(op);
-        WorkItem item;
-        item.bound = {b.handle};
-        pin(*s, b.handle);
-        item.iter = std::move(it);
-        item.host.assign(data, data + length);
         stats_.bytes_from_host += length;
-        item.on_done = [done, length](int e, std::vector<char>&) { done(e, e ? 0 : length); };
-        enqueue(*s, std::move(item));
+        enqueue_host_copy(*s, Op::Kind::from_host, b.handle, offset,
+                          std::vector<char>(data, data + length),
+                          [done, length](int e, std::vector<char>&) { done(e, e ? 0 : length); });
         return;
       }
     }
