@@ -192,6 +192,7 @@ class Broker {
   int resolve(Session& s, Iteration& it, const BufRef& ref, Bytes length, Operand& out,
               std::uint32_t line, const char* what);
   void enqueue(Session& s, WorkItem item);
+  int usable_buffer(SessionId id, std::uint32_t bid, Session*& s, const Buffer*& b);
   void enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle, Bytes offset,
                          std::vector<char> host,
                          std::function<void(int err, std::vector<char>& data)> done);

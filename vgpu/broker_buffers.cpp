@@ -183,19 +183,28 @@ void Broker::enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle ha
   enqueue(s, std::move(item));
 }
 
+// The session and buffer a mem/ read or write addresses: ENOENT when either is
+// gone, EIO while the session is failed.
+int Broker::usable_buffer(SessionId id, std::uint32_t bid, Session*& s, const Buffer*& b) {
+  s = get(id);
+  if (!s || s->dead) return ENOENT;
+  auto it = s->buffers.find(bid);
+  if (it == s->buffers.end()) return ENOENT;
+  if (s->error) return EIO;
+  b = &it->second;
+  return 0;
+}
+
 void Broker::read_buffer(SessionId id, std::uint32_t bid, Bytes offset, Bytes length,
                          std::function<void(int err, std::vector<char>& data)> done) {
   int err = 0;
   {
     std::lock_guard lk(mu_);
-    Session* s = get(id);
-    auto bit = s && !s->dead ? s->buffers.find(bid) : decltype(s->buffers)::iterator{};
-    if (!s || s->dead || bit == s->buffers.end()) {
-      err = ENOENT;
-    } else if (s->error) {
-      err = EIO;
-    } else {
-      const Buffer& b = bit->second;
+    Session* s = nullptr;
+    const Buffer* found = nullptr;
+    err = usable_buffer(id, bid, s, found);
+    if (!err) {
+      const Buffer& b = *found;
       if (offset >= b.size || length == 0 || !b.handle) {
         length = 0;
       } else {
@@ -216,14 +225,11 @@ void Broker::write_buffer(SessionId id, std::uint32_t bid, Bytes offset, const c
   int err = 0;
   {
     std::lock_guard lk(mu_);
-    Session* s = get(id);
-    auto bit = s && !s->dead ? s->buffers.find(bid) : decltype(s->buffers)::iterator{};
-    if (!s || s->dead || bit == s->buffers.end()) {
-      err = ENOENT;
-    } else if (s->error) {
-      err = EIO;
-    } else {
-      const Buffer& b = bit->second;
+    Session* s = nullptr;
+    const Buffer* found = nullptr;
+    err = usable_buffer(id, bid, s, found);
+    if (!err) {
+      const Buffer& b = *found;
       if (offset > b.size || length > b.size - offset) {
         log(*s, fmt::format("mem/{}: write of {} bytes at {} runs past the buffer's {} bytes; "
                             "grow it first with truncate -s",
