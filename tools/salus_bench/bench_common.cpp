@@ -15,12 +15,17 @@
 #include <fstream>
 #include <numeric>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 
 namespace salus::bench {
 
 namespace fs = std::filesystem;
+
+// The daemon alive now, so die() can stop and unmount it: exit() runs no
+// destructors of locals.
+Daemon* live_daemon = nullptr;
 
 double us_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
@@ -39,6 +44,7 @@ double mean(const std::vector<double>& v) {
 
 void die(const std::string& why) {
   std::fprintf(stderr, "salus-bench: %s\n", why.c_str());
+  if (Daemon* d = std::exchange(live_daemon, nullptr)) d->~Daemon();
   std::exit(1);
 }
 
@@ -94,6 +100,7 @@ Daemon::Daemon(const std::string& salusd, const std::vector<std::string>& extra)
     ::execv(argv[0], argv.data());
     std::_Exit(127);
   }
+  live_daemon = this;
   // A CUDA start-up (context, arena, calibration) takes seconds; allow 60.
   for (int i = 0; i < 6000; ++i) {
     if (fs::exists(mnt + "/version")) return;
@@ -108,6 +115,7 @@ Daemon::Daemon(const std::string& salusd, const std::vector<std::string>& extra)
 }
 
 Daemon::~Daemon() {
+  if (live_daemon == this) live_daemon = nullptr;
   if (pid > 0) {
     ::kill(pid, SIGTERM);
     int st;
