@@ -103,8 +103,10 @@ std::string Broker::render_gpu_info(std::size_t gi) const {
   const DeviceInfo& d = gpus_[gi]->device->info();
   return fmt::format(
       "index: {}\nname: {}\nuuid: {}\nbackend: {}\ncapacity: {}\nmemory_total: {}\nsms: {}\n"
-      "driver: {}\ndraining: {}\nbusy_1s: {:.3f}\nbusy_10s: {:.3f}\nbusy_60s: {:.3f}\n",
+      "driver: {}\nspin_cycles_per_us: {}\ndraining: {}\nbusy_1s: {:.3f}\nbusy_10s: {:.3f}\n"
+      "busy_60s: {:.3f}\n",
       gi, d.name, d.uuid, d.backend, d.arena_size, d.total_memory, d.sm_count, d.driver_version,
+      d.spin_cycles_per_usec > 0 ? fmt::format("{:.1f}", d.spin_cycles_per_usec) : "-",
       gpus_[gi]->draining ? "yes" : "no", busy_fraction(*gpus_[gi], 1'000'000'000),
       busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000));
 }

@@ -34,6 +34,9 @@ struct DeviceInfo {
   Bytes arena_size = 0;    // what salusd manages (<= total_memory)
   std::uint32_t sm_count = 0;
   std::string driver_version;  // "sim" for the sim backend
+  // GPU clock cycles a built-in spin counts per microsecond (cuda: measured at
+  // start-up); 0 where spin is not cycle-based (sim).
+  double spin_cycles_per_usec = 0;
 };
 
 // Receives completions. Called on a backend-owned thread; must not block for long.

@@ -96,6 +96,7 @@ CudaDevice::CudaDevice(const CudaDriver& driver, int index, CUdevice device,
   open_context(true, why);  // throws
   try {
     calibrate_spin(clock_khz_);
+    info_.spin_cycles_per_usec = cycles_per_usec_;
     poller_ = std::thread([this] { poll_loop(); });
   } catch (...) {
     // No destructor runs for a constructor that throws: give the context back.
