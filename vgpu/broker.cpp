@@ -1407,7 +1407,12 @@ void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std
   }
   const SessionId id = s.id;
   if (status != 0 && !s.dead)
-    fail_session(s, status, fmt::format("the device reported {}", std::strerror(status)), later);
+    fail_session(s, status,
+                 status == EFAULT
+                     ? std::string("kernel fault: an op of this session touched an address it "
+                                   "does not own or trapped on the GPU")
+                     : fmt::format("the device reported {}", std::strerror(status)),
+                 later);
   if (item.remaining == 0 && item.outstanding == 0) {
     for (arena::BufferHandle h : item.bound) unpin(s, h);
     if (item.on_done) {
