@@ -1,0 +1,147 @@
+#!/bin/bash
+# The whole GPU evaluation of Salus on one machine with an NVIDIA GPU, run from
+# the repository root against binaries gathered by tools/bundle.sh:
+#
+#   tools/gpu-eval.sh BUNDLE OUT [PART...]
+#
+# PARTs (default: all of them, in this order):
+#   tests    the gpu device tests (gtest) and the cuda integration tests,
+#            plus sim-backend integration tests as a smoke check of the box
+#   bench    salus-bench gpu-overhead, gpu-switch-gap (pipeline depth 2 and 1),
+#            gpu-pack, gpu-inference
+#   compare  two fixed-length jobs under time-slicing, MPS and salusd (Figure 15)
+#   replay   the online-100 trace through salusd on the GPU under FIFO, SRTF,
+#            PACK and FAIR, beside salus-sim's prediction of the same trace
+#
+# Each part writes OUT/PART.txt (what is recorded in docs/benchmarks.md) and
+# leaves no daemon, mount or MPS server behind.
+set -u
+bundle=$(realpath "${1:?usage: tools/gpu-eval.sh BUNDLE OUT [PART...]}")
+out=$(realpath -m "${2:?usage: tools/gpu-eval.sh BUNDLE OUT [PART...]}")
+shift 2
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests bench compare replay)
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="$bundle/bin:$PATH"
+bin=$bundle/bin
+data=$bundle/data
+work=$(mktemp -d /tmp/salus-gpu-eval-XXXXXX)
+daemon_pid=""
+mps_dir=""
+
+cleanup() {
+  [ -n "$daemon_pid" ] && kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
+  if [ -n "$mps_dir" ]; then
+    echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe nvidia-cuda-mps-control 2>/dev/null
+  fi
+  grep -q " $work/" /proc/mounts && fusermount3 -u -z "$work/mnt" 2>/dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# Starts salusd on $work/mnt with the given flags; waits for the mount.
+start_salusd() {
+  mkdir -p "$work/mnt"
+  "$bin/salusd" --backend cuda --mount "$work/mnt" --log-level warn "$@" >"$work/salusd.log" 2>&1 &
+  daemon_pid=$!
+  for _ in $(seq 600); do
+    [ -e "$work/mnt/version" ] && return 0
+    kill -0 "$daemon_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "salusd did not start:"; cat "$work/salusd.log"; return 1
+}
+stop_salusd() {
+  [ -n "$daemon_pid" ] && kill "$daemon_pid" && wait "$daemon_pid" 2>/dev/null
+  daemon_pid=""
+}
+
+part_tests() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  export SALUS_TEST_CUDA_FATBIN=$data/test_kernels.fatbin SALUS_TEST_CUDA_PTX=$data/test_kernels.ptx
+  local t
+  for t in test_cuda_driver test_cuda_device; do
+    echo "== $t"
+    timeout 300 "$bin/$t" 2>&1 | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED|RUN) *\]|Failure|Which is|Expected' | grep -v '^\[ RUN'
+    echo "exit status ${PIPESTATUS[0]}"
+  done
+  echo "== integration (cuda backend)"
+  SALUSD=$bin/salusd timeout 400 python3 -m pytest -q -rs -p no:cacheprovider \
+    tests/integration/test_cuda_backend.py 2>&1 | tail -30
+  echo "== integration (sim backend smoke)"
+  SALUSD=$bin/salusd SALUSCTL=$bin/salusctl timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    tests/integration/test_tree.py tests/integration/test_sessions.py \
+    tests/integration/test_lanes.py tests/integration/test_isolation.py 2>&1 | tail -5
+}
+
+part_bench() {
+  local b="$bin/salus-bench --salusd $bin/salusd"
+  echo "\$ salus-bench gpu-overhead -n 1000"
+  $b gpu-overhead -n 1000
+  echo "\$ salus-bench gpu-switch-gap -n 2000"
+  $b gpu-switch-gap --kernels "$data/salus_bench_kernels.ptx" -n 2000
+  echo "\$ salus-bench gpu-switch-gap -n 2000 --salusd-arg=--pipeline-depth=1"
+  $b gpu-switch-gap --kernels "$data/salus_bench_kernels.ptx" -n 2000 --salusd-arg=--pipeline-depth=1
+  echo "\$ salus-bench gpu-pack --sessions 8 --size 512 -n 2000"
+  $b gpu-pack --sessions 8 --size 512 -n 2000
+  echo "\$ salus-bench gpu-inference --models 14 --instances 3 --rate 5 --seconds 20"
+  $b gpu-inference --models 14 --instances 3 --rate 5 --seconds 20
+}
+
+# Two identical jobs (gemm 2048^3 back to back) for $secs each, started together.
+part_compare() {
+  local secs=20 op=gemm2048 b="$bin/salus-bench"
+  echo "== alone (one native job)"
+  $b gpu-job --native --op $op --seconds $secs
+  echo "== time-slicing (two native processes, no MPS)"
+  $b gpu-job --native --op $op --seconds $secs & $b gpu-job --native --op $op --seconds $secs; wait
+  echo "== MPS (two native processes through nvidia-cuda-mps-control)"
+  mps_dir=$work/mps
+  mkdir -p "$mps_dir/pipe" "$mps_dir/log"
+  export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+  if nvidia-cuda-mps-control -d; then
+    sleep 1
+    $b gpu-job --native --op $op --seconds $secs & $b gpu-job --native --op $op --seconds $secs; wait
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+    tail -3 "$mps_dir/log/control.log" 2>/dev/null
+  else
+    echo "MPS could not be started"
+  fi
+  mps_dir=""
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  for policy in pack fair; do
+    echo "== salusd, two sessions, policy $policy"
+    start_salusd --policy $policy || return 1
+    $b --mount "$work/mnt" gpu-job --op $op --seconds $secs &
+    $b --mount "$work/mnt" gpu-job --op $op --seconds $secs; wait
+    stop_salusd
+  done
+}
+
+# online-100 scaled to end in about a minute on a 16 GiB arena (like the
+# paper's P100), each job's iterations spin kernels of its iter_ms and util.
+part_replay() {
+  local scale=${SALUS_REPLAY_SCALE:-256} policy
+  for policy in fifo srtf pack fair; do
+    start_salusd --policy $policy --cuda-memory-fraction 0.2 || return 1
+    local cap
+    cap=$(awk '/^capacity:/ {print $2}' "$work/mnt/gpus/0/info")
+    echo "== $policy (arena $cap bytes)"
+    python3 tools/salus-replay --mount "$work/mnt" --trace traces/online-100.csv --scale "$scale" \
+      --policy $policy --scaled-out "$work/scaled.csv" --jobs-out "$out/replay-$policy.csv"
+    stop_salusd
+    "$bin/salus-sim" --trace "$work/scaled.csv" --policy $policy --gpu-memory "$cap" \
+      --lanes algorithm1 --jobs-out "$out/sim-$policy.csv"
+  done
+}
+
+rc=0
+for p in "${parts[@]}"; do
+  echo "######## $p"
+  start=$(date +%s)
+  "part_$p" 2>&1 | tee "$out/$p.txt" || rc=1
+  echo "######## $p took $(( $(date +%s) - start )) s"
+done
+exit $rc
