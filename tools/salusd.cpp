@@ -22,6 +22,7 @@
 #include "salus_config.hpp"
 #include "vgpu/broker.hpp"
 #include "vgpu/cuda/cuda_backend.hpp"
+#include "vgpu/nvml/nvml_sampler.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 namespace {
@@ -205,12 +206,29 @@ int main(int argc, char** argv) {
     }
   }
 
+  // NVML readings for the cuda backend's GPUs, found by UUID. Optional: without
+  // libnvidia-ml.so.1 gpus/N/info says why and the metrics leave them out.
+  std::unique_ptr<salus::vgpu::GpuTelemetry> telemetry;
+  if (backend == "cuda") {
+    std::vector<std::string> uuids;
+    for (const auto& d : devices) uuids.push_back(d->info().uuid);
+    auto sampler = std::make_unique<salus::vgpu::nvml::NvmlSampler>(std::move(uuids));
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      const auto t = sampler->snapshot(i);
+      if (t.available)
+        spdlog::info("gpu {}: nvml readings available", i);
+      else
+        spdlog::info("gpu {}: no nvml readings: {}", i, t.why_not);
+    }
+    telemetry = std::move(sampler);
+  }
+
   salus::vgpu::BrokerConfig bc;
   bc.policy = *salus::sched::policy_from_string(s.policy);
   bc.placement = *salus::sched::placement_from_string(s.placement);
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
-  salus::vgpu::Broker broker(std::move(devices), bc);
+  salus::vgpu::Broker broker(std::move(devices), bc, std::move(telemetry));
 
   salus::fusefs::FilesystemOptions fo;
   fo.mountpoint = s.mount;
