@@ -20,8 +20,10 @@
 #include "arena/size_units.hpp"
 #include "fusefs/filesystem.hpp"
 #include "salus_config.hpp"
+#include "tools/metrics_http.hpp"
 #include "vgpu/broker.hpp"
 #include "vgpu/cuda/cuda_backend.hpp"
+#include "vgpu/nvml/nvml_sampler.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 namespace {
@@ -41,6 +43,7 @@ struct Settings {
   int shutdown_grace_ms = 5000;
   salus::vgpu::Quotas quotas;
   bool fuse_debug = false;
+  std::string metrics_listen;  // empty: no HTTP endpoint
 };
 
 int fail(const std::string& why) {
@@ -64,6 +67,7 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   s.log_level = t["log_level"].value_or(s.log_level);
   s.pipeline_depth = t["pipeline_depth"].value_or(s.pipeline_depth);
   s.shutdown_grace_ms = t["shutdown_grace_ms"].value_or(s.shutdown_grace_ms);
+  s.metrics_listen = t["metrics_listen"].value_or(s.metrics_listen);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.sim_memory = t["sim"]["memory"].value_or(s.sim_memory);
@@ -103,6 +107,9 @@ std::optional<std::string> validate(const Settings& s) {
                        s.quotas.bytes_per_write);
   if (s.mount.empty() || s.mount[0] != '/')
     return fmt::format("mount '{}' must be an absolute path", s.mount);
+  std::string why;
+  if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, why))
+    return fmt::format("metrics_listen {}", why);
   return std::nullopt;
 }
 
@@ -151,6 +158,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(64u, 1024u * 1024u));
   flags.add_option("--cuda-memory-fraction", s.cuda_memory_fraction,
                    "Share of each GPU's free memory salusd reserves for its arena (cuda)");
+  flags.add_option("--metrics-listen", s.metrics_listen,
+                   "Serve GET /metrics (the text of /salus/metrics) over HTTP on [ADDRESS:]PORT; "
+                   "without an address, on 127.0.0.1 (loopback) only. Default: off");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
   try {
     flags.parse(argc, argv);
@@ -205,12 +215,46 @@ int main(int argc, char** argv) {
     }
   }
 
+  // NVML readings for the cuda backend's GPUs, found by UUID. Optional: without
+  // libnvidia-ml.so.1 gpus/N/info says why and the metrics leave them out.
+  std::unique_ptr<salus::vgpu::GpuTelemetry> telemetry;
+  if (backend == "cuda") {
+    std::vector<std::string> uuids;
+    for (const auto& d : devices) uuids.push_back(d->info().uuid);
+    auto sampler = std::make_unique<salus::vgpu::nvml::NvmlSampler>(std::move(uuids));
+    for (std::size_t i = 0; i < devices.size(); ++i) {
+      const auto t = sampler->snapshot(i);
+      if (t.available)
+        spdlog::info("gpu {}: nvml readings available", i);
+      else
+        spdlog::info("gpu {}: no nvml readings: {}", i, t.why_not);
+    }
+    telemetry = std::move(sampler);
+  }
+
   salus::vgpu::BrokerConfig bc;
   bc.policy = *salus::sched::policy_from_string(s.policy);
   bc.placement = *salus::sched::placement_from_string(s.placement);
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
-  salus::vgpu::Broker broker(std::move(devices), bc);
+  salus::vgpu::Broker broker(std::move(devices), bc, std::move(telemetry));
+
+  // Before the mount, so that a port in use stops salusd before anything is
+  // served. Declared after the broker: destroyed, and so stopped, before it.
+  std::unique_ptr<salus::tools::MetricsHttpServer> metrics_http;
+  if (!s.metrics_listen.empty()) {
+    std::string why;
+    const auto address = salus::tools::parse_listen_address(s.metrics_listen, why);
+    if (address) {
+      metrics_http = salus::tools::MetricsHttpServer::start(
+          *address, [&broker] { return broker.render_metrics(); }, why);
+    }
+    if (!metrics_http) {
+      broker.shutdown(std::chrono::milliseconds(0));
+      return fail(fmt::format("--metrics-listen {}", why));
+    }
+    spdlog::info("metrics: serving http://{}/metrics", metrics_http->local_address());
+  }
 
   salus::fusefs::FilesystemOptions fo;
   fo.mountpoint = s.mount;
@@ -218,6 +262,7 @@ int main(int argc, char** argv) {
   fo.debug = s.fuse_debug;
   salus::fusefs::Filesystem fs(broker, fo);
   if (auto err = fs.mount()) {
+    if (metrics_http) metrics_http->stop();
     broker.shutdown(std::chrono::milliseconds(0));
     return fail(*err);
   }
@@ -228,6 +273,7 @@ int main(int argc, char** argv) {
   sd_notify(0, "READY=1");
   const int rc = fs.serve();
   sd_notify(0, "STOPPING=1");
+  if (metrics_http) metrics_http->stop();
   spdlog::info("stopping: no new work; letting running iterations finish (up to {} ms)",
                s.shutdown_grace_ms);
   broker.shutdown(std::chrono::milliseconds(s.shutdown_grace_ms));

@@ -66,8 +66,11 @@ void Broker::Sink::on_complete(StreamId stream, std::uint64_t token, int status,
   g_.cq_cv.notify_one();
 }
 
-Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config)
-    : config_(std::move(config)), epoch_(std::chrono::steady_clock::now()) {
+Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config,
+               std::unique_ptr<GpuTelemetry> telemetry)
+    : config_(std::move(config)),
+      epoch_(std::chrono::steady_clock::now()),
+      telemetry_(std::move(telemetry)) {
   if (config_.pipeline_depth == 0) config_.pipeline_depth = 1;
   for (std::size_t i = 0; i < devices.size(); ++i) {
     auto g = std::make_unique<Gpu>(i, std::move(devices[i]), config_.policy, config_.arena);

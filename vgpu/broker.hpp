@@ -21,6 +21,7 @@
 #include "sched/gpu_scheduler.hpp"
 #include "sched/placement.hpp"
 #include "vgpu/device.hpp"
+#include "vgpu/gpu_telemetry.hpp"
 #include "vgpu/session.hpp"
 
 namespace salus::vgpu {
@@ -66,7 +67,10 @@ struct BrokerStats {
 
 class Broker {
  public:
-  Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config);
+  // `telemetry` (optional) supplies the NVML lines of gpus/N/info and the
+  // matching metrics; without it they say why there are none.
+  Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config,
+         std::unique_ptr<GpuTelemetry> telemetry = nullptr);
   ~Broker();
   Broker(const Broker&) = delete;
   Broker& operator=(const Broker&) = delete;
@@ -224,6 +228,9 @@ class Broker {
   // that GPU is lost: every session placed there fails with "gpu context lost".
   void check_generation(Gpu& g, Deferred& later);
   double busy_fraction(const Gpu& g, TimeNs window) const;
+  // The telemetry of GPU `gpu`, or why there is none. Takes the telemetry's own
+  // lock, never mu_: call it before locking mu_.
+  GpuTelemetrySnapshot telemetry_of(std::size_t gpu) const;
   void update_runnable(Gpu& g, Session& s);
 
   BrokerConfig config_;
@@ -244,6 +251,7 @@ class Broker {
   std::atomic<bool> stopping_{false};
   bool stopped_ = false;
   std::chrono::steady_clock::time_point epoch_;
+  std::unique_ptr<GpuTelemetry> telemetry_;  // may be null
 };
 
 }  // namespace salus::vgpu

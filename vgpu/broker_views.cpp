@@ -15,6 +15,26 @@ double ms(std::int64_t ns) {
   return static_cast<double>(ns) / 1e6;
 }
 
+// A reading formatted, or "-" when the GPU cannot give it.
+std::string reading(const std::optional<double>& v, const char* format) {
+  return v ? fmt::format(fmt::runtime(format), *v) : std::string("-");
+}
+
+// The NVML part of gpus/N/info: always the same keys, so scripts can rely on
+// them; "nvml" says whether the values can be had and, if not, why.
+std::string telemetry_lines(const GpuTelemetrySnapshot& t) {
+  std::string state = "yes";
+  if (!t.available)
+    state = fmt::format("no ({})", t.why_not);
+  else if (!t.error.empty())
+    state = fmt::format("yes (last sample: {})", t.error);
+  const GpuReadings& r = t.readings;
+  return fmt::format(
+      "nvml: {}\nsm_util: {}\nmem_util: {}\npower_w: {}\nenergy_j: {}\ntemperature_c: {}\n", state,
+      reading(r.sm_util, "{:.2f}"), reading(r.mem_util, "{:.2f}"), reading(r.power_w, "{:.3f}"),
+      reading(r.energy_j, "{:.3f}"), reading(r.temperature_c, "{:.0f}"));
+}
+
 }  // namespace
 
 std::string Broker::render_status(SessionId id) const {
@@ -97,18 +117,31 @@ std::string Broker::render_log(SessionId id) const {
   return o;
 }
 
+GpuTelemetrySnapshot Broker::telemetry_of(std::size_t gpu) const {
+  if (telemetry_) return telemetry_->snapshot(gpu);
+  GpuTelemetrySnapshot none;
+  const std::string& backend = gpus_[gpu]->device->info().backend;
+  none.why_not = backend == "cuda" ? "not sampled" : fmt::format("{} backend", backend);
+  return none;
+}
+
 std::string Broker::render_gpu_info(std::size_t gi) const {
-  std::lock_guard lk(mu_);
+  // gpus_ never changes size after construction; the snapshot is taken before
+  // mu_ so the two locks are never held together.
   if (gi >= gpus_.size()) return {};
+  const std::string nvml = telemetry_lines(telemetry_of(gi));
+  std::lock_guard lk(mu_);
   const DeviceInfo& d = gpus_[gi]->device->info();
   return fmt::format(
-      "index: {}\nname: {}\nuuid: {}\nbackend: {}\ncapacity: {}\nmemory_total: {}\nsms: {}\n"
-      "driver: {}\nspin_cycles_per_us: {}\ndraining: {}\nbusy_1s: {:.3f}\nbusy_10s: {:.3f}\n"
-      "busy_60s: {:.3f}\n",
-      gi, d.name, d.uuid, d.backend, d.arena_size, d.total_memory, d.sm_count, d.driver_version,
-      d.spin_cycles_per_usec > 0 ? fmt::format("{:.1f}", d.spin_cycles_per_usec) : "-",
-      gpus_[gi]->draining ? "yes" : "no", busy_fraction(*gpus_[gi], 1'000'000'000),
-      busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000));
+             "index: {}\nname: {}\nuuid: {}\nbackend: {}\ncapacity: {}\nmemory_total: {}\n"
+             "sms: {}\ndriver: {}\nspin_cycles_per_us: {}\ndraining: {}\nbusy_1s: {:.3f}\n"
+             "busy_10s: {:.3f}\nbusy_60s: {:.3f}\n",
+             gi, d.name, d.uuid, d.backend, d.arena_size, d.total_memory, d.sm_count,
+             d.driver_version,
+             d.spin_cycles_per_usec > 0 ? fmt::format("{:.1f}", d.spin_cycles_per_usec) : "-",
+             gpus_[gi]->draining ? "yes" : "no", busy_fraction(*gpus_[gi], 1'000'000'000),
+             busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000)) +
+         nvml;
 }
 
 std::string Broker::render_gpu_summary(std::size_t gi) const {
@@ -224,10 +257,24 @@ std::string Broker::render_stats() const {
 }
 
 std::string Broker::render_metrics() const {
+  std::vector<GpuTelemetrySnapshot> telemetry;
+  for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_of(i));
   std::lock_guard lk(mu_);
   std::string o;
   auto family = [&](std::string_view name, std::string_view type, std::string_view help) {
     o += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+  };
+  // NVML families appear only when some GPU gives the reading, and then only
+  // with the GPUs that give it: an absent sample, not a made-up 0.
+  auto nvml_family = [&](std::string_view name, std::string_view type, std::string_view help,
+                         std::optional<double> GpuReadings::*field, const char* format) {
+    bool any = false;
+    for (const auto& t : telemetry) any = any || (t.readings.*field).has_value();
+    if (!any) return;
+    family(name, type, help);
+    for (std::size_t i = 0; i < telemetry.size(); ++i)
+      if (const auto& v = telemetry[i].readings.*field)
+        o += fmt::format("{}{{gpu=\"{}\"}} {}\n", name, i, fmt::format(fmt::runtime(format), *v));
   };
   family("salus_gpu_memory_bytes", "gauge", "GPU arena bytes by class.");
   for (const auto& g : gpus_) {
@@ -256,8 +303,22 @@ std::string Broker::render_metrics() const {
     for (const auto& [label, ns] : {std::pair<const char*, TimeNs>{"1s", 1'000'000'000},
                                     {"10s", 10'000'000'000},
                                     {"60s", 60'000'000'000}})
-      o += fmt::format("salus_gpu_busy_ratio{{gpu=\"{}\",window=\"{}\"}} {:.4f}\n", g->index,
-                       label, busy_fraction(*g, ns));
+      o += fmt::format("salus_gpu_busy_ratio{{gpu=\"{}\",window=\"{}\"}} {:.4f}\n", g->index, label,
+                       busy_fraction(*g, ns));
+  nvml_family("salus_gpu_sm_utilization_ratio", "gauge",
+              "NVML: fraction of the driver's last sample period during which a kernel ran.",
+              &GpuReadings::sm_util, "{:.2f}");
+  nvml_family("salus_gpu_memory_controller_utilization_ratio", "gauge",
+              "NVML: fraction of the driver's last sample period during which device memory "
+              "was read or written.",
+              &GpuReadings::mem_util, "{:.2f}");
+  nvml_family("salus_gpu_power_watts", "gauge", "NVML: board power draw.", &GpuReadings::power_w,
+              "{:.3f}");
+  nvml_family("salus_gpu_energy_joules_total", "counter",
+              "NVML: energy consumed since the driver was loaded.", &GpuReadings::energy_j,
+              "{:.3f}");
+  nvml_family("salus_gpu_temperature_celsius", "gauge", "NVML: GPU die temperature.",
+              &GpuReadings::temperature_c, "{:.0f}");
   family("salus_switches_total", "counter", "Lane switches between sessions.");
   for (const auto& g : gpus_)
     o +=

@@ -207,3 +207,69 @@ TEST(Broker, FragmentedAllocationWaitsForCompactionThenSucceeds) {
     EXPECT_EQ(v, i) << "b" << i;
   }
 }
+
+namespace {
+
+// Telemetry as a test sets it: GPU 0 has every reading but energy, GPU 1 is
+// not found.
+class FakeTelemetry final : public GpuTelemetry {
+ public:
+  GpuTelemetrySnapshot snapshot(std::size_t gpu) const override {
+    GpuTelemetrySnapshot t;
+    if (gpu == 0) {
+      t.available = true;
+      t.readings.sm_util = 0.37;
+      t.readings.mem_util = 0.125;
+      t.readings.power_w = 71.234;
+      t.readings.temperature_c = 41;
+      t.error = "energy: GPU is lost (NVML error 15)";
+    } else {
+      t.why_not = "nvmlDeviceGetHandleByUUID(GPU-x): Not Found (NVML error 6)";
+    }
+    return t;
+  }
+};
+
+}  // namespace
+
+TEST(Broker, SimGpuInfoSaysThereIsNoNvmlAndMetricsLeaveItOut) {
+  auto b = make_broker(2);
+  const std::string info = b->render_gpu_info(1);
+  EXPECT_EQ(field(info, "nvml"), "no (sim backend)");
+  for (const char* k : {"sm_util", "mem_util", "power_w", "energy_j", "temperature_c"})
+    EXPECT_EQ(field(info, k), "-") << k;
+  const std::string m = b->render_metrics();
+  EXPECT_EQ(m.find("salus_gpu_sm_utilization_ratio"), std::string::npos);
+  EXPECT_EQ(m.find("salus_gpu_power_watts"), std::string::npos);
+  EXPECT_EQ(m.find("salus_gpu_energy_joules_total"), std::string::npos);
+}
+
+TEST(Broker, TelemetryShowsInGpuInfoAndMetricsOnlyWhereAvailable) {
+  std::vector<std::unique_ptr<Device>> devs;
+  for (int i = 0; i < 2; ++i) devs.push_back(std::make_unique<SimDevice>(i, 64u << 20));
+  Broker b(std::move(devs), BrokerConfig{}, std::make_unique<FakeTelemetry>());
+  const std::string i0 = b.render_gpu_info(0);
+  EXPECT_EQ(field(i0, "nvml"), "yes (last sample: energy: GPU is lost (NVML error 15))");
+  EXPECT_EQ(field(i0, "sm_util"), "0.37");
+  EXPECT_EQ(field(i0, "mem_util"), "0.12");
+  EXPECT_EQ(field(i0, "power_w"), "71.234");
+  EXPECT_EQ(field(i0, "energy_j"), "-");
+  EXPECT_EQ(field(i0, "temperature_c"), "41");
+  const std::string i1 = b.render_gpu_info(1);
+  EXPECT_EQ(field(i1, "nvml"), "no (nvmlDeviceGetHandleByUUID(GPU-x): Not Found (NVML error 6))");
+  EXPECT_EQ(field(i1, "power_w"), "-");
+
+  const std::string m = b.render_metrics();
+  EXPECT_NE(m.find("# HELP salus_gpu_sm_utilization_ratio "), std::string::npos);
+  EXPECT_NE(m.find("# TYPE salus_gpu_sm_utilization_ratio gauge\n"), std::string::npos);
+  EXPECT_NE(m.find("\nsalus_gpu_sm_utilization_ratio{gpu=\"0\"} 0.37\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("\nsalus_gpu_memory_controller_utilization_ratio{gpu=\"0\"} 0.12\n"),
+            std::string::npos);
+  EXPECT_NE(m.find("# TYPE salus_gpu_power_watts gauge\n"), std::string::npos);
+  EXPECT_NE(m.find("\nsalus_gpu_power_watts{gpu=\"0\"} 71.234\n"), std::string::npos);
+  EXPECT_NE(m.find("\nsalus_gpu_temperature_celsius{gpu=\"0\"} 41\n"), std::string::npos);
+  // No GPU gives energy: no family at all. GPU 1 gives nothing: no samples.
+  EXPECT_EQ(m.find("salus_gpu_energy_joules_total"), std::string::npos);
+  EXPECT_EQ(m.find("{gpu=\"1\"} 0.37"), std::string::npos);
+  EXPECT_EQ(m.find("salus_gpu_power_watts{gpu=\"1\"}"), std::string::npos);
+}
