@@ -61,7 +61,7 @@ part_tests() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   export SALUS_TEST_CUDA_FATBIN=$data/test_kernels.fatbin SALUS_TEST_CUDA_PTX=$data/test_kernels.ptx
   local t
-  for t in test_cuda_driver test_cuda_device; do
+  for t in test_cuda_driver test_cuda_device test_nvml_gpu; do
     echo "== $t"
     timeout 300 "$bin/$t" 2>&1 | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED|RUN) *\]|Failure|Which is|Expected' | grep -v '^\[ RUN'
     echo "exit status ${PIPESTATUS[0]}"

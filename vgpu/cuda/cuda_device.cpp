@@ -277,8 +277,10 @@ void CudaDevice::release_context_resources() {
     release_interval(s->open);
     if (s->scratch != 0) drv_.mem_free(s->scratch);
     if (s->handle != nullptr) drv_.stream_destroy(s->handle);
+    if (s->wake != nullptr) drv_.stream_destroy(s->wake);
     s->scratch = 0;
     s->handle = nullptr;
+    s->wake = nullptr;
   }
   {
     std::lock_guard lock(modules_mu_);
@@ -336,6 +338,17 @@ std::vector<std::shared_ptr<CudaDevice::Stream>> CudaDevice::all_streams() const
   return out;
 }
 
+CUstream CudaDevice::create_wake_stream() {
+  if (!opts_.host_func_wakeup) return nullptr;
+  CUstream wake = nullptr;
+  if (const CUresult r = drv_.stream_create(&wake, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS) {
+    spdlog::warn("cuda gpu{}: no wake-up stream ({}); completions are polled", info_.index,
+                 drv_.describe(r));
+    return nullptr;
+  }
+  return wake;
+}
+
 StreamId CudaDevice::create_stream() {
   std::shared_lock ctx(ctx_mu_);
   CUstream handle = nullptr;
@@ -354,12 +367,14 @@ StreamId CudaDevice::create_stream() {
       }
     }
   }
+  CUstream wake = handle != nullptr ? create_wake_stream() : nullptr;
   std::lock_guard lock(table_mu_);
   std::size_t id = 0;
   while (id < streams_.size() && streams_[id]) ++id;
   if (id == streams_.size()) streams_.emplace_back();
   auto s = std::make_shared<Stream>(static_cast<StreamId>(id));
   s->handle = handle;
+  s->wake = wake;
   streams_[id] = std::move(s);
   return static_cast<StreamId>(id);
 }
@@ -395,10 +410,13 @@ void CudaDevice::destroy_stream(StreamId id) {
         release_interval(s->open);
         if (s->scratch != 0) drv_.mem_free(s->scratch);
         drv_.stream_destroy(s->handle);
+        // Its pending host functions only poke the waker, which outlives it.
+        if (s->wake != nullptr) drv_.stream_destroy(s->wake);
       } else if (is_sticky(r)) {
         note_fault(r);  // the handles die with the context reset
       }
       s->handle = nullptr;
+      s->wake = nullptr;
       s->scratch = 0;
     }
     s->open = Interval{};
@@ -662,10 +680,12 @@ void CudaDevice::notify(StreamId stream, std::uint64_t token) {
     if (r == CUDA_SUCCESS) r = drv_.event_record(e, s.handle);
     if (r == CUDA_SUCCESS) {
       iv.end = e;
-      if (opts_.host_func_wakeup) {
-        // Wakes the completion thread the moment the stream gets here. If it
-        // fails, polling still finds the event.
-        r = drv_.launch_host_func(s.handle, &CudaDevice::on_host_wake, waker_.get());
+      if (s.wake != nullptr) {
+        // Wakes the completion thread the moment the stream gets here, without
+        // holding up the stream. If it fails, polling still finds the event.
+        r = drv_.stream_wait_event(s.wake, e, 0);
+        if (r == CUDA_SUCCESS)
+          r = drv_.launch_host_func(s.wake, &CudaDevice::on_host_wake, waker_.get());
         if (is_sticky(r)) note_fault(r);
       }
     } else {
@@ -1109,6 +1129,7 @@ void CudaDevice::flush_after_fault(bool rebuild) {
       open.copy_out.clear();
       open.user_launch = false;
       s->handle = nullptr;
+      s->wake = nullptr;
       s->scratch = 0;
       s->discards_seen = 0;
     }
@@ -1153,6 +1174,7 @@ void CudaDevice::flush_after_fault(bool rebuild) {
             why = fmt::format("cuStreamCreate: {}", drv_.error_name(r));
             break;
           }
+          s->wake = create_wake_stream();
         }
       }
       if (why.empty()) {
@@ -1182,6 +1204,7 @@ void CudaDevice::flush_after_fault(bool rebuild) {
         for (const auto& s : all_streams()) {
           std::lock_guard lock(s->mu);
           s->handle = nullptr;
+          s->wake = nullptr;
         }
       } else {
         spdlog::warn("cuda gpu{}: context rebuilt after {}; device memory was cleared", info_.index,

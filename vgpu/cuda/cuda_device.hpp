@@ -143,6 +143,11 @@ class CudaDevice final : public Device {
     // Orders enqueues onto the stream; guards everything below except `pending`.
     std::mutex mu;
     CUstream handle = nullptr;  // null while dead
+    // Carries the completion wake-ups: a host function enqueued on `handle`
+    // itself would hold the lane's next kernels until the driver's callback
+    // thread ran it (~100 us on an H100), so it waits on the interval's end
+    // event here instead. Null: completions are found by polling alone.
+    CUstream wake = nullptr;
     bool closing = false;
     Interval open;
     std::uint64_t discards_seen = 0;
@@ -187,6 +192,7 @@ class CudaDevice final : public Device {
   void calibrate_spin(int clock_khz);
   void release_context_resources();  // healthy teardown
   void set_current() const;
+  CUstream create_wake_stream();  // caller holds ctx_mu_ with the context current
 
   // Op helpers (caller holds ctx_mu_ shared and the stream's mu).
   bool begin_op(Stream& s);
