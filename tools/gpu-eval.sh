@@ -90,19 +90,41 @@ part_bench() {
 }
 
 # Two identical jobs (gemm 2048^3 back to back) for $secs each, started together.
+# (A bare `wait` would also wait for salusd.)
+two_jobs() {
+  local first
+  if [ "$1" = --native ]; then
+    $b gpu-job --native --op $op --seconds $secs & first=$!
+    $b gpu-job --native --op $op --seconds $secs
+  else
+    $b --mount "$2" gpu-job --op $op --seconds $secs & first=$!
+    $b --mount "$2" gpu-job --op $op --seconds $secs
+  fi
+  wait $first
+}
 part_compare() {
   local secs=20 op=gemm2048 b="$bin/salus-bench"
+  local policies=${SALUS_COMPARE_POLICIES:-pack fair}
+  if [ -n "${SALUS_COMPARE_SALUSD_ONLY:-}" ]; then
+    for policy in $policies; do
+      echo "== salusd, two sessions, policy $policy"
+      start_salusd --policy $policy || return 1
+      two_jobs --mount "$work/mnt"
+      stop_salusd
+    done
+    return
+  fi
   echo "== alone (one native job)"
   $b gpu-job --native --op $op --seconds $secs
   echo "== time-slicing (two native processes, no MPS)"
-  $b gpu-job --native --op $op --seconds $secs & $b gpu-job --native --op $op --seconds $secs; wait
+  two_jobs --native
   echo "== MPS (two native processes through nvidia-cuda-mps-control)"
   mps_dir=$work/mps
   mkdir -p "$mps_dir/pipe" "$mps_dir/log"
   export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
   if nvidia-cuda-mps-control -d; then
     sleep 1
-    $b gpu-job --native --op $op --seconds $secs & $b gpu-job --native --op $op --seconds $secs; wait
+    two_jobs --native
     echo quit | nvidia-cuda-mps-control
     sleep 1
     tail -3 "$mps_dir/log/control.log" 2>/dev/null
@@ -111,11 +133,10 @@ part_compare() {
   fi
   mps_dir=""
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  for policy in pack fair; do
+  for policy in $policies; do
     echo "== salusd, two sessions, policy $policy"
     start_salusd --policy $policy || return 1
-    $b --mount "$work/mnt" gpu-job --op $op --seconds $secs &
-    $b --mount "$work/mnt" gpu-job --op $op --seconds $secs; wait
+    two_jobs --mount "$work/mnt"
     stop_salusd
   done
 }

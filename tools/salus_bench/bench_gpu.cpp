@@ -141,8 +141,9 @@ int bench_overhead(Target& t, const std::vector<std::string>& ops, long n) {
 // Device timestamps (stamp kernel) before and after every iteration of two
 // sessions that share one lane under FAIR; a switch gap is the GPU time between
 // one session's last stamp and the other's first.
-int bench_switch_gap(Target& t, const std::string& kernels, long n, std::uint64_t spin_us,
+int bench_switch_gap(Target& t, const std::string& kernels_arg, long n, std::uint64_t spin_us,
                      const std::vector<std::string>& extra) {
+  const std::string kernels = std::filesystem::absolute(kernels_arg).string();  // salusd opens it
   if (!std::filesystem::exists(kernels))
     die(fmt::format("bench kernels not found at {} (pass --kernels)", kernels));
   const std::string& mnt = t.start(cuda_args("fair", extra));
@@ -188,6 +189,7 @@ int bench_switch_gap(Target& t, const std::string& kernels, long n, std::uint64_
   std::sort(all.begin(), all.end(),
             [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
   std::vector<double> switch_us, same_us;
+  std::vector<std::string> slow;  // where the GPU sat idle for over 100 us
   long overlaps = 0;
   for (std::size_t i = 1; i < all.size(); ++i) {
     if (all[i].begin < all[i - 1].end) {
@@ -196,6 +198,9 @@ int bench_switch_gap(Target& t, const std::string& kernels, long n, std::uint64_
     }
     const double gap = static_cast<double>(all[i].begin - all[i - 1].end) / 1e3;
     (all[i].session != all[i - 1].session ? switch_us : same_us).push_back(gap);
+    if (gap > 100 && slow.size() < 12)
+      slow.push_back(fmt::format("#{}@{:.1f}ms:{:.0f}us", i,
+                                 static_cast<double>(all[i].begin - all[0].begin) / 1e6, gap));
   }
   fmt::print("switch-gap policy=fair sessions=2 lane={} iterations={} x 2 spin={}us {}\n", lane0, n,
              spin_us, fmt::join(extra, " "));
@@ -206,6 +211,7 @@ int bench_switch_gap(Target& t, const std::string& kernels, long n, std::uint64_
       percentile(switch_us, 1.0));
   fmt::print("  same-session gaps {}  p50 {:.2f} us  p99 {:.2f} us  (baseline)\n", same_us.size(),
              percentile(same_us, 0.5), percentile(same_us, 0.99));
+  if (!slow.empty()) fmt::print("  first gaps over 100 us: {}\n", fmt::join(slow, " "));
   if (overlaps > 0) fmt::print("  WARNING: {} overlapping intervals\n", overlaps);
   return 0;
 }
