@@ -101,12 +101,19 @@ std::string Broker::render_gpu_info(std::size_t gi) const {
   std::lock_guard lk(mu_);
   if (gi >= gpus_.size()) return {};
   const DeviceInfo& d = gpus_[gi]->device->info();
+  const DeviceHealth h = gpus_[gi]->device->health();
+  auto or_dash = [](const std::string& v) { return v.empty() ? std::string("-") : v; };
   return fmt::format(
       "index: {}\nname: {}\nuuid: {}\nbackend: {}\ncapacity: {}\nmemory_total: {}\nsms: {}\n"
-      "driver: {}\ndraining: {}\nbusy_1s: {:.3f}\nbusy_10s: {:.3f}\nbusy_60s: {:.3f}\n",
+      "driver: {}\ndraining: {}\nbusy_1s: {:.3f}\nbusy_10s: {:.3f}\nbusy_60s: {:.3f}\n"
+      "isolation: {}\nexecutor_pid: {}\nstate: {}\nrestarts: {}\nlast_restart: {}\n"
+      "last_fault: {}\n",
       gi, d.name, d.uuid, d.backend, d.arena_size, d.total_memory, d.sm_count, d.driver_version,
       gpus_[gi]->draining ? "yes" : "no", busy_fraction(*gpus_[gi], 1'000'000'000),
-      busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000));
+      busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000),
+      h.isolation, h.executor_pid > 0 ? std::to_string(h.executor_pid) : std::string("-"),
+      h.usable ? std::string("ok") : "out-of-service: " + h.unusable_why, h.restarts,
+      or_dash(h.last_restart), or_dash(h.last_fault));
 }
 
 std::string Broker::render_gpu_summary(std::size_t gi) const {
@@ -248,6 +255,11 @@ std::string Broker::render_metrics() const {
   for (const auto& g : gpus_)
     o += fmt::format("salus_gpu_busy_seconds_total{{gpu=\"{}\"}} {:.9f}\n", g->index,
                      static_cast<double>(g->device->busy_ns()) / 1e9);
+  family("salus_gpu_restarts_total", "counter",
+         "Times the GPU lost its context and was given a fresh one (executor restarts).");
+  for (const auto& g : gpus_)
+    o += fmt::format("salus_gpu_restarts_total{{gpu=\"{}\"}} {}\n", g->index,
+                     g->device->health().restarts);
   family("salus_gpu_busy_ratio", "gauge",
          "Fraction of the last window during which the GPU ran at least one op.");
   for (const auto& g : gpus_)
