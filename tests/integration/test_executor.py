@@ -1,0 +1,175 @@
+"""GPU fault recovery with --gpu-isolation process, end to end on the sim backend.
+
+A sim kernel is host code running in the GPU's executor process, so a kernel
+that dereferences a bad pointer (crash_store) or aborts (crash_abort) kills that
+executor the way a CUDA kernel poisons a context. salusd must stay up, fail the
+offending session with a kernel-fault message and the other sessions on that
+GPU with "gpu context lost", give the GPU a fresh executor, and serve new
+sessions on it; the other GPU is not touched.
+"""
+import errno
+import os
+import signal
+import struct
+import time
+
+import pytest
+
+from conftest import Salusd, Session, alive, is_mounted, wait_until
+
+MODULE = os.environ.get("SALUS_TEST_SIM_MODULE", "")
+
+
+@pytest.fixture
+def daemon():
+    d = Salusd(["--gpu-isolation", "process"]).start()
+    yield d
+    d.stop()
+
+
+def info(d, gpu=0):
+    with open(d.path("gpus", str(gpu), "info")) as f:
+        return dict(line.split(": ", 1) for line in f.read().splitlines())
+
+
+def wait_back(d, restarts, gpu=0, timeout=20):
+    """Waits until the GPU has had `restarts` restarts and its executor is up."""
+    ok = wait_until(lambda: info(d, gpu)["restarts"] == str(restarts) and
+                    info(d, gpu)["state"] == "ok" and info(d, gpu)["executor_pid"] != "-",
+                    timeout=timeout)
+    assert ok, f"gpu {gpu}: {info(d, gpu)}\n{d.daemon_log()}"
+
+
+def busy_bystander(d, gpu=0):
+    """A session with long iterations in flight on `gpu`."""
+    s = Session(d)
+    s.cmd(f"need persistent=4M ephemeral=1M gpu={gpu}\nalloc w 1M\nfill w 1.0\n"
+          "begin\nfill w 2.0\nspin 200000\nend x20\n")
+    assert wait_until(lambda: s.status()["in_flight"] != "0"), s.status()
+    return s
+
+
+def fresh_session_computes(d, gpu=0):
+    """A new session on `gpu` runs fill, gemm and host copies correctly."""
+    s = Session(d)
+    try:
+        s.cmd(f"need persistent=4M ephemeral=1M gpu={gpu}\nalloc a 64\nalloc b 64\nalloc c 64\n"
+              "fill a 2.0\nfill b 3.0\nbegin\ngemm 4 4 4 a b c\nend\n")
+        assert s.wait().startswith("done"), s.read("log")
+        with open(s.file("mem/c"), "rb") as f:
+            assert struct.unpack("<16f", f.read(64)) == (24.0,) * 16
+        with open(s.file("mem/a"), "r+b") as f:
+            f.write(struct.pack("<4f", 1, 2, 3, 4))
+        with open(s.file("mem/a"), "rb") as f:
+            assert struct.unpack("<4f", f.read(16)) == (1.0, 2.0, 3.0, 4.0)
+    finally:
+        s.close()
+
+
+def crash(d, kernel, gpu=0):
+    s = Session(d)
+    s.cmd(f"need persistent=1M ephemeral=1M gpu={gpu}\nmodule k {MODULE}\n")
+    arg = " u64:8" if kernel == "crash_store" else ""
+    try:
+        s.cmd(f"launch k.{kernel} grid=1 block=1{arg}\n")
+    except OSError:
+        pass  # the write may already carry the failure
+    return s
+
+
+@pytest.mark.parametrize("kernel,signame", [("crash_store", "SIGSEGV"), ("crash_abort", "SIGABRT")])
+def test_a_crashing_kernel_costs_its_gpu_context_but_not_salusd(daemon, kernel, signame):
+    if not MODULE or not os.path.exists(MODULE):
+        pytest.skip("the sim test kernel module was not built (SALUS_TEST_SIM_MODULE)")
+    d = daemon
+    old_pid = info(d)["executor_pid"]
+    other_gpu_pid = info(d, 1)["executor_pid"]
+    bystander = busy_bystander(d)
+    far = Session(d)  # on the other GPU: must not notice anything
+    far.cmd("need persistent=1M ephemeral=1M gpu=1\nalloc z 64\nfill z 5 dtype=i32\n")
+    culprit = crash(d, kernel)
+    wait_back(d, 1)
+
+    assert d.proc.poll() is None and is_mounted(d.mnt), d.daemon_log()
+    i = info(d)
+    assert i["executor_pid"] != old_pid
+    assert signame in i["last_restart"] and "user kernel" in i["last_restart"], i
+    assert signame in i["last_fault"], i
+
+    # The culprit is told what happened to it, in its status and its log.
+    assert wait_until(lambda: culprit.status()["state"] == "failed"), culprit.status()
+    err = culprit.status()["error"]
+    assert err.startswith("EFAULT kernel fault:") and signame in err, err
+    assert "kernel fault" in culprit.read("log")
+    with pytest.raises(OSError) as e:
+        culprit.wait()
+    assert e.value.errno == errno.EFAULT
+
+    # The bystander lost its context and memory, and says so.
+    assert wait_until(lambda: "gpu context lost" in bystander.status()["error"]), bystander.status()
+    assert bystander.status()["error"].startswith("EIO"), bystander.status()
+    assert "kernel fault" not in bystander.read("log")
+    # ... and can start over once it says `reset`.
+    bystander.cmd("reset\nalloc v 64\nfill v 9 dtype=i32\n")
+    with open(bystander.file("mem/v"), "rb") as f:
+        assert struct.unpack("<4i", f.read(16)) == (9, 9, 9, 9)
+
+    # A new session on the GPU works on the fresh executor.
+    fresh_session_computes(d)
+
+    # The other GPU and its session were not touched.
+    assert info(d, 1)["restarts"] == "0" and info(d, 1)["executor_pid"] == other_gpu_pid
+    assert far.status()["error"] == "-", far.status()
+    with open(far.file("mem/z"), "rb") as f:
+        assert struct.unpack("<2i", f.read(8)) == (5, 5)
+
+    # One executor per GPU, none leaked.
+    assert sorted(map(str, d.executors())) == sorted([info(d)["executor_pid"], other_gpu_pid])
+    for s in (culprit, bystander, far):
+        s.close()
+
+
+def test_an_executor_killed_from_outside_is_replaced(daemon):
+    d = daemon
+    old_pid = int(info(d)["executor_pid"])
+    bystander = busy_bystander(d)
+    os.kill(old_pid, signal.SIGKILL)
+    wait_back(d, 1)
+    assert d.proc.poll() is None and is_mounted(d.mnt)
+    assert "SIGKILL" in info(d)["last_restart"]
+    assert info(d)["last_fault"] == "-"  # nobody's kernel is blamed
+    assert wait_until(lambda: "gpu context lost" in bystander.status()["error"]), bystander.status()
+    assert "SIGKILL" in bystander.status()["error"]
+    fresh_session_computes(d)
+    assert not alive(old_pid)
+    assert len(d.executors()) == 2
+    with open(d.path("metrics")) as f:
+        assert 'salus_gpu_restarts_total{gpu="0"} 1' in f.read()
+    bystander.close()
+
+
+def test_idle_sessions_on_the_gpu_are_told_too(daemon):
+    d = daemon
+    idle = Session(d)
+    idle.cmd("need persistent=1M ephemeral=1M gpu=0\nalloc p 64\nfill p 3 dtype=i32\n")
+    assert idle.wait().startswith("done")
+    os.kill(int(info(d)["executor_pid"]), signal.SIGKILL)
+    wait_back(d, 1)
+    assert wait_until(lambda: "gpu context lost" in idle.status()["error"]), idle.status()
+    assert "gpu context lost" in idle.read("log")
+    idle.close()
+
+
+def test_executors_go_away_with_salusd():
+    d = Salusd(["--gpu-isolation", "process"]).start()
+    try:
+        pids = d.executors()
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        with open(d.path("gpus", "0", "info")) as f:
+            assert "isolation: process" in f.read()
+        # Even when salusd is killed without a chance to clean up.
+        d.proc.kill()
+        d.proc.wait()
+        assert wait_until(lambda: not any(alive(p) for p in pids), timeout=5), pids
+    finally:
+        d.stop()
