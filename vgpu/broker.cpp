@@ -1227,6 +1227,13 @@ double Broker::busy_fraction(const Gpu& g, TimeNs window) const {
 }
 
 void Broker::dispatch(Gpu& g, Deferred& later) {
+  // The whole pass reaches a forwarding device as one burst (one send for
+  // process isolation instead of one per iteration).
+  struct Batch {
+    Device& d;
+    explicit Batch(Device& dev) : d(dev) { d.begin_batch(); }
+    ~Batch() { d.end_batch(); }
+  } batch(*g.device);
   compact(g);
   std::uint32_t budget = kInlineBudget;
   bool progress = true;

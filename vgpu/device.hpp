@@ -92,6 +92,12 @@ class Device {
   // Asks for sink->on_complete(stream, token, ...) once every op enqueued so far
   // on the stream has finished.
   virtual void notify(StreamId stream, std::uint64_t token) = 0;
+  // Bracket a burst of calls from one thread (the broker's dispatch pass). A
+  // backend that forwards requests elsewhere (process isolation) may then hold
+  // notifies back until end_batch and send the burst at once; others ignore it.
+  // Pairs may nest. Nothing else changes: every call still means what it says.
+  virtual void begin_batch() {}
+  virtual void end_batch() {}
 
   // Nothing lives in [offset, offset+length) any more. Afterwards the range reads
   // as zero, so memory never carries data from one owner to the next.

@@ -83,8 +83,11 @@ class RemoteDevice final : public Device {
   // area is full.
   void copy_to_host(StreamId stream, void* host, DevOffset src, Bytes length) override;
   void copy_from_host(StreamId stream, DevOffset dst, const void* host, Bytes length) override;
-  // Sends the batch of requests built since the last one.
+  // Sends the requests built since the last send (inside begin_batch and
+  // end_batch: at end_batch), the whole interval in one datagram.
   void notify(StreamId stream, std::uint64_t token) override;
+  void begin_batch() override;
+  void end_batch() override;
   void discard(DevOffset offset, Bytes length) override;
 
   // Reported by the executor with each completion and every 100 ms; carried
@@ -238,6 +241,7 @@ class RemoteDevice final : public Device {
   std::uint64_t epoch_ = 0;            // bumped whenever an executor is lost: ends waits
   std::uint64_t base_generation_ = 0;  // the generation arena_base belongs to
   bool local_ready_ = false;           // a stream has done entries at its front
+  int batch_depth_ = 0;                // begin_batch nesting: notifies wait for end_batch
   bool stop_ = false;
   // Restarts and health.
   std::atomic<std::uint64_t> generation_{0};
