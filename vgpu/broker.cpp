@@ -1185,10 +1185,9 @@ void Broker::check_generation(Gpu& g, Deferred& later) {
   if (gen == g.generation) return;
   g.generation = gen;
   const DeviceHealth h = g.device->health();
-  spdlog::error(
-      "gpu {}: the device context was recreated ({}); every session on it loses its "
-      "GPU memory",
-      g.index, h.last_restart.empty() ? std::string("after a fault") : h.last_restart);
+  spdlog::error("gpu {}: the device lost its context ({}); every session on it loses its GPU "
+                "memory",
+                g.index, h.last_restart.empty() ? std::string("a fault") : h.last_restart);
   for (auto& [id, sp] : sessions_) {
     Session& s = *sp;
     if (s.gpu != static_cast<int>(g.index) || s.dead || s.gpu_generation == gen) continue;

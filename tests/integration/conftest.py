@@ -57,6 +57,7 @@ class Salusd:
         self.log_path = os.path.join(self.tmp, "salusd.log")
         self.args = [SALUSD, "--backend", "sim", "--sim-gpus", str(gpus), "--sim-memory", sim_memory,
                      "--mount", self.mnt, "--log-level", "debug", *extra_args]
+        self.env = None  # the daemon's environment; None: this one
         self.isolation = None  # what the environment asked for, checked at start
         if GPU_ISOLATION and "--gpu-isolation" not in extra_args:
             self.args += ["--gpu-isolation", GPU_ISOLATION]
@@ -72,7 +73,8 @@ class Salusd:
 
     def _start(self, timeout):
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=self.env)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -1,11 +1,13 @@
-"""GPU fault recovery with --gpu-isolation process, end to end on the sim backend.
+"""GPU fault recovery with --gpu-isolation process, end to end.
 
 A sim kernel is host code running in the GPU's executor process, so a kernel
 that dereferences a bad pointer (crash_store) or aborts (crash_abort) kills that
 executor the way a CUDA kernel poisons a context. salusd must stay up, fail the
 offending session with a kernel-fault message and the other sessions on that
 GPU with "gpu context lost", give the GPU a fresh executor, and serve new
-sessions on it; the other GPU is not touched.
+sessions on it; the other GPU is not touched. The last test does the same on
+the cuda backend against the mock libcuda, whose bad_store kernel poisons the
+context with CUDA_ERROR_ILLEGAL_ADDRESS.
 """
 import errno
 import os
@@ -160,6 +162,33 @@ def test_idle_sessions_on_the_gpu_are_told_too(daemon):
     idle.close()
 
 
+def test_a_gpu_whose_executor_keeps_dying_goes_out_of_service(daemon):
+    d = daemon
+    s = Session(d)
+    s.cmd("need persistent=1M ephemeral=1M gpu=0\nalloc v 64\n")
+    # Killed from outside right after each start: nothing a kernel did explains
+    # it, so after five quick deaths in a row the GPU is taken out of service.
+    for n in range(5):
+        pid = info(d)["executor_pid"]
+        os.kill(int(pid), signal.SIGKILL)
+        if n < 4:
+            wait_back(d, n + 1)
+    assert wait_until(lambda: info(d)["state"].startswith("out-of-service"), timeout=20), info(d)
+    i = info(d)
+    assert "5 times in a row" in i["state"] and i["executor_pid"] == "-", i
+    assert d.proc.poll() is None and is_mounted(d.mnt)
+    assert len(d.executors()) == 1  # only gpu 1's
+    # The session hears of the last loss; after that, work on the GPU fails at
+    # once, saying why. The other GPU still serves.
+    assert wait_until(lambda: f"pid {pid} " in s.read("log")), s.read("log")
+    s.cmd("reset\n")
+    with pytest.raises(OSError):
+        s.cmd("fill v 1 dtype=i32\nsync\n")
+    assert "out of service" in s.status()["error"], s.status()
+    fresh_session_computes(d, gpu=1)
+    s.close()
+
+
 def test_executors_go_away_with_salusd():
     d = Salusd(["--gpu-isolation", "process"]).start()
     try:
@@ -171,5 +200,46 @@ def test_executors_go_away_with_salusd():
         d.proc.kill()
         d.proc.wait()
         assert wait_until(lambda: not any(alive(p) for p in pids), timeout=5), pids
+    finally:
+        d.stop()
+
+
+def test_a_cuda_kernel_fault_restarts_the_executor_against_the_mock_driver():
+    mock = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
+    fatbin = os.environ.get("SALUS_TEST_CUDA_FATBIN", "")
+    if not mock or not fatbin or not os.path.exists(fatbin):
+        pytest.skip("built without the cuda backend's mock driver or test kernels (nvcc)")
+    d = Salusd(["--gpu-isolation", "process", "--cuda-memory-fraction", "0.2"])
+    d.args[d.args.index("--backend") + 1] = "cuda"
+    d.env = {**os.environ, "LD_LIBRARY_PATH": mock}
+    d.start(timeout=30)
+    try:
+        i = info(d)
+        assert i["backend"] == "cuda" and i["isolation"] == "process", i
+        assert len(d.executors()) == 1
+        bystander = Session(d)
+        bystander.cmd("need persistent=4M ephemeral=1M gpu=0\nalloc w 64\nfill w 1.0\n"
+                      "begin\nspin 200000 util=0.1\nend x20\n")
+        assert wait_until(lambda: bystander.status()["in_flight"] != "0"), bystander.status()
+        culprit = Session(d)
+        culprit.cmd(f"need persistent=1M ephemeral=1M gpu=0\nmodule k {fatbin}\n")
+        try:
+            culprit.cmd("launch k.bad_store grid=1 block=1 u64:16\n")
+        except OSError:
+            pass
+        wait_back(d, 1, timeout=30)
+        assert d.proc.poll() is None and is_mounted(d.mnt)
+        i = info(d)
+        assert "kernel fault" in i["last_restart"], i
+        assert "CUDA_ERROR_ILLEGAL_ADDRESS" in i["last_fault"], i
+        assert wait_until(lambda: culprit.status()["state"] == "failed"), culprit.status()
+        err = culprit.status()["error"]
+        assert err.startswith("EFAULT kernel fault: CUDA_ERROR_ILLEGAL_ADDRESS"), err
+        assert wait_until(lambda: "gpu context lost" in bystander.status()["error"]), \
+            bystander.status()
+        fresh_session_computes(d)
+        assert len(d.executors()) == 1
+        for s in (culprit, bystander):
+            s.close()
     finally:
         d.stop()
