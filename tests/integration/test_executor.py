@@ -243,3 +243,15 @@ def test_a_cuda_kernel_fault_restarts_the_executor_against_the_mock_driver():
             s.close()
     finally:
         d.stop()
+
+
+def test_the_config_file_selects_the_isolation(salusd_factory, tmp_path):
+    conf = tmp_path / "salusd.toml"
+    conf.write_text('gpu_isolation = "process"\n')
+    d = salusd_factory(extra_args=["--config", str(conf)]).start()
+    assert info(d)["isolation"] == "process" and len(d.executors()) == 2
+    conf.write_text('gpu_isolation = "sideways"\n')
+    d = salusd_factory(extra_args=["--config", str(conf)])
+    with pytest.raises(RuntimeError) as e:
+        d.start()
+    assert "gpu_isolation 'sideways'" in str(e.value)

@@ -530,6 +530,10 @@ int run_executor(const ExecutorOptions& o) {
   // spawn_executor set it before exec (it survives exec); set it again in case
   // this binary was started some other way.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  // Ctrl-C in a terminal signals the whole foreground process group: salusd
+  // then drains and stops its executors in order; one dying first would look
+  // like a lost GPU context to every session on it.
+  ::signal(SIGINT, SIG_IGN);
   // A user kernel that crashes this process is expected (on sim a kernel is
   // host code), not a salusd bug: no core file, which for a process mapping a
   // whole GPU's memory could be huge.
