@@ -190,6 +190,17 @@ def test_a_gpu_whose_executor_keeps_dying_goes_out_of_service(daemon):
 
 
 def test_executors_go_away_with_salusd():
+    # An orderly stop (SIGTERM) shuts them down itself: no help from teardown.
+    d = Salusd(["--gpu-isolation", "process"]).start()
+    try:
+        pids = d.executors()
+        assert len(pids) == 2
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=20) == 0, d.daemon_log()
+        assert not any(alive(p) for p in pids), pids
+        assert "starting a new executor" not in d.daemon_log(), d.daemon_log()
+    finally:
+        d.stop()
     d = Salusd(["--gpu-isolation", "process"]).start()
     try:
         pids = d.executors()
