@@ -199,3 +199,13 @@ def wait_until(pred, timeout=5.0, step=0.01):
             return True
         time.sleep(step)
     return pred()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With SALUS_TEST_SKIP_EXIT_77 set (the gpu suite), a run where every test
+    skipped exits 77, which meson reports as SKIP rather than OK."""
+    if not os.environ.get("SALUS_TEST_SKIP_EXIT_77") or exitstatus != 0:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter and reporter.stats.get("skipped") and not reporter.stats.get("passed"):
+        session.exitstatus = 77

@@ -9,10 +9,13 @@ sessions on it; the other GPU is not touched. The last test does the same on
 the cuda backend against the mock libcuda, whose bad_store kernel poisons the
 context with CUDA_ERROR_ILLEGAL_ADDRESS.
 """
+import ctypes
 import errno
 import os
+import shutil
 import signal
 import struct
+import subprocess
 import time
 
 import pytest
@@ -160,6 +163,135 @@ def test_idle_sessions_on_the_gpu_are_told_too(daemon):
     assert wait_until(lambda: "gpu context lost" in idle.status()["error"]), idle.status()
     assert "gpu context lost" in idle.read("log")
     idle.close()
+
+
+def test_a_gpu_whose_executor_keeps_dying_goes_out_of_service(daemon):
+    d = daemon
+    s = Session(d)
+    s.cmd("need persistent=1M ephemeral=1M gpu=0\nalloc v 64\n")
+    # Killed from outside right after each start: nothing a kernel did explains
+    # it, so after five quick deaths in a row the GPU is taken out of service.
+    for n in range(5):
+        pid = info(d)["executor_pid"]
+        os.kill(int(pid), signal.SIGKILL)
+        if n < 4:
+            wait_back(d, n + 1)
+    assert wait_until(lambda: info(d)["state"].startswith("out-of-service"), timeout=20), info(d)
+    i = info(d)
+    assert "5 times in a row" in i["state"] and i["executor_pid"] == "-", i
+    assert d.proc.poll() is None and is_mounted(d.mnt)
+    assert len(d.executors()) == 1  # only gpu 1's
+    # The session hears of the last loss; after that, work on the GPU fails at
+    # once, saying why. The other GPU still serves.
+    assert wait_until(lambda: f"pid {pid} " in s.read("log")), s.read("log")
+    s.cmd("reset\n")
+    with pytest.raises(OSError):
+        s.cmd("fill v 1 dtype=i32\nsync\n")
+    assert "out of service" in s.status()["error"], s.status()
+    fresh_session_computes(d, gpu=1)
+    s.close()
+
+
+def test_executors_go_away_with_salusd():
+    # An orderly stop (SIGTERM) shuts them down itself: no help from teardown.
+    d = Salusd(["--gpu-isolation", "process"]).start()
+    try:
+        pids = d.executors()
+        assert len(pids) == 2
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=20) == 0, d.daemon_log()
+        assert not any(alive(p) for p in pids), pids
+        assert "starting a new executor" not in d.daemon_log(), d.daemon_log()
+    finally:
+        d.stop()
+    d = Salusd(["--gpu-isolation", "process"]).start()
+    try:
+        pids = d.executors()
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        with open(d.path("gpus", "0", "info")) as f:
+            assert "isolation: process" in f.read()
+        # Even when salusd is killed without a chance to clean up.
+        d.proc.kill()
+        d.proc.wait()
+        assert wait_until(lambda: not any(alive(p) for p in pids), timeout=5), pids
+    finally:
+        d.stop()
+
+
+def real_gpu_missing():
+    """Why the real-driver variant cannot run here, or None."""
+    if not os.environ.get("SALUS_TEST_CUDA_REAL"):
+        return "the real-driver variant runs in the gpu suite (SALUS_TEST_CUDA_REAL=1)"
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        if cuda.cuInit(0) != 0:
+            return "cuInit failed"
+    except (OSError, AttributeError) as e:
+        return f"no NVIDIA driver ({e})"
+    n = ctypes.c_int(0)
+    if cuda.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value == 0:
+        return "no CUDA GPU visible"
+    return None
+
+
+def gpu_context_pids():
+    """Pids nvidia-smi lists as holding a CUDA context, or None without nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30)
+    return {int(x) for x in out.stdout.split()} if out.returncode == 0 else None
+
+
+@pytest.mark.parametrize("driver", ["mock", "real"])
+def test_a_cuda_kernel_fault_restarts_the_executor(driver):
+    fatbin = os.environ.get("SALUS_TEST_CUDA_FATBIN", "")
+    if not fatbin or not os.path.exists(fatbin):
+        pytest.skip("built without the cuda backend's test kernels (no nvcc)")
+    d = Salusd(["--gpu-isolation", "process", "--cuda-memory-fraction", "0.2"])
+    d.args[d.args.index("--backend") + 1] = "cuda"
+    if driver == "mock":
+        mock = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
+        if not mock:
+            pytest.skip("built without the cuda backend's mock driver")
+        d.env = {**os.environ, "LD_LIBRARY_PATH": mock}
+    elif (why := real_gpu_missing()) is not None:
+        pytest.skip(why)
+    d.start(timeout=120)
+    try:
+        i = info(d)
+        assert i["backend"] == "cuda" and i["isolation"] == "process", i
+        gpus = len(os.listdir(d.path("gpus")))
+        assert len(d.executors()) == gpus
+        if driver == "real" and (held := gpu_context_pids()) is not None:
+            # salusd itself holds no context: only its executors do.
+            assert d.proc.pid not in held and set(d.executors()) <= held, (held, d.executors())
+        bystander = Session(d)
+        bystander.cmd("need persistent=4M ephemeral=1M gpu=0\nalloc w 64\nfill w 1.0\n"
+                      "begin\nspin 200000 util=0.1\nend x20\n")
+        assert wait_until(lambda: bystander.status()["in_flight"] != "0"), bystander.status()
+        culprit = Session(d)
+        culprit.cmd(f"need persistent=1M ephemeral=1M gpu=0\nmodule k {fatbin}\n")
+        try:
+            culprit.cmd("launch k.bad_store grid=1 block=1 u64:16\n")
+        except OSError:
+            pass
+        wait_back(d, 1, timeout=60)
+        assert d.proc.poll() is None and is_mounted(d.mnt)
+        i = info(d)
+        assert "kernel fault" in i["last_restart"], i
+        assert "CUDA_ERROR_ILLEGAL_ADDRESS" in i["last_fault"], i
+        assert wait_until(lambda: culprit.status()["state"] == "failed"), culprit.status()
+        err = culprit.status()["error"]
+        assert err.startswith("EFAULT kernel fault: CUDA_ERROR_ILLEGAL_ADDRESS"), err
+        assert wait_until(lambda: "gpu context lost" in bystander.status()["error"]), \
+            bystander.status()
+        fresh_session_computes(d)
+        assert len(d.executors()) == gpus
+        for s in (culprit, bystander):
+            s.close()
+    finally:
+        d.stop()
 
 
 def test_a_gpu_whose_executor_keeps_dying_goes_out_of_service(daemon):
