@@ -248,15 +248,15 @@ def test_a_cuda_kernel_fault_restarts_the_executor(driver):
     fatbin = os.environ.get("SALUS_TEST_CUDA_FATBIN", "")
     if not fatbin or not os.path.exists(fatbin):
         pytest.skip("built without the cuda backend's test kernels (no nvcc)")
+    mock = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
+    if driver == "mock" and not mock:
+        pytest.skip("built without the cuda backend's mock driver")
+    if driver == "real" and (why := real_gpu_missing()) is not None:
+        pytest.skip(why)
     d = Salusd(["--gpu-isolation", "process", "--cuda-memory-fraction", "0.2"])
     d.args[d.args.index("--backend") + 1] = "cuda"
     if driver == "mock":
-        mock = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
-        if not mock:
-            pytest.skip("built without the cuda backend's mock driver")
         d.env = {**os.environ, "LD_LIBRARY_PATH": mock}
-    elif (why := real_gpu_missing()) is not None:
-        pytest.skip(why)
     d.start(timeout=120)
     try:
         i = info(d)
