@@ -266,8 +266,8 @@ std::string Broker::render_metrics() const {
     for (const auto& [label, ns] : {std::pair<const char*, TimeNs>{"1s", 1'000'000'000},
                                     {"10s", 10'000'000'000},
                                     {"60s", 60'000'000'000}})
-      o += fmt::format("salus_gpu_busy_ratio{{gpu=\"{}\",window=\"{}\"}} {:.4f}\n", g->index,
-                       label, busy_fraction(*g, ns));
+      o += fmt::format("salus_gpu_busy_ratio{{gpu=\"{}\",window=\"{}\"}} {:.4f}\n", g->index, label,
+                       busy_fraction(*g, ns));
   family("salus_switches_total", "counter", "Lane switches between sessions.");
   for (const auto& g : gpus_)
     o +=
