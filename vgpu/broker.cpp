@@ -1173,6 +1173,10 @@ void Broker::tell_loss(Gpu& g, Session& s, bool culprit, Deferred& later) {
 }
 
 std::string Broker::device_failure(Gpu& g, int status) {
+  // A fault that cost no context (sim: an op outside device memory).
+  if (status == EFAULT)
+    return "kernel fault: an op of this session touched an address it does not own or trapped "
+           "on the GPU";
   if (status == ENODEV) {
     const DeviceHealth h = g.device->health();
     if (!h.usable) return "the GPU is out of service: " + h.unusable_why;
