@@ -23,6 +23,7 @@
 #include "tools/metrics_http.hpp"
 #include "vgpu/broker.hpp"
 #include "vgpu/cuda/cuda_backend.hpp"
+#include "vgpu/executor/remote_device.hpp"
 #include "vgpu/nvml/nvml_sampler.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
@@ -40,6 +41,7 @@ struct Settings {
   std::string config;
   std::uint32_t pipeline_depth = 2;
   double cuda_memory_fraction = 0.9;
+  std::string gpu_isolation = "auto";  // process for cuda, thread for sim
   int shutdown_grace_ms = 5000;
   salus::vgpu::Quotas quotas;
   bool fuse_debug = false;
@@ -70,6 +72,7 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   s.metrics_listen = t["metrics_listen"].value_or(s.metrics_listen);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
+  s.gpu_isolation = t["gpu_isolation"].value_or(s.gpu_isolation);
   s.sim_memory = t["sim"]["memory"].value_or(s.sim_memory);
   auto& q = s.quotas;
   q.sessions_per_uid = t["quotas"]["sessions_per_uid"].value_or(q.sessions_per_uid);
@@ -88,6 +91,8 @@ std::optional<std::string> validate(const Settings& s) {
   };
   if (!one_of(s.backend, {"auto", "cuda", "sim"}))
     return fmt::format("backend '{}': expected auto, cuda or sim", s.backend);
+  if (!one_of(s.gpu_isolation, {"auto", "process", "thread"}))
+    return fmt::format("gpu_isolation '{}': expected process or thread", s.gpu_isolation);
   if (!salus::sched::policy_from_string(s.policy))
     return fmt::format("policy '{}': expected fifo, pack, srtf, fair or priority", s.policy);
   if (!salus::sched::placement_from_string(s.placement))
@@ -116,6 +121,9 @@ std::optional<std::string> validate(const Settings& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // salusd re-executes itself as the executor process of each isolated GPU.
+  if (salus::vgpu::executor::is_executor_invocation(argc, argv))
+    return salus::vgpu::executor::executor_main(argc, argv);
   Settings s;
   // The config file is read before the flags, so that flags override it.
   for (int i = 1; i < argc; ++i) {
@@ -161,6 +169,11 @@ int main(int argc, char** argv) {
   flags.add_option("--metrics-listen", s.metrics_listen,
                    "Serve GET /metrics (the text of /salus/metrics) over HTTP on [ADDRESS:]PORT; "
                    "without an address, on 127.0.0.1 (loopback) only. Default: off");
+  flags
+      .add_option("--gpu-isolation", s.gpu_isolation,
+                  "process: each GPU in its own executor process, restarted when a kernel "
+                  "poisons its context (default for cuda); thread: inside salusd (default for sim)")
+      ->check(CLI::IsMember({"auto", "process", "thread"}));
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
   try {
     flags.parse(argc, argv);
@@ -191,11 +204,21 @@ int main(int argc, char** argv) {
 
   std::string backend = s.backend;
   std::vector<std::unique_ptr<salus::vgpu::Device>> devices;
+  // Process isolation: the parent creates no CUDA context; each executor opens its GPU.
+  salus::vgpu::executor::RemoteOptions ro;
+  ro.executor.sim_memory = *sim_memory;
+  ro.executor.cuda_memory_fraction = s.cuda_memory_fraction;
+  ro.executor.log_level = s.log_level;
   if (backend == "cuda" || backend == "auto") {
     salus::vgpu::CudaOptions co;
     co.memory_fraction = s.cuda_memory_fraction;
     std::string why;
-    devices = salus::vgpu::open_cuda_devices(co, why);
+    if (s.gpu_isolation == "thread") {
+      devices = salus::vgpu::open_cuda_devices(co, why);
+    } else if (const int n = salus::vgpu::cuda_device_count(why); n > 0) {
+      ro.executor.backend = "cuda";
+      devices = salus::vgpu::executor::open_remote_devices(ro, n, why);
+    }
     if (!devices.empty()) {
       backend = "cuda";
     } else if (backend == "cuda") {
@@ -205,7 +228,12 @@ int main(int argc, char** argv) {
       backend = "sim";
     }
   }
-  if (backend == "sim") {
+  if (backend == "sim" && s.gpu_isolation == "process") {
+    ro.executor.backend = "sim";
+    std::string why;
+    devices = salus::vgpu::executor::open_remote_devices(ro, s.sim_gpus, why);
+    if (devices.empty()) return fail(fmt::format("sim backend: {}", why));
+  } else if (backend == "sim") {
     try {
       for (int i = 0; i < s.sim_gpus; ++i)
         devices.push_back(std::make_unique<salus::vgpu::SimDevice>(i, *sim_memory));
@@ -232,6 +260,8 @@ int main(int argc, char** argv) {
     telemetry = std::move(sampler);
   }
 
+  const bool isolated =
+      s.gpu_isolation == "process" || (s.gpu_isolation == "auto" && backend == "cuda");
   salus::vgpu::BrokerConfig bc;
   bc.policy = *salus::sched::policy_from_string(s.policy);
   bc.placement = *salus::sched::placement_from_string(s.placement);
@@ -266,8 +296,9 @@ int main(int argc, char** argv) {
     broker.shutdown(std::chrono::milliseconds(0));
     return fail(*err);
   }
-  spdlog::info("salusd {} serving {} with {} {} GPU(s), policy {}", SALUS_VERSION,
-               fs.options().mountpoint, broker.gpu_count(), backend, s.policy);
+  spdlog::info("salusd {} serving {} with {} {} GPU(s), policy {}, gpu isolation {}", SALUS_VERSION,
+               fs.options().mountpoint, broker.gpu_count(), backend, s.policy,
+               isolated ? "process" : "thread");
   for (std::size_t i = 0; i < broker.gpu_count(); ++i)
     spdlog::info("gpu {}: {}", i, broker.render_gpu_summary(i));
   sd_notify(0, "READY=1");

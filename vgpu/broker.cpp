@@ -550,7 +550,10 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   if (err != arena::ArenaError::ok)
     return fail(err == arena::ArenaError::too_large ? ENOMEM : EINVAL,
                 fmt::format("rejected by gpu {}: {}", gpu, arena::to_string(err)));
-  if (first) ++g.placed;
+  if (first) {
+    ++g.placed;
+    s.gpu_generation = g.device->generation();
+  }
   s.gpu = gpu;
   s.need.persistent = p;
   s.need.ephemeral = e;
@@ -975,8 +978,9 @@ int Broker::exec_module(Session& s, const ModuleCmd& c, PendingWrite& w, std::ui
   Gpu& g = *gpu_of(s);
   // A sim module is host code that would run inside this root daemon.
   if (g.device->info().backend == "sim" && !w.caller_admin)
-    return fail(EPERM, "sim-backend modules are host code run inside salusd; only root or the "
-                       "admin group may load them");
+    return fail(EPERM,
+                "sim-backend modules are host code run inside salusd; only root or the "
+                "admin group may load them");
   LoadedModule m;
   std::string why;
   if (int rc = g.device->load_module(file->image, m.handle, why)) return fail(rc, why);
@@ -1140,20 +1144,64 @@ void Broker::worker_loop(Gpu& g) {
   }
 }
 
+namespace {
+
+std::string context_lost_text(const DeviceHealth& h) {
+  return fmt::format(
+      "gpu context lost ({}); the GPU was given a fresh context and its memory "
+      "is gone",
+      h.last_restart.empty() ? std::string("a kernel faulted") : h.last_restart);
+}
+
+}  // namespace
+
+// A device that loses its context bumps its generation before it delivers the
+// errored completions. A session with work in flight is told by its own
+// completion (EFAULT marks the likely culprit, whose kernel was running);
+// check_generation tells the others.
+void Broker::tell_loss(Gpu& g, Session& s, bool culprit, Deferred& later) {
+  const std::uint64_t gen = g.device->generation();
+  s.gpu_generation = gen;
+  s.told_loss = gen;
+  const DeviceHealth h = g.device->health();
+  if (culprit) {
+    fail_session(s, EFAULT,
+                 fmt::format("kernel fault: {}; the GPU's context was lost, the memory of every "
+                             "session on it is gone",
+                             h.last_fault.empty() ? std::string("a kernel of this session faulted")
+                                                  : h.last_fault),
+                 later);
+  } else {
+    fail_session(s, EIO, context_lost_text(h), later);
+  }
+}
+
+std::string Broker::device_failure(Gpu& g, int status) {
+  // A fault that cost no context (sim: an op outside device memory).
+  if (status == EFAULT)
+    return "kernel fault: an op of this session touched an address it does not own or trapped "
+           "on the GPU";
+  if (status == ENODEV) {
+    const DeviceHealth h = g.device->health();
+    if (!h.usable) return "the GPU is out of service: " + h.unusable_why;
+  }
+  return fmt::format("the device reported {}", std::strerror(status));
+}
+
 void Broker::check_generation(Gpu& g, Deferred& later) {
   const std::uint64_t gen = g.device->generation();
   if (gen == g.generation) return;
   g.generation = gen;
-  spdlog::error("gpu {}: the device context was recreated after a fault; every session on it "
-                "loses its GPU memory",
-                g.index);
+  const DeviceHealth h = g.device->health();
+  spdlog::error(
+      "gpu {}: the device lost its context ({}); every session on it loses its GPU "
+      "memory",
+      g.index, h.last_restart.empty() ? std::string("a fault") : h.last_restart);
   for (auto& [id, sp] : sessions_) {
     Session& s = *sp;
-    if (s.gpu != static_cast<int>(g.index) || s.dead) continue;
-    fail_session(s, s.error ? s.error : EIO,
-                 "gpu context lost: a kernel faulted on this GPU and its context was recreated; "
-                 "device memory is gone",
-                 later);
+    if (s.gpu != static_cast<int>(g.index) || s.dead || s.gpu_generation == gen) continue;
+    if (s.in_flight > 0) continue;  // its own completion will tell it, and whether it is to blame
+    tell_loss(g, s, false, later);
   }
 }
 
@@ -1187,6 +1235,13 @@ double Broker::busy_fraction(const Gpu& g, TimeNs window) const {
 }
 
 void Broker::dispatch(Gpu& g, Deferred& later) {
+  // The whole pass reaches a forwarding device as one burst (one send for
+  // process isolation instead of one per iteration).
+  struct Batch {
+    Device& d;
+    explicit Batch(Device& dev) : d(dev) { d.begin_batch(); }
+    ~Batch() { d.end_batch(); }
+  } batch(*g.device);
   compact(g);
   std::uint32_t budget = kInlineBudget;
   bool progress = true;
@@ -1409,13 +1464,16 @@ void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std
     if (s.queued_instances > 0) --s.queued_instances;
   }
   const SessionId id = s.id;
-  if (status != 0 && !s.dead)
-    fail_session(s, status,
-                 status == EFAULT
-                     ? std::string("kernel fault: an op of this session touched an address it "
-                                   "does not own or trapped on the GPU")
-                     : fmt::format("the device reported {}", std::strerror(status)),
-                 later);
+  if (!s.dead) {
+    const std::uint64_t gen = g.device->generation();
+    if (gen != s.gpu_generation) {
+      // The context this session's work and memory lived in is gone, whatever
+      // this item's own status (it may even have run on the fresh context).
+      tell_loss(g, s, status == EFAULT, later);
+    } else if (status != 0 && !(s.error != 0 && gen != 0 && s.told_loss == gen)) {
+      fail_session(s, status, device_failure(g, status), later);
+    }
+  }
   if (item.remaining == 0 && item.outstanding == 0) {
     for (arena::BufferHandle h : item.bound) unpin(s, h);
     if (item.on_done) {

@@ -227,6 +227,11 @@ class Broker {
   // After a device fault the backend recreates its context and every byte on
   // that GPU is lost: every session placed there fails with "gpu context lost".
   void check_generation(Gpu& g, Deferred& later);
+  // Fails a session whose GPU lost its context: as the likely culprit (its
+  // kernel was running: EFAULT) or as collateral.
+  void tell_loss(Gpu& g, Session& s, bool culprit, Deferred& later);
+  // The session-facing text for a completion that failed with `status`.
+  std::string device_failure(Gpu& g, int status);
   double busy_fraction(const Gpu& g, TimeNs window) const;
   // The telemetry of GPU `gpu`, or why there is none. Takes the telemetry's own
   // lock, never mu_: call it before locking mu_.

@@ -132,15 +132,21 @@ std::string Broker::render_gpu_info(std::size_t gi) const {
   const std::string nvml = telemetry_lines(telemetry_of(gi));
   std::lock_guard lk(mu_);
   const DeviceInfo& d = gpus_[gi]->device->info();
+  const DeviceHealth h = gpus_[gi]->device->health();
+  auto or_dash = [](const std::string& v) { return v.empty() ? std::string("-") : v; };
   return fmt::format(
              "index: {}\nname: {}\nuuid: {}\nbackend: {}\ncapacity: {}\nmemory_total: {}\n"
              "sms: {}\ndriver: {}\nspin_cycles_per_us: {}\ndraining: {}\nbusy_1s: {:.3f}\n"
-             "busy_10s: {:.3f}\nbusy_60s: {:.3f}\n",
+             "busy_10s: {:.3f}\nbusy_60s: {:.3f}\nisolation: {}\nexecutor_pid: {}\nstate: {}\n"
+             "restarts: {}\nlast_restart: {}\nlast_fault: {}\n",
              gi, d.name, d.uuid, d.backend, d.arena_size, d.total_memory, d.sm_count,
              d.driver_version,
              d.spin_cycles_per_usec > 0 ? fmt::format("{:.1f}", d.spin_cycles_per_usec) : "-",
              gpus_[gi]->draining ? "yes" : "no", busy_fraction(*gpus_[gi], 1'000'000'000),
-             busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000)) +
+             busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000),
+             h.isolation, h.executor_pid > 0 ? std::to_string(h.executor_pid) : std::string("-"),
+             h.usable ? std::string("ok") : "out-of-service: " + h.unusable_why, h.restarts,
+             or_dash(h.last_restart), or_dash(h.last_fault)) +
          nvml;
 }
 
@@ -297,6 +303,11 @@ std::string Broker::render_metrics() const {
   for (const auto& g : gpus_)
     o += fmt::format("salus_gpu_busy_seconds_total{{gpu=\"{}\"}} {:.9f}\n", g->index,
                      static_cast<double>(g->device->busy_ns()) / 1e9);
+  family("salus_gpu_restarts_total", "counter",
+         "Times the GPU lost its context and was given a fresh one (executor restarts).");
+  for (const auto& g : gpus_)
+    o += fmt::format("salus_gpu_restarts_total{{gpu=\"{}\"}} {}\n", g->index,
+                     g->device->health().restarts);
   family("salus_gpu_busy_ratio", "gauge",
          "Fraction of the last window during which the GPU ran at least one op.");
   for (const auto& g : gpus_)

@@ -39,6 +39,23 @@ struct DeviceInfo {
   double spin_cycles_per_usec = 0;
 };
 
+// How a device is run and how it has fared, for gpus/N/info and for the
+// broker's error texts. Everything here may change while salusd runs.
+struct DeviceHealth {
+  // "thread": the device lives inside salusd; "process": in an executor
+  // process that salusd kills and respawns when the GPU context is lost.
+  std::string isolation = "thread";
+  long executor_pid = 0;       // process isolation: the running executor; 0 while none
+  std::uint64_t restarts = 0;  // times the device was rebuilt after losing its context
+  std::string last_restart;    // why the last rebuild happened; empty if none
+  // The last kernel fault, e.g. "CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory
+  // access was encountered)"; what a session whose work completed with EFAULT
+  // after a context loss is told. Empty if none.
+  std::string last_fault;
+  bool usable = true;        // false: every op completes with ENODEV
+  std::string unusable_why;  // why not, when !usable
+};
+
 // Receives completions. Called on a backend-owned thread; must not block for long.
 class CompletionSink {
  public:
@@ -78,6 +95,12 @@ class Device {
   // Asks for sink->on_complete(stream, token, ...) once every op enqueued so far
   // on the stream has finished.
   virtual void notify(StreamId stream, std::uint64_t token) = 0;
+  // Bracket a burst of calls from one thread (the broker's dispatch pass). A
+  // backend that forwards requests elsewhere (process isolation) may then hold
+  // notifies back until end_batch and send the burst at once; others ignore it.
+  // Pairs may nest. Nothing else changes: every call still means what it says.
+  virtual void begin_batch() {}
+  virtual void end_batch() {}
 
   // Nothing lives in [offset, offset+length) any more. Afterwards the range reads
   // as zero, so memory never carries data from one owner to the next.
@@ -87,12 +110,17 @@ class Device {
   // was executing (for utilization metrics).
   virtual std::int64_t busy_ns() const = 0;
 
-  // Counts the times the backend rebuilt the device after a fault (cuda: a kernel
-  // hit an illegal address, the context was reset and recreated). Each time,
-  // everything queued was completed with an error and all device memory was lost
-  // (it reads as zero again): persistent buffers of every session are gone.
-  // Stream, module and function handles stay valid. Sim never faults: always 0.
+  // Counts the times the backend rebuilt the device after a fault (cuda in
+  // salusd: a kernel hit an illegal address, the context was reset and
+  // recreated; process isolation: the executor died and a fresh one took its
+  // place). Each time, everything queued was completed with an error and all
+  // device memory was lost (it reads as zero again): persistent buffers of every
+  // session are gone. Stream, module and function handles stay valid. The bump
+  // is visible before the errored completions arrive. Sim in salusd never
+  // faults: always 0.
   virtual std::uint64_t generation() const { return 0; }
+  // See DeviceHealth. The default is a device in salusd that never faults.
+  virtual DeviceHealth health() const { return {}; }
 
   // ---- user modules and kernels ----
   // Loads a module image (cubin/PTX/fatbin on cuda; an ELF host shared object on

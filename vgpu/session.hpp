@@ -191,6 +191,12 @@ struct Session {
   // Failure latch: set by a failed item; cleared by `reset` or `need`.
   int error = 0;
   std::string error_text;
+  // The device generation (Device::generation) the session's GPU state lives
+  // in: set when it is placed on a GPU and when it is told that the context was
+  // lost. told_loss: the generation whose loss it was told of, so the rest of
+  // that loss's errored completions do not repeat it.
+  std::uint64_t gpu_generation = 0;
+  std::uint64_t told_loss = 0;
 
   // Counters.
   std::uint64_t iterations_done = 0;

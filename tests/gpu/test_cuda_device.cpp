@@ -636,6 +636,78 @@ TEST_F(CudaDeviceTest, RecoversFromAKernelFault) {
   }
 }
 
+// The executor's mode: the driver may keep a sticky error for the life of the
+// process (CUDA 13 on an H100 does), so the process that owns the GPU is told,
+// the errored completions go out in between, and the device stays out of
+// service for the process to exit.
+TEST_F(CudaDeviceTest, WithoutInProcessRecoveryAFaultTakesTheDeviceOutOfService) {
+  struct Call {
+    std::string cause;
+    bool kernel;
+    bool delivered;
+    std::size_t completions;  // how many the sink had seen by then
+  };
+  std::mutex mu;
+  std::vector<Call> calls;
+  CudaOptions o;
+  o.recover_in_process = false;
+  o.on_sticky_fault = [&](const std::string& cause, bool kernel, bool delivered) {
+    std::lock_guard lk(mu);
+    calls.push_back(Call{cause, kernel, delivered, sink_.all().size()});
+  };
+  open(o);
+  const ModuleHandle m = load_test_module();
+  SKIP_IF_NO_MODULE(m);
+  const FunctionHandle bad_store = function(m, "bad_store");
+  const StreamId bystander = dev_->create_stream();
+  if (builtins()) dev_->spin(bystander, 2'000'000, 0.1);
+  const std::uint64_t tb = notify(bystander);
+  Args a;
+  a.add(std::uint64_t{0x10});
+  launch(stream_, bad_store, a);
+  const std::uint64_t tf = notify(stream_);
+  const auto culprit = sink_.wait(stream_, tf, std::chrono::seconds(60));
+  const auto other = sink_.wait(bystander, tb, std::chrono::seconds(60));
+  ASSERT_TRUE(culprit && other);
+  EXPECT_EQ(culprit->status, EFAULT);
+  if (builtins()) {
+    EXPECT_EQ(other->status, EIO);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (;;) {
+    {
+      std::lock_guard lk(mu);
+      if (calls.size() == 2) break;
+    }
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the fault handler was not called";
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  {
+    std::lock_guard lk(mu);
+    EXPECT_FALSE(calls[0].delivered);
+    EXPECT_TRUE(calls[1].delivered);
+    EXPECT_TRUE(calls[0].kernel);
+    EXPECT_NE(calls[0].cause.find("CUDA_ERROR_ILLEGAL_ADDRESS"), std::string::npos)
+        << calls[0].cause;
+    EXPECT_LT(calls[0].completions, calls[1].completions) << "told before the completions";
+  }
+  EXPECT_EQ(dev_->generation(), 0u) << "nothing was rebuilt";
+  EXPECT_FALSE(dev_->healthy());
+  const salus::vgpu::DeviceHealth h = dev_->health();
+  EXPECT_FALSE(h.usable);
+  EXPECT_NE(h.unusable_why.find("CUDA_ERROR_ILLEGAL_ADDRESS"), std::string::npos) << h.unusable_why;
+  EXPECT_NE(h.last_fault.find("CUDA_ERROR_ILLEGAL_ADDRESS"), std::string::npos) << h.last_fault;
+  dev_->fill(stream_, 0, 64, 1, 1);
+  EXPECT_EQ(sync(), ENODEV);
+  std::string why;
+  ModuleHandle again = 0;
+  EXPECT_EQ(dev_->load_module(read_file(std::getenv("SALUS_TEST_CUDA_FATBIN")), again, why),
+            ENODEV);
+  EXPECT_NE(why.find("cannot recover"), std::string::npos) << why;
+  devices_.clear();  // before `calls` and `mu` go away
+  dev_ = nullptr;
+}
+
 TEST_F(CudaDeviceTest, RecoversWhileAnotherThreadKeepsEnqueueing) {
   const ModuleHandle m = load_test_module();
   SKIP_IF_NO_MODULE(m);

@@ -1,7 +1,11 @@
 """Fixtures that run a real salusd (sim backend) on a temporary FUSE mount.
 
 Every daemon started here is stopped and every mount removed, even when a test
-fails: teardown sends SIGTERM, then SIGKILL, then `fusermount3 -u -z`.
+fails: teardown sends SIGTERM, then SIGKILL, then `fusermount3 -u -z`, and
+kills any GPU executor process the daemon left behind.
+
+SALUS_TEST_GPU_ISOLATION=process|thread runs every daemon with that
+--gpu-isolation (meson runs a subset of the tests both ways).
 """
 import os
 import shutil
@@ -13,6 +17,30 @@ import time
 import pytest
 
 SALUSD = os.environ.get("SALUSD", os.path.join(os.environ.get("BUILD_ROOT", "build"), "tools", "salusd"))
+GPU_ISOLATION = os.environ.get("SALUS_TEST_GPU_ISOLATION", "")
+
+
+def children(pid):
+    """Pids of the live children (zombies included) of `pid`, from all its threads."""
+    out = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    out += [int(p) for p in f.read().split()]
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return out
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def is_mounted(path):
@@ -30,6 +58,11 @@ class Salusd:
         sim = ["--sim-gpus", str(gpus), "--sim-memory", sim_memory] if backend == "sim" else []
         self.args = [SALUSD, "--backend", backend, *sim,
                      "--mount", self.mnt, "--log-level", "debug", *extra_args]
+        self.env = None  # the daemon's environment; None: this one
+        self.isolation = None  # what the environment asked for, checked at start
+        if GPU_ISOLATION and "--gpu-isolation" not in extra_args:
+            self.args += ["--gpu-isolation", GPU_ISOLATION]
+            self.isolation = GPU_ISOLATION
         self.proc = None
 
     def start(self, timeout=10):
@@ -41,12 +74,16 @@ class Salusd:
 
     def _start(self, timeout):
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=self.env)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"salusd exited with {self.proc.returncode}: {self.daemon_log()}")
             if is_mounted(self.mnt) and os.path.exists(self.path("version")):
+                if self.isolation:
+                    with open(self.path("gpus", "0", "info")) as f:
+                        assert f"isolation: {self.isolation}\n" in f.read(), "isolation not applied"
                 return self
             time.sleep(0.02)
         raise RuntimeError("salusd did not mount in time: " + self.daemon_log())
@@ -61,8 +98,13 @@ class Salusd:
         except OSError:
             return ""
 
+    def executors(self):
+        """The daemon's GPU executor processes (its only children)."""
+        return children(self.proc.pid) if self.proc and self.proc.poll() is None else []
+
     def stop(self, timeout=10):
         rc = None
+        execs = self.executors()
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -72,6 +114,13 @@ class Salusd:
                 self.proc.wait()
         elif self.proc:
             rc = self.proc.returncode
+        # They die with the daemon (parent-death signal); make sure of it.
+        for pid in execs:
+            if alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
         if is_mounted(self.mnt):
             subprocess.run(["fusermount3", "-u", "-z", self.mnt], check=False)
         if hasattr(self, "log"):

@@ -1,6 +1,7 @@
 // Kernels for the sim-module tests, built as a host shared object the way a user
 // would build one for the sim backend (client/salus_sim_kernel.h).
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -77,6 +78,24 @@ SALUS_SIM_SIGNATURE(bad_signature, "ptr,float");
 SALUS_SIM_KERNEL(bad_signature) {
   (void)launch;
   (void)args;
+}
+
+// Kernels that take down the process they run in. On sim a kernel is host code,
+// so a bad pointer is a segmentation fault of the GPU's process: with
+// --gpu-isolation process that is the executor, which salusd replaces (the
+// integration tests of fault recovery use these); in salusd itself it would be
+// salusd, so nothing launches them there.
+SALUS_SIM_SIGNATURE(crash_store, "u64");
+SALUS_SIM_KERNEL(crash_store) {
+  (void)launch;
+  *reinterpret_cast<volatile std::uint32_t*>(SALUS_SIM_ARG(args, 0, std::uint64_t)) = 0xdead;
+}
+
+SALUS_SIM_SIGNATURE(crash_abort, "");
+SALUS_SIM_KERNEL(crash_abort) {
+  (void)launch;
+  (void)args;
+  std::abort();
 }
 
 // A data symbol: looking it up as a kernel must fail rather than jump into data.

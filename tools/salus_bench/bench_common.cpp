@@ -175,7 +175,12 @@ const std::string& Target::start(const std::vector<std::string>& args) {
     return mount;
   }
   daemon_.reset();  // one at a time: a restart with other flags replaces it
-  daemon_ = std::make_unique<Daemon>(salusd, args);
+  std::vector<std::string> all = args;
+  if (!gpu_isolation.empty()) {
+    all.push_back("--gpu-isolation");
+    all.push_back(gpu_isolation);
+  }
+  daemon_ = std::make_unique<Daemon>(salusd, all);
   started_mount_ = daemon_->mnt;
   return started_mount_;
 }

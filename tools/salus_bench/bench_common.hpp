@@ -65,6 +65,7 @@ class Target {
  public:
   std::string mount;                          // --mount
   std::string salusd = "build/tools/salusd";  // --salusd
+  std::string gpu_isolation;                  // --gpu-isolation; empty: salusd's default
   // Starts salusd with `args` unless --mount named a running one; returns the
   // mountpoint. A second call with other args restarts it.
   const std::string& start(const std::vector<std::string>& args);

@@ -11,6 +11,9 @@ int main(int argc, char** argv) {
   Target target;
   app.add_option("--mount", target.mount, "Use a running salusd mounted here");
   app.add_option("--salusd", target.salusd, "salusd binary to start when --mount is absent");
+  app.add_option("--gpu-isolation", target.gpu_isolation,
+                 "--gpu-isolation for the salusd started here: process or thread")
+      ->check(CLI::IsMember({"process", "thread"}));
   app.require_subcommand(1);
   Registry registry;
   add_broker_benches(app, registry);

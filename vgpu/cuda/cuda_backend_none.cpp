@@ -12,6 +12,20 @@ std::vector<std::unique_ptr<Device>> open_cuda_devices(const CudaOptions& option
   return {};
 }
 
+int cuda_device_count(std::string& why) {
+  why = "this salusd was built without the CUDA backend (no cuda.h at build time)";
+  return -1;
+}
+
+std::unique_ptr<Device> open_cuda_device(const CudaOptions& options, int ordinal, int index,
+                                         std::string& why) {
+  (void)options;
+  (void)ordinal;
+  (void)index;
+  why = "this salusd was built without the CUDA backend (no cuda.h at build time)";
+  return nullptr;
+}
+
 bool cuda_builtins_built(std::string& why) {
   why = "this salusd was built without the CUDA backend";
   return false;

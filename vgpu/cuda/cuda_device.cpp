@@ -178,6 +178,13 @@ void CudaDevice::open_context(bool first, std::string& why) {
       return bail("cuMemGetInfo", r);
     info_.arena_size = static_cast<Bytes>(static_cast<double>(free) * opts_.memory_fraction) /
                        kArenaAlign * kArenaAlign;
+    if (opts_.arena_bytes != 0) {
+      if (opts_.arena_bytes > free)
+        return bail(fmt::format("the arena needs {} MiB but only {} MiB are free",
+                                opts_.arena_bytes >> 20, free >> 20),
+                    CUDA_SUCCESS);
+      info_.arena_size = opts_.arena_bytes;
+    }
     if (info_.arena_size == 0) return bail("no free device memory for the arena", CUDA_SUCCESS);
   }
   // The free figure includes memory the driver cannot hand out in one piece;
@@ -187,7 +194,7 @@ void CudaDevice::open_context(bool first, std::string& why) {
   for (int attempt = 0;; ++attempt) {
     const CUresult r = drv_.mem_alloc(&base, info_.arena_size);
     if (r == CUDA_SUCCESS) break;
-    if (!first || r != CUDA_ERROR_OUT_OF_MEMORY || attempt == 8)
+    if (!first || opts_.arena_bytes != 0 || r != CUDA_ERROR_OUT_OF_MEMORY || attempt == 8)
       return bail(fmt::format("cannot reserve the arena ({} MiB)", info_.arena_size >> 20), r);
     info_.arena_size = info_.arena_size / 100 * 95 / kArenaAlign * kArenaAlign;
   }
@@ -451,7 +458,7 @@ bool CudaDevice::check(Stream& s, CUresult r, const char* what) {
 bool CudaDevice::begin_op(Stream& s) {
   ++s.open.ops;
   if (dead_.load()) {
-    fail(s, ENODEV, "the GPU is unusable after a failed fault recovery");
+    fail(s, ENODEV, dead_reason());
     return false;
   }
   if (s.handle == nullptr) {
@@ -749,7 +756,7 @@ int CudaDevice::load_module(const std::vector<std::uint8_t>& image, ModuleHandle
 
   std::shared_lock ctx(ctx_mu_);
   if (dead_.load()) {
-    why = "the GPU is unusable after a failed fault recovery";
+    why = dead_reason();
     return ENODEV;
   }
   set_current();
@@ -957,7 +964,8 @@ void CudaDevice::poke() {
 void CudaDevice::note_fault(CUresult r) {
   int expected = CUDA_SUCCESS;
   if (fault_.compare_exchange_strong(expected, static_cast<int>(r))) {
-    spdlog::error("cuda gpu{}: device fault {}; recovering", info_.index, drv_.describe(r));
+    spdlog::error("cuda gpu{}: device fault {}; {}", info_.index, drv_.describe(r),
+                  opts_.recover_in_process ? "recovering" : "the context is lost for this process");
     poke();
   }
 }
@@ -1100,6 +1108,19 @@ void CudaDevice::retire_modules() {
 void CudaDevice::flush_after_fault(bool rebuild) {
   const auto cause = static_cast<CUresult>(fault_.load());
   const bool kernel = is_kernel_fault(cause);
+  const std::string cause_text = drv_.describe(cause);
+  // Without in-process recovery the device goes out of service here and the
+  // process that owns it (the executor) exits; it hears of the fault before the
+  // errored completions go out, so salusd knows why they failed.
+  const bool hand_over = rebuild && !opts_.recover_in_process;
+  if (hand_over) rebuild = false;
+  {
+    std::lock_guard lock(text_mu_);
+    last_fault_ = cause_text;
+    if (hand_over)
+      dead_why_ =
+          fmt::format("the GPU context was lost to {}; this process cannot recover it", cause_text);
+  }
   std::vector<Delivery> out;
   {
     // Waits for API calls in flight; on a faulted context they fail fast.
@@ -1153,6 +1174,7 @@ void CudaDevice::flush_after_fault(bool rebuild) {
     maint_ = nullptr;
     discard_event_ = nullptr;
     arena_base_.store(0);
+    if (hand_over) dead_.store(true);
 
     if (rebuild) {
       // cuDevicePrimaryCtxReset destroys every allocation, stream, event and
@@ -1195,6 +1217,10 @@ void CudaDevice::flush_after_fault(bool rebuild) {
       if (!why.empty()) {
         spdlog::critical("cuda gpu{}: recovery failed ({}); the GPU is out of service", info_.index,
                          why);
+        {
+          std::lock_guard lock(text_mu_);
+          dead_why_ = fmt::format("the GPU is unusable after a failed fault recovery ({})", why);
+        }
         dead_.store(true);
         if (ctx_ != nullptr) {
           drv_.primary_ctx_reset(device_);
@@ -1210,11 +1236,43 @@ void CudaDevice::flush_after_fault(bool rebuild) {
         spdlog::warn("cuda gpu{}: context rebuilt after {}; device memory was cleared", info_.index,
                      drv_.error_name(cause));
       }
+      {
+        std::lock_guard lock(text_mu_);
+        last_restart_ = cause_text;
+      }
       generation_.fetch_add(1);
     }
     fault_.store(CUDA_SUCCESS);
   }
+  auto report = [&](bool delivered) {
+    if (!hand_over || !opts_.on_sticky_fault) return;
+    try {
+      opts_.on_sticky_fault(cause_text, kernel, delivered);
+    } catch (const std::exception& e) {
+      spdlog::error("cuda gpu{}: sticky-fault handler threw: {}", info_.index, e.what());
+    } catch (...) {
+      spdlog::error("cuda gpu{}: sticky-fault handler threw", info_.index);
+    }
+  };
+  report(false);
   deliver(out);
+  report(true);
+}
+
+std::string CudaDevice::dead_reason() const {
+  std::lock_guard lock(text_mu_);
+  return dead_why_.empty() ? std::string("the GPU is out of service") : dead_why_;
+}
+
+DeviceHealth CudaDevice::health() const {
+  DeviceHealth h;
+  h.restarts = generation_.load();
+  h.usable = !dead_.load();
+  std::lock_guard lock(text_mu_);
+  h.last_restart = last_restart_;
+  h.last_fault = last_fault_;
+  if (!h.usable) h.unusable_why = dead_why_;
+  return h;
 }
 
 // ---------------------------------------------------------------- factory
@@ -1261,6 +1319,39 @@ std::vector<std::unique_ptr<Device>> open_cuda_devices(const CudaOptions& option
     for (const std::string& f : failures) why += (why.empty() ? "" : "; ") + f;
   }
   return out;
+}
+
+int cuda_device_count(std::string& why) {
+  const cuda::CudaDriver* drv = cuda::CudaDriver::get(why);
+  if (drv == nullptr) return -1;
+  int count = 0;
+  if (const CUresult r = drv->device_get_count(&count); r != CUDA_SUCCESS) {
+    why = fmt::format("cuDeviceGetCount failed: {}", drv->error_name(r));
+    return -1;
+  }
+  if (count == 0) why = "no CUDA GPU visible (check CUDA_VISIBLE_DEVICES)";
+  return count;
+}
+
+std::unique_ptr<Device> open_cuda_device(const CudaOptions& options, int ordinal, int index,
+                                         std::string& why) {
+  if (!(options.memory_fraction > 0.0 && options.memory_fraction <= 1.0)) {
+    why = fmt::format("memory fraction {} is not in (0, 1]", options.memory_fraction);
+    return nullptr;
+  }
+  const cuda::CudaDriver* drv = cuda::CudaDriver::get(why);
+  if (drv == nullptr) return nullptr;
+  CUdevice dev = 0;
+  if (const CUresult r = drv->device_get(&dev, ordinal); r != CUDA_SUCCESS) {
+    why = fmt::format("gpu{}: cuDeviceGet: {}", ordinal, drv->error_name(r));
+    return nullptr;
+  }
+  try {
+    return std::make_unique<cuda::CudaDevice>(*drv, index, dev, options);
+  } catch (const std::exception& e) {
+    why = e.what();
+    return nullptr;
+  }
 }
 
 bool cuda_builtins_built(std::string& why) {

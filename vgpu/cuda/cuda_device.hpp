@@ -1,9 +1,10 @@
 // One NVIDIA GPU behind the Device interface, through the CUDA Driver API: the
 // primary context, an arena reserved up front with a single cuMemAlloc, one
 // non-blocking stream per lane, completions found through events by a
-// backend-owned thread, and recovery from the faults a user kernel can cause
-// (the context is reset and rebuilt; the streams, modules and handles the
-// broker holds stay valid).
+// backend-owned thread, and the handling of the faults a user kernel can cause
+// (in salusd the context is reset and rebuilt, and the streams, modules and
+// handles the broker holds stay valid; in an executor process the device goes
+// out of service and the process exits, see CudaOptions::recover_in_process).
 #pragma once
 
 #include <cuda.h>
@@ -104,6 +105,8 @@ class CudaDevice final : public Device {
   // Bumped by every fault recovery: the arena was reallocated (all device memory
   // reads as zero again) and everything queued before the fault was lost.
   std::uint64_t generation() const override { return generation_.load(); }
+  // restarts = generation(); last_fault and last_restart name the CUresult.
+  DeviceHealth health() const override;
 
   // False once a recovery failed: every op then completes with ENODEV.
   bool healthy() const { return !dead_.load(); }
@@ -219,7 +222,10 @@ class CudaDevice final : public Device {
   void deliver(std::vector<Delivery>& out);
   void retire_modules();
   void recover();
+  // rebuild: recover (CudaOptions::recover_in_process decides how); false while
+  // the destructor runs.
   void flush_after_fault(bool rebuild);
+  std::string dead_reason() const;
   static void CUDA_CB on_host_wake(void* waker);
 
   const CudaDriver& drv_;
@@ -249,6 +255,10 @@ class CudaDevice final : public Device {
   std::atomic<int> fault_{CUDA_SUCCESS};  // a sticky CUresult awaiting recovery
   std::atomic<bool> dead_{false};
   std::atomic<std::uint64_t> generation_{0};
+  mutable std::mutex text_mu_;  // guards the three strings below
+  std::string last_fault_;      // describe() of the last sticky error
+  std::string last_restart_;    // the same, for the last successful rebuild
+  std::string dead_why_;        // why the device is out of service (dead_)
 
   mutable std::mutex table_mu_;
   std::vector<std::shared_ptr<Stream>> streams_;  // index = StreamId; null = free

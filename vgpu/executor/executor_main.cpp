@@ -1,0 +1,658 @@
+#include "vgpu/executor/executor_main.hpp"
+
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <csignal>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "vgpu/cuda/cuda_backend.hpp"
+#include "vgpu/executor/executor_protocol.hpp"
+#include "vgpu/sim/sim_device.hpp"
+
+namespace salus::vgpu::executor {
+
+// ---------------------------------------------------------------- flags
+
+std::vector<std::string> ExecutorOptions::to_args() const {
+  return {"--executor-gpu",
+          std::to_string(gpu),
+          "--backend",
+          backend,
+          "--sim-memory",
+          std::to_string(sim_memory),
+          "--cuda-memory-fraction",
+          fmt::format("{}", cuda_memory_fraction),
+          "--executor-arena-size",
+          std::to_string(arena_bytes),
+          "--log-level",
+          log_level,
+          "--executor-fd",
+          std::to_string(socket_fd),
+          "--executor-staging-fd",
+          std::to_string(staging_fd),
+          "--executor-staging-size",
+          std::to_string(staging_size)};
+}
+
+bool is_executor_invocation(int argc, char** argv) {
+  return argc > 1 && std::strcmp(argv[1], "--executor-gpu") == 0;
+}
+
+bool parse_executor_args(int argc, char** argv, ExecutorOptions& out, std::string& why) {
+  auto number = [&](const std::string& flag, const char* text, auto& into) {
+    try {
+      std::size_t used = 0;
+      const long long v = std::stoll(text, &used);
+      if (used != std::strlen(text) || v < 0) throw std::invalid_argument(text);
+      into = static_cast<std::remove_reference_t<decltype(into)>>(v);
+      return true;
+    } catch (const std::exception&) {
+      why = fmt::format("{} {}: not a number", flag, text);
+      return false;
+    }
+  };
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) {
+      why = flag + ": missing value";
+      return false;
+    }
+    const char* v = argv[i + 1];
+    bool ok = true;
+    if (flag == "--executor-gpu") {
+      ok = number(flag, v, out.gpu);
+    } else if (flag == "--backend") {
+      out.backend = v;
+      if (out.backend != "sim" && out.backend != "cuda") {
+        why = fmt::format("--backend {}: expected cuda or sim", v);
+        return false;
+      }
+    } else if (flag == "--sim-memory") {
+      ok = number(flag, v, out.sim_memory);
+    } else if (flag == "--cuda-memory-fraction") {
+      try {
+        out.cuda_memory_fraction = std::stod(v);
+      } catch (const std::exception&) {
+        why = fmt::format("{} {}: not a number", flag, v);
+        return false;
+      }
+    } else if (flag == "--executor-arena-size") {
+      ok = number(flag, v, out.arena_bytes);
+    } else if (flag == "--log-level") {
+      out.log_level = v;
+    } else if (flag == "--executor-fd") {
+      ok = number(flag, v, out.socket_fd);
+    } else if (flag == "--executor-staging-fd") {
+      ok = number(flag, v, out.staging_fd);
+    } else if (flag == "--executor-staging-size") {
+      ok = number(flag, v, out.staging_size);
+    } else {
+      why = "unknown executor flag " + flag;
+      return false;
+    }
+    if (!ok) return false;
+  }
+  if (out.staging_size == 0) {
+    why = "--executor-staging-size is required";
+    return false;
+  }
+  return true;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Everything the executor sends to salusd goes through here. Sends never block
+// the caller: if salusd's end is full, the datagram waits in a queue that a
+// sender thread drains. So the request loop always keeps reading, and salusd
+// (which sends while holding its device lock) can never wait on an executor that
+// waits on salusd.
+class Outbox {
+ public:
+  explicit Outbox(int fd) : fd_(fd), thread_([this] { run(); }) {}
+  ~Outbox() {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  void post(const char* data, std::size_t size) {
+    std::lock_guard lk(mu_);
+    if (dead_) return;
+    if (queue_.empty()) {
+      for (;;) {
+        if (::send(fd_, data, size, MSG_DONTWAIT | MSG_NOSIGNAL) >= 0) return;
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        dead_ = true;  // salusd is gone; the request loop sees EOF and exits
+        return;
+      }
+    }
+    queue_.emplace_back(data, data + size);
+    cv_.notify_all();
+  }
+  // Waits until everything posted has been sent (or `limit` passed).
+  void drain(std::chrono::milliseconds limit) {
+    std::unique_lock lk(mu_);
+    cv_.wait_for(lk, limit, [&] { return queue_.empty() || dead_; });
+  }
+
+ private:
+  void run() {
+    std::unique_lock lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && !dead_); });
+      if (stop_) return;
+      lk.unlock();
+      pollfd p{fd_, POLLOUT, 0};
+      ::poll(&p, 1, 100);
+      lk.lock();
+      while (!queue_.empty() && !dead_) {
+        const std::vector<char>& d = queue_.front();
+        if (::send(fd_, d.data(), d.size(), MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+          dead_ = true;
+          break;
+        }
+        queue_.pop_front();
+      }
+      cv_.notify_all();
+    }
+  }
+
+  const int fd_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::vector<char>> queue_;
+  bool dead_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class Executor final : public CompletionSink {
+ public:
+  Executor(const ExecutorOptions& o, Outbox& out, char* staging)
+      : opts_(o), out_(out), staging_(staging) {}
+
+  void set_device(std::unique_ptr<Device> d) {
+    dev_ = std::move(d);
+    raw_ = dev_.get();
+    dev_->set_sink(this);
+  }
+  Device* device() { return dev_.get(); }
+  // Drains every stream (their completions go out) and closes the device.
+  void close_device() { dev_.reset(); }  // raw_ stays: completions during the drain read it
+
+  // Called on the device's threads.
+  void on_complete(StreamId stream, std::uint64_t ticket, int status,
+                   std::int64_t device_ns) override {
+    (void)stream;
+    if (has_overrides_.load(std::memory_order_acquire)) {
+      std::lock_guard lk(override_mu_);
+      if (auto it = overrides_.find(ticket); it != overrides_.end()) {
+        if (status == 0) status = it->second;
+        overrides_.erase(it);
+        has_overrides_.store(!overrides_.empty(), std::memory_order_release);
+      }
+    }
+    complete(ticket, status, device_ns);
+  }
+
+  void complete(std::uint64_t ticket, int status, std::int64_t device_ns) {
+    char buf[record_size(sizeof(CompleteMsg))];
+    const std::int64_t busy = raw_ != nullptr ? raw_->busy_ns() : 0;
+    const std::size_t n =
+        encode_one(buf, Msg::complete, CompleteMsg{ticket, status, device_ns, busy});
+    out_.post(buf, n);
+  }
+
+  // Serves one datagram of requests; `fd` is a descriptor that came with it
+  // (or -1). Returns false once salusd asked for shutdown.
+  bool serve(const char* data, std::size_t size, int fd) {
+    RecordReader rd(data, size);
+    Msg type;
+    const char* body;
+    std::size_t body_size;
+    bool go_on = true;
+    while (rd.next(type, body, body_size)) {
+      try {
+        go_on = handle(type, body, body_size, fd) && go_on;
+      } catch (const std::exception& e) {
+        spdlog::error("request {}: {}", static_cast<int>(type), e.what());
+      }
+    }
+    if (rd.error()) spdlog::error("malformed request datagram ({} bytes)", size);
+    if (fd >= 0) ::close(fd);
+    return go_on;
+  }
+
+  void send_busy_if_changed() {
+    const std::int64_t b = dev_->busy_ns();
+    if (b == last_busy_) return;
+    last_busy_ = b;
+    char buf[record_size(sizeof(BusyMsg))];
+    out_.post(buf, encode_one(buf, Msg::busy, BusyMsg{b}));
+  }
+
+ private:
+  // The device's stream for salusd's id, or nullopt.
+  std::optional<StreamId> stream(StreamId id) const {
+    if (id < streams_.size() && streams_[id]) return streams_[id];
+    return std::nullopt;
+  }
+  void note_error(StreamId id, int err) {
+    if (id >= errors_.size()) errors_.resize(id + 1, 0);
+    if (errors_[id] == 0) errors_[id] = err;
+  }
+  bool staged(std::uint64_t slot, Bytes length) const {
+    return slot <= opts_.staging_size && length <= opts_.staging_size - slot;
+  }
+
+  template <class T>
+  bool decode(const char* body, std::size_t size, T& m) {
+    if (read_fixed(body, size, m)) return true;
+    spdlog::error("short request record ({} bytes)", size);
+    return false;
+  }
+
+  void reply(std::uint64_t request, int status, const std::string& why,
+             const std::vector<std::uint32_t>& sizes = {}) {
+    RecordWriter w;
+    const std::string text = why.size() > 4096 ? why.substr(0, 4096) : why;
+    w.put(Msg::reply,
+          ReplyMsg{request, status, static_cast<std::uint32_t>(text.size()),
+                   static_cast<std::uint32_t>(sizes.size())},
+          {{text.data(), text.size()}, {sizes.data(), sizes.size() * 4}});
+    out_.post(w.data(), w.size());
+  }
+
+  bool handle(Msg type, const char* body, std::size_t size, int& fd) {
+    Device& d = *dev_;
+    switch (type) {
+      case Msg::create_stream: {
+        CreateStreamMsg m;
+        if (!decode(body, size, m)) break;
+        if (stream(m.stream)) break;  // a restore and a create raced: one is enough
+        if (m.stream >= streams_.size()) streams_.resize(m.stream + 1);
+        try {
+          streams_[m.stream] = d.create_stream();
+        } catch (const std::exception& e) {
+          spdlog::error("stream {}: cannot create: {}", m.stream, e.what());
+        }
+        break;
+      }
+      case Msg::destroy_stream: {
+        DestroyStreamMsg m;
+        if (!decode(body, size, m)) break;
+        if (auto s = stream(m.stream)) {
+          try {
+            d.destroy_stream(*s);  // drains: its completions go out before the reply
+          } catch (const std::exception& e) {
+            spdlog::error("stream {}: cannot destroy: {}", m.stream, e.what());
+          }
+          streams_[m.stream].reset();
+        }
+        if (m.stream < errors_.size()) errors_[m.stream] = 0;
+        reply(m.request, 0, {});
+        break;
+      }
+      case Msg::fill: {
+        FillMsg m;
+        if (!decode(body, size, m)) break;
+        if (auto s = stream(m.stream)) d.fill(*s, m.dst, m.length, m.pattern, m.width);
+        break;
+      }
+      case Msg::copy: {
+        CopyMsg m;
+        if (!decode(body, size, m)) break;
+        if (auto s = stream(m.stream)) d.copy(*s, m.dst, m.src, m.length);
+        break;
+      }
+      case Msg::spin: {
+        SpinMsg m;
+        if (!decode(body, size, m)) break;
+        if (auto s = stream(m.stream)) d.spin(*s, m.usec, m.util);
+        break;
+      }
+      case Msg::gemm: {
+        GemmMsg m;
+        if (!decode(body, size, m)) break;
+        if (auto s = stream(m.stream)) d.gemm(*s, m.m, m.n, m.k, m.a, m.b, m.c);
+        break;
+      }
+      case Msg::copy_to_host: {
+        ToHostMsg m;
+        if (!decode(body, size, m)) break;
+        if (!staged(m.slot, m.length)) {
+          note_error(m.stream, EINVAL);
+          break;
+        }
+        if (auto s = stream(m.stream)) d.copy_to_host(*s, staging_ + m.slot, m.src, m.length);
+        break;
+      }
+      case Msg::copy_from_host: {
+        FromHostMsg m;
+        if (!decode(body, size, m)) break;
+        if (!staged(m.slot, m.length)) {
+          note_error(m.stream, EINVAL);
+          break;
+        }
+        if (auto s = stream(m.stream)) d.copy_from_host(*s, m.dst, staging_ + m.slot, m.length);
+        break;
+      }
+      case Msg::notify: {
+        NotifyMsg m;
+        if (!decode(body, size, m)) break;
+        auto s = stream(m.stream);
+        if (!s) {
+          // Never created (or its creation failed): nothing of it is queued.
+          complete(m.ticket, EIO, 0);
+          break;
+        }
+        if (m.stream < errors_.size() && errors_[m.stream] != 0) {
+          std::lock_guard lk(override_mu_);
+          overrides_[m.ticket] = errors_[m.stream];
+          has_overrides_.store(true, std::memory_order_release);
+          errors_[m.stream] = 0;
+        }
+        d.notify(*s, m.ticket);
+        break;
+      }
+      case Msg::discard: {
+        DiscardMsg m;
+        if (decode(body, size, m)) d.discard(m.offset, m.length);
+        break;
+      }
+      case Msg::load_module: {
+        LoadModuleMsg m;
+        if (!decode(body, size, m)) break;
+        std::vector<std::uint8_t> image;
+        std::string why;
+        int status = 0;
+        if (fd < 0) {
+          status = EINVAL;
+          why = "the module image did not arrive";
+        } else {
+          image.resize(m.size);
+          std::size_t done = 0;
+          while (done < image.size()) {
+            const ssize_t n =
+                ::pread(fd, image.data() + done, image.size() - done, static_cast<off_t>(done));
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) break;
+            done += static_cast<std::size_t>(n);
+          }
+          ::close(fd);
+          fd = -1;
+          if (done != image.size()) {
+            status = EIO;
+            why = "reading the module image failed";
+          }
+        }
+        ModuleHandle h = 0;
+        if (status == 0) status = d.load_module(image, h, why);
+        if (status == 0) modules_[m.module] = h;
+        reply(m.request, status, why);
+        break;
+      }
+      case Msg::unload_module: {
+        UnloadModuleMsg m;
+        if (!decode(body, size, m)) break;
+        if (auto it = modules_.find(m.module); it != modules_.end()) {
+          d.unload_module(it->second);
+          modules_.erase(it);
+        }
+        for (auto it = functions_.begin(); it != functions_.end();) {
+          if (static_cast<ModuleHandle>(it->first >> 32) == m.module)
+            it = functions_.erase(it);
+          else
+            ++it;
+        }
+        break;
+      }
+      case Msg::get_function: {
+        GetFunctionMsg m;
+        if (!decode(body, size, m) || size < sizeof m + m.name_length) break;
+        const std::string name(body + sizeof m, m.name_length);
+        std::string why;
+        std::vector<std::uint32_t> sizes;
+        int status = ENOENT;
+        auto it = modules_.find(m.module);
+        if (it == modules_.end()) {
+          why = fmt::format("no module {}", m.module);
+        } else {
+          FunctionHandle f = 0;
+          status = d.get_function(it->second, name, f, sizes, why);
+          if (status == 0) functions_[m.function] = f;
+        }
+        reply(m.request, status, why, sizes);
+        break;
+      }
+      case Msg::launch: {
+        LaunchMsg m;
+        if (!decode(body, size, m)) break;
+        const std::size_t need = sizeof m + std::size_t{m.arg_count} * 4 + m.arg_bytes;
+        if (need > size) {
+          note_error(m.stream, EINVAL);
+          break;
+        }
+        std::vector<std::uint32_t>& sizes = arg_sizes_;
+        sizes.resize(m.arg_count);
+        if (m.arg_count != 0) std::memcpy(sizes.data(), body + sizeof m, sizes.size() * 4);
+        std::size_t sum = 0;
+        for (std::uint32_t v : sizes) sum += v;
+        if (sum != m.arg_bytes) {
+          note_error(m.stream, EINVAL);
+          break;
+        }
+        const auto* args =
+            reinterpret_cast<const std::uint8_t*>(body + sizeof m + sizes.size() * 4);
+        // An unknown handle (a module that did not reload) is the device's to
+        // refuse: EINVAL at the next notify, with its log line.
+        auto f = functions_.find(m.function);
+        const FunctionHandle h = f == functions_.end() ? ~FunctionHandle{0} : f->second;
+        if (auto s = stream(m.stream)) d.launch(*s, h, m.dims, args, sizes.data(), sizes.size());
+        break;
+      }
+      case Msg::shutdown:
+        return false;
+      default:
+        spdlog::error("unknown request type {}", static_cast<int>(type));
+        break;
+    }
+    return true;
+  }
+
+  const ExecutorOptions& opts_;
+  Outbox& out_;
+  char* staging_;
+  std::unique_ptr<Device> dev_;
+  Device* raw_ = nullptr;  // set once, before the first completion can arrive
+  std::vector<std::optional<StreamId>> streams_;  // salusd's id -> the device's
+  std::vector<int> errors_;                       // salusd's id -> error for its next notify
+  std::unordered_map<ModuleHandle, ModuleHandle> modules_;
+  std::unordered_map<FunctionHandle, FunctionHandle> functions_;
+  std::vector<std::uint32_t> arg_sizes_;
+  std::int64_t last_busy_ = -1;
+  std::mutex override_mu_;
+  std::unordered_map<std::uint64_t, int> overrides_;  // ticket -> status
+  std::atomic<bool> has_overrides_{false};
+};
+
+void send_hello(Outbox& out, const Device* d, int status, const std::string& why) {
+  HelloMsg h{};
+  h.version = kProtocolVersion;
+  h.status = status;
+  h.pid = ::getpid();
+  if (d != nullptr) {
+    const DeviceInfo& i = d->info();
+    h.arena_base = d->device_address(0);
+    h.total_memory = i.total_memory;
+    h.arena_size = i.arena_size;
+    h.sm_count = i.sm_count;
+    h.spin_cycles_per_usec = i.spin_cycles_per_usec;
+    put_text(h.name, i.name);
+    put_text(h.uuid, i.uuid);
+    put_text(h.backend, i.backend);
+    put_text(h.driver_version, i.driver_version);
+  }
+  put_text(h.why, why);
+  RecordWriter w;
+  w.put(Msg::hello, h);
+  out.post(w.data(), w.size());
+}
+
+}  // namespace
+
+int run_executor(const ExecutorOptions& o) {
+  // spawn_executor set it before exec (it survives exec); set it again in case
+  // this binary was started some other way.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  // Ctrl-C in a terminal signals the whole foreground process group: salusd
+  // then drains and stops its executors in order; one dying first would look
+  // like a lost GPU context to every session on it.
+  ::signal(SIGINT, SIG_IGN);
+  // A user kernel that crashes this process is expected (on sim a kernel is
+  // host code), not a salusd bug: no core file, which for a process mapping a
+  // whole GPU's memory could be huge.
+  rlimit no_core{};
+  if (::getrlimit(RLIMIT_CORE, &no_core) == 0) {
+    no_core.rlim_cur = 0;
+    ::setrlimit(RLIMIT_CORE, &no_core);
+  }
+  ::prctl(PR_SET_NAME, fmt::format("salus-exec{}", o.gpu).c_str());
+
+  auto logger = spdlog::stderr_color_mt("executor");
+  spdlog::set_default_logger(logger);
+  spdlog::set_level(spdlog::level::from_str(o.log_level));
+  spdlog::set_pattern(
+      fmt::format("%Y-%m-%dT%H:%M:%S.%e %^%l%$ executor gpu{} pid {}: %v", o.gpu, ::getpid()));
+
+  void* map = ::mmap(nullptr, o.staging_size, PROT_READ | PROT_WRITE, MAP_SHARED, o.staging_fd, 0);
+  if (map == MAP_FAILED) {
+    spdlog::critical("mapping the staging area: {}", std::strerror(errno));
+    return kExitNoDevice;
+  }
+  Outbox out(o.socket_fd);
+  Executor ex(o, out, static_cast<char*>(map));
+
+  std::unique_ptr<Device> dev;
+  std::string why;
+  if (o.backend == "sim") {
+    try {
+      dev = std::make_unique<SimDevice>(o.gpu, o.sim_memory);
+    } catch (const std::exception& e) {
+      why = fmt::format("sim gpu{}: cannot reserve {} bytes: {}", o.gpu, o.sim_memory, e.what());
+    }
+  } else {
+    CudaOptions co;
+    co.memory_fraction = o.cuda_memory_fraction;
+    co.arena_bytes = o.arena_bytes;
+    // A sticky error stays for the life of this process: report it, let the
+    // errored completions go out, and exit; salusd starts a fresh executor.
+    co.recover_in_process = false;
+    co.on_sticky_fault = [&out](const std::string& cause, bool kernel, bool delivered) {
+      if (!delivered) {
+        spdlog::error("sticky fault {}; reporting it and exiting", cause);
+        FaultMsg f{};
+        f.kernel_fault = kernel ? 1 : 0;
+        put_text(f.cause, cause);
+        char buf[record_size(sizeof(FaultMsg))];
+        out.post(buf, encode_one(buf, Msg::fault, f));
+        return;
+      }
+      out.drain(std::chrono::seconds(2));
+      ::_exit(kExitStickyFault);
+    };
+    dev = open_cuda_device(co, o.gpu, o.gpu, why);
+  }
+  if (!dev) {
+    spdlog::error("{}", why);
+    send_hello(out, nullptr, ENODEV, why);
+    out.drain(std::chrono::seconds(2));
+    return kExitNoDevice;
+  }
+  ex.set_device(std::move(dev));
+  send_hello(out, ex.device(), 0, {});
+
+  std::vector<char> buf(kMaxDatagram);
+  auto last_busy = Clock::now();
+  // A blocking receive that times out for the busy-time report: one syscall
+  // per request datagram rather than poll + recvmsg.
+  const timeval tick{0, 100'000};
+  ::setsockopt(o.socket_fd, SOL_SOCKET, SO_RCVTIMEO, &tick, sizeof tick);
+  for (;;) {
+    iovec iov{buf.data(), buf.size()};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = control;
+    mh.msg_controllen = sizeof control;
+    const ssize_t n = ::recvmsg(o.socket_fd, &mh, MSG_CMSG_CLOEXEC);
+    if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)) {
+      // salusd is gone: nobody is left to tell; the parent-death signal is on
+      // its way anyway.
+      ::_exit(0);
+    }
+    if (n > 0) {
+      int fd = -1;
+      for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (std::size_t i = 0; i < count; ++i) {
+          int got;
+          std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof got);
+          if (fd < 0)
+            fd = got;
+          else
+            ::close(got);
+        }
+      }
+      if (!ex.serve(buf.data(), static_cast<std::size_t>(n), fd)) break;
+    }
+    if (Clock::now() - last_busy >= std::chrono::milliseconds(100)) {
+      ex.send_busy_if_changed();
+      last_busy = Clock::now();
+    }
+  }
+  spdlog::debug("shutting down: draining the streams");
+  ex.close_device();
+  out.drain(std::chrono::seconds(10));
+  return 0;
+}
+
+int executor_main(int argc, char** argv) {
+  ExecutorOptions o;
+  std::string why;
+  if (!parse_executor_args(argc, argv, o, why)) {
+    std::fprintf(stderr, "salusd executor: %s\n", why.c_str());
+    return 2;
+  }
+  return run_executor(o);
+}
+
+}  // namespace salus::vgpu::executor
