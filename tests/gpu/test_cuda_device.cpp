@@ -578,6 +578,13 @@ TEST_F(CudaDeviceTest, StreamIdsAreReusedAndDestroyWaitsForQueuedWork) {
 }
 
 TEST_F(CudaDeviceTest, RecoversFromAKernelFault) {
+  // In-process recovery (`--gpu-isolation thread`) needs a driver that clears a
+  // sticky error when the primary context is reset. NVIDIA's keep it for the
+  // life of the process (seen on an H100, driver 580), which is why salusd runs
+  // each real GPU in an executor process; executor_cuda tests that path.
+  if (dev_->info().name.find("mock") == std::string::npos)
+    GTEST_SKIP() << "in-process recovery cannot work on NVIDIA drivers (sticky errors outlive a "
+                    "context reset); see executor_cuda";
   const ModuleHandle m = load_test_module();
   SKIP_IF_NO_MODULE(m);
   const FunctionHandle bad_store = function(m, "bad_store");
@@ -709,6 +716,13 @@ TEST_F(CudaDeviceTest, WithoutInProcessRecoveryAFaultTakesTheDeviceOutOfService)
 }
 
 TEST_F(CudaDeviceTest, RecoversWhileAnotherThreadKeepsEnqueueing) {
+  // In-process recovery (`--gpu-isolation thread`) needs a driver that clears a
+  // sticky error when the primary context is reset. NVIDIA's keep it for the
+  // life of the process (seen on an H100, driver 580), which is why salusd runs
+  // each real GPU in an executor process; executor_cuda tests that path.
+  if (dev_->info().name.find("mock") == std::string::npos)
+    GTEST_SKIP() << "in-process recovery cannot work on NVIDIA drivers (sticky errors outlive a "
+                    "context reset); see executor_cuda";
   const ModuleHandle m = load_test_module();
   SKIP_IF_NO_MODULE(m);
   const FunctionHandle bad_store = function(m, "bad_store");
