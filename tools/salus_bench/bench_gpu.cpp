@@ -189,7 +189,9 @@ int bench_switch_gap(Target& t, const std::string& kernels_arg, long n, std::uin
   std::sort(all.begin(), all.end(),
             [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
   std::vector<double> switch_us, same_us;
+  std::vector<double> steady_us;  // switches after the first tenth of the run (warm-up)
   std::vector<std::string> slow;  // where the GPU sat idle for over 100 us
+  long slow_total = 0;
   long overlaps = 0;
   for (std::size_t i = 1; i < all.size(); ++i) {
     if (all[i].begin < all[i - 1].end) {
@@ -198,7 +200,9 @@ int bench_switch_gap(Target& t, const std::string& kernels_arg, long n, std::uin
     }
     const double gap = static_cast<double>(all[i].begin - all[i - 1].end) / 1e3;
     (all[i].session != all[i - 1].session ? switch_us : same_us).push_back(gap);
-    if (gap > 100 && slow.size() < 12)
+    if (all[i].session != all[i - 1].session && i >= all.size() / 10) steady_us.push_back(gap);
+    if (gap > 100) slow_total++;
+    if (gap > 100 && (slow.size() < 6 || i > all.size() * 9 / 10))
       slow.push_back(fmt::format("#{}@{:.1f}ms:{:.0f}us", i,
                                  static_cast<double>(all[i].begin - all[0].begin) / 1e6, gap));
   }
@@ -209,9 +213,14 @@ int bench_switch_gap(Target& t, const std::string& kernels_arg, long n, std::uin
       "<= 100)\n",
       switch_us.size(), percentile(switch_us, 0.5), percentile(switch_us, 0.99),
       percentile(switch_us, 1.0));
+  fmt::print("  after the first tenth: switches {}  p50 {:.2f} us  p99 {:.2f} us  max {:.2f} us\n",
+             steady_us.size(), percentile(steady_us, 0.5), percentile(steady_us, 0.99),
+             percentile(steady_us, 1.0));
   fmt::print("  same-session gaps {}  p50 {:.2f} us  p99 {:.2f} us  (baseline)\n", same_us.size(),
              percentile(same_us, 0.5), percentile(same_us, 0.99));
-  if (!slow.empty()) fmt::print("  first gaps over 100 us: {}\n", fmt::join(slow, " "));
+  if (!slow.empty())
+    fmt::print("  {} gaps over 100 us; the first ones and those in the last tenth: {}\n",
+               slow_total, fmt::join(slow, " "));
   if (overlaps > 0) fmt::print("  WARNING: {} overlapping intervals\n", overlaps);
   return 0;
 }
