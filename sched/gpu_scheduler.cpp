@@ -131,10 +131,23 @@ void GpuScheduler::iteration_dispatched(SessionId id) {
   if (policy_ == PolicyKind::fair) rerank(s);
 }
 
-void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool iteration) {
+void GpuScheduler::iteration_cycle(SessionId id, std::int64_t device_ns) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
+  const double estimate = std::max(s.in.mean_iter_ns, 1.0);
+  s.charged.push_back(estimate);
+  s.in.vtime += estimate;
+  account_done(s, device_ns, true);
+}
+
+void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool iteration) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  account_done(it->second, device_ns, iteration);
+}
+
+void GpuScheduler::account_done(SessionSched& s, std::int64_t device_ns, bool iteration) {
   s.gpu_ns += device_ns;
   if (iteration) {
     s.in.done += 1;

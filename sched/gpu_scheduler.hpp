@@ -70,6 +70,10 @@ class GpuScheduler {
   // time always count; only a real iteration (`iteration`) advances the done
   // count and the mean that SRTF ranks by. Then the session is re-ranked.
   void iteration_done(SessionId id, std::int64_t device_ns, bool iteration = true);
+  // iteration_dispatched then iteration_done of one iteration, re-ranking once:
+  // the same state as the two calls, for salus-sim's replay of a coalesced run,
+  // where nothing looks at the ranking in between.
+  void iteration_cycle(SessionId id, std::int64_t device_ns);
 
   const SessionSched* find(SessionId id) const;
   const SchedStats& stats() const { return stats_; }
@@ -82,6 +86,7 @@ class GpuScheduler {
     std::optional<SessionId> last;
     double vclock = 0.0;  // FAIR: virtual time of the session last put in service
   };
+  void account_done(SessionSched& s, std::int64_t device_ns, bool iteration);
   void unlink(SessionSched& s);
   void link(SessionSched& s);
   void rerank(SessionSched& s);

@@ -487,8 +487,11 @@ void Engine::replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
               "salus-sim: coalesced run of job {} diverged from per-iteration scheduling",
               j.spec->name));
       }
-      if (i > 1) gpu.sched.iteration_dispatched(pc.session);  // the first was, at dispatch
-      gpu.sched.iteration_done(pc.session, ti - prev);
+      if (i > 1) {
+        gpu.sched.iteration_cycle(pc.session, ti - prev);
+      } else {
+        gpu.sched.iteration_done(pc.session, ti - prev);  // dispatched at the run's start
+      }
       j.device_ns += ti - prev;
       prev = ti;
     }
