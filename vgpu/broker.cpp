@@ -261,8 +261,9 @@ void Broker::submit(
       if (!m) continue;
       PendingWrite::ModuleFile f;
       f.path = m->path;
-      const int rc = read_file_as_caller(CallerIdentity{caller.uid, caller.gid, caller.pid},
-                                         m->path, kMaxModuleBytes, f.image, f.why);
+      const int rc = read_file_as_caller(
+          CallerCredentials::capture({caller.uid, caller.gid, caller.pid}), m->path,
+          kMaxModuleBytes, f.image, f.why);
       f.error = rc < 0 ? -rc : 0;
       module_files.push_back(std::move(f));
     }
