@@ -660,7 +660,7 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
       return;
     }
     fs.broker().read_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), size,
-                            [req](int err, std::vector<char>& data) {
+                            [req](int err, std::span<const char> data) {
                               if (err)
                                 fuse_reply_err(req, err);
                               else

@@ -73,6 +73,7 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
     auto g = std::make_unique<Gpu>(i, std::move(devices[i]), config_.policy, config_.arena);
     g->sink = std::make_unique<Sink>(*g);
     g->device->set_sink(g->sink.get());
+    g->staging = std::make_unique<StagingPool>(*g->device, config_.staging_cache);
     gpus_.push_back(std::move(g));
   }
   for (auto& g : gpus_) {
@@ -948,10 +949,7 @@ void Broker::drop_queued(Session& s, int err, Deferred& later) {
     for (arena::BufferHandle h : item.bound) unpin(s, h);
     if (item.on_done) {
       auto fn = std::move(item.on_done);
-      later.push_back([fn, err]() mutable {
-        std::vector<char> none;
-        fn(err, none);
-      });
+      later.push_back([fn, err]() mutable { fn(err, {}); });
     }
   }
   s.queue.clear();
@@ -1285,10 +1283,10 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
         dev.gemm(st, op.m, op.n, op.k, addr(op.a), addr(op.b), addr(op.c));
         break;
       case Op::Kind::to_host:
-        dev.copy_to_host(st, item.host.data(), addr(op.a), op.length);
+        dev.copy_to_staging(st, item.host.data(), addr(op.a), op.length);
         break;
       case Op::Kind::from_host:
-        dev.copy_from_host(st, addr(op.a), item.host.data(), op.length);
+        dev.copy_from_staging(st, addr(op.a), item.host.data(), op.length);
         break;
       case Op::Kind::launch: {
         g.arg_bytes.clear();
@@ -1413,8 +1411,12 @@ void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std
     for (arena::BufferHandle h : item.bound) unpin(s, h);
     if (item.on_done) {
       auto fn = std::move(item.on_done);
-      auto data = std::make_shared<std::vector<char>>(std::move(item.host));
-      later.push_back([fn, status, data]() mutable { fn(status, *data); });
+      // The staging block goes back to its pool once the reply has been sent.
+      auto host = std::make_shared<StagingPool::Block>(std::move(item.host));
+      const Bytes n = host->data() ? item.host_length : 0;
+      later.push_back([fn, status, host, n]() mutable {
+        fn(status, std::span<const char>(host->data(), status ? 0 : n));
+      });
     }
     s.completed_seq = std::max(s.completed_seq, item.seq);
     // The finished item is the oldest: pop it from whichever deque holds it.

@@ -50,6 +50,8 @@ struct BrokerConfig {
   // next kernel starts without waiting for the worker (the switch gap).
   std::uint32_t pipeline_depth = 2;
   std::size_t log_lines = 64;  // per session
+  // Staging memory kept for reuse per GPU.
+  Bytes staging_cache = Bytes{64} << 20;
 };
 
 struct BrokerStats {
@@ -120,8 +122,9 @@ class Broker {
                      std::function<void(int err)> done);
   int remove_buffer(SessionId id, const Caller& caller, const std::string& name);
   // Ordered after the session's earlier work; the callback gets the bytes read.
+  // Both go through the GPU's staging blocks.
   void read_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, Bytes length,
-                   std::function<void(int err, std::vector<char>& data)> done);
+                   HostCopyDone done);
   void write_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, const char* data,
                     Bytes length, std::function<void(int err, Bytes written)> done);
 
@@ -194,8 +197,10 @@ class Broker {
   void enqueue(Session& s, WorkItem item);
   int usable_buffer(SessionId id, std::uint32_t bid, Session*& s, const Buffer*& b);
   void enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle, Bytes offset,
-                         std::vector<char> host,
-                         std::function<void(int err, std::vector<char>& data)> done);
+                         StagingPool::Block host, Bytes length, HostCopyDone done);
+  // The GPU index of a usable buffer's session, for taking a staging block
+  // before the copy is queued (-errno when unusable).
+  int buffer_gpu(SessionId id, std::uint32_t bid);
   void resume_writes(Session& s, Deferred& later);
   void fail_session(Session& s, int err, std::string text, Deferred& later);
   void drop_queued(Session& s, int err, Deferred& later);

@@ -55,6 +55,9 @@ struct Broker::Gpu {
 
   std::unique_ptr<Sink> sink;
   std::thread worker;
+
+  // Declared last: destroyed first, while the device lives.
+  std::unique_ptr<StagingPool> staging;
 };
 
 }  // namespace salus::vgpu

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "arena/gpu_arena.hpp"
 #include "vgpu/command.hpp"
 #include "vgpu/device.hpp"
+#include "vgpu/staging_pool.hpp"
 
 namespace salus::vgpu {
 
@@ -94,6 +96,10 @@ struct Iteration {
 
 struct PendingWrite;
 
+// Runs after the broker unlocks: the error, and for mem/ reads the bytes read
+// (valid only during the call).
+using HostCopyDone = std::function<void(int err, std::span<const char> data)>;
+
 struct WorkItem {
   std::shared_ptr<const Iteration> iter;
   std::vector<arena::BufferHandle> bound;  // one per iter->names entry, pinned
@@ -101,8 +107,9 @@ struct WorkItem {
   std::uint64_t outstanding = 0;           // dispatched, not yet completed
   std::uint64_t seq = 0;
   bool counted = false;    // its instances count against the queued-iterations quota
-  std::vector<char> host;  // staging for mem/ reads and writes
-  std::function<void(int err, std::vector<char>& data)> on_done;  // runs after the broker unlocks
+  StagingPool::Block host;  // staging for mem/ reads and writes
+  Bytes host_length = 0;
+  HostCopyDone on_done;
 };
 
 struct Recording {

@@ -143,9 +143,9 @@ TEST(Broker, BufferReadWriteRoundTripIsOrderedAfterWork) {
   const auto buf = b->find_buffer(id, "w");
   ASSERT_TRUE(buf);
   std::promise<std::vector<char>> p;
-  b->read_buffer(id, buf->id, 0, 16, [&p](int err, std::vector<char>& data) {
+  b->read_buffer(id, buf->id, 0, 16, [&p](int err, std::span<const char> data) {
     EXPECT_EQ(err, 0);
-    p.set_value(data);
+    p.set_value(std::vector<char>(data.begin(), data.end()));
   });
   auto data = p.get_future().get();
   ASSERT_EQ(data.size(), 16u);
@@ -197,9 +197,9 @@ TEST(Broker, FragmentedAllocationWaitsForCompactionThenSucceeds) {
     const auto buf = b->find_buffer(id, fmt::format("b{}", i));
     ASSERT_TRUE(buf);
     std::promise<std::vector<char>> p;
-    b->read_buffer(id, buf->id, (10u << 20) - 4, 4, [&p](int e, std::vector<char>& d) {
+    b->read_buffer(id, buf->id, (10u << 20) - 4, 4, [&p](int e, std::span<const char> d) {
       EXPECT_EQ(e, 0);
-      p.set_value(d);
+      p.set_value(std::vector<char>(d.begin(), d.end()));
     });
     auto d = p.get_future().get();
     std::int32_t v = 0;
