@@ -183,6 +183,12 @@ void TransferEngine::run() {
       it = active_.erase(it);  // its staging blocks go back to the pool
     }
     const bool freed = !finished_.empty();  // a waiting job may start now
+    {
+      // Before the callbacks: whoever they wake sees the transfer gone.
+      std::lock_guard lk(mu_);
+      stats_.active = static_cast<unsigned>(active_.size());
+      stats_.waiting = static_cast<unsigned>(waiting_.size() + incoming_.size());
+    }
     if (!finished_.empty()) {
       {
         std::lock_guard lk(mu_);
@@ -208,8 +214,6 @@ void TransferEngine::run() {
     }
     {
       std::lock_guard lk(mu_);
-      stats_.active = static_cast<unsigned>(active_.size());
-      stats_.waiting = static_cast<unsigned>(waiting_.size() + incoming_.size());
       idle_ = stopping_ && active_.empty() && waiting_.empty() && incoming_.empty();
       if (idle_) quiet_.notify_all();
       if (quit_ && idle_) continue;  // exits at the top
