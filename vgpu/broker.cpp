@@ -59,6 +59,10 @@ const char* to_string(SessionState s) {
 
 void Broker::Sink::on_complete(StreamId stream, std::uint64_t token, int status,
                                std::int64_t device_ns) {
+  if (g_.transfers && g_.transfers->owns_stream(stream)) {
+    g_.transfers->on_device_complete(stream, token, status, device_ns);
+    return;
+  }
   {
     std::lock_guard lk(g_.cq_mu);
     g_.completions.push_back(Completion{stream, token, status, device_ns});
@@ -74,6 +78,11 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
     g->sink = std::make_unique<Sink>(*g);
     g->device->set_sink(g->sink.get());
     g->staging = std::make_unique<StagingPool>(*g->device, config_.staging_cache);
+    TransferEngine::Options to;
+    to.chunk = std::max<Bytes>(config_.transfer_chunk, StagingPool::kMinBlock);
+    to.max_active = std::clamp(config_.transfers_active, 1u, TransferEngine::kMaxActive);
+    g->transfers =
+        std::make_unique<TransferEngine>(*g->device, *g->staging, to, static_cast<int>(i));
     gpus_.push_back(std::move(g));
   }
   for (auto& g : gpus_) {
@@ -156,6 +165,7 @@ void Broker::end_session(SessionId id) {
     s->state = SessionState::ended;
     by_name_.erase(s->dir_name);
     drop_queued(*s, ECANCELED, later);
+    cancel_transfer(*s);  // a transfer being moved stops after its chunks in flight
     for (PendingWrite& w : s->writes) {
       auto done = std::move(w.done);
       later.push_back([done] { done(ECANCELED, {}); });
@@ -222,7 +232,7 @@ int Broker::kill_session(SessionId id) {
 
 // Frees everything once nothing of the session is on a device any more.
 void Broker::maybe_finalize(Session& s, Deferred& later) {
-  if (!s.dead || s.in_flight > 0 || s.moving) return;
+  if (!s.dead || s.in_flight > 0 || s.moving || s.transferring) return;
   Gpu* g = gpu_of(s);
   UidUsage& u = usage_[s.uid];
   for (auto& [bid, b] : s.buffers) {
@@ -255,16 +265,28 @@ void Broker::submit(
     WriteReply done) {
   Deferred later;
   // Module files are read here, as the caller and without the broker lock.
+  // So are the endpoints of upload and download: a bad one fails the write.
   std::vector<PendingWrite::ModuleFile> module_files;
+  std::unordered_map<std::size_t, TransferEndpoint> endpoints;
+  CallerCredentials creds;
   if (write_bytes <= config_.quotas.bytes_per_write) {
-    for (const CommandLine& line : commands) {
-      const auto* m = std::get_if<ModuleCmd>(&line.command);
+    bool captured = false;
+    auto who = [&]() -> const CallerCredentials& {
+      if (!captured) creds = CallerCredentials::capture({caller.uid, caller.gid, caller.pid});
+      captured = true;
+      return creds;
+    };
+    for (std::size_t i = 0; i < commands.size(); ++i) {
+      const Command& cmd = commands[i].command;
+      if (const auto* t = std::get_if<TransferCmd>(&cmd)) {
+        endpoints.emplace(i, open_transfer_endpoint(who(), *t));
+        continue;
+      }
+      const auto* m = std::get_if<ModuleCmd>(&cmd);
       if (!m) continue;
       PendingWrite::ModuleFile f;
       f.path = m->path;
-      const int rc = read_file_as_caller(
-          CallerCredentials::capture({caller.uid, caller.gid, caller.pid}), m->path,
-          kMaxModuleBytes, f.image, f.why);
+      const int rc = read_file_as_caller(who(), m->path, kMaxModuleBytes, f.image, f.why);
       f.error = rc < 0 ? -rc : 0;
       module_files.push_back(std::move(f));
     }
@@ -287,6 +309,8 @@ void Broker::submit(
       PendingWrite w;
       w.commands = std::move(commands);
       w.module_files = std::move(module_files);
+      w.transfer_endpoints = std::move(endpoints);
+      w.creds = std::move(creds);
       w.caller_admin = caller.admin;
       w.parse_error = std::move(parse_error);
       w.done = std::move(done);
@@ -457,11 +481,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           },
           [&](const ModuleCmd& c) { return exec_module(s, c, w, ln); },
           [&](const LaunchCmd&) { return record_op(s, cmd, ln); },
-          [&](const TransferCmd&) {
-            return fail(ENOSYS,
-                        "upload/download: the shm and file data paths are not "
-                        "supported by this salusd yet; use mem/NAME");
-          },
+          [&](const TransferCmd& c) { return exec_transfer(s, c, w, ln); },
           [&](const auto&) { return record_op(s, cmd, ln); },
       },
       cmd);
@@ -941,6 +961,7 @@ void Broker::drop_queued(Session& s, int err, Deferred& later) {
       u.queued -= std::min(u.queued, item.remaining);
       s.queued_instances -= std::min(s.queued_instances, item.remaining);
     }
+    if (item.transfer && u.transfers > 0) --u.transfers;  // closes its file as it goes
     item.remaining = 0;
     if (item.outstanding > 0) {
       s.dispatched.push_back(std::move(item));
@@ -971,8 +992,9 @@ int Broker::exec_module(Session& s, const ModuleCmd& c, PendingWrite& w, std::ui
   Gpu& g = *gpu_of(s);
   // A sim module is host code that would run inside this root daemon.
   if (g.device->info().backend == "sim" && !w.caller_admin)
-    return fail(EPERM, "sim-backend modules are host code run inside salusd; only root or the "
-                       "admin group may load them");
+    return fail(EPERM,
+                "sim-backend modules are host code run inside salusd; only root or the "
+                "admin group may load them");
   LoadedModule m;
   std::string why;
   if (int rc = g.device->load_module(file->image, m.handle, why)) return fail(rc, why);
@@ -1060,6 +1082,7 @@ void Broker::handle_admissions(Gpu& g, Deferred& later) {
     update_runnable(g, *s);
     resume_writes(*s, later);
     check_waiters(*s, later);
+    maybe_start_transfer(*s);
   }
   sync_lanes(g, later);
   kick(g);
@@ -1093,8 +1116,10 @@ void Broker::sync_lanes(Gpu& g, Deferred& later) {
 }
 
 void Broker::update_runnable(Gpu& g, Session& s) {
-  const bool runnable = !s.queue.empty() && !s.dead && s.lane && !s.moving &&
-                        (s.state == SessionState::admitted) &&
+  // A transfer is not lane work: while one waits at the head or is being moved,
+  // nothing of the session is dispatched.
+  const bool runnable = !s.queue.empty() && !s.dead && s.lane && !s.moving && !s.transferring &&
+                        !s.queue.front().transfer && (s.state == SessionState::admitted) &&
                         !(s.in_flight > 0 && s.in_flight_lane != s.lane);
   g.sched.set_runnable(s.id, runnable);
 }
@@ -1140,9 +1165,10 @@ void Broker::check_generation(Gpu& g, Deferred& later) {
   const std::uint64_t gen = g.device->generation();
   if (gen == g.generation) return;
   g.generation = gen;
-  spdlog::error("gpu {}: the device context was recreated after a fault; every session on it "
-                "loses its GPU memory",
-                g.index);
+  spdlog::error(
+      "gpu {}: the device context was recreated after a fault; every session on it "
+      "loses its GPU memory",
+      g.index);
   for (auto& [id, sp] : sessions_) {
     Session& s = *sp;
     if (s.gpu != static_cast<int>(g.index) || s.dead) continue;
@@ -1219,6 +1245,10 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
     return false;
   }
   WorkItem& item = s->queue.front();
+  if (item.transfer || s->transferring) {
+    g.sched.set_runnable(*sid, false);
+    return false;
+  }
   const Iteration& it = *item.iter;
   if (it.ephemeral_bytes > ar.lane_size(lane_id)) {
     fail_session(
@@ -1326,7 +1356,8 @@ void Broker::compact(Gpu& g) {
   if (!ar.compaction_pending()) return;
   for (auto& [id, sp] : sessions_) {
     Session& s = *sp;
-    if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0) continue;
+    if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0 || s.transferring)
+      continue;
     const auto moves = ar.session_idle(s.id);
     if (moves.empty()) continue;
     if (!g.move_stream) g.move_stream = g.device->create_stream();
@@ -1350,6 +1381,7 @@ void Broker::finish_compaction(Gpu& g, const Completion& c, Deferred& later) {
   if (Session* s = get(id)) {
     s->moving = false;
     if (c.status) fail_session(*s, c.status, "moving its persistent buffers failed", later);
+    maybe_start_transfer(*s);
     update_runnable(g, *s);
     maybe_finalize(*s, later);
   }
@@ -1429,6 +1461,7 @@ void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std
     // A write may be waiting for memory this item just released.
     if (!again->writes.empty() && !again->writes.front().syncing) resume_writes(*again, later);
     check_waiters(*again, later);
+    maybe_start_transfer(*again);
     update_runnable(g, *again);
     maybe_finalize(*again, later);
   }
@@ -1463,6 +1496,9 @@ void Broker::shutdown(std::chrono::milliseconds bound) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
+  // Transfers were cancelled with their sessions; wait for their chunks in
+  // flight (their completions take the broker lock, so not under it).
+  for (auto& g : gpus_) g->transfers->stop();
   for (auto& g : gpus_) {
     {
       std::lock_guard lk(g->cq_mu);

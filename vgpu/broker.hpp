@@ -22,6 +22,7 @@
 #include "sched/placement.hpp"
 #include "vgpu/device.hpp"
 #include "vgpu/session.hpp"
+#include "vgpu/transfer_engine.hpp"
 
 namespace salus::vgpu {
 
@@ -37,6 +38,8 @@ struct Quotas {
   std::uint32_t buffers_per_uid = 4096;
   std::uint64_t queued_iterations_per_uid = 10'000'000;
   std::uint32_t bytes_per_write = 64 * 1024;
+  // upload/download commands queued or running; each holds an open file.
+  std::uint32_t transfers_per_uid = 256;
 };
 
 using sched::Placement;
@@ -50,7 +53,10 @@ struct BrokerConfig {
   // next kernel starts without waiting for the worker (the switch gap).
   std::uint32_t pipeline_depth = 2;
   std::size_t log_lines = 64;  // per session
-  // Staging memory kept for reuse per GPU.
+  // Data plane: staging block size of upload/download, transfers moving at once
+  // per GPU, and the staging memory kept for reuse per GPU.
+  Bytes transfer_chunk = Bytes{8} << 20;
+  unsigned transfers_active = 4;
   Bytes staging_cache = Bytes{64} << 20;
 };
 
@@ -201,6 +207,14 @@ class Broker {
   // The GPU index of a usable buffer's session, for taking a staging block
   // before the copy is queued (-errno when unusable).
   int buffer_gpu(SessionId id, std::uint32_t bid);
+
+  // Data plane (broker_transfers.cpp).
+  int exec_transfer(Session& s, const TransferCmd& cmd, PendingWrite& w, std::uint32_t line);
+  // Hands the session's next transfer to its GPU's engine once everything
+  // before it has completed.
+  void maybe_start_transfer(Session& s);
+  void transfer_finished(SessionId id, std::uint64_t seq, TransferResult result);
+  void cancel_transfer(Session& s);
   void resume_writes(Session& s, Deferred& later);
   void fail_session(Session& s, int err, std::string text, Deferred& later);
   void drop_queued(Session& s, int err, Deferred& later);
@@ -240,6 +254,7 @@ class Broker {
     std::uint32_t sessions = 0;
     std::uint32_t buffers = 0;
     std::uint64_t queued = 0;
+    std::uint32_t transfers = 0;
   };
   std::unordered_map<uid_t, UidUsage> usage_;
   SessionId next_id_ = 1;

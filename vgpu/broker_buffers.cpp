@@ -261,8 +261,9 @@ void Broker::write_buffer(SessionId id, std::uint32_t bid, Bytes offset, const c
         err = 0;
       } else {
         stats_.bytes_from_host += length;
-        enqueue_host_copy(*s, Op::Kind::from_host, b.handle, offset, std::move(block), length,
-                          [done, length](int e, std::span<const char>) { done(e, e ? 0 : length); });
+        enqueue_host_copy(
+            *s, Op::Kind::from_host, b.handle, offset, std::move(block), length,
+            [done, length](int e, std::span<const char>) { done(e, e ? 0 : length); });
         return;
       }
     }
