@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <utility>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -126,7 +127,9 @@ void TransferEngine::arm_wakeup() {
 
 void TransferEngine::run() {
   drop_sys_resource();
-  if (const int rc = io_uring_queue_init(kRingEntries, &ring_, 0); rc < 0) {
+  if (!options_.io_uring) {
+    spdlog::debug("gpu {}: transfers use pread/pwrite", gpu_);
+  } else if (const int rc = io_uring_queue_init(kRingEntries, &ring_, 0); rc < 0) {
     // Docker's default seccomp profile, for one, refuses io_uring.
     spdlog::warn("gpu {}: io_uring is unavailable ({}); transfers use pread/pwrite", gpu_,
                  std::strerror(-rc));
@@ -147,8 +150,8 @@ void TransferEngine::run() {
       if (quit_ && active_.empty() && waiting_.empty()) break;
     }
     for (const DeviceDone& d : device_done) on_device_done(d);
-    for (auto& [slot, res] : sync_done_) on_file_done(*slot, res);
-    sync_done_.clear();
+    // on_file_done may issue the next pread/pwrite, which lands in sync_done_.
+    for (auto& [slot, res] : std::exchange(sync_done_, {})) on_file_done(*slot, res);
     if (stopping) {
       for (Active& a : active_) a.job->cancel.store(true);
       for (auto& j : waiting_) j->cancel.store(true);

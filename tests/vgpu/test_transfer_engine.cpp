@@ -66,9 +66,9 @@ class TransferEngineTest : public ::testing::Test {
     dev_.reset();
     fs::remove_all(dir_);
   }
-  void make_engine(Bytes chunk = 64 * kKiB, unsigned active = 2) {
-    engine_ =
-        std::make_unique<TransferEngine>(*dev_, *pool_, TransferEngine::Options{chunk, active}, 0);
+  void make_engine(Bytes chunk = 64 * kKiB, unsigned active = 2, bool io_uring = true) {
+    engine_ = std::make_unique<TransferEngine>(*dev_, *pool_,
+                                               TransferEngine::Options{chunk, active, io_uring}, 0);
     sink_.engine = engine_.get();
   }
   static std::vector<char> random_bytes(std::size_t n, unsigned seed) {
@@ -243,6 +243,26 @@ TEST_F(TransferEngineTest, CancelStopsSoonAndReturnsStaging) {
   EXPECT_FALSE(first->file.exists()) << "the file is closed when the transfer ends";
   EXPECT_EQ(pool_->stats().in_use, 0u);
   EXPECT_EQ(engine_->stats().cancelled, 2u);
+}
+
+TEST_F(TransferEngineTest, WithoutIoUringPreadAndPwriteDoTheSame) {
+  make_engine(64 * kKiB, 2, false);
+  const auto data = random_bytes(kMiB + 99, 8);
+  const auto src = write_file("src", data);
+  auto r = run(job(true, src, 0, 0, data.size()));
+  ASSERT_EQ(r.error, 0) << r.why;
+  const std::string dst = dir_ + "/dst";
+  r = run(job(false, dst, 0, 0, data.size()));
+  ASSERT_EQ(r.error, 0) << r.why;
+  std::ifstream in(dst, std::ios::binary);
+  EXPECT_EQ(std::vector<char>((std::istreambuf_iterator<char>(in)), {}), data);
+  ASSERT_EQ(::truncate(src.c_str(), 1000), 0);
+  r = run(job(true, src, 0, 0, 1000));
+  EXPECT_EQ(r.error, 0);
+  auto shrunk = job(true, src, 0, 0, 1000);
+  ASSERT_EQ(::truncate(src.c_str(), 10), 0);
+  EXPECT_EQ(run(std::move(shrunk)).error, EIO);
+  EXPECT_EQ(pool_->stats().in_use, 0u);
 }
 
 TEST_F(TransferEngineTest, StopCancelsEverythingAndWaits) {
