@@ -1,6 +1,7 @@
 #include "vgpu/transfer_engine.hpp"
 
 #include <linux/capability.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -18,7 +19,7 @@ namespace salus::vgpu {
 
 namespace {
 
-constexpr std::uint64_t kWakeTag = 1;    // the eventfd read
+constexpr std::uint64_t kWakeTag = 1;    // the poll of the eventfd
 constexpr std::uint64_t kCancelTag = 2;  // IORING_OP_ASYNC_CANCEL requests
 constexpr unsigned kRingEntries = 64;
 
@@ -121,7 +122,9 @@ io_uring_sqe* TransferEngine::sqe() {
 
 void TransferEngine::arm_wakeup() {
   io_uring_sqe* e = sqe();
-  io_uring_prep_read(e, wake_fd_, &wake_value_, sizeof wake_value_, 0);
+  // A poll, not a read: a read of an empty eventfd would be handed to an io-wq
+  // worker, one more thread hop on every chunk's device completion.
+  io_uring_prep_poll_add(e, wake_fd_, POLLIN);
   io_uring_sqe_set_data64(e, kWakeTag);
 }
 
@@ -237,7 +240,10 @@ void TransferEngine::run() {
           file_done.emplace_back(reinterpret_cast<Slot*>(tag), cqe->res);
       }
       io_uring_cq_advance(&ring_, seen);
-      if (rearm) arm_wakeup();
+      if (rearm) {
+        [[maybe_unused]] const auto n = ::read(wake_fd_, &wake_value_, sizeof wake_value_);
+        arm_wakeup();
+      }
       for (auto& [slot, res] : file_done) on_file_done(*slot, res);
       file_done.clear();
     } else {
