@@ -87,5 +87,6 @@ struct Registry {
 // Each bench_*.cpp adds its subcommands here.
 void add_broker_benches(CLI::App& app, Registry& r);
 void add_sched_benches(CLI::App& app, Registry& r);
+void add_dataplane_benches(CLI::App& app, Registry& r);
 
 }  // namespace salus::bench

@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   Registry registry;
   add_broker_benches(app, registry);
   add_sched_benches(app, registry);
+  add_dataplane_benches(app, registry);
   CLI11_PARSE(app, argc, argv);
   for (auto& [cmd, run] : registry.benches)
     if (*cmd) return run(target);
