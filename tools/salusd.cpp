@@ -41,7 +41,7 @@ struct Settings {
   double cuda_memory_fraction = 0.9;
   int shutdown_grace_ms = 5000;
   salus::vgpu::Quotas quotas;
-  std::string transfer_chunk = "8M";
+  std::string transfer_chunk = "16M";
   unsigned transfers_active = 4;
   bool fuse_debug = false;
 };
@@ -166,7 +166,7 @@ int main(int argc, char** argv) {
   flags.add_option("--quota-transfers", s.quotas.transfers_per_uid,
                    "upload/download commands queued or running per uid");
   flags.add_option("--transfer-chunk", s.transfer_chunk,
-                   "Staging block size of upload/download, e.g. 8M (64K to 256M)");
+                   "Staging block size of upload/download, e.g. 16M (64K to 256M)");
   flags.add_option("--transfers-active", s.transfers_active,
                    "upload/download transfers moving at once per GPU (1 to 16)");
   flags.add_option("--cuda-memory-fraction", s.cuda_memory_fraction,

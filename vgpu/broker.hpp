@@ -55,7 +55,7 @@ struct BrokerConfig {
   std::size_t log_lines = 64;  // per session
   // Data plane: staging block size of upload/download, transfers moving at once
   // per GPU, and the staging memory kept for reuse per GPU.
-  Bytes transfer_chunk = Bytes{8} << 20;
+  Bytes transfer_chunk = Bytes{16} << 20;
   unsigned transfers_active = 4;
   Bytes staging_cache = Bytes{64} << 20;
 };

@@ -29,7 +29,7 @@ namespace {
 struct Options {
   std::string size = "1G";
   std::string backend = "sim";
-  std::string chunk = "8M";
+  std::string chunk = "16M";
   std::string dir = "/tmp";
   int repeat = 3;
 };
@@ -288,7 +288,7 @@ void add_dataplane_benches(CLI::App& app, Registry& r) {
   cmd->add_option("--size", o->size, "Buffer size (default 1G)");
   cmd->add_option("--backend", o->backend, "sim or cuda (default sim)")
       ->check(CLI::IsMember({"sim", "cuda"}));
-  cmd->add_option("--chunk", o->chunk, "salusd --transfer-chunk (default 8M)");
+  cmd->add_option("--chunk", o->chunk, "salusd --transfer-chunk (default 16M)");
   cmd->add_option("--dir", o->dir, "Where the test file goes (default /tmp)");
   cmd->add_option("--repeat", o->repeat, "Timed runs per figure; the median is shown")
       ->check(CLI::Range(1, 100));
