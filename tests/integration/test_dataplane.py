@@ -340,11 +340,13 @@ time.sleep(60)
                 p.wait()
             p.stdout.close()
         assert wait_until(lambda: sid not in os.listdir(daemon.path("sessions")), 10)
+        # The directory goes at once; the session itself once its transfer has
+        # stopped and handed its staging back.
+        assert wait_until(lambda: stats(daemon)["sessions"] == "1", 10), stats(daemon)
         if int(stats(daemon)["transfers_cancelled"]) > before:
             cancelled = True
             break
     assert cancelled, stats(daemon)
-    assert wait_until(lambda: stats(daemon)["sessions"] == "1", 10), stats(daemon)
     st = stats(daemon)
     assert st["staging_bytes_in_use"] == "0" and st["transfers_active"] == "0", st
     with open(daemon.path("gpus", "0", "memory")) as f:
