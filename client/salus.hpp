@@ -473,8 +473,7 @@ class Session {
     transfer("upload", buf, offset, "shm:" + ref(segment, segment_offset), bytes, sync);
   }
   void download_shm(const std::string& buf, const std::string& segment, std::uint64_t bytes,
-                    std::uint64_t offset = 0, std::uint64_t segment_offset = 0,
-                    bool sync = true) {
+                    std::uint64_t offset = 0, std::uint64_t segment_offset = 0, bool sync = true) {
     transfer("download", buf, offset, "shm:" + ref(segment, segment_offset), bytes, sync);
   }
 

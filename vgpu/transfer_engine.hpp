@@ -53,7 +53,7 @@ class TransferEngine {
  public:
   struct Options {
     Bytes chunk = Bytes{16} << 20;  // bytes per staging block
-    unsigned max_active = 4;       // transfers moving at once; more wait in order
+    unsigned max_active = 4;        // transfers moving at once; more wait in order
     // false: pread/pwrite on the engine thread, what it does anyway where
     // io_uring is unavailable (kept selectable so that path is tested).
     bool io_uring = true;
