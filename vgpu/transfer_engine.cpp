@@ -142,113 +142,14 @@ void TransferEngine::run() {
   }
   std::vector<std::pair<Slot*, int>> file_done;
   for (;;) {
-    std::vector<DeviceDone> device_done;
-    bool stopping = false;
-    {
-      std::lock_guard lk(mu_);
-      for (auto& j : incoming_) waiting_.push_back(std::move(j));
-      incoming_.clear();
-      device_done.swap(device_done_);
-      stopping = stopping_;
-      if (quit_ && active_.empty() && waiting_.empty()) break;
-    }
-    for (const DeviceDone& d : device_done) on_device_done(d);
-    // on_file_done may issue the next pread/pwrite, which lands in sync_done_.
-    for (auto& [slot, res] : std::exchange(sync_done_, {})) on_file_done(*slot, res);
-    if (stopping) {
-      for (Active& a : active_) a.job->cancel.store(true);
-      for (auto& j : waiting_) j->cancel.store(true);
-    }
-    while (!waiting_.empty() && active_.size() < std::min(options_.max_active, kMaxActive)) {
-      auto job = std::move(waiting_.front());
-      waiting_.pop_front();
-      start(std::move(job));
-    }
-    for (Active& a : active_) pump(a);
-    for (auto it = active_.begin(); it != active_.end();) {
-      if (!over(*it)) {
-        ++it;
-        continue;
-      }
-      Active& a = *it;
-      TransferResult r;
-      r.bytes = a.finished;
-      r.device_ns = a.device_ns;
-      r.elapsed_ns = now_ns() - a.started_ns;
-      if (a.error) {
-        r.error = a.error;
-        r.why = std::move(a.why);
-      } else if (a.finished < a.job->length) {
-        r.error = ECANCELED;
-        r.why = fmt::format("{}: cancelled after {} of {} bytes", a.job->shown, a.finished,
-                            a.job->length);
-      }
-      stream_busy_[a.stream_index] = false;
-      a.job->file = CallerFile{};  // closes it
-      finished_.emplace_back(std::move(a.job), std::move(r));
-      it = active_.erase(it);  // its staging blocks go back to the pool
-    }
-    const bool freed = !finished_.empty();  // a waiting job may start now
-    {
-      // Before the callbacks: whoever they wake sees the transfer gone.
-      std::lock_guard lk(mu_);
-      stats_.active = static_cast<unsigned>(active_.size());
-      stats_.waiting = static_cast<unsigned>(waiting_.size() + incoming_.size());
-    }
-    if (!finished_.empty()) {
-      {
-        std::lock_guard lk(mu_);
-        for (const auto& [job, r] : finished_) {
-          if (r.error == 0)
-            ++stats_.completed;
-          else if (r.error == ECANCELED)
-            ++stats_.cancelled;
-          else
-            ++stats_.failed;
-        }
-      }
-      for (auto& [job, r] : finished_) {
-        try {
-          if (job->done) job->done(std::move(r));
-        } catch (const std::exception& e) {
-          spdlog::error("gpu {}: a transfer's completion threw: {}", gpu_, e.what());
-        } catch (...) {
-          spdlog::error("gpu {}: a transfer's completion threw", gpu_);
-        }
-      }
-      finished_.clear();
-    }
-    {
-      std::lock_guard lk(mu_);
-      idle_ = stopping_ && active_.empty() && waiting_.empty() && incoming_.empty();
-      if (idle_) quiet_.notify_all();
-      if (quit_ && idle_) continue;  // exits at the top
-    }
-    if (!sync_done_.empty() || (freed && !waiting_.empty())) continue;
-    if (ring_ok_) {
-      io_uring_submit_and_wait(&ring_, 1);
-      io_uring_cqe* cqe;
-      unsigned head;
-      unsigned seen = 0;
-      bool rearm = false;
-      io_uring_for_each_cqe(&ring_, head, cqe) {
-        ++seen;
-        const std::uint64_t tag = cqe->user_data;
-        if (tag == kWakeTag)
-          rearm = true;
-        else if (tag != kCancelTag)
-          file_done.emplace_back(reinterpret_cast<Slot*>(tag), cqe->res);
-      }
-      io_uring_cq_advance(&ring_, seen);
-      if (rearm) {
-        [[maybe_unused]] const auto n = ::read(wake_fd_, &wake_value_, sizeof wake_value_);
-        arm_wakeup();
-      }
-      for (auto& [slot, res] : file_done) on_file_done(*slot, res);
-      file_done.clear();
-    } else {
-      std::uint64_t v;
-      [[maybe_unused]] const auto n = ::read(wake_fd_, &v, sizeof v);
+    try {
+      if (!step(file_done)) break;
+    } catch (const std::exception& e) {
+      // Nothing may take salusd down; the transfers at fault are the ones to go.
+      spdlog::error("gpu {}: transfer engine: {}", gpu_, e.what());
+      file_done.clear();  // handled in part; never twice
+      for (Active& a : active_)
+        fail(a, EIO, fmt::format("{}: internal error: {}", a.job->shown, e.what()));
     }
   }
   for (auto& s : streams_) {
@@ -256,6 +157,119 @@ void TransferEngine::run() {
     if (id >= 0) device_.destroy_stream(static_cast<StreamId>(id));
   }
   if (ring_ok_) io_uring_queue_exit(&ring_);
+}
+
+// One turn of the engine loop; false once it is time to stop.
+bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
+  std::vector<DeviceDone> device_done;
+  bool stopping = false;
+  {
+    std::lock_guard lk(mu_);
+    for (auto& j : incoming_) waiting_.push_back(std::move(j));
+    incoming_.clear();
+    device_done.swap(device_done_);
+    stopping = stopping_;
+    if (quit_ && active_.empty() && waiting_.empty()) return false;
+  }
+  for (const DeviceDone& d : device_done) on_device_done(d);
+  // on_file_done may issue the next pread/pwrite, which lands in sync_done_.
+  for (auto& [slot, res] : std::exchange(sync_done_, {})) on_file_done(*slot, res);
+  if (stopping) {
+    for (Active& a : active_) a.job->cancel.store(true);
+    for (auto& j : waiting_) j->cancel.store(true);
+  }
+  while (!waiting_.empty() && active_.size() < std::min(options_.max_active, kMaxActive)) {
+    auto job = std::move(waiting_.front());
+    waiting_.pop_front();
+    start(std::move(job));
+  }
+  for (Active& a : active_) pump(a);
+  for (auto it = active_.begin(); it != active_.end();) {
+    if (!over(*it)) {
+      ++it;
+      continue;
+    }
+    Active& a = *it;
+    TransferResult r;
+    r.bytes = a.finished;
+    r.device_ns = a.device_ns;
+    r.elapsed_ns = now_ns() - a.started_ns;
+    if (a.error) {
+      r.error = a.error;
+      r.why = std::move(a.why);
+    } else if (a.finished < a.job->length) {
+      r.error = ECANCELED;
+      r.why = fmt::format("{}: cancelled after {} of {} bytes", a.job->shown, a.finished,
+                          a.job->length);
+    }
+    stream_busy_[a.stream_index] = false;
+    a.job->file = CallerFile{};  // closes it
+    finished_.emplace_back(std::move(a.job), std::move(r));
+    it = active_.erase(it);  // its staging blocks go back to the pool
+  }
+  const bool freed = !finished_.empty();  // a waiting job may start now
+  {
+    // Before the callbacks: whoever they wake sees the transfer gone.
+    std::lock_guard lk(mu_);
+    stats_.active = static_cast<unsigned>(active_.size());
+    stats_.waiting = static_cast<unsigned>(waiting_.size() + incoming_.size());
+  }
+  if (!finished_.empty()) {
+    {
+      std::lock_guard lk(mu_);
+      for (const auto& [job, r] : finished_) {
+        if (r.error == 0)
+          ++stats_.completed;
+        else if (r.error == ECANCELED)
+          ++stats_.cancelled;
+        else
+          ++stats_.failed;
+      }
+    }
+    for (auto& [job, r] : finished_) {
+      try {
+        if (job->done) job->done(std::move(r));
+      } catch (const std::exception& e) {
+        spdlog::error("gpu {}: a transfer's completion threw: {}", gpu_, e.what());
+      } catch (...) {
+        spdlog::error("gpu {}: a transfer's completion threw", gpu_);
+      }
+    }
+    finished_.clear();
+  }
+  {
+    std::lock_guard lk(mu_);
+    idle_ = stopping_ && active_.empty() && waiting_.empty() && incoming_.empty();
+    if (idle_) quiet_.notify_all();
+    if (quit_ && idle_) return true;  // ends at the next step
+  }
+  if (!sync_done_.empty() || (freed && !waiting_.empty())) return true;
+  if (ring_ok_) {
+    io_uring_submit_and_wait(&ring_, 1);
+    io_uring_cqe* cqe;
+    unsigned head;
+    unsigned seen = 0;
+    bool rearm = false;
+    io_uring_for_each_cqe(&ring_, head, cqe) {
+      ++seen;
+      const std::uint64_t tag = cqe->user_data;
+      if (tag == kWakeTag)
+        rearm = true;
+      else if (tag != kCancelTag)
+        file_done.emplace_back(reinterpret_cast<Slot*>(tag), cqe->res);
+    }
+    io_uring_cq_advance(&ring_, seen);
+    if (rearm) {
+      [[maybe_unused]] const auto n = ::read(wake_fd_, &wake_value_, sizeof wake_value_);
+      arm_wakeup();
+    }
+    for (auto& [slot, res] : file_done) on_file_done(*slot, res);
+    file_done.clear();
+  } else {
+    std::uint64_t v;
+    [[maybe_unused]] const auto n = ::read(wake_fd_, &v, sizeof v);
+  }
+  return true;
 }
 
 void TransferEngine::start(std::shared_ptr<TransferJob> job) {

@@ -120,6 +120,7 @@ class TransferEngine {
   };
 
   void run();
+  bool step(std::vector<std::pair<Slot*, int>>& file_done);
   void wake();
   void start(std::shared_ptr<TransferJob> job);
   void pump(Active& a);
