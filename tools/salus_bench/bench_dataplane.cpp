@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -196,12 +197,12 @@ int bench_dataplane(Target& t, const Options& o) {
   const std::string seg_path = "/dev/shm/" + seg_name;
   const std::string file = fmt::format("{}/salus-bench-{}.bin", o.dir, ::getpid());
   const std::string out_file = file + ".out";
-  struct Cleanup {
-    std::vector<std::string> paths;
-    ~Cleanup() {
-      for (const auto& p : paths) ::unlink(p.c_str());
-    }
-  } cleanup{{seg_path, file, out_file}};
+  // die() exits without unwinding: remove the segment and files at exit.
+  static std::vector<std::string> cleanup;
+  cleanup = {seg_path, file, out_file};
+  std::atexit([] {
+    for (const auto& p : cleanup) ::unlink(p.c_str());
+  });
   const int seg_fd = ::open(seg_path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
   if (seg_fd < 0) die(fmt::format("{}: {}", seg_path, std::strerror(errno)));
   if (::ftruncate(seg_fd, static_cast<off_t>(n)) != 0) die("ftruncate of the segment");
