@@ -15,6 +15,14 @@
 //   }, 100);
 //   s.wait();                                          // "done 100" -> 100
 //
+// Bulk data: upload_file/download_file (checkpoints; salusd reads and writes the
+// file as you) and, with salus_shm.hpp (Boost.Interprocess), shared memory:
+//
+//   salus::SharedSegment seg(salus::MiB(64));           // /dev/shm/salus-..., 0600
+//   std::memcpy(seg.data(), batch, n);
+//   s.upload_shm("x", seg.name(), n);                   // or salus::upload(s, "x", batch, n)
+//   s.download_file("w", "/ckpt/w.bin", salus::MiB(4));
+//
 // Failures throw std::system_error whose code() is the errno that salusd returned
 // (std::generic_category, so `e.code() == std::errc::invalid_argument` works) and
 // whose what() includes the last line of the session's log, where salusd explains.
@@ -441,6 +449,34 @@ class Session {
     return v;
   }
 
+  // ---- bulk transfers: salusd moves the bytes itself, ordered with the work ----
+  // With `sync` the call returns once the transfer is done (a `sync` follows it
+  // in the same write); without, once it is queued: then leave the file or
+  // segment alone until wait(). Errors found while it runs fail the session.
+
+  // upload BUF[+OFF] file:PATH[+FOFF] LEN: salusd reads the file as this uid,
+  // with io_uring. Loading a checkpoint back is this. `path` must be absolute.
+  void upload_file(const std::string& buf, const std::string& path, std::uint64_t bytes,
+                   std::uint64_t offset = 0, std::uint64_t file_offset = 0, bool sync = true) {
+    transfer("upload", buf, offset, "file:" + ref(path, file_offset), bytes, sync);
+  }
+  // download BUF[+OFF] file:PATH[+FOFF] LEN: salusd writes the file as this
+  // uid, creating it (0666 & ~umask) if needed; it never truncates one.
+  void download_file(const std::string& buf, const std::string& path, std::uint64_t bytes,
+                     std::uint64_t offset = 0, std::uint64_t file_offset = 0, bool sync = true) {
+    transfer("download", buf, offset, "file:" + ref(path, file_offset), bytes, sync);
+  }
+  // The same through a POSIX shared-memory segment /dev/shm/SEGMENT owned by
+  // this uid (salus_shm.hpp makes them with Boost.Interprocess).
+  void upload_shm(const std::string& buf, const std::string& segment, std::uint64_t bytes,
+                  std::uint64_t offset = 0, std::uint64_t segment_offset = 0, bool sync = true) {
+    transfer("upload", buf, offset, "shm:" + ref(segment, segment_offset), bytes, sync);
+  }
+  void download_shm(const std::string& buf, const std::string& segment, std::uint64_t bytes,
+                    std::uint64_t offset = 0, std::uint64_t segment_offset = 0, bool sync = true) {
+    transfer("download", buf, offset, "shm:" + ref(segment, segment_offset), bytes, sync);
+  }
+
  private:
   struct Tag {};
   Session(Tag, std::string mount, std::string id, std::string dir, bool remove_dir)
@@ -476,6 +512,11 @@ class Session {
 
   static std::string ref(const std::string& buf, std::uint64_t offset) {
     return offset ? buf + "+" + std::to_string(offset) : buf;
+  }
+  void transfer(const char* verb, const std::string& buf, std::uint64_t offset,
+                const std::string& endpoint, std::uint64_t bytes, bool sync) {
+    command(std::string(verb) + " " + ref(buf, offset) + " " + endpoint + " " +
+            std::to_string(bytes) + (sync ? "\nsync" : ""));
   }
 
   // Throws std::system_error(err) naming the session, the operation and, if

@@ -16,6 +16,16 @@ format commands by hand. It uses only the standard library (Python 3.11+).
         print(s.wait())                         # blocks: 100
         weights = s.read_buffer("w")
 
+Bulk data moves faster with upload/download than through mem/ files; salusd
+copies it in chunks through pinned staging, ordered with the session's work:
+
+    s.upload("w", weights)                      # through a shared-memory segment
+    s.download_file("w", "/ckpt/w.bin")         # a checkpoint: salusd writes the
+    s.upload_file("w", "/ckpt/w.bin")           # file as you, and reads it back
+    with salus.Segment(64 << 20) as seg:        # a segment kept for many batches
+        seg.buf[:n] = batch
+        s.upload_segment("x", seg, n)
+
 Failures raise OSError with the errno salusd returned (so FileNotFoundError,
 PermissionError ... can be caught) and a message that ends with the last line of
 the session's log, where salusd explains what went wrong.
@@ -29,7 +39,7 @@ import errno as _errno
 import os
 import secrets
 
-__all__ = ["Session", "default_mount"]
+__all__ = ["Session", "Segment", "default_mount"]
 
 
 def default_mount():
@@ -364,34 +374,137 @@ class Session:
         finally:
             os.close(fd)
 
-    # ------------------------------------------------------------ shared-memory transfers
+    # ------------------------------------------------------------ transfers
 
-    def _segment(self, size):
-        from multiprocessing import shared_memory
-        name = f"salus-{os.getpid()}-{secrets.token_hex(6)}"
-        return shared_memory.SharedMemory(name=name, create=True, size=max(1, size))
+    def _transfer(self, verb, buf, offset, endpoint, length, sync):
+        line = f"{verb} {_ref(buf, offset)} {endpoint} {_size(length)}"
+        self.command(line + ("\nsync" if sync else ""))
 
     def upload(self, buf, data, offset=0):
-        """Copies `data` into buffer `buf` through a POSIX shared-memory segment:
-        `upload BUF[+OFF] shm:SEG LEN`, then `sync`; the segment is removed after."""
+        """Copies bytes-like `data` into buffer `buf` at `offset` through a
+        temporary POSIX shared-memory segment: `upload BUF[+OFF] shm:SEG LEN`, then
+        `sync`. The segment is removed afterwards, whatever happens."""
         mv = memoryview(data).cast("B")
-        seg = self._segment(mv.nbytes)
         try:
-            seg.buf[:mv.nbytes] = mv
-            segname = seg.name.lstrip("/")
-            self.command(f"upload {_ref(buf, offset)} shm:{segname} {mv.nbytes}\nsync\n")
+            with Segment(mv.nbytes) as seg:
+                seg.buf[:mv.nbytes] = mv
+                self.upload_segment(buf, seg, mv.nbytes, offset=offset)
         finally:
             mv.release()
-            seg.close()
-            seg.unlink()
 
     def download(self, buf, length, offset=0):
-        """Copies `length` bytes of buffer `buf` out through a shared-memory segment."""
-        seg = self._segment(int(length))
+        """Returns `length` bytes of buffer `buf` from `offset`, copied out
+        through a temporary shared-memory segment."""
+        length = int(length)
+        with Segment(length) as seg:
+            self.download_segment(buf, seg, length, offset=offset)
+            return bytes(seg.buf[:length])
+
+    def upload_segment(self, buf, seg, length=None, *, offset=0, seg_offset=0, sync=True):
+        """`upload` from a Segment you keep (no copy on this side): bytes
+        [seg_offset, seg_offset+length) of `seg` into `buf` at `offset`. With
+        sync=False the call returns once salusd has queued the transfer: do not
+        touch those bytes of the segment before wait()/sync()."""
+        if length is None:
+            length = seg.size - seg_offset
+        self._transfer("upload", buf, offset, f"shm:{_segref(seg, seg_offset)}", length, sync)
+
+    def download_segment(self, buf, seg, length=None, *, offset=0, seg_offset=0, sync=True):
+        """`download` into a Segment you keep; see upload_segment."""
+        if length is None:
+            length = seg.size - seg_offset
+        self._transfer("download", buf, offset, f"shm:{_segref(seg, seg_offset)}", length, sync)
+
+    def upload_file(self, buf, path, length=None, *, offset=0, file_offset=0, sync=True):
+        """Loads `length` bytes (default: the rest of the file) of the file at
+        `path` from `file_offset` into buffer `buf` at `offset`. salusd reads the
+        file itself, as you, with io_uring: nothing passes through this process.
+        This is how a checkpoint is loaded back."""
+        path = _abspath(path)
+        if length is None:
+            length = os.stat(path).st_size - int(file_offset)
+        self._transfer("upload", buf, offset, f"file:{_fileref(path, file_offset)}", length, sync)
+
+    def download_file(self, buf, path, length=None, *, offset=0, file_offset=0, sync=True):
+        """Saves `length` bytes (default: the rest of the buffer) of buffer `buf`
+        from `offset` into the file at `path`, at `file_offset`. salusd creates the
+        file as you (mode 0666 & ~umask) if it does not exist and never truncates
+        it: to replace a file, remove it first. This is how a checkpoint is saved."""
+        path = _abspath(path)
+        if length is None:
+            length = os.stat(self.path("mem/" + _word(buf, "buffer name"))).st_size - int(offset)
+        self._transfer("download", buf, offset, f"file:{_fileref(path, file_offset)}", length,
+                       sync)
+
+
+def _abspath(path):
+    path = os.path.abspath(os.fspath(path))
+    if any(c.isspace() or c == "#" for c in path):
+        raise ValueError(f"salusd commands cannot name a path with spaces or '#': {path!r}")
+    return path
+
+
+def _fileref(path, file_offset):
+    return f"{path}+{int(file_offset)}" if file_offset else path
+
+
+def _segref(seg, seg_offset):
+    return f"{seg.name}+{int(seg_offset)}" if seg_offset else seg.name
+
+
+class Segment:
+    """A POSIX shared-memory segment of `size` bytes for upload/download: the
+    file /dev/shm/NAME, created here with mode 0600, mapped, and removed by
+    close(). salusd accepts only segments owned by the writing uid.
+
+        with salus.Segment(64 << 20) as seg:
+            seg.buf[:n] = batch                       # a writable memoryview
+            s.upload_segment("x", seg, n)
+    """
+
+    def __init__(self, size, *, name=None, directory="/dev/shm"):
+        import mmap
+        self.size = int(size)
+        if self.size < 0:
+            raise ValueError(f"negative segment size {size}")
+        self.name = name or f"salus-{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = os.path.join(directory, self.name)
+        self._map = None
+        self.buf = None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            segname = seg.name.lstrip("/")
-            self.command(f"download {_ref(buf, offset)} shm:{segname} {int(length)}\nsync\n")
-            return bytes(seg.buf[:int(length)])
-        finally:
-            seg.close()
-            seg.unlink()
+            os.ftruncate(fd, self.size)
+            if self.size:
+                self._map = mmap.mmap(fd, self.size)
+                self.buf = memoryview(self._map)
+            else:
+                self.buf = memoryview(b"")
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+
+    def close(self):
+        """Unmaps and removes the segment; idempotent."""
+        if self.buf is not None:
+            self.buf.release()
+            self.buf = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self.path = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()

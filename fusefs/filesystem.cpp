@@ -660,7 +660,7 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
       return;
     }
     fs.broker().read_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), size,
-                            [req](int err, std::vector<char>& data) {
+                            [req](int err, std::span<const char> data) {
                               if (err)
                                 fuse_reply_err(req, err);
                               else
@@ -825,6 +825,10 @@ void op_statfs(fuse_req_t req, fuse_ino_t) {
 
 void op_init(void*, fuse_conn_info* conn) {
   if (conn->capable & FUSE_CAP_ATOMIC_O_TRUNC) conn->want |= FUSE_CAP_ATOMIC_O_TRUNC;
+  // mem/ requests are as large as they get: libfuse 3.14 caps max_write (and
+  // with it max_pages) at 256 pages, the kernel's fs.fuse.max_pages_limit
+  // defaults to the same, and max_read is left unlimited (0). Splice was tried
+  // and saves no copy here (docs/benchmarks.md); bulk data uses upload/download.
   conn->max_write = 1024 * 1024;
   conn->max_background = 256;
 }

@@ -1,6 +1,7 @@
 // salusd: the daemon. Parses flags and the TOML config, builds the GPU backends,
 // mounts /salus, notifies systemd, serves until SIGTERM/SIGINT, then drains.
 #include <grp.h>
+#include <sys/resource.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
@@ -44,6 +45,8 @@ struct Settings {
   std::string gpu_isolation = "auto";  // process for cuda, thread for sim
   int shutdown_grace_ms = 5000;
   salus::vgpu::Quotas quotas;
+  std::string transfer_chunk = "16M";
+  unsigned transfers_active = 4;
   bool fuse_debug = false;
   std::string metrics_listen;  // empty: no HTTP endpoint
 };
@@ -80,6 +83,9 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   q.queued_iterations_per_uid =
       t["quotas"]["queued_iterations_per_uid"].value_or(q.queued_iterations_per_uid);
   q.bytes_per_write = t["quotas"]["bytes_per_write"].value_or(q.bytes_per_write);
+  q.transfers_per_uid = t["quotas"]["transfers_per_uid"].value_or(q.transfers_per_uid);
+  s.transfer_chunk = t["transfers"]["chunk"].value_or(s.transfer_chunk);
+  s.transfers_active = t["transfers"]["active"].value_or(s.transfers_active);
   return std::nullopt;
 }
 
@@ -110,6 +116,14 @@ std::optional<std::string> validate(const Settings& s) {
   if (s.quotas.bytes_per_write < 64 || s.quotas.bytes_per_write > 1024 * 1024)
     return fmt::format("quotas.bytes_per_write {}: expected 64 to 1048576",
                        s.quotas.bytes_per_write);
+  const auto chunk = salus::arena::parse_size(s.transfer_chunk);
+  if (!chunk || *chunk < (64u << 10) || *chunk > (256u << 20))
+    return fmt::format("transfers.chunk '{}': expected a size from 64K to 256M", s.transfer_chunk);
+  if (s.transfers_active < 1 || s.transfers_active > salus::vgpu::TransferEngine::kMaxActive)
+    return fmt::format("transfers.active {}: expected 1 to {}", s.transfers_active,
+                       salus::vgpu::TransferEngine::kMaxActive);
+  if (s.quotas.transfers_per_uid < 1)
+    return std::string("quotas.transfers_per_uid must be at least 1");
   if (s.mount.empty() || s.mount[0] != '/')
     return fmt::format("mount '{}' must be an absolute path", s.mount);
   std::string why;
@@ -164,6 +178,12 @@ int main(int argc, char** argv) {
                    "Queued iterations per uid");
   flags.add_option("--quota-write-bytes", s.quotas.bytes_per_write, "Bytes per command write")
       ->check(CLI::Range(64u, 1024u * 1024u));
+  flags.add_option("--quota-transfers", s.quotas.transfers_per_uid,
+                   "upload/download commands queued or running per uid");
+  flags.add_option("--transfer-chunk", s.transfer_chunk,
+                   "Staging block size of upload/download, e.g. 16M (64K to 256M)");
+  flags.add_option("--transfers-active", s.transfers_active,
+                   "upload/download transfers moving at once per GPU (1 to 16)");
   flags.add_option("--cuda-memory-fraction", s.cuda_memory_fraction,
                    "Share of each GPU's free memory salusd reserves for its arena (cuda)");
   flags.add_option("--metrics-listen", s.metrics_listen,
@@ -267,6 +287,15 @@ int main(int argc, char** argv) {
   bc.placement = *salus::sched::placement_from_string(s.placement);
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
+  bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
+  bc.transfers_active = s.transfers_active;
+  // Every queued upload/download holds the caller's file open: allow what the
+  // hard limit allows rather than the usual 1024.
+  if (rlimit nofile{};
+      ::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &nofile);
+  }
   salus::vgpu::Broker broker(std::move(devices), bc, std::move(telemetry));
 
   // Before the mount, so that a port in use stops salusd before anything is

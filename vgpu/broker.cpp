@@ -59,6 +59,10 @@ const char* to_string(SessionState s) {
 
 void Broker::Sink::on_complete(StreamId stream, std::uint64_t token, int status,
                                std::int64_t device_ns) {
+  if (g_.transfers && g_.transfers->owns_stream(stream)) {
+    g_.transfers->on_device_complete(stream, token, status, device_ns);
+    return;
+  }
   {
     std::lock_guard lk(g_.cq_mu);
     g_.completions.push_back(Completion{stream, token, status, device_ns});
@@ -76,6 +80,12 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
     auto g = std::make_unique<Gpu>(i, std::move(devices[i]), config_.policy, config_.arena);
     g->sink = std::make_unique<Sink>(*g);
     g->device->set_sink(g->sink.get());
+    g->staging = std::make_unique<StagingPool>(*g->device, config_.staging_cache);
+    TransferEngine::Options to;
+    to.chunk = std::max<Bytes>(config_.transfer_chunk, StagingPool::kMinBlock);
+    to.max_active = std::clamp(config_.transfers_active, 1u, TransferEngine::kMaxActive);
+    g->transfers =
+        std::make_unique<TransferEngine>(*g->device, *g->staging, to, static_cast<int>(i));
     gpus_.push_back(std::move(g));
   }
   for (auto& g : gpus_) {
@@ -158,6 +168,7 @@ void Broker::end_session(SessionId id) {
     s->state = SessionState::ended;
     by_name_.erase(s->dir_name);
     drop_queued(*s, ECANCELED, later);
+    cancel_transfer(*s);  // a transfer being moved stops after its chunks in flight
     for (PendingWrite& w : s->writes) {
       auto done = std::move(w.done);
       later.push_back([done] { done(ECANCELED, {}); });
@@ -224,7 +235,7 @@ int Broker::kill_session(SessionId id) {
 
 // Frees everything once nothing of the session is on a device any more.
 void Broker::maybe_finalize(Session& s, Deferred& later) {
-  if (!s.dead || s.in_flight > 0 || s.moving) return;
+  if (!s.dead || s.in_flight > 0 || s.moving || s.transferring) return;
   Gpu* g = gpu_of(s);
   UidUsage& u = usage_[s.uid];
   for (auto& [bid, b] : s.buffers) {
@@ -257,15 +268,28 @@ void Broker::submit(
     WriteReply done) {
   Deferred later;
   // Module files are read here, as the caller and without the broker lock.
+  // So are the endpoints of upload and download: a bad one fails the write.
   std::vector<PendingWrite::ModuleFile> module_files;
+  std::unordered_map<std::size_t, TransferEndpoint> endpoints;
+  CallerCredentials creds;
   if (write_bytes <= config_.quotas.bytes_per_write) {
-    for (const CommandLine& line : commands) {
-      const auto* m = std::get_if<ModuleCmd>(&line.command);
+    bool captured = false;
+    auto who = [&]() -> const CallerCredentials& {
+      if (!captured) creds = CallerCredentials::capture({caller.uid, caller.gid, caller.pid});
+      captured = true;
+      return creds;
+    };
+    for (std::size_t i = 0; i < commands.size(); ++i) {
+      const Command& cmd = commands[i].command;
+      if (const auto* t = std::get_if<TransferCmd>(&cmd)) {
+        endpoints.emplace(i, open_transfer_endpoint(who(), *t));
+        continue;
+      }
+      const auto* m = std::get_if<ModuleCmd>(&cmd);
       if (!m) continue;
       PendingWrite::ModuleFile f;
       f.path = m->path;
-      const int rc = read_file_as_caller(CallerIdentity{caller.uid, caller.gid, caller.pid},
-                                         m->path, kMaxModuleBytes, f.image, f.why);
+      const int rc = read_file_as_caller(who(), m->path, kMaxModuleBytes, f.image, f.why);
       f.error = rc < 0 ? -rc : 0;
       module_files.push_back(std::move(f));
     }
@@ -288,6 +312,8 @@ void Broker::submit(
       PendingWrite w;
       w.commands = std::move(commands);
       w.module_files = std::move(module_files);
+      w.transfer_endpoints = std::move(endpoints);
+      w.creds = std::move(creds);
       w.caller_admin = caller.admin;
       w.parse_error = std::move(parse_error);
       w.done = std::move(done);
@@ -458,11 +484,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           },
           [&](const ModuleCmd& c) { return exec_module(s, c, w, ln); },
           [&](const LaunchCmd&) { return record_op(s, cmd, ln); },
-          [&](const TransferCmd&) {
-            return fail(ENOSYS,
-                        "upload/download: the shm and file data paths are not "
-                        "supported by this salusd yet; use mem/NAME");
-          },
+          [&](const TransferCmd& c) { return exec_transfer(s, c, w, ln); },
           [&](const auto&) { return record_op(s, cmd, ln); },
       },
       cmd);
@@ -945,6 +967,7 @@ void Broker::drop_queued(Session& s, int err, Deferred& later) {
       u.queued -= std::min(u.queued, item.remaining);
       s.queued_instances -= std::min(s.queued_instances, item.remaining);
     }
+    if (item.transfer && u.transfers > 0) --u.transfers;  // closes its file as it goes
     item.remaining = 0;
     if (item.outstanding > 0) {
       s.dispatched.push_back(std::move(item));
@@ -953,10 +976,7 @@ void Broker::drop_queued(Session& s, int err, Deferred& later) {
     for (arena::BufferHandle h : item.bound) unpin(s, h);
     if (item.on_done) {
       auto fn = std::move(item.on_done);
-      later.push_back([fn, err]() mutable {
-        std::vector<char> none;
-        fn(err, none);
-      });
+      later.push_back([fn, err]() mutable { fn(err, {}); });
     }
   }
   s.queue.clear();
@@ -1068,6 +1088,7 @@ void Broker::handle_admissions(Gpu& g, Deferred& later) {
     update_runnable(g, *s);
     resume_writes(*s, later);
     check_waiters(*s, later);
+    maybe_start_transfer(*s);
   }
   sync_lanes(g, later);
   kick(g);
@@ -1101,8 +1122,10 @@ void Broker::sync_lanes(Gpu& g, Deferred& later) {
 }
 
 void Broker::update_runnable(Gpu& g, Session& s) {
-  const bool runnable = !s.queue.empty() && !s.dead && s.lane && !s.moving &&
-                        (s.state == SessionState::admitted) &&
+  // A transfer is not lane work: while one waits at the head or is being moved,
+  // nothing of the session is dispatched.
+  const bool runnable = !s.queue.empty() && !s.dead && s.lane && !s.moving && !s.transferring &&
+                        !s.queue.front().transfer && (s.state == SessionState::admitted) &&
                         !(s.in_flight > 0 && s.in_flight_lane != s.lane);
   g.sched.set_runnable(s.id, runnable);
 }
@@ -1278,6 +1301,10 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
     return false;
   }
   WorkItem& item = s->queue.front();
+  if (item.transfer || s->transferring) {
+    g.sched.set_runnable(*sid, false);
+    return false;
+  }
   const Iteration& it = *item.iter;
   if (it.ephemeral_bytes > ar.lane_size(lane_id)) {
     fail_session(
@@ -1342,10 +1369,10 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
         dev.gemm(st, op.m, op.n, op.k, addr(op.a), addr(op.b), addr(op.c));
         break;
       case Op::Kind::to_host:
-        dev.copy_to_host(st, item.host.data(), addr(op.a), op.length);
+        dev.copy_to_staging(st, item.host.data(), addr(op.a), op.length);
         break;
       case Op::Kind::from_host:
-        dev.copy_from_host(st, addr(op.a), item.host.data(), op.length);
+        dev.copy_from_staging(st, addr(op.a), item.host.data(), op.length);
         break;
       case Op::Kind::launch: {
         g.arg_bytes.clear();
@@ -1385,7 +1412,8 @@ void Broker::compact(Gpu& g) {
   if (!ar.compaction_pending()) return;
   for (auto& [id, sp] : sessions_) {
     Session& s = *sp;
-    if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0) continue;
+    if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0 || s.transferring)
+      continue;
     const auto moves = ar.session_idle(s.id);
     if (moves.empty()) continue;
     if (!g.move_stream) g.move_stream = g.device->create_stream();
@@ -1409,6 +1437,7 @@ void Broker::finish_compaction(Gpu& g, const Completion& c, Deferred& later) {
   if (Session* s = get(id)) {
     s->moving = false;
     if (c.status) fail_session(*s, c.status, "moving its persistent buffers failed", later);
+    maybe_start_transfer(*s);
     update_runnable(g, *s);
     maybe_finalize(*s, later);
   }
@@ -1478,8 +1507,12 @@ void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std
     for (arena::BufferHandle h : item.bound) unpin(s, h);
     if (item.on_done) {
       auto fn = std::move(item.on_done);
-      auto data = std::make_shared<std::vector<char>>(std::move(item.host));
-      later.push_back([fn, status, data]() mutable { fn(status, *data); });
+      // The staging block goes back to its pool once the reply has been sent.
+      auto host = std::make_shared<StagingPool::Block>(std::move(item.host));
+      const Bytes n = host->data() ? item.host_length : 0;
+      later.push_back([fn, status, host, n]() mutable {
+        fn(status, std::span<const char>(host->data(), status ? 0 : n));
+      });
     }
     s.completed_seq = std::max(s.completed_seq, item.seq);
     // The finished item is the oldest: pop it from whichever deque holds it.
@@ -1492,6 +1525,7 @@ void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std
     // A write may be waiting for memory this item just released.
     if (!again->writes.empty() && !again->writes.front().syncing) resume_writes(*again, later);
     check_waiters(*again, later);
+    maybe_start_transfer(*again);
     update_runnable(g, *again);
     maybe_finalize(*again, later);
   }
@@ -1526,6 +1560,9 @@ void Broker::shutdown(std::chrono::milliseconds bound) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
+  // Transfers were cancelled with their sessions; wait for their chunks in
+  // flight (their completions take the broker lock, so not under it).
+  for (auto& g : gpus_) g->transfers->stop();
   for (auto& g : gpus_) {
     {
       std::lock_guard lk(g->cq_mu);

@@ -23,6 +23,7 @@
 #include "vgpu/device.hpp"
 #include "vgpu/gpu_telemetry.hpp"
 #include "vgpu/session.hpp"
+#include "vgpu/transfer_engine.hpp"
 
 namespace salus::vgpu {
 
@@ -38,6 +39,8 @@ struct Quotas {
   std::uint32_t buffers_per_uid = 4096;
   std::uint64_t queued_iterations_per_uid = 10'000'000;
   std::uint32_t bytes_per_write = 64 * 1024;
+  // upload/download commands queued or running; each holds an open file.
+  std::uint32_t transfers_per_uid = 256;
 };
 
 using sched::Placement;
@@ -51,6 +54,11 @@ struct BrokerConfig {
   // next kernel starts without waiting for the worker (the switch gap).
   std::uint32_t pipeline_depth = 2;
   std::size_t log_lines = 64;  // per session
+  // Data plane: staging block size of upload/download, transfers moving at once
+  // per GPU, and the staging memory kept for reuse per GPU.
+  Bytes transfer_chunk = Bytes{16} << 20;
+  unsigned transfers_active = 4;
+  Bytes staging_cache = Bytes{64} << 20;
 };
 
 struct BrokerStats {
@@ -124,8 +132,9 @@ class Broker {
                      std::function<void(int err)> done);
   int remove_buffer(SessionId id, const Caller& caller, const std::string& name);
   // Ordered after the session's earlier work; the callback gets the bytes read.
+  // Both go through the GPU's staging blocks.
   void read_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, Bytes length,
-                   std::function<void(int err, std::vector<char>& data)> done);
+                   HostCopyDone done);
   void write_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, const char* data,
                     Bytes length, std::function<void(int err, Bytes written)> done);
 
@@ -198,8 +207,18 @@ class Broker {
   void enqueue(Session& s, WorkItem item);
   int usable_buffer(SessionId id, std::uint32_t bid, Session*& s, const Buffer*& b);
   void enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle, Bytes offset,
-                         std::vector<char> host,
-                         std::function<void(int err, std::vector<char>& data)> done);
+                         StagingPool::Block host, Bytes length, HostCopyDone done);
+  // The GPU index of a usable buffer's session, for taking a staging block
+  // before the copy is queued (-errno when unusable).
+  int buffer_gpu(SessionId id, std::uint32_t bid);
+
+  // Data plane (broker_transfers.cpp).
+  int exec_transfer(Session& s, const TransferCmd& cmd, PendingWrite& w, std::uint32_t line);
+  // Hands the session's next transfer to its GPU's engine once everything
+  // before it has completed.
+  void maybe_start_transfer(Session& s);
+  void transfer_finished(SessionId id, std::uint64_t seq, TransferResult result);
+  void cancel_transfer(Session& s);
   void resume_writes(Session& s, Deferred& later);
   void fail_session(Session& s, int err, std::string text, Deferred& later);
   void drop_queued(Session& s, int err, Deferred& later);
@@ -247,6 +266,7 @@ class Broker {
     std::uint32_t sessions = 0;
     std::uint32_t buffers = 0;
     std::uint64_t queued = 0;
+    std::uint32_t transfers = 0;
   };
   std::unordered_map<uid_t, UidUsage> usage_;
   SessionId next_id_ = 1;

@@ -151,7 +151,7 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
         pin(*s, old);
         pin(*s, fresh);
         item.iter = std::move(it);
-        item.on_done = [done](int e, std::vector<char>&) { done(e); };
+        item.on_done = [done](int e, std::span<const char>) { done(e); };
         retire(*s, old, old_size);
         enqueue(*s, std::move(item));
         return;  // replied when the copy is done
@@ -162,23 +162,23 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
   run_all(later);
 }
 
-// mem/ reads and writes: one host copy, queued like any other work of the
-// session, so it is ordered after everything submitted before it.
+// mem/ reads and writes: one host copy through a staging block, queued like any
+// other work of the session, so it is ordered after everything submitted before it.
 void Broker::enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle, Bytes offset,
-                               std::vector<char> host,
-                               std::function<void(int err, std::vector<char>& data)> done) {
+                               StagingPool::Block host, Bytes length, HostCopyDone done) {
   auto it = std::make_shared<Iteration>();
   it->counts = false;
   Op op;
   op.kind = kind;
   op.a = Operand{false, 0, offset};
-  op.length = host.size();
+  op.length = length;
   it->ops.push_back(op);
   WorkItem item;
   item.bound = {handle};
   pin(s, handle);
   item.iter = std::move(it);
   item.host = std::move(host);
+  item.host_length = length;
   item.on_done = std::move(done);
   enqueue(s, std::move(item));
 }
@@ -195,9 +195,24 @@ int Broker::usable_buffer(SessionId id, std::uint32_t bid, Session*& s, const Bu
   return 0;
 }
 
+int Broker::buffer_gpu(SessionId id, std::uint32_t bid) {
+  std::lock_guard lk(mu_);
+  Session* s = nullptr;
+  const Buffer* b = nullptr;
+  if (const int err = usable_buffer(id, bid, s, b)) return -err;
+  return s->gpu < 0 ? -ENXIO : s->gpu;
+}
+
+// Both take their staging block before the lock (it may have to be allocated,
+// on cuda pinned) and check the buffer again under it: it may have changed.
 void Broker::read_buffer(SessionId id, std::uint32_t bid, Bytes offset, Bytes length,
-                         std::function<void(int err, std::vector<char>& data)> done) {
+                         HostCopyDone done) {
   int err = 0;
+  const int gi = buffer_gpu(id, bid);
+  if (gi < 0) return done(-gi, {});
+  if (length == 0) return done(0, {});
+  StagingPool::Block block = gpus_[static_cast<std::size_t>(gi)]->staging->acquire(length);
+  if (!block) return done(ENOMEM, {});
   {
     std::lock_guard lk(mu_);
     Session* s = nullptr;
@@ -205,24 +220,31 @@ void Broker::read_buffer(SessionId id, std::uint32_t bid, Bytes offset, Bytes le
     err = usable_buffer(id, bid, s, found);
     if (!err) {
       const Buffer& b = *found;
-      if (offset >= b.size || length == 0 || !b.handle) {
+      if (offset >= b.size || !b.handle) {
         length = 0;
       } else {
         length = std::min(length, b.size - offset);
         stats_.bytes_to_host += length;
-        enqueue_host_copy(*s, Op::Kind::to_host, b.handle, offset, std::vector<char>(length),
+        enqueue_host_copy(*s, Op::Kind::to_host, b.handle, offset, std::move(block), length,
                           std::move(done));
         return;
       }
     }
   }
-  std::vector<char> none;
-  done(err, none);
+  done(err, {});
 }
 
 void Broker::write_buffer(SessionId id, std::uint32_t bid, Bytes offset, const char* data,
                           Bytes length, std::function<void(int err, Bytes written)> done) {
   int err = 0;
+  const int gi = buffer_gpu(id, bid);
+  if (gi < 0) return done(-gi, 0);
+  StagingPool::Block block;
+  if (length > 0) {
+    block = gpus_[static_cast<std::size_t>(gi)]->staging->acquire(length);
+    if (!block) return done(ENOMEM, 0);
+    std::memcpy(block.data(), data, length);
+  }
   {
     std::lock_guard lk(mu_);
     Session* s = nullptr;
@@ -239,9 +261,9 @@ void Broker::write_buffer(SessionId id, std::uint32_t bid, Bytes offset, const c
         err = 0;
       } else {
         stats_.bytes_from_host += length;
-        enqueue_host_copy(*s, Op::Kind::from_host, b.handle, offset,
-                          std::vector<char>(data, data + length),
-                          [done, length](int e, std::vector<char>&) { done(e, e ? 0 : length); });
+        enqueue_host_copy(
+            *s, Op::Kind::from_host, b.handle, offset, std::move(block), length,
+            [done, length](int e, std::span<const char>) { done(e, e ? 0 : length); });
         return;
       }
     }

@@ -55,6 +55,10 @@ struct Broker::Gpu {
 
   std::unique_ptr<Sink> sink;
   std::thread worker;
+
+  // The data plane. Declared last: destroyed first, while the device lives.
+  std::unique_ptr<StagingPool> staging;
+  std::unique_ptr<TransferEngine> transfers;
 };
 
 }  // namespace salus::vgpu

@@ -93,6 +93,10 @@ std::string Broker::render_status(SessionId id) const {
   kv("iterations_queued", s->queued_instances);
   kv("in_flight", s->in_flight);
   kv("buffers", s->names.size());
+  std::size_t transfers = 0;
+  for (const auto* q : {&s->queue, &s->dispatched})
+    for (const WorkItem& item : *q) transfers += item.transfer ? 1 : 0;
+  kv("transfers", transfers);
   const double mean =
       s->iterations_done ? ms(s->iteration_gpu_ns) / static_cast<double>(s->iterations_done) : 0.0;
   kv("mean_iteration_ms", fmt::format("{:.3f}", mean));
@@ -252,6 +256,27 @@ std::string Broker::render_stats() const {
   kv("ops", stats_.ops);
   kv("bytes_to_host", stats_.bytes_to_host);
   kv("bytes_from_host", stats_.bytes_from_host);
+  TransferEngine::Stats ts;
+  StagingPool::Stats ss;
+  for (const auto& g : gpus_) {
+    const auto t = g->transfers->stats();
+    ts.active += t.active;
+    ts.waiting += t.waiting;
+    ts.started += t.started;
+    ts.completed += t.completed;
+    ts.failed += t.failed;
+    ts.cancelled += t.cancelled;
+    const auto p = g->staging->stats();
+    ss.in_use += p.in_use;
+    ss.cached += p.cached;
+  }
+  kv("transfers_active", ts.active);
+  kv("transfers_waiting", ts.waiting);
+  kv("transfers_completed", ts.completed);
+  kv("transfers_failed", ts.failed);
+  kv("transfers_cancelled", ts.cancelled);
+  kv("staging_bytes_in_use", ss.in_use);
+  kv("staging_bytes_cached", ss.cached);
   kv("decisions", decisions);
   kv("decisions_per_s", fmt::format("{:.1f}", up > 0 ? static_cast<double>(decisions) / up : 0.0));
   kv("switches", switches);
@@ -355,6 +380,21 @@ std::string Broker::render_metrics() const {
   o += fmt::format("salus_iterations_total {}\n", stats_.iterations);
   family("salus_command_errors_total", "counter", "Commands that failed.");
   o += fmt::format("salus_command_errors_total {}\n", stats_.command_errors);
+  family("salus_transfers_total", "counter", "upload/download transfers that ended, by result.");
+  for (const auto& g : gpus_) {
+    const auto t = g->transfers->stats();
+    for (const auto& [result, n] : {std::pair<const char*, std::uint64_t>{"completed", t.completed},
+                                    {"failed", t.failed},
+                                    {"cancelled", t.cancelled}})
+      o += fmt::format("salus_transfers_total{{gpu=\"{}\",result=\"{}\"}} {}\n", g->index, result,
+                       n);
+  }
+  family("salus_staging_bytes", "gauge", "Host staging memory of the data plane.");
+  for (const auto& g : gpus_) {
+    const auto p = g->staging->stats();
+    o += fmt::format("salus_staging_bytes{{gpu=\"{}\",state=\"in_use\"}} {}\n", g->index, p.in_use);
+    o += fmt::format("salus_staging_bytes{{gpu=\"{}\",state=\"cached\"}} {}\n", g->index, p.cached);
+  }
   return o;
 }
 

@@ -1,15 +1,14 @@
 #include "vgpu/caller_files.hpp"
 
 #include <fcntl.h>
-#include <grp.h>
 #include <linux/openat2.h>
-#include <sys/fsuid.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <deque>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -17,138 +16,264 @@ namespace salus::vgpu {
 
 namespace {
 
-// setfsuid/setfsgid and the raw setgroups syscall change only the calling
-// thread's credentials (glibc's setgroups() would change every thread).
-class ThreadCredentials {
- public:
-  explicit ThreadCredentials(const CallerIdentity& who) {
-    groups_ = supplementary_groups(who);
-    saved_ngroups_ = ::getgroups(0, nullptr);
-    saved_groups_.resize(saved_ngroups_ > 0 ? static_cast<std::size_t>(saved_ngroups_) : 0);
-    if (saved_ngroups_ > 0) ::getgroups(saved_ngroups_, saved_groups_.data());
-    ::syscall(SYS_setgroups, groups_.size(), groups_.data());
-    ::setfsgid(who.gid);
-    ::setfsuid(who.uid);
-    ok_ = static_cast<uid_t>(::setfsuid(static_cast<uid_t>(-1))) == who.uid &&
-          static_cast<gid_t>(::setfsgid(static_cast<gid_t>(-1))) == who.gid;
-  }
-  ~ThreadCredentials() {
-    ::setfsuid(::geteuid());
-    ::setfsgid(::getegid());
-    ::syscall(SYS_setgroups, saved_groups_.size(), saved_groups_.data());
-  }
-  bool ok() const { return ok_; }
+// One step of a walk: `name` is a single component, looked up in `dir` without
+// following anything, as the thread's current (the caller's) credentials.
+int open_step(int dir, const std::string& name, int flags, mode_t mode = 0) {
+  open_how how;
+  std::memset(&how, 0, sizeof how);
+  how.flags = static_cast<std::uint64_t>(flags | O_CLOEXEC | O_NOFOLLOW);
+  how.mode = (flags & O_CREAT) ? mode : 0;
+  how.resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH;
+  const long fd = ::syscall(SYS_openat2, dir, name.c_str(), &how, sizeof how);
+  return fd < 0 ? -errno : static_cast<int>(fd);
+}
 
- private:
-  static std::vector<gid_t> supplementary_groups(const CallerIdentity& who) {
-    // The caller's groups as the kernel has them for that process.
-    std::vector<gid_t> groups;
-    if (who.pid > 0) {
-      const std::string path = fmt::format("/proc/{}/status", who.pid);
-      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd >= 0) {
-        char buf[4096];
-        const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-        ::close(fd);
-        if (n > 0) {
-          buf[n] = '\0';
-          if (const char* g = std::strstr(buf, "\nGroups:")) {
-            g += 8;
-            while (*g && *g != '\n') {
-              char* end = nullptr;
-              const unsigned long v = std::strtoul(g, &end, 10);
-              if (end == g) break;
-              groups.push_back(static_cast<gid_t>(v));
-              g = end;
-              while (*g == ' ' || *g == '\t') ++g;
-            }
-          }
-        }
-      }
+const char* kind_of(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISLNK(m)) return "a symlink";
+  return "not a regular file";
+}
+
+// Only regular files are data: a directory is EISDIR, anything else EINVAL.
+int not_regular(mode_t m, const std::string& shown, std::string& why) {
+  why = fmt::format("{}: {}, not a regular file", shown, kind_of(m));
+  return S_ISDIR(m) ? -EISDIR : -EINVAL;
+}
+
+std::deque<std::string> components(std::string_view path) {
+  std::deque<std::string> out;
+  std::size_t pos = 0;
+  while (pos <= path.size()) {
+    const std::size_t slash = std::min(path.find('/', pos), path.size());
+    if (slash > pos) out.emplace_back(path.substr(pos, slash - pos));
+    pos = slash + 1;
+  }
+  return out;
+}
+
+// Opens the regular file `name` in `dir` for real. It was seen as a regular file
+// a moment ago, but may have been swapped since: O_NOFOLLOW refuses a symlink,
+// O_NONBLOCK keeps a FIFO from blocking, and the type is checked again on the fd.
+int open_regular(int dir, const std::string& name, FileIntent intent, const std::string& shown,
+                 CallerFile& out, std::string& why) {
+  const int flags = (intent == FileIntent::read ? O_RDONLY : O_WRONLY) | O_NOCTTY | O_NONBLOCK;
+  const int fd = open_step(dir, name, flags);
+  if (fd < 0) {
+    why = fd == -ELOOP ? fmt::format("{}: became a symlink while being opened", shown)
+                       : fmt::format("{}: {}", shown, std::strerror(-fd));
+    return fd;
+  }
+  UniqueFd file(fd);
+  if (::fstat(fd, &out.st) != 0) {
+    const int e = errno;
+    why = fmt::format("{}: fstat: {}", shown, std::strerror(e));
+    return -e;
+  }
+  if (!S_ISREG(out.st.st_mode)) return not_regular(out.st.st_mode, shown, why);
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  out.fd = std::move(file);
+  return 0;
+}
+
+int walk(const CallerCredentials& who, int root, const std::string& path, FileIntent intent,
+         CallerFile& out, std::string& why) {
+  std::vector<UniqueFd> dirs;  // root first; each entry a child of the one before
+  {
+    const int fd = ::fcntl(root, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) {
+      const int e = errno;
+      why = fmt::format("{}: {}", path, std::strerror(e));
+      return -e;
     }
-    return groups;
+    dirs.emplace_back(fd);
   }
-
-  std::vector<gid_t> groups_;
-  int saved_ngroups_ = 0;
-  std::vector<gid_t> saved_groups_;
-  bool ok_ = false;
-};
+  std::deque<std::string> todo = components(path);
+  int links = 0;
+  while (!todo.empty()) {
+    const std::string name = std::move(todo.front());
+    todo.pop_front();
+    if (name == ".") continue;
+    if (name == "..") {
+      if (dirs.size() > 1) dirs.pop_back();  // never above the caller's root
+      continue;
+    }
+    const bool last = todo.empty();
+    const int dir = dirs.back().get();
+    // O_PATH has no side effects: nothing is opened before its type is known.
+    const int probe = open_step(dir, name, O_PATH);
+    if (probe < 0) {
+      if (probe == -ENOENT && last && intent == FileIntent::write) {
+        // Created when the transfer runs; the caller must be able to do it now.
+        if (::syscall(SYS_faccessat2, dir, "", W_OK | X_OK, AT_EMPTY_PATH | AT_EACCESS) != 0) {
+          const int e = errno;
+          why = fmt::format("{}: cannot create it: {}", path, std::strerror(e));
+          return -e;
+        }
+        out.dir = std::move(dirs.back());
+        out.name = name;
+        return 0;
+      }
+      why = fmt::format("{}: {}{}", path, std::strerror(-probe),
+                        last ? std::string() : fmt::format(" (at '{}')", name));
+      return probe;
+    }
+    UniqueFd entry(probe);
+    struct stat st;
+    if (::fstat(probe, &st) != 0) {
+      const int e = errno;
+      why = fmt::format("{}: fstat '{}': {}", path, name, std::strerror(e));
+      return -e;
+    }
+    if (S_ISLNK(st.st_mode)) {
+      if (last && intent != FileIntent::read) {
+        why = fmt::format("{}: is a symlink; salusd never writes through one", path);
+        return -ELOOP;
+      }
+      if (++links > kMaxSymlinks) {
+        why = fmt::format("{}: too many levels of symbolic links", path);
+        return -ELOOP;
+      }
+      struct stat dst;
+      if (::fstat(dir, &dst) != 0) {
+        const int e = errno;
+        why = fmt::format("{}: fstat: {}", path, std::strerror(e));
+        return -e;
+      }
+      if (!may_follow_symlink(who.uid, st.st_uid, dst.st_uid)) {
+        why = fmt::format(
+            "{}: refusing to follow symlink '{}' owned by uid {} in a directory of uid {} (only "
+            "the caller's, root's or the directory owner's symlinks are followed)",
+            path, name, st.st_uid, dst.st_uid);
+        return -EACCES;
+      }
+      char target[PATH_MAX];
+      const ssize_t n = ::readlinkat(probe, "", target, sizeof target);
+      if (n <= 0 || static_cast<std::size_t>(n) >= sizeof target) {
+        const int e = n < 0 ? errno : ENOENT;
+        why = fmt::format("{}: readlink '{}': {}", path, name, std::strerror(e));
+        return -e;
+      }
+      const std::string_view t(target, static_cast<std::size_t>(n));
+      if (t.front() == '/') dirs.resize(1);  // absolute: from the caller's root
+      auto more = components(t);
+      todo.insert(todo.begin(), more.begin(), more.end());
+      continue;
+    }
+    if (!last) {
+      if (!S_ISDIR(st.st_mode)) {
+        why = fmt::format("{}: '{}' is not a directory", path, name);
+        return -ENOTDIR;
+      }
+      dirs.push_back(std::move(entry));
+      continue;
+    }
+    if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode, path, why);
+    return open_regular(dir, name, intent, path, out, why);
+  }
+  why = fmt::format("{}: a directory, not a regular file", path);
+  return -EISDIR;
+}
 
 }  // namespace
 
-int open_as_caller(const CallerIdentity& who, const std::string& path, int flags, mode_t mode,
-                   std::string& why) {
+bool may_follow_symlink(uid_t caller_uid, uid_t link_uid, uid_t dir_uid) {
+  return link_uid == caller_uid || link_uid == 0 || link_uid == dir_uid;
+}
+
+int open_caller_file(const CallerCredentials& who, const std::string& path, FileIntent intent,
+                     CallerFile& out, std::string& why) {
+  out = CallerFile{};
   if (path.empty() || path[0] != '/') {
     why = fmt::format("'{}' is not an absolute path", path);
     return -EINVAL;
   }
-  const std::string root = who.pid > 0 ? fmt::format("/proc/{}/root", who.pid) : "/";
-  const int root_fd = ::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
-  if (root_fd < 0) {
+  const std::string root = who.root_path();
+  UniqueFd root_fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+  if (!root_fd) {
     const int e = errno;
     why = fmt::format("cannot reach the caller's root {}: {}", root, std::strerror(e));
     return -e;
   }
-  open_how how;
-  std::memset(&how, 0, sizeof how);
-  how.flags = static_cast<std::uint64_t>(flags | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-  how.mode = (flags & O_CREAT) ? mode : 0;
-  how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
-  int fd;
-  int err = 0;
-  {
-    ThreadCredentials creds(who);
-    if (!creds.ok()) {
-      ::close(root_fd);
-      why = "could not take on the caller's credentials";
-      return -EPERM;
-    }
-    fd = static_cast<int>(::syscall(SYS_openat2, root_fd, path.c_str() + 1, &how, sizeof how));
-    if (fd < 0) err = errno;
+  ThreadCredentials creds(who);
+  if (!creds.ok()) {
+    why = "could not take on the caller's credentials";
+    return -EPERM;
   }
-  ::close(root_fd);
-  if (fd < 0) {
-    why = fmt::format("{}: {}", path, std::strerror(err));
-    return -err;
-  }
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    const bool dir = S_ISDIR(st.st_mode);
-    ::close(fd);
-    why = fmt::format("{}: not a regular file", path);
-    return dir ? -EISDIR : -EINVAL;
-  }
-  // O_NONBLOCK only kept a FIFO from blocking the open; regular files ignore it.
-  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  return fd;
+  const int rc = walk(who, root_fd.get(), path, intent, out, why);
+  if (rc < 0) out = CallerFile{};
+  return rc;
 }
 
-int read_file_as_caller(const CallerIdentity& who, const std::string& path, std::size_t limit,
+int create_caller_file(const CallerCredentials& who, CallerFile& f, const std::string& shown,
+                       std::string& why) {
+  if (f.exists()) return 0;
+  if (!f.dir) {
+    why = fmt::format("{}: nowhere to create it", shown);
+    return -EINVAL;
+  }
+  ThreadCredentials creds(who);
+  if (!creds.ok()) {
+    why = "could not take on the caller's credentials";
+    return -EPERM;
+  }
+  // 0600 first, so the file is never more open than meant, then the final mode.
+  const int fd = open_step(f.dir.get(), f.name, O_WRONLY | O_CREAT | O_EXCL | O_NOCTTY, 0600);
+  if (fd == -EEXIST) {
+    // Someone made it meanwhile: use it if it is a regular file.
+    const int probe = open_step(f.dir.get(), f.name, O_PATH);
+    if (probe < 0) {
+      why = fmt::format("{}: {}", shown, std::strerror(-probe));
+      return probe;
+    }
+    UniqueFd entry(probe);
+    struct stat st;
+    if (::fstat(probe, &st) != 0) {
+      const int e = errno;
+      why = fmt::format("{}: fstat: {}", shown, std::strerror(e));
+      return -e;
+    }
+    if (S_ISLNK(st.st_mode)) {
+      why = fmt::format("{}: became a symlink; salusd never writes through one", shown);
+      return -ELOOP;
+    }
+    if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode, shown, why);
+    return open_regular(f.dir.get(), f.name, FileIntent::write_existing, shown, f, why);
+  }
+  if (fd < 0) {
+    why = fmt::format("{}: cannot create it: {}", shown, std::strerror(-fd));
+    return fd;
+  }
+  f.fd.reset(fd);
+  ::fchmod(fd, 0666 & ~who.umask);
+  ::fstat(fd, &f.st);
+  f.dir.reset();
+  return 0;
+}
+
+int read_file_as_caller(const CallerCredentials& who, const std::string& path, std::size_t limit,
                         std::vector<std::uint8_t>& out, std::string& why) {
-  const int fd = open_as_caller(who, path, O_RDONLY, 0, why);
-  if (fd < 0) return fd;
-  struct stat st;
-  ::fstat(fd, &st);
-  if (static_cast<std::size_t>(st.st_size) > limit) {
-    ::close(fd);
-    why = fmt::format("{}: {} bytes is more than the {} allowed", path, st.st_size, limit);
+  CallerFile f;
+  if (const int rc = open_caller_file(who, path, FileIntent::read, f, why)) return rc;
+  if (static_cast<std::size_t>(f.st.st_size) > limit) {
+    why = fmt::format("{}: {} bytes is more than the {} allowed", path, f.st.st_size, limit);
     return -EFBIG;
   }
-  out.resize(static_cast<std::size_t>(st.st_size));
+  out.resize(static_cast<std::size_t>(f.st.st_size));
   std::size_t done = 0;
   while (done < out.size()) {
-    const ssize_t n = ::read(fd, out.data() + done, out.size() - done);
+    const ssize_t n = ::read(f.fd.get(), out.data() + done, out.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const int e = n < 0 ? errno : EIO;
-      ::close(fd);
       why = fmt::format("{}: read failed: {}", path, std::strerror(e));
       return -e;
     }
     done += static_cast<std::size_t>(n);
   }
-  ::close(fd);
   return 0;
 }
 

@@ -3,6 +3,8 @@
 // ops on a stream, and completion notification.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <cerrno>
 #include <cstdint>
 #include <memory>
@@ -92,6 +94,29 @@ class Device {
   // Host memory must stay valid until the next notify() on the stream completes.
   virtual void copy_to_host(StreamId stream, void* host, DevOffset src, Bytes length) = 0;
   virtual void copy_from_host(StreamId stream, DevOffset dst, const void* host, Bytes length) = 0;
+  // ---- staging: host memory the device copies to and from without help ----
+  // The data plane (mem/ files, upload, download) moves bytes through blocks
+  // from here. The default is page-aligned anonymous memory, which is all the sim
+  // backend needs; cuda pins it so the copies below are plain DMA. nullptr when
+  // out of memory. A block stays valid until free_staging, whatever the device
+  // goes through meanwhile (a cuda fault recovery included).
+  virtual void* alloc_staging(Bytes size) {
+    void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
+  }
+  virtual void free_staging(void* block, Bytes size) {
+    if (block) ::munmap(block, size);
+  }
+  // copy_from_host/copy_to_host for host memory inside a staging block: the
+  // backend may copy straight from/to it (no bounce through its own buffers).
+  // The same lifetime rule holds: valid until the next notify() completes.
+  virtual void copy_from_staging(StreamId stream, DevOffset dst, const void* host, Bytes length) {
+    copy_from_host(stream, dst, host, length);
+  }
+  virtual void copy_to_staging(StreamId stream, void* host, DevOffset src, Bytes length) {
+    copy_to_host(stream, host, src, length);
+  }
+
   // Asks for sink->on_complete(stream, token, ...) once every op enqueued so far
   // on the stream has finished.
   virtual void notify(StreamId stream, std::uint64_t token) = 0;

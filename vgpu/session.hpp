@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -18,6 +19,8 @@
 #include "arena/gpu_arena.hpp"
 #include "vgpu/command.hpp"
 #include "vgpu/device.hpp"
+#include "vgpu/staging_pool.hpp"
+#include "vgpu/transfer_endpoint.hpp"
 
 namespace salus::vgpu {
 
@@ -93,6 +96,11 @@ struct Iteration {
 };
 
 struct PendingWrite;
+struct TransferJob;
+
+// Runs after the broker unlocks: the error, and for mem/ reads the bytes read
+// (valid only during the call).
+using HostCopyDone = std::function<void(int err, std::span<const char> data)>;
 
 struct WorkItem {
   std::shared_ptr<const Iteration> iter;
@@ -100,9 +108,15 @@ struct WorkItem {
   std::uint64_t remaining = 1;             // instances not yet dispatched
   std::uint64_t outstanding = 0;           // dispatched, not yet completed
   std::uint64_t seq = 0;
-  bool counted = false;    // its instances count against the queued-iterations quota
-  std::vector<char> host;  // staging for mem/ reads and writes
-  std::function<void(int err, std::vector<char>& data)> on_done;  // runs after the broker unlocks
+  bool counted = false;     // its instances count against the queued-iterations quota
+  StagingPool::Block host;  // staging for mem/ reads and writes
+  Bytes host_length = 0;
+  HostCopyDone on_done;
+  // upload/download: moved by the GPU's transfer engine, not dispatched on a
+  // lane. It starts once everything before it has completed, and nothing after
+  // it starts before it is done.
+  std::shared_ptr<TransferJob> transfer;
+  std::string what;  // the transfer, for log lines
 };
 
 struct Recording {
@@ -130,6 +144,10 @@ struct PendingWrite {
     std::vector<std::uint8_t> image;
   };
   std::vector<ModuleFile> module_files;
+  // upload/download endpoints, opened as the caller before the broker locks,
+  // by the command's index in `commands`.
+  std::unordered_map<std::size_t, TransferEndpoint> transfer_endpoints;
+  CallerCredentials creds;  // captured with them
   bool caller_admin = false;
   std::size_t next = 0;
   std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error;
@@ -178,6 +196,7 @@ struct Session {
   std::uint64_t in_flight = 0;      // instances on the device
   std::optional<LaneId> in_flight_lane;
   bool moving = false;                 // its persistent buffers are being compacted
+  bool transferring = false;           // an upload/download is with the transfer engine
   std::uint64_t queued_instances = 0;  // counted against the uid's quota
   std::uint64_t submitted_seq = 0;
   std::uint64_t completed_seq = 0;

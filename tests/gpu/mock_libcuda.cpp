@@ -91,6 +91,7 @@ struct State {
   int refs = 0;
   std::map<std::uintptr_t, std::size_t> device;  // allocations, by address
   std::map<std::uintptr_t, std::size_t> pinned;
+  std::map<std::uintptr_t, std::size_t> registered;  // the caller's memory, page-locked
   std::size_t used = 0;
   std::vector<MockStream*> streams;  // of the current generation
 };
@@ -326,6 +327,7 @@ void destroy_everything_locked(std::unique_lock<std::mutex>& lk) {
   for (auto& [p, n] : g.pinned) std::free(reinterpret_cast<void*>(p));
   g.device.clear();
   g.pinned.clear();
+  g.registered.clear();  // registrations die with the context; the memory is the caller's
   g.used = 0;
   g.sticky = CUDA_SUCCESS;
 }
@@ -499,7 +501,27 @@ void check_device_range(CUdeviceptr p, std::size_t n, const char* what) {
     misuse("%s of %zu bytes at %#llx is outside every allocation", what, n, p);
 }
 bool is_pinned(const void* p, std::size_t n) {
-  return range_in(g.pinned, reinterpret_cast<std::uintptr_t>(p), n);
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  return range_in(g.pinned, at, n) || range_in(g.registered, at, n);
+}
+CUresult m_cuMemHostRegister(void* p, std::size_t n, unsigned) {
+  ENTER();
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+  auto next = g.registered.lower_bound(at);
+  const bool overlaps =
+      (next != g.registered.end() && next->first < at + n) ||
+      (next != g.registered.begin() && std::prev(next)->first + std::prev(next)->second > at);
+  if (overlaps) return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+  g.registered[at] = n;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemHostUnregister(void* p) {
+  ENTER();
+  auto it = g.registered.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == g.registered.end()) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+  g.registered.erase(it);
+  return CUDA_SUCCESS;
 }
 
 CUresult m_cuMemcpyHtoDAsync(CUdeviceptr dst, const void* src, std::size_t n, CUstream h) {
@@ -810,6 +832,8 @@ const Entry kEntries[] = {
     E(cuMemFree, 12000),
     E(cuMemHostAlloc, 12000),
     E(cuMemFreeHost, 12000),
+    E(cuMemHostRegister, 12000),
+    E(cuMemHostUnregister, 12000),
     E(cuMemcpyHtoDAsync, 12000),
     E(cuMemcpyDtoHAsync, 12000),
     E(cuMemcpyDtoDAsync, 12000),

@@ -287,6 +287,27 @@ TEST_F(CudaDeviceTest, TransfersThroughStagingAndDirectly) {
   }
 }
 
+TEST_F(CudaDeviceTest, CopiesToAndFromStagingBlocksDirectly) {
+  const Bytes size = 4 * kMiB, n = 3 * kMiB + 5;
+  auto* in = static_cast<std::uint8_t*>(dev_->alloc_staging(size));
+  auto* out = static_cast<std::uint8_t*>(dev_->alloc_staging(size));
+  ASSERT_TRUE(in && out);
+  for (Bytes i = 0; i < size; ++i) in[i] = static_cast<std::uint8_t>(i * 2654435761u >> 13);
+  std::memset(out, 0, size);
+  // Anywhere inside a block, unaligned, several in one interval.
+  dev_->copy_from_staging(stream_, 4096, in + 3, n);
+  dev_->copy_to_staging(stream_, out + 1, 4096, n);
+  ASSERT_EQ(sync(), 0);
+  EXPECT_EQ(std::memcmp(out + 1, in + 3, n), 0);
+  EXPECT_EQ(out[0], 0);
+  // Memory outside every block takes the pageable path: slower, as correct.
+  std::vector<std::uint8_t> plain(100, 7);
+  dev_->copy_from_staging(stream_, 0, plain.data(), plain.size());
+  EXPECT_EQ(read(0, 100), plain);
+  dev_->free_staging(in, size);
+  dev_->free_staging(out, size);
+}
+
 TEST_F(CudaDeviceTest, DiscardClearsBeforeAnyStreamTouchesTheRangeAgain) {
   const StreamId other = dev_->create_stream();
   dev_->fill(stream_, 0, 8 * kMiB, 0xff, 1);
@@ -592,6 +613,9 @@ TEST_F(CudaDeviceTest, RecoversFromAKernelFault) {
   const StreamId bystander = dev_->create_stream();
   const std::uint32_t marker = 0x12345678;
   write(kMiB, &marker, 4);
+  // A staging block outlives the context; its pinning is renewed on next use.
+  auto* staging = static_cast<std::uint8_t*>(dev_->alloc_staging(kMiB));
+  ASSERT_NE(staging, nullptr);
 
   // The bystander is busy in a built-in kernel (trusted) when the fault hits. A
   // small util leaves SMs free, so the faulting kernel runs alongside the spin
@@ -641,6 +665,16 @@ TEST_F(CudaDeviceTest, RecoversFromAKernelFault) {
     dev_->spin(bystander, 1000, 1.0);
     EXPECT_EQ(sync(bystander).status, 0) << "built-in kernels reloaded";
   }
+  std::memset(staging, 0x5a, kMiB);
+  dev_->copy_from_staging(stream_, 8192, staging, kMiB);
+  ASSERT_EQ(sync(), 0);  // the block is the copy's source until then
+  std::memset(staging, 0, kMiB);
+  dev_->copy_to_staging(stream_, staging + 10, 8192, 1000);
+  ASSERT_EQ(sync(), 0);
+  EXPECT_EQ(staging[9], 0);
+  EXPECT_EQ(staging[10], 0x5a);
+  EXPECT_EQ(staging[1009], 0x5a);
+  dev_->free_staging(staging, kMiB);
 }
 
 // The executor's mode: the driver may keep a sticky error for the life of the

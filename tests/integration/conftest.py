@@ -49,12 +49,14 @@ def is_mounted(path):
 
 
 class Salusd:
+    # backend="cuda" runs on the machine's GPUs (sim_memory and gpus then do not apply).
     def __init__(self, extra_args=(), sim_memory="1G", gpus=2, backend="sim"):
         self.tmp = tempfile.mkdtemp(prefix="salus-test-")
         os.chmod(self.tmp, 0o755)
         self.mnt = os.path.join(self.tmp, "mnt")
         os.mkdir(self.mnt)
         self.log_path = os.path.join(self.tmp, "salusd.log")
+        self.backend = backend
         sim = ["--sim-gpus", str(gpus), "--sim-memory", sim_memory] if backend == "sim" else []
         self.args = [SALUSD, "--backend", backend, *sim,
                      "--mount", self.mnt, "--log-level", "debug", *extra_args]

@@ -54,7 +54,15 @@ CASES = [
     ("relative module path", "module m lib.so\n", errno.EINVAL, "line 1:"),
     ("module file missing", "module m /nonexistent/x.so\n", errno.ENOENT, "/nonexistent/x.so"),
     ("launch of unknown module", "launch nomod.k grid=1 block=1\n", errno.ENOENT, "no module 'nomod'"),
-    ("upload not supported yet", "upload w shm:seg 16\n", errno.ENOSYS, "upload"),
+    ("upload from a missing segment", "upload w shm:salus-no-such-seg 16\n", errno.ENOENT,
+     "no such segment"),
+    ("upload past the buffer", "upload w+1048570 file:/etc/hostname 16\n", errno.ERANGE,
+     "outside buffer w"),
+    ("upload from a directory", "upload w file:/etc 16\n", errno.EISDIR, "a directory"),
+    ("download to a device", "download w file:/dev/null 16\n", errno.EINVAL,
+     "a character device"),
+    ("download inside begin", "begin\ndownload w file:/tmp/x 16\n", errno.EINVAL,
+     "not allowed inside begin/end"),
 ]
 
 

@@ -293,9 +293,6 @@ def shm_segments():
 
 
 def test_python_shm_upload_download(salusd, monkeypatch):
-    # NOTE: salusd does not implement `upload/download ... shm:SEG` yet and answers
-    # ENOSYS. This test expects that for now; once salusd implements the shm data
-    # path, the same test checks the bytes (the else branches below).
     before = shm_segments()
     sent = []
     with salus.Session(salusd.mnt) as s:
@@ -304,24 +301,15 @@ def test_python_shm_upload_download(salusd, monkeypatch):
         s.need("1M", "1M")
         s.alloc("buf", 4096)
         data = bytes(range(256)) * 4
-        try:
-            s.upload("buf", data, offset=16)
-        except OSError as e:
-            assert e.errno == errno.ENOSYS, e          # expected until salusd has shm
-            assert "not supported by this salusd" in str(e)
-        else:
-            assert s.read_buffer("buf", len(data), offset=16) == data
+        s.upload("buf", data, offset=16)
+        assert s.read_buffer("buf", len(data), offset=16) == data
         up = [t for t in sent if t.startswith("upload")][0]
         words = up.split("\n")[0].split()
         assert words[0] == "upload" and words[1] == "buf+16" and words[3] == str(len(data))
         assert words[2].startswith("shm:salus-") and "/" not in words[2]   # no leading slash
         assert up.split("\n")[1] == "sync"
-        try:
-            got = s.download("buf", 64)
-        except OSError as e:
-            assert e.errno == errno.ENOSYS, e
-        else:
-            assert got[16:] == data[:48]
+        got = s.download("buf", 64)
+        assert got[16:] == data[:48] and got[:16] == bytes(16)
     assert shm_segments() == before                     # segments always removed
 
 
@@ -342,3 +330,107 @@ def test_toy_example_runs_to_completion(salusd):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "session run-" in r.stdout and "5 iterations" in r.stdout
     assert wait_until(lambda: os.listdir(salusd.path("sessions")) == [])
+
+
+def test_python_file_transfers_and_kept_segments(salusd, tmp_path):
+    before = shm_segments()
+    with salus.Session(salusd.mnt) as s:
+        s.need("16M", "1M")
+        s.alloc("w", 1 << 20)
+        data = os.urandom(1 << 20)
+        with salus.Segment(2 << 20) as seg:
+            assert os.stat(seg.path).st_mode & 0o777 == 0o600
+            seg.buf[4096:4096 + len(data)] = data
+            s.upload_segment("w", seg, len(data), seg_offset=4096)
+            s.download_segment("w", seg, 100, offset=10)          # into its start
+            assert bytes(seg.buf[:100]) == data[10:110]
+        ckpt = tmp_path / "w.ckpt"
+        s.download_file("w", ckpt)                                # the whole buffer
+        assert ckpt.read_bytes() == data
+        s.fill("w", 0, dtype="u8")
+        s.upload_file("w", str(ckpt), 1000, offset=24, file_offset=24)
+        assert s.read_buffer("w", 1024) == bytes(24) + data[24:1024]
+        with pytest.raises(FileNotFoundError) as e:
+            s.upload_file("w", tmp_path / "missing", 16)
+        assert "No such file" in str(e.value)                       # salusd's reason
+        with pytest.raises(ValueError):
+            s.upload_file("w", "/tmp/has space", 16)
+    assert shm_segments() == before
+
+
+CPP_SHM_TEST = r"""
+#include "salus_shm.hpp"
+
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <fstream>
+#include <vector>
+
+#define CHECK(c) do { if (!(c)) { std::fprintf(stderr, "line %d: CHECK(%s)\n", __LINE__, #c); return 1; } } while (0)
+
+int main(int argc, char** argv) {
+  CHECK(argc == 2);
+  const std::string dir = argv[1];
+  salus::Session s;
+  s.need(salus::MiB(16), salus::MiB(1));
+  s.alloc("w", salus::MiB(2));
+  std::vector<char> data(salus::MiB(2));
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 31 + 7);
+  salus::upload(s, "w", data.data(), data.size());
+  std::vector<char> back(data.size());
+  salus::download(s, "w", back.data(), back.size());
+  CHECK(back == data);
+  {
+    salus::SharedSegment seg(4096);
+    struct stat st;
+    CHECK(::stat(("/dev/shm/" + seg.name()).c_str(), &st) == 0);
+    CHECK((st.st_mode & 0777) == 0600);
+    std::memcpy(seg.data(), "salus!", 6);
+    s.upload_shm("w", seg.name(), 6, 100);
+    s.download_shm("w", seg.name(), 16, 94, 1000);
+    CHECK(std::memcmp(static_cast<char*>(seg.data()) + 1006, "salus!", 6) == 0);
+    std::printf("segment %s\n", seg.name().c_str());
+  }
+  s.download_file("w", dir + "/w.bin", data.size());
+  std::ifstream in(dir + "/w.bin", std::ios::binary);
+  std::vector<char> file((std::istreambuf_iterator<char>(in)), {});
+  CHECK(file.size() == data.size() && std::memcmp(file.data() + 106, data.data() + 106, 1000) == 0);
+  s.fill("w", 0, salus::Dtype::u8);
+  s.upload_file("w", dir + "/w.bin", 4096, 0, 0);
+  CHECK(s.read_buffer<char>("w", 4096) == std::vector<char>(file.begin(), file.begin() + 4096));
+  try {
+    s.upload_shm("w", "salus-no-such-segment", 16);
+    CHECK(false);
+  } catch (const std::system_error& e) {
+    CHECK(e.code().value() == ENOENT);
+    CHECK(std::string(e.what()).find("no such segment") != std::string::npos);
+  }
+  std::printf("ok\n");
+  return 0;
+}
+"""
+
+
+def test_cpp_shared_memory_and_file_transfers(salusd, tmp_path):
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ is not installed")
+    if not os.path.exists("/usr/include/boost/interprocess/shared_memory_object.hpp"):
+        pytest.skip("Boost.Interprocess (libboost-dev) is not installed")
+    src = tmp_path / "shm_test.cpp"
+    src.write_text(CPP_SHM_TEST)
+    exe = tmp_path / "shm_test"
+    for std in ("c++17", "c++20"):
+        r = subprocess.run([gxx, f"-std={std}", "-O1", "-Wall", "-Wextra", "-Wpedantic", "-Werror",
+                            "-I", CLIENT, str(src), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    before = shm_segments()
+    env = dict(os.environ, SALUS_MOUNT=salusd.mnt)
+    r = subprocess.run([str(exe), str(tmp_path)], capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.endswith("ok\n")
+    assert r.stdout.split()[1].startswith("salus-")
+    assert shm_segments() == before                      # every segment removed

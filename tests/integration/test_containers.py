@@ -219,3 +219,41 @@ def test_parent_directory_bind_follows_a_salusd_restart():
     finally:
         assert not is_mounted(os.path.join(t, "run", "fs"))
         shutil.rmtree(t, ignore_errors=True)
+
+
+TRANSFER_SCRIPT = r"""
+import os
+os.umask(0o022)
+m = os.environ["SALUS_MOUNT"]
+seg = "/dev/shm/salus-ctr-seg"
+fd = os.open(seg, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.write(fd, b"only inside the container " * 100)
+os.close(fd)
+c = os.open(m + "/clone", os.O_RDWR)
+sid = os.read(c, 64).decode().strip()
+os.write(c, b"need persistent=1M ephemeral=1M\nalloc w 4K\n")
+os.write(c, b"upload w shm:salus-ctr-seg 2600\ndownload w file:/dev/shm/out.bin 2600\nsync\n")
+with open("/dev/shm/out.bin", "rb") as f:
+    assert f.read() == b"only inside the container " * 100
+st = os.stat("/dev/shm/out.bin")
+print("ok", st.st_uid, oct(st.st_mode & 0o777))
+"""
+
+
+def test_transfers_resolve_in_the_containers_mount_namespace(salusd, container_root):
+    # The "container" gets a /dev/shm of its own (as Docker gives each one): the
+    # segment and the downloaded file exist only there, so salusd must resolve
+    # them through the caller's root, not its own.
+    inner = os.path.join(container_root, "salus")
+    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    outer = (f"set -e; mount --bind {shlex.quote(salusd.mnt)} {shlex.quote(inner)}; "
+             f"mount -t tmpfs -o mode=1777 salus-ctr-shm /dev/shm; "
+             f"exec {shlex.join(drop)} /usr/bin/python3 -c {shlex.quote(TRANSFER_SCRIPT)}")
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", outer],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, SALUS_MOUNT=inner))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == ["ok", str(NOBODY), "0o644"], r.stdout
+    assert not os.path.exists("/dev/shm/salus-ctr-seg")      # never on the host
+    assert not os.path.exists("/dev/shm/out.bin")
+    assert wait_until(lambda: os.listdir(salusd.path("sessions")) == [])

@@ -9,9 +9,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <mutex>
 #include <thread>
+
+#include <unistd.h>
 
 #include "fusefs/command_parser.hpp"
 #include "vgpu/sim/sim_device.hpp"
@@ -143,9 +147,9 @@ TEST(Broker, BufferReadWriteRoundTripIsOrderedAfterWork) {
   const auto buf = b->find_buffer(id, "w");
   ASSERT_TRUE(buf);
   std::promise<std::vector<char>> p;
-  b->read_buffer(id, buf->id, 0, 16, [&p](int err, std::vector<char>& data) {
+  b->read_buffer(id, buf->id, 0, 16, [&p](int err, std::span<const char> data) {
     EXPECT_EQ(err, 0);
-    p.set_value(data);
+    p.set_value(std::vector<char>(data.begin(), data.end()));
   });
   auto data = p.get_future().get();
   ASSERT_EQ(data.size(), 16u);
@@ -197,9 +201,9 @@ TEST(Broker, FragmentedAllocationWaitsForCompactionThenSucceeds) {
     const auto buf = b->find_buffer(id, fmt::format("b{}", i));
     ASSERT_TRUE(buf);
     std::promise<std::vector<char>> p;
-    b->read_buffer(id, buf->id, (10u << 20) - 4, 4, [&p](int e, std::vector<char>& d) {
+    b->read_buffer(id, buf->id, (10u << 20) - 4, 4, [&p](int e, std::span<const char> d) {
       EXPECT_EQ(e, 0);
-      p.set_value(d);
+      p.set_value(std::vector<char>(d.begin(), d.end()));
     });
     auto d = p.get_future().get();
     std::int32_t v = 0;
@@ -272,4 +276,138 @@ TEST(Broker, TelemetryShowsInGpuInfoAndMetricsOnlyWhereAvailable) {
   EXPECT_EQ(m.find("salus_gpu_energy_joules_total"), std::string::npos);
   EXPECT_EQ(m.find("{gpu=\"1\"} 0.37"), std::string::npos);
   EXPECT_EQ(m.find("salus_gpu_power_watts{gpu=\"1\"}"), std::string::npos);
+}
+
+// ---------------------------------------------------------------- upload/download
+
+namespace {
+
+// A POSIX shared-memory segment as a client makes one: a file in /dev/shm.
+struct Segment {
+  std::string name;
+  explicit Segment(const std::vector<char>& data)
+      : name(fmt::format("salus-broker-test-{}-{}", ::getpid(), next++)) {
+    std::ofstream(path(), std::ios::binary)
+        .write(data.data(), static_cast<std::streamsize>(data.size()));
+  }
+  ~Segment() { ::unlink(path().c_str()); }
+  std::string path() const { return "/dev/shm/" + name; }
+  static inline int next = 0;
+};
+
+std::vector<char> slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>((std::istreambuf_iterator<char>(in)), {});
+}
+
+std::string temp_dir() {
+  char tmpl[] = "/tmp/salus-broker-XXXXXX";
+  return ::mkdtemp(tmpl) ? std::string(tmpl) : std::string();
+}
+
+}  // namespace
+
+TEST(Broker, TransfersAreOrderedWithTheSessionsOtherWork) {
+  auto b = make_broker();
+  const std::string dir = temp_dir();
+  std::vector<char> data(1 << 20);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7 + 1);
+  Segment seg(data);
+  const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
+  // The fill before the upload is overwritten by it; the fill after it lands
+  // before the download; a spin holds the lane so that order is what decides.
+  const auto [err, reply] = run(*b, id,
+                                fmt::format("need persistent=4M ephemeral=1M\nalloc w 1M\n"
+                                            "spin 20000\nfill w 5 dtype=u8\n"
+                                            "upload w shm:{} 1M\nfill w 9 dtype=u8 len=16\n"
+                                            "download w file:{}/out 1M\n",
+                                            seg.name, dir));
+  ASSERT_EQ(err, 0) << b->render_log(id);
+  EXPECT_EQ(wait_for(*b, id).first, 0) << b->render_log(id);
+  const auto out = slurp(dir + "/out");
+  ASSERT_EQ(out.size(), data.size());
+  EXPECT_TRUE(std::all_of(out.begin(), out.begin() + 16, [](char c) { return c == 9; }));
+  EXPECT_TRUE(std::equal(out.begin() + 16, out.end(), data.begin() + 16));
+  const auto log = b->render_log(id);
+  EXPECT_NE(log.find("line 5: upload w shm:" + seg.name + " 1048576: done"), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("line 7: download w file:" + dir + "/out 1048576: done"), std::string::npos)
+      << log;
+  EXPECT_EQ(field(b->render_status(id), "transfers"), "0");
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Broker, BadTransfersFailTheWriteWithAReason) {
+  auto b = make_broker();
+  Segment seg(std::vector<char>(4096, 'x'));
+  const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, id, "need persistent=4M ephemeral=1M\nalloc w 8K\n").first, 0);
+  struct Case {
+    std::string text;
+    int err;
+    std::string log;
+  };
+  const Case cases[] = {
+      {"upload w shm:" + seg.name + "+1 4K", ERANGE, "the segment holds 4096"},
+      {"upload w+4K shm:" + seg.name + " 4097", ERANGE, "is outside buffer w (8192 bytes)"},
+      {"upload nope shm:" + seg.name + " 1", ENOENT, "unknown buffer 'nope'"},
+      {"upload w shm:" + seg.name + "-gone 1", ENOENT, "no such segment"},
+      {"download w file:/tmp 1", EISDIR, "a directory"},
+      {"download w file:/proc/self 1", ELOOP, "never writes through"},
+      {"upload w file:/dev/zero 1", EINVAL, "a character device"},
+      {"begin\nupload w shm:" + seg.name + " 1", EINVAL, "not allowed inside begin/end"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(run(*b, id, c.text + "\n").first, c.err) << c.text;
+    const auto log = b->render_log(id);
+    const auto last = log.substr(log.rfind('\n', log.size() - 2) + 1);
+    EXPECT_NE(last.find(c.log), std::string::npos) << c.text << "\n" << last;
+  }
+  // None of them queued anything or failed the session.
+  EXPECT_EQ(field(b->render_status(id), "state"), "admitted");
+  EXPECT_EQ(wait_for(*b, id).first, 0);
+}
+
+TEST(Broker, ASourceThatShrinksBeforeItsTurnFailsTheSession) {
+  auto b = make_broker();
+  const std::string dir = temp_dir();
+  const std::string src = dir + "/src";
+  std::ofstream(src, std::ios::binary) << std::string(1 << 20, 'a');
+  const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, id, "need persistent=4M ephemeral=1M\nalloc w 1M\n").first, 0);
+  ASSERT_EQ(run(*b, id, fmt::format("spin 100000\nupload w file:{} 1M\n", src)).first, 0);
+  ASSERT_EQ(::truncate(src.c_str(), 1000), 0);  // while the spin holds it back
+  EXPECT_EQ(wait_for(*b, id).first, EIO);
+  const auto status = b->render_status(id);
+  EXPECT_EQ(field(status, "state"), "failed");
+  EXPECT_NE(field(status, "error").find("shrank after the command was accepted"), std::string::npos)
+      << status;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Broker, EndingASessionCancelsItsTransferAndFreesEverything) {
+  auto b = make_broker(1, 512u << 20);
+  const std::string dir = temp_dir();
+  const std::string src = dir + "/src";
+  {
+    std::ofstream out(src, std::ios::binary);
+    const std::string mib(1 << 20, 'b');
+    for (int i = 0; i < 256; ++i) out << mib;
+  }
+  const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, id, "need persistent=300M ephemeral=1M\nalloc w 256M\n").first, 0);
+  ASSERT_EQ(
+      run(*b, id, fmt::format("upload w file:{} 256M\nupload w file:{} 256M\n", src, src)).first,
+      0);
+  b->end_session(id);
+  for (int i = 0; i < 1000 && !b->list_sessions().empty(); ++i) std::this_thread::sleep_for(5ms);
+  // The session is gone only once its transfer has stopped.
+  for (int i = 0; i < 1000 && b->render_stats().find("\nsessions 0\n") == std::string::npos; ++i)
+    std::this_thread::sleep_for(5ms);
+  const auto stats = b->render_stats();
+  EXPECT_NE(stats.find("\nsessions 0\n"), std::string::npos) << stats;
+  EXPECT_NE(stats.find("\nstaging_bytes_in_use 0\n"), std::string::npos) << stats;
+  EXPECT_NE(stats.find("\ntransfers_active 0\n"), std::string::npos) << stats;
+  EXPECT_EQ(field(b->render_gpu_memory(0), "persistent_used"), "0");
+  std::filesystem::remove_all(dir);
 }

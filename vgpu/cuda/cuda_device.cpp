@@ -671,6 +671,96 @@ void CudaDevice::copy_from_host(StreamId stream, DevOffset dst, const void* host
   check(s, drv_.memcpy_htod_async(at(dst), host, length, s.handle), "copy from host");
 }
 
+void* CudaDevice::alloc_staging(Bytes size) {
+  void* p = Device::alloc_staging(size);
+  if (!p) return nullptr;
+  StagingBlock b;
+  b.size = size;
+  {
+    std::shared_lock ctx(ctx_mu_);
+    if (!dead_.load()) {
+      set_current();
+      b.generation = generation_.load();
+      const CUresult r = drv_.mem_host_register(p, size, 0);
+      b.registered = r == CUDA_SUCCESS;
+      if (!b.registered)
+        spdlog::warn(
+            "cuda gpu{}: pinning a {}-byte staging block failed ({}); its copies take "
+            "the slower pageable path",
+            info_.index, size, drv_.error_name(r));
+    }
+  }
+  std::lock_guard lk(staging_mu_);
+  staging_[reinterpret_cast<std::uintptr_t>(p)] = b;
+  return p;
+}
+
+void CudaDevice::free_staging(void* block, Bytes size) {
+  if (!block) return;
+  StagingBlock b;
+  {
+    std::lock_guard lk(staging_mu_);
+    auto it = staging_.find(reinterpret_cast<std::uintptr_t>(block));
+    if (it != staging_.end()) {
+      b = it->second;
+      staging_.erase(it);
+    }
+  }
+  if (b.registered) {
+    std::shared_lock ctx(ctx_mu_);
+    // A registration from an older context died with it.
+    if (!dead_.load() && b.generation == generation_.load()) {
+      set_current();
+      drv_.mem_host_unregister(block);
+    }
+  }
+  Device::free_staging(block, size);
+}
+
+bool CudaDevice::staging_pinned(const void* host, Bytes length) {
+  const auto at = reinterpret_cast<std::uintptr_t>(host);
+  std::uintptr_t base = 0;
+  StagingBlock b;
+  {
+    std::lock_guard lk(staging_mu_);
+    auto it = staging_.upper_bound(at);
+    if (it == staging_.begin()) return false;
+    --it;
+    if (at + length > it->first + it->second.size) return false;
+    if (it->second.generation == generation_.load()) return it->second.registered;
+    base = it->first;
+    b = it->second;
+  }
+  // Registered with a context a fault recovery replaced: register again. The
+  // block is in use by the caller, so nobody frees it meanwhile.
+  {
+    std::shared_lock ctx(ctx_mu_);
+    if (dead_.load()) return false;
+    set_current();
+    b.generation = generation_.load();
+    b.registered = drv_.mem_host_register(reinterpret_cast<void*>(base), b.size, 0) == CUDA_SUCCESS;
+  }
+  std::lock_guard lk(staging_mu_);
+  if (auto it = staging_.find(base); it != staging_.end()) it->second = b;
+  return b.registered;
+}
+
+void CudaDevice::copy_from_staging(StreamId stream, DevOffset dst, const void* host, Bytes length) {
+  if (!staging_pinned(host, length)) return copy_from_host(stream, dst, host, length);
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s) || length == 0) return;
+  check(s, drv_.memcpy_htod_async(at(dst), host, length, s.handle), "copy from host");
+}
+
+void CudaDevice::copy_to_staging(StreamId stream, void* host, DevOffset src, Bytes length) {
+  if (!staging_pinned(host, length)) return copy_to_host(stream, host, src, length);
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s) || length == 0) return;
+  check(s, drv_.memcpy_dtoh_async(host, at(src), length, s.handle), "copy to host");
+}
+
 void CudaDevice::notify(StreamId stream, std::uint64_t token) {
   OpScope op(*this, stream);
   Stream& s = op.stream();

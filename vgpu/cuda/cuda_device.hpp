@@ -73,6 +73,15 @@ class CudaDevice final : public Device {
   // the caller's memory above it (blocks until the stream reaches the copy).
   void copy_to_host(StreamId stream, void* host, DevOffset src, Bytes length) override;
   void copy_from_host(StreamId stream, DevOffset dst, const void* host, Bytes length) override;
+  // Staging blocks are page-aligned host memory that salusd owns, registered
+  // with the driver (cuMemHostRegister), so copies to and from them are plain
+  // async DMA. Unlike cuMemHostAlloc'ed memory, a block outlives a fault
+  // recovery: its registration is renewed on its next use, and until then (or if
+  // registering fails) the copies take the pageable path of copy_*_host.
+  void* alloc_staging(Bytes size) override;
+  void free_staging(void* block, Bytes size) override;
+  void copy_from_staging(StreamId stream, DevOffset dst, const void* host, Bytes length) override;
+  void copy_to_staging(StreamId stream, void* host, DevOffset src, Bytes length) override;
   // Records the interval's end event (and a host-function wake-up); device_ns is
   // cuEventElapsedTime from the event recorded before the interval's first op.
   void notify(StreamId stream, std::uint64_t token) override;
@@ -207,6 +216,9 @@ class CudaDevice final : public Device {
 
   CUresult acquire_event(CUevent& e);  // from the pool, or a new timing event
   void release_event(CUevent e);
+  // Whether [host, host+length) lies in a staging block registered with the
+  // current context (re-registering it after a recovery).
+  bool staging_pinned(const void* host, Bytes length);
   PinnedBlock acquire_pinned(Bytes size);
   void release_pinned(PinnedBlock b);
   void release_interval(Interval& iv);  // events and blocks back to the pools
@@ -259,6 +271,14 @@ class CudaDevice final : public Device {
   std::string last_fault_;      // describe() of the last sticky error
   std::string last_restart_;    // the same, for the last successful rebuild
   std::string dead_why_;        // why the device is out of service (dead_)
+
+  struct StagingBlock {
+    Bytes size = 0;
+    bool registered = false;
+    std::uint64_t generation = 0;  // of the context it was registered with
+  };
+  std::mutex staging_mu_;                           // never held while taking ctx_mu_
+  std::map<std::uintptr_t, StagingBlock> staging_;  // by address
 
   mutable std::mutex table_mu_;
   std::vector<std::shared_ptr<Stream>> streams_;  // index = StreamId; null = free

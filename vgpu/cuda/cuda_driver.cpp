@@ -118,6 +118,8 @@ bool CudaDriver::load(std::string& why) {
   need("cuMemFree", mem_free);
   need("cuMemHostAlloc", mem_host_alloc);
   need("cuMemFreeHost", mem_free_host);
+  need("cuMemHostRegister", mem_host_register);
+  need("cuMemHostUnregister", mem_host_unregister);
   need("cuMemcpyHtoDAsync", memcpy_htod_async);
   need("cuMemcpyDtoHAsync", memcpy_dtoh_async);
   need("cuMemcpyDtoDAsync", memcpy_dtod_async);

@@ -55,6 +55,8 @@ class CudaDriver {
   PFN_cuMemFree_v3020 mem_free = nullptr;
   PFN_cuMemHostAlloc_v2020 mem_host_alloc = nullptr;
   PFN_cuMemFreeHost_v2000 mem_free_host = nullptr;
+  PFN_cuMemHostRegister_v6050 mem_host_register = nullptr;
+  PFN_cuMemHostUnregister_v4000 mem_host_unregister = nullptr;
   PFN_cuMemcpyHtoDAsync_v3020 memcpy_htod_async = nullptr;
   PFN_cuMemcpyDtoHAsync_v3020 memcpy_dtoh_async = nullptr;
   PFN_cuMemcpyDtoDAsync_v3020 memcpy_dtod_async = nullptr;

@@ -1,0 +1,284 @@
+// The transfer engine on a sim device: uploads and downloads through staging in
+// many chunks, files created when the transfer runs, a source that shrank, a
+// device fault, cancellation and stop, and that staging always goes back.
+#include "vgpu/transfer_engine.hpp"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <mutex>
+#include <random>
+
+#include "vgpu/sim/sim_device.hpp"
+
+using namespace salus::vgpu;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr Bytes kKiB = 1024, kMiB = 1024 * 1024;
+
+// Completions of the engine's streams go to the engine, the test's own to it.
+class Sink : public CompletionSink {
+ public:
+  void on_complete(StreamId stream, std::uint64_t token, int status, std::int64_t ns) override {
+    if (engine && engine->owns_stream(stream))
+      return engine->on_device_complete(stream, token, status, ns);
+    std::lock_guard lk(mu);
+    done[token] = status;
+    cv.notify_all();
+  }
+  int wait(std::uint64_t token) {
+    std::unique_lock lk(mu);
+    cv.wait(lk, [&] { return done.count(token) > 0; });
+    return done[token];
+  }
+  TransferEngine* engine = nullptr;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::uint64_t, int> done;
+};
+
+class TransferEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/salus-engine-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    dev_ = std::make_unique<SimDevice>(0, 64 * kMiB);
+    dev_->set_sink(&sink_);
+    stream_ = dev_->create_stream();
+    pool_ = std::make_unique<StagingPool>(*dev_, 4 * kMiB);
+  }
+  void TearDown() override {
+    engine_.reset();
+    sink_.engine = nullptr;
+    dev_->destroy_stream(stream_);
+    pool_.reset();
+    dev_.reset();
+    fs::remove_all(dir_);
+  }
+  void make_engine(Bytes chunk = 64 * kKiB, unsigned active = 2, bool io_uring = true) {
+    engine_ = std::make_unique<TransferEngine>(*dev_, *pool_,
+                                               TransferEngine::Options{chunk, active, io_uring}, 0);
+    sink_.engine = engine_.get();
+  }
+  static std::vector<char> random_bytes(std::size_t n, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::vector<char> v(n);
+    for (auto& c : v) c = static_cast<char>(rng());
+    return v;
+  }
+  std::string write_file(const std::string& name, const std::vector<char>& data) {
+    const std::string p = dir_ + "/" + name;
+    std::ofstream(p, std::ios::binary)
+        .write(data.data(), static_cast<std::streamsize>(data.size()));
+    return p;
+  }
+  std::vector<char> device_bytes(DevOffset at, Bytes n) {
+    std::vector<char> v(n);
+    dev_->copy_to_host(stream_, v.data(), at, n);
+    const std::uint64_t token = next_token_++;
+    dev_->notify(stream_, token);
+    EXPECT_EQ(sink_.wait(token), 0);
+    return v;
+  }
+  void put_device(DevOffset at, const std::vector<char>& v) {
+    dev_->copy_from_host(stream_, at, v.data(), v.size());
+    const std::uint64_t token = next_token_++;
+    dev_->notify(stream_, token);
+    ASSERT_EQ(sink_.wait(token), 0);
+  }
+  static CallerCredentials root() { return CallerCredentials{}; }
+  std::shared_ptr<TransferJob> job(bool upload, const std::string& path, Bytes file_off,
+                                   DevOffset dev_off, Bytes length) {
+    auto j = std::make_shared<TransferJob>();
+    j->upload = upload;
+    std::string why;
+    const int rc =
+        open_caller_file(root(), path, upload ? FileIntent::read : FileIntent::write, j->file, why);
+    EXPECT_EQ(rc, 0) << why;
+    j->shown = "file:" + path;
+    j->file_offset = file_off;
+    j->device_offset = dev_off;
+    j->length = length;
+    return j;
+  }
+  TransferResult run(std::shared_ptr<TransferJob> j) {
+    auto f = submit(std::move(j));
+    EXPECT_EQ(f.wait_for(30s), std::future_status::ready);
+    return f.get();
+  }
+  std::future<TransferResult> submit(std::shared_ptr<TransferJob> j) {
+    auto p = std::make_shared<std::promise<TransferResult>>();
+    auto f = p->get_future();
+    j->done = [p](TransferResult r) { p->set_value(std::move(r)); };
+    engine_->submit(std::move(j));
+    return f;
+  }
+
+  std::string dir_;
+  Sink sink_;
+  std::unique_ptr<SimDevice> dev_;
+  StreamId stream_ = 0;
+  std::uint64_t next_token_ = 1;
+  std::unique_ptr<StagingPool> pool_;
+  std::unique_ptr<TransferEngine> engine_;
+};
+
+TEST_F(TransferEngineTest, UploadsAFileInManyChunks) {
+  make_engine();
+  const auto data = random_bytes(kMiB + 12345, 1);
+  const auto p = write_file("src", data);
+  // From file offset 100, into device offset 4096 + 3: nothing is aligned.
+  const Bytes n = data.size() - 100;
+  const auto r = run(job(true, p, 100, 4096 + 3, n));
+  ASSERT_EQ(r.error, 0) << r.why;
+  EXPECT_EQ(r.bytes, n);
+  const auto got = device_bytes(4096 + 3, n);
+  EXPECT_TRUE(std::equal(got.begin(), got.end(), data.begin() + 100));
+  EXPECT_EQ(pool_->stats().in_use, 0u) << "staging goes back";
+  const auto st = engine_->stats();
+  EXPECT_EQ(st.started, 1u);
+  EXPECT_EQ(st.completed, 1u);
+}
+
+TEST_F(TransferEngineTest, DownloadsIntoAnExistingFileAtAnOffsetWithoutTruncating) {
+  make_engine();
+  const auto data = random_bytes(300 * kKiB + 7, 2);
+  put_device(kMiB, data);
+  const auto p = write_file("dst", std::vector<char>(1000 * kKiB, 'z'));
+  const auto r = run(job(false, p, 10, kMiB, data.size()));
+  ASSERT_EQ(r.error, 0) << r.why;
+  std::ifstream in(p, std::ios::binary);
+  std::vector<char> back((std::istreambuf_iterator<char>(in)), {});
+  ASSERT_EQ(back.size(), 1000 * kKiB);
+  EXPECT_TRUE(std::equal(data.begin(), data.end(), back.begin() + 10));
+  EXPECT_EQ(back[9], 'z');
+  EXPECT_EQ(back[10 + data.size()], 'z');
+}
+
+TEST_F(TransferEngineTest, CreatesADownloadsFileWhenItRuns) {
+  make_engine();
+  const auto data = random_bytes(200 * kKiB, 3);
+  put_device(0, data);
+  const std::string p = dir_ + "/new.bin";
+  auto j = job(false, p, 0, 0, data.size());
+  ASSERT_FALSE(j->file.exists());
+  ASSERT_FALSE(fs::exists(p));
+  const auto r = run(std::move(j));
+  ASSERT_EQ(r.error, 0) << r.why;
+  ASSERT_EQ(fs::file_size(p), data.size());
+  std::ifstream in(p, std::ios::binary);
+  std::vector<char> back((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(back, data);
+}
+
+TEST_F(TransferEngineTest, ASourceThatShrankFailsWithEio) {
+  make_engine();
+  const auto p = write_file("src", random_bytes(512 * kKiB, 4));
+  auto j = job(true, p, 0, 0, 512 * kKiB);
+  ASSERT_EQ(::truncate(p.c_str(), 100 * kKiB), 0);
+  const auto r = run(std::move(j));
+  EXPECT_EQ(r.error, EIO);
+  EXPECT_NE(r.why.find("ended at byte 102400"), std::string::npos) << r.why;
+  EXPECT_LT(r.bytes, 512 * kKiB);
+  EXPECT_EQ(pool_->stats().in_use, 0u);
+  EXPECT_EQ(engine_->stats().failed, 1u);
+}
+
+TEST_F(TransferEngineTest, ADeviceFaultFailsTheTransfer) {
+  make_engine();
+  const auto p = write_file("src", random_bytes(256 * kKiB, 5));
+  // Past the end of device memory: the sim completes the copy with EFAULT.
+  const auto r = run(job(true, p, 0, 64 * kMiB - 64 * kKiB, 256 * kKiB));
+  EXPECT_EQ(r.error, EFAULT) << r.why;
+  EXPECT_NE(r.why.find("device copy failed"), std::string::npos) << r.why;
+  EXPECT_EQ(pool_->stats().in_use, 0u);
+}
+
+TEST_F(TransferEngineTest, MoreTransfersThanActiveSlotsAllComplete) {
+  make_engine(64 * kKiB, 2);
+  std::vector<std::vector<char>> data;
+  std::vector<std::future<TransferResult>> futures;
+  for (unsigned i = 0; i < 6; ++i) {
+    data.push_back(random_bytes(333 * kKiB + i, 10 + i));
+    const auto p = write_file("src" + std::to_string(i), data.back());
+    futures.push_back(submit(job(true, p, 0, i * kMiB, data.back().size())));
+  }
+  for (auto& f : futures) {
+    ASSERT_EQ(f.wait_for(30s), std::future_status::ready);
+    EXPECT_EQ(f.get().error, 0);
+  }
+  for (unsigned i = 0; i < 6; ++i) EXPECT_EQ(device_bytes(i * kMiB, data[i].size()), data[i]) << i;
+  EXPECT_EQ(engine_->stats().completed, 6u);
+  EXPECT_EQ(pool_->stats().in_use, 0u);
+}
+
+TEST_F(TransferEngineTest, CancelStopsSoonAndReturnsStaging) {
+  make_engine(64 * kKiB, 1);
+  const auto p = write_file("src", random_bytes(32 * kMiB, 6));
+  auto first = job(true, p, 0, 0, 32 * kMiB);
+  auto second = job(true, p, 0, 0, 32 * kMiB);  // waits behind the first
+  auto f1 = submit(first);
+  auto f2 = submit(second);
+  engine_->cancel(second);
+  engine_->cancel(first);
+  ASSERT_EQ(f1.wait_for(30s), std::future_status::ready);
+  ASSERT_EQ(f2.wait_for(30s), std::future_status::ready);
+  const auto r1 = f1.get(), r2 = f2.get();
+  // 512 chunks of 64 KiB: the first stops long before its end.
+  EXPECT_EQ(r1.error, ECANCELED);
+  EXPECT_LT(r1.bytes, 32 * kMiB);
+  EXPECT_EQ(r2.error, ECANCELED);
+  EXPECT_EQ(r2.bytes, 0u);
+  EXPECT_FALSE(first->file.exists()) << "the file is closed when the transfer ends";
+  EXPECT_EQ(pool_->stats().in_use, 0u);
+  EXPECT_EQ(engine_->stats().cancelled, 2u);
+}
+
+TEST_F(TransferEngineTest, WithoutIoUringPreadAndPwriteDoTheSame) {
+  make_engine(64 * kKiB, 2, false);
+  const auto data = random_bytes(kMiB + 99, 8);
+  const auto src = write_file("src", data);
+  auto r = run(job(true, src, 0, 0, data.size()));
+  ASSERT_EQ(r.error, 0) << r.why;
+  const std::string dst = dir_ + "/dst";
+  r = run(job(false, dst, 0, 0, data.size()));
+  ASSERT_EQ(r.error, 0) << r.why;
+  std::ifstream in(dst, std::ios::binary);
+  EXPECT_EQ(std::vector<char>((std::istreambuf_iterator<char>(in)), {}), data);
+  ASSERT_EQ(::truncate(src.c_str(), 1000), 0);
+  r = run(job(true, src, 0, 0, 1000));
+  EXPECT_EQ(r.error, 0);
+  auto shrunk = job(true, src, 0, 0, 1000);
+  ASSERT_EQ(::truncate(src.c_str(), 10), 0);
+  EXPECT_EQ(run(std::move(shrunk)).error, EIO);
+  EXPECT_EQ(pool_->stats().in_use, 0u);
+}
+
+TEST_F(TransferEngineTest, StopCancelsEverythingAndWaits) {
+  make_engine(64 * kKiB, 1);
+  const auto p = write_file("src", random_bytes(16 * kMiB, 7));
+  std::vector<std::future<TransferResult>> futures;
+  for (int i = 0; i < 3; ++i) futures.push_back(submit(job(true, p, 0, 0, 16 * kMiB)));
+  engine_->stop();
+  for (auto& f : futures) {
+    ASSERT_EQ(f.wait_for(0s), std::future_status::ready) << "stop() returns when all are over";
+    const auto r = f.get();
+    EXPECT_TRUE(r.error == ECANCELED || r.error == 0) << r.error;
+  }
+  EXPECT_EQ(pool_->stats().in_use, 0u);
+  // A job submitted after stop() is cancelled, not lost.
+  EXPECT_EQ(run(job(true, p, 0, 0, kMiB)).error, ECANCELED);
+}
+
+}  // namespace

@@ -1,0 +1,169 @@
+// Moves the bytes of `upload` and `download`: one thread per GPU drives io_uring
+// reads and writes of the caller's files and segments, and device copies on
+// streams of its own. Each transfer goes in chunks through two staging blocks,
+// so that the file side of one chunk overlaps the device side of the other.
+// Neither a FUSE thread nor the broker lock ever waits for a transfer.
+#pragma once
+
+#include <liburing.h>
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "vgpu/caller_files.hpp"
+#include "vgpu/device.hpp"
+#include "vgpu/staging_pool.hpp"
+
+namespace salus::vgpu {
+
+struct TransferResult {
+  int error = 0;  // 0, ECANCELED when cancelled, or what went wrong
+  std::string why;
+  Bytes bytes = 0;              // moved completely (both sides) before the end
+  std::int64_t device_ns = 0;   // device time of its copies
+  std::int64_t elapsed_ns = 0;  // from start to end
+};
+
+struct TransferJob {
+  bool upload = true;     // into device memory; else out of it
+  CallerFile file;        // open; for a download to a new file, where to create it
+  CallerCredentials who;  // creates that file
+  std::string shown;      // "shm:SEG" / "file:PATH" for messages
+  Bytes file_offset = 0;
+  DevOffset device_offset = 0;  // set by whoever submits, once the buffer is fixed
+  Bytes length = 0;
+  // Called once, on the engine thread, with no engine lock held.
+  std::function<void(TransferResult)> done;
+
+  std::atomic<bool> cancel{false};
+};
+
+class TransferEngine {
+ public:
+  struct Options {
+    Bytes chunk = Bytes{16} << 20;  // bytes per staging block
+    unsigned max_active = 4;        // transfers moving at once; more wait in order
+    // false: pread/pwrite on the engine thread, what it does anyway where
+    // io_uring is unavailable (kept selectable so that path is tested).
+    bool io_uring = true;
+  };
+  struct Stats {
+    unsigned active = 0;
+    unsigned waiting = 0;
+    std::uint64_t started = 0;
+    std::uint64_t completed = 0;
+    std::uint64_t failed = 0;
+    std::uint64_t cancelled = 0;
+  };
+  static constexpr unsigned kMaxActive = 16;
+
+  // Starts the thread. If io_uring cannot be set up, every job fails with the
+  // reason (see error()).
+  TransferEngine(Device& device, StagingPool& staging, Options options, int gpu_index);
+  ~TransferEngine();  // stop()
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  void submit(std::shared_ptr<TransferJob> job);
+  // Stops a job soon: no new chunk starts, the ones in flight finish, their
+  // staging returns to the pool, and done() gets ECANCELED.
+  void cancel(const std::shared_ptr<TransferJob>& job);
+  // Cancels everything, waits until it is all over, stops the thread. Idempotent.
+  void stop();
+
+  // Device completions for the engine's streams arrive here (from any thread).
+  bool owns_stream(StreamId stream) const;
+  void on_device_complete(StreamId stream, std::uint64_t token, int status, std::int64_t device_ns);
+
+  Stats stats() const;
+  const std::string& error() const { return error_; }
+  const Options& options() const { return options_; }
+
+ private:
+  struct Active;
+  struct Slot {
+    Active* owner = nullptr;
+    StagingPool::Block block;
+    enum class State : std::uint8_t { idle, file, device } state = State::idle;
+    Bytes offset = 0;  // within the transfer
+    Bytes length = 0;
+    Bytes done = 0;  // file bytes of this chunk done so far
+    bool cancel_sent = false;
+  };
+  struct Active {
+    std::shared_ptr<TransferJob> job;
+    unsigned stream_index = 0;
+    std::array<Slot, 2> slots;
+    Bytes next = 0;      // offset of the next chunk to start
+    Bytes finished = 0;  // bytes that completed both sides
+    int error = 0;
+    std::string why;
+    bool cancelled = false;
+    std::int64_t device_ns = 0;
+    std::int64_t started_ns = 0;
+  };
+  struct DeviceDone {
+    std::uint64_t token;
+    int status;
+    std::int64_t device_ns;
+  };
+
+  void run();
+  bool step(std::vector<std::pair<Slot*, int>>& file_done);
+  void wake();
+  void start(std::shared_ptr<TransferJob> job);
+  void pump(Active& a);
+  void file_io(Slot& s);
+  void device_copy(Slot& s);
+  void on_file_done(Slot& s, int res);
+  void on_device_done(const DeviceDone& d);
+  void fail(Active& a, int err, std::string why);
+  bool over(const Active& a) const;
+  io_uring_sqe* sqe();
+  void arm_wakeup();
+
+  Device& device_;
+  StagingPool& staging_;
+  const Options options_;
+  const int gpu_;
+  std::string error_;
+
+  // Shared with other threads.
+  mutable std::mutex mu_;
+  std::condition_variable quiet_;  // idle_ became true
+  std::deque<std::shared_ptr<TransferJob>> incoming_;
+  std::vector<DeviceDone> device_done_;
+  bool stopping_ = false;  // stop(): cancel everything
+  bool idle_ = false;      // stopping and nothing left
+  bool quit_ = false;      // the destructor: leave the loop once idle
+  Stats stats_;
+  std::array<std::atomic<std::int64_t>, kMaxActive> streams_;  // StreamId or -1
+  int wake_fd_ = -1;
+
+  // The engine thread's own.
+  io_uring ring_{};
+  bool ring_ok_ = false;
+  std::uint64_t wake_value_ = 0;
+  std::deque<std::shared_ptr<TransferJob>> waiting_;
+  std::list<Active> active_;
+  std::array<bool, kMaxActive> stream_busy_{};
+  std::unordered_map<std::uint64_t, Slot*> tokens_;
+  std::uint64_t next_token_ = 1;
+  std::vector<std::pair<std::shared_ptr<TransferJob>, TransferResult>> finished_;
+  std::vector<std::pair<Slot*, int>> sync_done_;  // pread/pwrite results without a ring
+
+  std::thread thread_;
+};
+
+}  // namespace salus::vgpu
