@@ -5,10 +5,11 @@
 #   tools/gpu-eval.sh BUNDLE OUT [PART...]
 #
 # PARTs (default: all of them, in this order):
-#   tests    the gpu device tests (gtest) and the cuda integration tests,
-#            plus sim-backend integration tests as a smoke check of the box
+#   tests    the gpu device tests (gtest), the cuda integration tests (mount,
+#            executor, data plane), plus sim-backend integration tests as a
+#            smoke check of the box
 #   bench    salus-bench gpu-overhead, gpu-switch-gap (pipeline depth 2 and 1),
-#            gpu-pack, gpu-inference
+#            gpu-pack, dataplane bandwidth, gpu-inference
 #   compare  two fixed-length jobs under time-slicing, MPS and salusd (Figure 15)
 #   replay   the online-100 trace through salusd on the GPU under FIFO, SRTF,
 #            PACK and FAIR, beside salus-sim's prediction of the same trace
@@ -80,6 +81,9 @@ part_tests() {
   SALUSD=$bin/salusd SALUS_TEST_CUDA_REAL=1 SALUS_TEST_CUDA_FATBIN=$data/test_kernels.fatbin \
     timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -k real \
     tests/integration/test_executor.py 2>&1 | tail -30
+  echo "== data plane on the cuda backend (SALUS_TEST_BACKEND=cuda)"
+  SALUSD=$bin/salusd SALUS_TEST_BACKEND=cuda timeout 400 python3 -m pytest -q -rs -p no:cacheprovider \
+    tests/integration/test_dataplane.py tests/integration/test_dataplane_security.py 2>&1 | tail -30
   echo "== integration (sim backend smoke)"
   SALUSD=$bin/salusd SALUSCTL=$bin/salusctl timeout 300 python3 -m pytest -q -p no:cacheprovider \
     tests/integration/test_tree.py tests/integration/test_sessions.py \
@@ -100,6 +104,8 @@ part_bench() {
   $b --gpu-isolation thread gpu-switch-gap --kernels "$data/salus_bench_kernels.ptx" -n 2000
   echo "\$ salus-bench gpu-pack --sessions 8 --size 512 -n 2000"
   $b gpu-pack --sessions 8 --size 512 -n 2000
+  echo "\$ salus-bench dataplane --backend cuda --size 1G --repeat 3"
+  $b dataplane --backend cuda --size 1G --repeat 3
   echo "\$ salus-bench gpu-inference --models 14 --instances 3 --rate 5 --seconds 20"
   $b gpu-inference --models 14 --instances 3 --rate 5 --seconds 20
 }
