@@ -14,6 +14,10 @@
 #   replay   the online-100 trace through salusd on the GPU under FIFO, SRTF,
 #            PACK and FAIR, beside salus-sim's prediction of the same trace
 #
+# Environment: SALUS_COMPARE_POLICIES (default "pack fair"),
+# SALUS_COMPARE_SALUSD_ONLY=1 (skip the native and MPS runs), SALUS_REPLAY_SCALE
+# (default 256).
+#
 # Each part writes OUT/PART.txt (what is recorded in docs/benchmarks.md) and
 # leaves no daemon, mount or MPS server behind.
 set -u
@@ -123,18 +127,7 @@ two_jobs() {
   fi
   wait $first
 }
-part_compare() {
-  local secs=20 op=gemm2048 b="$bin/salus-bench"
-  local policies=${SALUS_COMPARE_POLICIES:-pack fair}
-  if [ -n "${SALUS_COMPARE_SALUSD_ONLY:-}" ]; then
-    for policy in $policies; do
-      echo "== salusd, two sessions, policy $policy"
-      start_salusd --policy $policy || return 1
-      two_jobs --mount "$work/mnt"
-      stop_salusd
-    done
-    return
-  fi
+compare_native() {
   echo "== alone (one native job)"
   $b gpu-job --native --op $op --seconds $secs
   echo "== time-slicing (two native processes, no MPS)"
@@ -154,6 +147,11 @@ part_compare() {
   fi
   mps_dir=""
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+part_compare() {
+  local secs=20 op=gemm2048 b="$bin/salus-bench"
+  local policies=${SALUS_COMPARE_POLICIES:-pack fair}
+  [ -z "${SALUS_COMPARE_SALUSD_ONLY:-}" ] && compare_native
   for policy in $policies; do
     echo "== salusd, two sessions, policy $policy"
     start_salusd --policy $policy || return 1
