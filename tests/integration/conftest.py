@@ -131,6 +131,22 @@ class Salusd:
         return rc
 
 
+
+def start_on_backend(backend, **kw):
+    """A started Salusd on `backend` ("sim" or "cuda", e.g. from
+    SALUS_TEST_BACKEND). Skips the calling tests when cuda does not start, so
+    the same file runs on the sim backend in CI and on a GPU where there is one."""
+    if backend not in ("sim", "cuda"):
+        pytest.skip(f"SALUS_TEST_BACKEND={backend!r}: expected sim or cuda")
+    d = Salusd(backend=backend, **kw)
+    try:
+        d.start(timeout=60)
+    except RuntimeError as e:
+        if backend == "cuda":
+            pytest.skip(f"salusd --backend cuda did not start (no usable GPU?): {e}")
+        raise
+    return d
+
 @pytest.fixture
 def salusd():
     d = Salusd().start()

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import Salusd, Session, wait_until
+from conftest import Session, start_on_backend, wait_until
 
 BACKEND = os.environ.get("SALUS_TEST_BACKEND", "sim")
 MiB = 1 << 20
@@ -24,15 +24,7 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module")
 def daemon():
-    if BACKEND not in ("sim", "cuda"):
-        pytest.skip(f"SALUS_TEST_BACKEND={BACKEND!r}: expected sim or cuda")
-    d = Salusd(backend=BACKEND, gpus=1, sim_memory="1G")
-    try:
-        d.start(timeout=60)
-    except RuntimeError as e:
-        if BACKEND == "cuda":
-            pytest.skip(f"salusd --backend cuda did not start (no usable GPU?): {e}")
-        raise
+    d = start_on_backend(BACKEND, gpus=1, sim_memory="1G")
     yield d
     d.stop()
 

@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 
-from conftest import Salusd
+from conftest import start_on_backend
 
 NOBODY = 65534
 BACKEND = os.environ.get("SALUS_TEST_BACKEND", "sim")
@@ -50,13 +50,7 @@ def need_root():
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Salusd(backend=BACKEND, gpus=1, sim_memory="256M")
-    try:
-        d.start(timeout=60)
-    except RuntimeError as e:
-        if BACKEND == "cuda":
-            pytest.skip(f"salusd --backend cuda did not start (no usable GPU?): {e}")
-        raise
+    d = start_on_backend(BACKEND, gpus=1, sim_memory="256M")
     yield d
     d.stop()
 

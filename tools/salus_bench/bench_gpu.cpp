@@ -347,8 +347,7 @@ int bench_inference(Target& t, int models, int instances, double rate, double se
 // One "training job" for `seconds`: back-to-back iterations of `op`, either as a
 // native Driver-API process or as a salusd session. Run two at once to compare
 // time-slicing, MPS and salusd (paper Figure 15).
-int bench_job(Target& t, const std::string& op_text, double seconds, bool native,
-              const std::string& policy) {
+int bench_job(Target& t, const std::string& op_text, double seconds, bool native) {
   const Op op = parse_op(op_text);
   long done = 0;
   double elapsed = 0;
@@ -368,7 +367,6 @@ int bench_job(Target& t, const std::string& op_text, double seconds, bool native
     const std::string& mnt = t.start({});
     auto c = open_job(mnt, op, "");
     c->run_and_wait("begin\n" + op.body() + "end x3\n");
-    (void)policy;
     const auto t0 = Clock::now();
     write_all(c->fd, "run 1000000\n");
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
@@ -433,11 +431,10 @@ void add_gpu_benches(CLI::App& app, Registry& r) {
   auto job_op = std::make_shared<std::string>("gemm2048");
   auto job_secs = std::make_shared<double>(20.0);
   auto job_native = std::make_shared<bool>(false);
-  auto job_policy = std::make_shared<std::string>("");
   job->add_option("--op", *job_op, "gemmN or spinUSEC");
   job->add_option("--seconds", *job_secs, "How long to run");
   job->add_flag("--native", *job_native, "A native Driver-API process instead of a session");
-  r.add(job, [=](Target& t) { return bench_job(t, *job_op, *job_secs, *job_native, *job_policy); });
+  r.add(job, [=](Target& t) { return bench_job(t, *job_op, *job_secs, *job_native); });
 }
 
 }  // namespace salus::bench
