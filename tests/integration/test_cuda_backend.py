@@ -12,21 +12,14 @@ import time
 
 import pytest
 
-from conftest import Salusd, Session, wait_until
+from conftest import Session, start_on_backend, wait_until
 
 PTX = os.environ.get("SALUS_TEST_CUDA_PTX", "")
 
 
 @pytest.fixture(scope="module")
 def gpu_salusd():
-    d = Salusd(backend="cuda", extra_args=["--cuda-memory-fraction", "0.1"])
-    try:
-        d.start(timeout=60)
-    except RuntimeError as e:
-        text = str(e)
-        if "--backend cuda:" in text:
-            pytest.skip("no CUDA GPU: " + text.split("--backend cuda:", 1)[1].strip().splitlines()[0])
-        raise
+    d = start_on_backend("cuda", extra_args=["--cuda-memory-fraction", "0.1"])
     yield d
     d.stop()
 
