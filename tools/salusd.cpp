@@ -46,6 +46,7 @@ struct Settings {
   int shutdown_grace_ms = 5000;
   salus::vgpu::Quotas quotas;
   std::string transfer_chunk = "16M";
+  std::string segment_cache = "4G";
   unsigned transfers_active = 4;
   bool fuse_debug = false;
   std::string metrics_listen;  // empty: no HTTP endpoint
@@ -86,6 +87,7 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   q.transfers_per_uid = t["quotas"]["transfers_per_uid"].value_or(q.transfers_per_uid);
   s.transfer_chunk = t["transfers"]["chunk"].value_or(s.transfer_chunk);
   s.transfers_active = t["transfers"]["active"].value_or(s.transfers_active);
+  s.segment_cache = t["transfers"]["segment_cache"].value_or(s.segment_cache);
   return std::nullopt;
 }
 
@@ -122,6 +124,9 @@ std::optional<std::string> validate(const Settings& s) {
   if (s.transfers_active < 1 || s.transfers_active > salus::vgpu::TransferEngine::kMaxActive)
     return fmt::format("transfers.active {}: expected 1 to {}", s.transfers_active,
                        salus::vgpu::TransferEngine::kMaxActive);
+  if (!salus::arena::parse_size(s.segment_cache))
+    return fmt::format("transfers.segment_cache '{}': expected a size, e.g. 4G or 0",
+                       s.segment_cache);
   if (s.quotas.transfers_per_uid < 1)
     return std::string("quotas.transfers_per_uid must be at least 1");
   if (s.mount.empty() || s.mount[0] != '/')
@@ -184,6 +189,9 @@ int main(int argc, char** argv) {
                    "Staging block size of upload/download, e.g. 16M (64K to 256M)");
   flags.add_option("--transfers-active", s.transfers_active,
                    "upload/download transfers moving at once per GPU (1 to 16)");
+  flags.add_option("--transfer-segment-cache", s.segment_cache,
+                   "Bytes of shared-memory segments kept mapped (on cuda, pinned) per GPU "
+                   "between a session's transfers, e.g. 4G; 0 maps each for its transfer alone");
   flags.add_option("--cuda-memory-fraction", s.cuda_memory_fraction,
                    "Share of each GPU's free memory salusd reserves for its arena (cuda)");
   flags.add_option("--metrics-listen", s.metrics_listen,
@@ -288,6 +296,7 @@ int main(int argc, char** argv) {
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
   bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
+  bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
   bc.transfers_active = s.transfers_active;
   // Every queued upload/download holds the caller's file open: allow what the
   // hard limit allows rather than the usual 1024.

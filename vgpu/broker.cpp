@@ -84,6 +84,7 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
     TransferEngine::Options to;
     to.chunk = std::max<Bytes>(config_.transfer_chunk, StagingPool::kMinBlock);
     to.max_active = std::clamp(config_.transfers_active, 1u, TransferEngine::kMaxActive);
+    to.segment_cache = config_.segment_cache;
     g->transfers =
         std::make_unique<TransferEngine>(*g->device, *g->staging, to, static_cast<int>(i));
     gpus_.push_back(std::move(g));
@@ -244,8 +245,10 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
   }
   for (auto& [handle, pin] : s.pins)
     if (pin.retired && g) g->device->discard(g->sched.arena().buffer_offset(handle), pin.size);
-  if (g)
+  if (g) {
     for (auto& [name, m] : s.modules) g->device->unload_module(m.handle);
+    g->transfers->forget_session(s.id);
+  }
   if (u.sessions > 0) --u.sessions;
   if (g && g->placed > 0) --g->placed;
   u.queued -= std::min(u.queued, s.queued_instances);

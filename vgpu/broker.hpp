@@ -59,6 +59,8 @@ struct BrokerConfig {
   Bytes transfer_chunk = Bytes{16} << 20;
   unsigned transfers_active = 4;
   Bytes staging_cache = Bytes{64} << 20;
+  // Shared-memory segments kept mapped between a session's transfers, per GPU.
+  Bytes segment_cache = Bytes{4} << 30;
 };
 
 struct BrokerStats {

@@ -72,6 +72,8 @@ int Broker::exec_transfer(Session& s, const TransferCmd& c, PendingWrite& w, std
   job->file_offset = c.source_offset;
   job->device_offset = c.buffer.offset;  // the buffer's own offset is added at the start
   job->length = c.length;
+  job->shm = c.endpoint == TransferCmd::Endpoint::shm;
+  job->session = s.id;
   w.transfer_endpoints.erase(ep);
 
   WorkItem item;

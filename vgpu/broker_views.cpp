@@ -266,6 +266,9 @@ std::string Broker::render_stats() const {
     ts.completed += t.completed;
     ts.failed += t.failed;
     ts.cancelled += t.cancelled;
+    ts.direct += t.direct;
+    ts.segments += t.segments;
+    ts.segment_bytes += t.segment_bytes;
     const auto p = g->staging->stats();
     ss.in_use += p.in_use;
     ss.cached += p.cached;
@@ -275,6 +278,9 @@ std::string Broker::render_stats() const {
   kv("transfers_completed", ts.completed);
   kv("transfers_failed", ts.failed);
   kv("transfers_cancelled", ts.cancelled);
+  kv("transfers_direct", ts.direct);
+  kv("shm_segments_mapped", ts.segments);
+  kv("shm_segment_bytes", ts.segment_bytes);
   kv("staging_bytes_in_use", ss.in_use);
   kv("staging_bytes_cached", ss.cached);
   kv("decisions", decisions);
@@ -389,6 +395,11 @@ std::string Broker::render_metrics() const {
       o += fmt::format("salus_transfers_total{{gpu=\"{}\",result=\"{}\"}} {}\n", g->index, result,
                        n);
   }
+  family("salus_shm_segment_bytes", "gauge",
+         "Shared-memory segments mapped (on cuda, pinned) for direct transfers.");
+  for (const auto& g : gpus_)
+    o += fmt::format("salus_shm_segment_bytes{{gpu=\"{}\"}} {}\n", g->index,
+                     g->transfers->stats().segment_bytes);
   family("salus_staging_bytes", "gauge", "Host staging memory of the data plane.");
   for (const auto& g : gpus_) {
     const auto p = g->staging->stats();

@@ -60,7 +60,10 @@ std::deque<std::string> components(std::string_view path) {
 // O_NONBLOCK keeps a FIFO from blocking, and the type is checked again on the fd.
 int open_regular(int dir, const std::string& name, FileIntent intent, const std::string& shown,
                  CallerFile& out, std::string& why) {
-  const int flags = (intent == FileIntent::read ? O_RDONLY : O_WRONLY) | O_NOCTTY | O_NONBLOCK;
+  const int access = intent == FileIntent::read         ? O_RDONLY
+                     : intent == FileIntent::read_write ? O_RDWR
+                                                        : O_WRONLY;
+  const int flags = access | O_NOCTTY | O_NONBLOCK;
   const int fd = open_step(dir, name, flags);
   if (fd < 0) {
     why = fd == -ELOOP ? fmt::format("{}: became a symlink while being opened", shown)

@@ -26,6 +26,7 @@ enum class FileIntent : std::uint8_t {
   read,            // open an existing regular file for reading
   write,           // open an existing regular file for writing, or find where to create it
   write_existing,  // open an existing regular file for writing; never create
+  read_write,      // open an existing regular file for reading and writing; never create
 };
 
 // What open_caller_file found: an open regular file, or, for `write` to a file

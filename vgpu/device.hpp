@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "arena/size_units.hpp"
+#include "vgpu/host_regions.hpp"
 
 namespace salus::vgpu {
 
@@ -117,6 +118,32 @@ class Device {
     copy_to_host(stream, host, src, length);
   }
 
+  // ---- host regions: another file's pages, copied to and from directly ----
+  // A client's shared-memory segment (upload/download shm:) or a staging block
+  // shared with an executor process. map_region maps `size` bytes of `fd` (the
+  // caller keeps its fd; the mapping holds the pages) and, on cuda, registers
+  // them with the driver so the copies below are plain DMA from the file's own
+  // pages. Returns 0 or an errno with the reason in `why`. The defaults map the
+  // pages into this process (HostRegions) and copy as copy_*_staging would.
+  virtual int map_region(int fd, Bytes size, bool writable, RegionId& out, std::string& why) {
+    return regions_.map(fd, size, writable, out, why);
+  }
+  // Only once every copy involving the region has completed (its notify).
+  virtual void unmap_region(RegionId region) {
+    if (auto r = regions_.remove(region)) HostRegions::unmap(*r);
+  }
+  // Offsets are within the region; an unknown region or a range past its end
+  // throws std::invalid_argument. The region must stay mapped until the next
+  // notify() on the stream completes.
+  virtual void copy_from_region(StreamId stream, DevOffset dst, RegionId region, Bytes offset,
+                                Bytes length) {
+    copy_from_staging(stream, dst, regions_.at(region, offset, length, false), length);
+  }
+  virtual void copy_to_region(StreamId stream, RegionId region, Bytes offset, DevOffset src,
+                              Bytes length) {
+    copy_to_staging(stream, regions_.at(region, offset, length, true), src, length);
+  }
+
   // Asks for sink->on_complete(stream, token, ...) once every op enqueued so far
   // on the stream has finished.
   virtual void notify(StreamId stream, std::uint64_t token) = 0;
@@ -188,6 +215,9 @@ class Device {
     (void)arg_sizes;
     (void)arg_count;
   }
+
+ protected:
+  HostRegions regions_;
 };
 
 }  // namespace salus::vgpu

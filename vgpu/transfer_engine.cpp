@@ -2,7 +2,9 @@
 
 #include <linux/capability.h>
 #include <poll.h>
+#include <fcntl.h>
 #include <sys/eventfd.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -80,6 +82,14 @@ void TransferEngine::cancel(const std::shared_ptr<TransferJob>& job) {
   wake();
 }
 
+void TransferEngine::forget_session(std::uint64_t session) {
+  {
+    std::lock_guard lk(mu_);
+    forgotten_.push_back(session);
+  }
+  wake();
+}
+
 void TransferEngine::stop() {
   std::unique_lock lk(mu_);
   stopping_ = true;
@@ -152,6 +162,7 @@ void TransferEngine::run() {
         fail(a, EIO, fmt::format("{}: internal error: {}", a.job->shown, e.what()));
     }
   }
+  drop_segments(true);  // every transfer is over: nothing copies from them
   for (auto& s : streams_) {
     const std::int64_t id = s.exchange(-1);
     if (id >= 0) device_.destroy_stream(static_cast<StreamId>(id));
@@ -162,14 +173,22 @@ void TransferEngine::run() {
 // One turn of the engine loop; false once it is time to stop.
 bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
   std::vector<DeviceDone> device_done;
+  std::vector<std::uint64_t> forgotten;
   bool stopping = false;
   {
     std::lock_guard lk(mu_);
     for (auto& j : incoming_) waiting_.push_back(std::move(j));
     incoming_.clear();
     device_done.swap(device_done_);
+    forgotten.swap(forgotten_);
     stopping = stopping_;
     if (quit_ && active_.empty() && waiting_.empty()) return false;
+  }
+  if (!forgotten.empty()) {
+    for (Segment& seg : segments_)
+      if (std::find(forgotten.begin(), forgotten.end(), seg.session) != forgotten.end())
+        seg.transient = true;
+    drop_segments(false);
   }
   for (const DeviceDone& d : device_done) on_device_done(d);
   // on_file_done may issue the next pread/pwrite, which lands in sync_done_.
@@ -190,6 +209,29 @@ bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
       continue;
     }
     Active& a = *it;
+    if (a.segment) {
+      // The pages were the file's when the copies began; if the file shrank
+      // meanwhile, some of them were zeros (see HostRegions) or went nowhere.
+      struct stat now {};
+      const Bytes end = a.job->file_offset + a.job->length;
+      if (!a.error && a.finished == a.job->length && ::fstat(a.job->file.fd.get(), &now) == 0 &&
+          static_cast<Bytes>(now.st_size) < end)
+        fail(a, EIO,
+             fmt::format("{}: the segment shrank to {} bytes while it was being copied (the "
+                         "transfer needs {}); nothing it moved can be trusted",
+                         a.job->shown, now.st_size, end));
+      if (!a.job->upload && ::fstat(a.segment->fd.get(), &now) == 0 &&
+          static_cast<Bytes>(now.st_size) == a.segment->size) {
+        // Our own writes through the mapping moved its ctime (tmpfs updates it
+        // on write faults); the pages are the same, so its mappings stay.
+        for (Segment& seg : segments_)
+          if (seg.dev == a.segment->dev && seg.ino == a.segment->ino && seg.size == a.segment->size)
+            seg.ctime_ns = std::int64_t{now.st_ctim.tv_sec} * 1'000'000'000 + now.st_ctim.tv_nsec;
+      }
+      if (a.error) a.segment->transient = true;  // a guard may have replaced its pages
+      release_segment(a.segment);
+      a.segment = nullptr;
+    }
     TransferResult r;
     r.bytes = a.finished;
     r.device_ns = a.device_ns;
@@ -293,6 +335,13 @@ void TransferEngine::start(std::shared_ptr<TransferJob> job) {
                   fmt::format("{}: no device stream for the transfer: {}", a.job->shown, e.what()));
     }
   }
+  if (a.job->shm && !a.job->cancel.load()) {
+    a.segment = acquire_segment(*a.job);
+    if (a.segment) {
+      std::lock_guard lk(mu_);
+      ++stats_.direct;
+    }
+  }
   if (!a.job->upload && !a.job->file.exists() && !a.job->cancel.load()) {
     std::string why;
     if (const int rc = create_caller_file(a.job->who, a.job->file, a.job->shown, why))
@@ -327,6 +376,19 @@ void TransferEngine::pump(Active& a) {
   }
   if (a.error || a.cancelled) return;
   const Bytes length = a.job->length;
+  if (a.segment) {
+    // Straight between the segment's pages and the device: two copies queued
+    // at a time keep the device busy, and cancelling waits for one at most.
+    for (Slot& s : a.slots) {
+      if (s.state != Slot::State::idle || a.next >= length) continue;
+      s.offset = a.next;
+      s.length = std::min(options_.direct_chunk, length - a.next);
+      s.done = 0;
+      a.next += s.length;
+      device_copy(s);
+    }
+    return;
+  }
   for (Slot& s : a.slots) {
     if (s.state != Slot::State::idle || a.next >= length) continue;
     if (!s.block) {
@@ -376,10 +438,17 @@ void TransferEngine::device_copy(Slot& s) {
   s.state = Slot::State::device;
   tokens_[token] = &s;
   try {
-    if (a.job->upload)
+    if (a.segment) {
+      const Bytes at = a.job->file_offset + s.offset;
+      if (a.job->upload)
+        device_.copy_from_region(stream, dev, a.segment->region, at, s.length);
+      else
+        device_.copy_to_region(stream, a.segment->region, at, dev, s.length);
+    } else if (a.job->upload) {
       device_.copy_from_staging(stream, dev, s.block.data(), s.length);
-    else
+    } else {
       device_.copy_to_staging(stream, s.block.data(), dev, s.length);
+    }
     device_.notify(stream, token);
   } catch (const std::exception& e) {
     tokens_.erase(token);
@@ -434,7 +503,7 @@ void TransferEngine::on_device_done(const DeviceDone& d) {
         a, d.status,
         fmt::format("{}: the device copy failed: {}", a.job->shown, std::strerror(d.status)));
   }
-  if (a.job->upload) {
+  if (a.job->upload || a.segment) {
     s.state = Slot::State::idle;
     a.finished += s.length;
     return;
@@ -445,6 +514,106 @@ void TransferEngine::on_device_done(const DeviceDone& d) {
   }
   s.done = 0;
   file_io(s);
+}
+
+// ---------------------------------------------------------------- segments
+
+TransferEngine::Segment* TransferEngine::acquire_segment(const TransferJob& job) {
+  const struct stat& st = job.file.st;
+  const bool writable = !job.upload;
+  const std::int64_t ctime = std::int64_t{st.st_ctim.tv_sec} * 1'000'000'000 + st.st_ctim.tv_nsec;
+  const auto size = static_cast<Bytes>(st.st_size);
+  drop_segments(false);
+  for (Segment& seg : segments_) {
+    if (seg.transient || seg.session != job.session || seg.dev != st.st_dev ||
+        seg.ino != st.st_ino || seg.ctime_ns != ctime || seg.size != size ||
+        (writable && !seg.writable))
+      continue;
+    ++seg.users;
+    seg.last_use = ++use_clock_;
+    return &seg;
+  }
+  const int fd = job.file.fd.get();
+  // A shared writable mapping needs the file open for reading too.
+  if (size == 0 || (writable && (::fcntl(fd, F_GETFL) & O_ACCMODE) != O_RDWR)) return nullptr;
+  bool transient = size > options_.segment_cache;
+  while (!transient && cached_segment_bytes() + size > options_.segment_cache) {
+    auto lru = segments_.end();
+    for (auto it = segments_.begin(); it != segments_.end(); ++it)
+      if (it->users == 0 && (lru == segments_.end() || it->last_use < lru->last_use)) lru = it;
+    if (lru == segments_.end()) {
+      transient = true;  // everything cached is in use
+      break;
+    }
+    device_.unmap_region(lru->region);
+    segments_.erase(lru);
+  }
+  Segment seg;
+  seg.session = job.session;
+  seg.dev = st.st_dev;
+  seg.ino = st.st_ino;
+  seg.ctime_ns = ctime;
+  seg.size = size;
+  seg.writable = writable;
+  seg.transient = transient;
+  seg.fd = UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  std::string why;
+  if (!seg.fd) return nullptr;
+  if (const int err = device_.map_region(fd, size, writable, seg.region, why); err != 0) {
+    spdlog::debug("gpu {}: {} goes through staging: {}", gpu_, job.shown, why);
+    return nullptr;
+  }
+  seg.users = 1;
+  seg.last_use = ++use_clock_;
+  segments_.push_back(std::move(seg));
+  publish_segment_stats();
+  return &segments_.back();
+}
+
+void TransferEngine::release_segment(Segment* seg) {
+  if (seg->users > 0) --seg->users;
+  drop_segments(false);
+}
+
+void TransferEngine::drop_segments(bool everything) {
+  bool dropped = false;
+  for (auto it = segments_.begin(); it != segments_.end();) {
+    bool drop = false;
+    if (it->users == 0) {
+      struct stat now {};
+      const std::int64_t ctime =
+          ::fstat(it->fd.get(), &now) == 0
+              ? std::int64_t{now.st_ctim.tv_sec} * 1'000'000'000 + now.st_ctim.tv_nsec
+              : -1;
+      // Unlinked or changed: holding its pages would keep memory the client
+      // freed, and a new transfer would not find it anyway.
+      drop = everything || it->transient || now.st_nlink == 0 || ctime != it->ctime_ns ||
+             static_cast<Bytes>(now.st_size) != it->size;
+    }
+    if (!drop) {
+      ++it;
+      continue;
+    }
+    device_.unmap_region(it->region);
+    it = segments_.erase(it);
+    dropped = true;
+  }
+  if (dropped) publish_segment_stats();
+}
+
+Bytes TransferEngine::cached_segment_bytes() const {
+  Bytes n = 0;
+  for (const Segment& seg : segments_)
+    if (!seg.transient) n += seg.size;
+  return n;
+}
+
+void TransferEngine::publish_segment_stats() {
+  Bytes bytes = 0;
+  for (const Segment& seg : segments_) bytes += seg.size;
+  std::lock_guard lk(mu_);
+  stats_.segments = static_cast<unsigned>(segments_.size());
+  stats_.segment_bytes = bytes;
 }
 
 }  // namespace salus::vgpu

@@ -24,6 +24,7 @@
 #include "vgpu/caller_files.hpp"
 #include "vgpu/device.hpp"
 #include "vgpu/staging_pool.hpp"
+#include "vgpu/unique_fd.hpp"
 
 namespace salus::vgpu {
 
@@ -43,6 +44,11 @@ struct TransferJob {
   Bytes file_offset = 0;
   DevOffset device_offset = 0;  // set by whoever submits, once the buffer is fixed
   Bytes length = 0;
+  // A shared-memory segment: copied straight between its pages and the device
+  // where the device can map them (no staging), kept mapped for the session's
+  // next transfers.
+  bool shm = false;
+  std::uint64_t session = 0;  // whose mappings may be reused (see forget_session)
   // Called once, on the engine thread, with no engine lock held.
   std::function<void(TransferResult)> done;
 
@@ -57,6 +63,11 @@ class TransferEngine {
     // false: pread/pwrite on the engine thread, what it does anyway where
     // io_uring is unavailable (kept selectable so that path is tested).
     bool io_uring = true;
+    // Shared-memory segments stay mapped (on cuda, pinned) between transfers,
+    // up to this many bytes per GPU; a segment beyond it is mapped for its
+    // transfer alone.
+    Bytes segment_cache = Bytes{4} << 30;
+    Bytes direct_chunk = Bytes{64} << 20;  // bytes per direct copy
   };
   struct Stats {
     unsigned active = 0;
@@ -65,6 +76,9 @@ class TransferEngine {
     std::uint64_t completed = 0;
     std::uint64_t failed = 0;
     std::uint64_t cancelled = 0;
+    std::uint64_t direct = 0;  // transfers copied straight from/to a segment's pages
+    unsigned segments = 0;     // segments mapped now
+    Bytes segment_bytes = 0;   // ... and their size
   };
   static constexpr unsigned kMaxActive = 16;
 
@@ -79,6 +93,8 @@ class TransferEngine {
   // Stops a job soon: no new chunk starts, the ones in flight finish, their
   // staging returns to the pool, and done() gets ECANCELED.
   void cancel(const std::shared_ptr<TransferJob>& job);
+  // The session is gone: its segments are unmapped once no transfer uses them.
+  void forget_session(std::uint64_t session);
   // Cancels everything, waits until it is all over, stops the thread. Idempotent.
   void stop();
 
@@ -92,6 +108,22 @@ class TransferEngine {
 
  private:
   struct Active;
+  // A caller's segment mapped into the device for direct copies.
+  struct Segment {
+    std::uint64_t session = 0;
+    dev_t dev = 0;
+    ino_t ino = 0;
+    // Changes on truncate, chmod and write faults: then mapped anew, since
+    // pinned pages would no longer be the file's after a truncate.
+    std::int64_t ctime_ns = 0;
+    Bytes size = 0;
+    bool writable = false;
+    RegionId region = 0;
+    UniqueFd fd;  // to see whether it was unlinked or changed
+    unsigned users = 0;
+    bool transient = false;  // over the cache limit: unmapped after its transfer
+    std::uint64_t last_use = 0;
+  };
   struct Slot {
     Active* owner = nullptr;
     StagingPool::Block block;
@@ -112,6 +144,7 @@ class TransferEngine {
     bool cancelled = false;
     std::int64_t device_ns = 0;
     std::int64_t started_ns = 0;
+    Segment* segment = nullptr;  // direct: copies from/to its pages, no staging
   };
   struct DeviceDone {
     std::uint64_t token;
@@ -131,6 +164,13 @@ class TransferEngine {
   void fail(Active& a, int err, std::string why);
   bool over(const Active& a) const;
   io_uring_sqe* sqe();
+  Segment* acquire_segment(const TransferJob& job);
+  void release_segment(Segment* seg);
+  // Unmaps idle segments that are transient, changed, unlinked, or (everything)
+  // all of them.
+  void drop_segments(bool everything);
+  Bytes cached_segment_bytes() const;
+  void publish_segment_stats();
   void arm_wakeup();
 
   Device& device_;
@@ -144,6 +184,7 @@ class TransferEngine {
   std::condition_variable quiet_;  // idle_ became true
   std::deque<std::shared_ptr<TransferJob>> incoming_;
   std::vector<DeviceDone> device_done_;
+  std::vector<std::uint64_t> forgotten_;  // sessions that ended
   bool stopping_ = false;  // stop(): cancel everything
   bool idle_ = false;      // stopping and nothing left
   bool quit_ = false;      // the destructor: leave the loop once idle
@@ -162,6 +203,8 @@ class TransferEngine {
   std::uint64_t next_token_ = 1;
   std::vector<std::pair<std::shared_ptr<TransferJob>, TransferResult>> finished_;
   std::vector<std::pair<Slot*, int>> sync_done_;  // pread/pwrite results without a ring
+  std::list<Segment> segments_;
+  std::uint64_t use_clock_ = 0;
 
   std::thread thread_;
 };

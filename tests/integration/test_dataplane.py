@@ -142,6 +142,37 @@ def test_shm_round_trip_with_offsets(session, segments):
     assert s.status()["transfers"] == "0"
 
 
+def test_shm_transfers_are_direct_and_the_segment_stays_mapped_for_the_session(daemon, segments):
+    s = Session(daemon)
+    s.cmd("need persistent=8M ephemeral=1M\nalloc w 4M\n")
+    before = int(stats(daemon)["transfers_direct"])
+    data = pattern(4 * MiB, 11)
+    seg = segments(data)
+    for _ in range(3):
+        s.cmd(f"upload w shm:{seg.name} 4M\nsync\n")
+    assert mem_read(s, "w", 4 * MiB) == data
+    st = stats(daemon)
+    assert int(st["transfers_direct"]) == before + 3, st
+    assert int(st["shm_segments_mapped"]) >= 1 and int(st["shm_segment_bytes"]) >= 4 * MiB, st
+    s.close()
+    # Its mappings (on cuda: pinned pages) go with the session.
+    assert wait_until(lambda: stats(daemon)["shm_segments_mapped"] == "0", 10), stats(daemon)
+
+
+def test_a_segment_that_shrinks_under_a_transfer_fails_it_and_the_daemon_lives(session, segments):
+    s = session
+    s.cmd("need persistent=8M ephemeral=1M\nalloc w 4M\n")
+    seg = segments(pattern(4 * MiB, 12))
+    s.cmd(f"spin 200000\nupload w shm:{seg.name} 4M\n")   # accepted: it is 4M now
+    os.truncate(seg.path, 1000)    # the copy then touches pages that are gone
+    with pytest.raises(OSError) as e:
+        s.wait()
+    assert e.value.errno == errno.EIO
+    assert "shrank" in s.status()["error"], s.status()
+    s.cmd("reset\nfill w 1\n")
+    assert s.wait() == "done 0\n"
+
+
 def test_file_round_trip_and_a_new_files_mode(session, tmp_path):
     s = session
     s.cmd("need persistent=8M ephemeral=1M\nalloc w 2M\n")

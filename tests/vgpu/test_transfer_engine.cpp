@@ -15,6 +15,7 @@
 #include <future>
 #include <mutex>
 #include <random>
+#include <thread>
 
 #include "vgpu/sim/sim_device.hpp"
 
@@ -53,6 +54,9 @@ class TransferEngineTest : public ::testing::Test {
     char tmpl[] = "/tmp/salus-engine-XXXXXX";
     ASSERT_NE(::mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
+    char shm_tmpl[] = "/dev/shm/salus-engine-XXXXXX";  // segments live on tmpfs
+    ASSERT_NE(::mkdtemp(shm_tmpl), nullptr);
+    shm_dir_ = shm_tmpl;
     dev_ = std::make_unique<SimDevice>(0, 64 * kMiB);
     dev_->set_sink(&sink_);
     stream_ = dev_->create_stream();
@@ -65,10 +69,14 @@ class TransferEngineTest : public ::testing::Test {
     pool_.reset();
     dev_.reset();
     fs::remove_all(dir_);
+    fs::remove_all(shm_dir_);
   }
-  void make_engine(Bytes chunk = 64 * kKiB, unsigned active = 2, bool io_uring = true) {
-    engine_ = std::make_unique<TransferEngine>(*dev_, *pool_,
-                                               TransferEngine::Options{chunk, active, io_uring}, 0);
+  void make_engine(Bytes chunk = 64 * kKiB, unsigned active = 2, bool io_uring = true,
+                   Bytes segment_cache = 64 * kMiB) {
+    TransferEngine::Options o{chunk, active, io_uring};
+    o.segment_cache = segment_cache;
+    o.direct_chunk = 256 * kKiB;  // several direct copies per test transfer
+    engine_ = std::make_unique<TransferEngine>(*dev_, *pool_, o, 0);
     sink_.engine = engine_.get();
   }
   static std::vector<char> random_bytes(std::size_t n, unsigned seed) {
@@ -100,11 +108,27 @@ class TransferEngineTest : public ::testing::Test {
   static CallerCredentials root() { return CallerCredentials{}; }
   std::shared_ptr<TransferJob> job(bool upload, const std::string& path, Bytes file_off,
                                    DevOffset dev_off, Bytes length) {
+    return job_as(upload ? FileIntent::read : FileIntent::write, upload, path, file_off, dev_off,
+                  length);
+  }
+  // A shared-memory segment of session `session`, opened as transfer_endpoint
+  // opens one (a download reads and writes it).
+  std::shared_ptr<TransferJob> shm_job(bool upload, const std::string& path, Bytes file_off,
+                                       DevOffset dev_off, Bytes length,
+                                       std::uint64_t session = 7) {
+    auto j = job_as(upload ? FileIntent::read : FileIntent::read_write, upload, path, file_off,
+                    dev_off, length);
+    j->shm = true;
+    j->session = session;
+    j->shown = "shm:" + path;
+    return j;
+  }
+  std::shared_ptr<TransferJob> job_as(FileIntent intent, bool upload, const std::string& path,
+                                      Bytes file_off, DevOffset dev_off, Bytes length) {
     auto j = std::make_shared<TransferJob>();
     j->upload = upload;
     std::string why;
-    const int rc =
-        open_caller_file(root(), path, upload ? FileIntent::read : FileIntent::write, j->file, why);
+    const int rc = open_caller_file(root(), path, intent, j->file, why);
     EXPECT_EQ(rc, 0) << why;
     j->shown = "file:" + path;
     j->file_offset = file_off;
@@ -125,7 +149,15 @@ class TransferEngineTest : public ::testing::Test {
     return f;
   }
 
+  std::string segment(const std::string& name, const std::vector<char>& data) {
+    const std::string p = shm_dir_ + "/" + name;
+    std::ofstream(p, std::ios::binary)
+        .write(data.data(), static_cast<std::streamsize>(data.size()));
+    return p;
+  }
+
   std::string dir_;
+  std::string shm_dir_;
   Sink sink_;
   std::unique_ptr<SimDevice> dev_;
   StreamId stream_ = 0;
@@ -279,6 +311,99 @@ TEST_F(TransferEngineTest, StopCancelsEverythingAndWaits) {
   EXPECT_EQ(pool_->stats().in_use, 0u);
   // A job submitted after stop() is cancelled, not lost.
   EXPECT_EQ(run(job(true, p, 0, 0, kMiB)).error, ECANCELED);
+}
+
+// ---- shared-memory segments: direct copies, no staging
+
+TEST_F(TransferEngineTest, SegmentsAreCopiedDirectlyAndStayMappedForTheSession) {
+  make_engine();
+  const auto data = random_bytes(kMiB + 4321, 20);
+  const auto p = segment("seg", data);
+  auto r = run(shm_job(true, p, 21, 3, data.size() - 21));
+  ASSERT_EQ(r.error, 0) << r.why;
+  EXPECT_EQ(device_bytes(3, data.size() - 21), std::vector<char>(data.begin() + 21, data.end()));
+  EXPECT_EQ(pool_->stats().allocations, 0u) << "no staging was used";
+  auto st = engine_->stats();
+  EXPECT_EQ(st.direct, 1u);
+  EXPECT_EQ(st.segments, 1u);
+  EXPECT_EQ(st.segment_bytes, data.size());
+  // A download of the same segment maps it again, writable; later uploads of it
+  // reuse that mapping.
+  const auto other = random_bytes(300 * kKiB, 21);
+  put_device(2 * kMiB, other);
+  r = run(shm_job(false, p, 1000, 2 * kMiB, other.size()));
+  ASSERT_EQ(r.error, 0) << r.why;
+  r = run(shm_job(true, p, 1000, 4 * kMiB, other.size()));
+  ASSERT_EQ(r.error, 0) << r.why;
+  EXPECT_EQ(device_bytes(4 * kMiB, other.size()), other);
+  st = engine_->stats();
+  EXPECT_EQ(st.direct, 3u);
+  EXPECT_EQ(st.segments, 2u) << "read-only and writable";
+  // Another session never shares them.
+  ASSERT_EQ(run(shm_job(true, p, 0, 0, 10, 8)).error, 0);
+  EXPECT_EQ(engine_->stats().segments, 3u);
+  engine_->forget_session(7);
+  engine_->forget_session(8);
+  for (int i = 0; i < 500 && engine_->stats().segments != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_EQ(engine_->stats().segments, 0u) << "unmapped once their session is gone";
+}
+
+TEST_F(TransferEngineTest, ASegmentThatShrankUnderItsMappingFailsWithEioAndHarmsNothing) {
+  make_engine();
+  const auto p = segment("seg", random_bytes(512 * kKiB, 22));
+  auto j = shm_job(true, p, 0, 0, 512 * kKiB);
+  // After the endpoint checked its size: the copies touch pages that are gone.
+  ASSERT_EQ(::truncate(p.c_str(), 100 * kKiB), 0);
+  const std::uint64_t faults = host_region_faults();
+  const auto r = run(std::move(j));
+  EXPECT_EQ(r.error, EIO);
+  EXPECT_NE(r.why.find("shrank"), std::string::npos) << r.why;
+  EXPECT_GT(host_region_faults(), faults) << "the guard took the SIGBUS";
+  EXPECT_EQ(engine_->stats().segments, 0u) << "a changed segment is not kept";
+  // The engine goes on.
+  const auto data = random_bytes(100 * kKiB, 23);
+  const auto q = segment("seg2", data);
+  ASSERT_EQ(run(shm_job(true, q, 0, 0, data.size())).error, 0);
+  EXPECT_EQ(device_bytes(0, data.size()), data);
+}
+
+TEST_F(TransferEngineTest, ASegmentChangedBetweenTransfersIsMappedAnew) {
+  make_engine();
+  const auto p = segment("seg", random_bytes(256 * kKiB, 24));
+  ASSERT_EQ(run(shm_job(true, p, 0, 0, 256 * kKiB)).error, 0);
+  EXPECT_EQ(engine_->stats().segments, 1u);
+  // Replaced by a new file of the same name: a new mapping, the old one dropped.
+  const auto data = random_bytes(256 * kKiB, 25);
+  fs::remove(p);
+  segment("seg", data);
+  ASSERT_EQ(run(shm_job(true, p, 0, 0, data.size())).error, 0);
+  EXPECT_EQ(device_bytes(0, data.size()), data);
+  EXPECT_EQ(engine_->stats().segments, 1u);
+  EXPECT_EQ(engine_->stats().direct, 2u);
+}
+
+TEST_F(TransferEngineTest, ASegmentOverTheCacheIsMappedForItsTransferAlone) {
+  make_engine(64 * kKiB, 2, true, 0);
+  const auto data = random_bytes(300 * kKiB, 26);
+  const auto p = segment("seg", data);
+  ASSERT_EQ(run(shm_job(true, p, 0, 0, data.size())).error, 0);
+  EXPECT_EQ(device_bytes(0, data.size()), data);
+  EXPECT_EQ(engine_->stats().direct, 1u);
+  EXPECT_EQ(engine_->stats().segments, 0u);
+}
+
+TEST_F(TransferEngineTest, AWriteOnlySegmentGoesThroughStaging) {
+  make_engine();
+  const auto data = random_bytes(200 * kKiB, 27);
+  put_device(0, data);
+  const auto p = segment("seg", std::vector<char>(200 * kKiB, 'z'));
+  auto j = job_as(FileIntent::write_existing, false, p, 0, 0, data.size());
+  j->shm = true;
+  ASSERT_EQ(run(std::move(j)).error, 0);
+  std::ifstream in(p, std::ios::binary);
+  EXPECT_EQ(std::vector<char>((std::istreambuf_iterator<char>(in)), {}), data);
+  EXPECT_EQ(engine_->stats().direct, 0u);
 }
 
 }  // namespace

@@ -761,6 +761,74 @@ void CudaDevice::copy_to_staging(StreamId stream, void* host, DevOffset src, Byt
   check(s, drv_.memcpy_dtoh_async(host, at(src), length, s.handle), "copy to host");
 }
 
+bool CudaDevice::register_host(void* p, Bytes size, bool writable) {
+  const CUresult r = drv_.mem_host_register(p, size, writable ? 0 : CU_MEMHOSTREGISTER_READ_ONLY);
+  if (r != CUDA_SUCCESS)
+    spdlog::warn(
+        "cuda gpu{}: pinning {} bytes of {} host memory failed ({}); its copies take the "
+        "slower pageable path",
+        info_.index, size, writable ? "writable" : "read-only", drv_.error_name(r));
+  return r == CUDA_SUCCESS;
+}
+
+int CudaDevice::map_region(int fd, Bytes size, bool writable, RegionId& out, std::string& why) {
+  if (const int err = regions_.map(fd, size, writable, out, why)) return err;
+  const auto r = regions_.find(out);
+  std::shared_lock ctx(ctx_mu_);
+  if (!dead_.load()) {
+    set_current();
+    regions_.set_pinned(out, register_host(r->base, r->size, r->writable), generation_.load());
+  }
+  return 0;
+}
+
+void CudaDevice::unmap_region(RegionId region) {
+  const auto r = regions_.remove(region);
+  if (!r) return;
+  if (r->pinned) {
+    std::shared_lock ctx(ctx_mu_);
+    if (!dead_.load() && r->pin_generation == generation_.load()) {
+      set_current();
+      drv_.mem_host_unregister(r->base);
+    }
+  }
+  HostRegions::unmap(*r);
+}
+
+bool CudaDevice::region_pinned(RegionId region) {
+  const auto r = regions_.find(region);
+  if (!r) return false;
+  if (r->pin_generation == generation_.load()) return r->pinned;
+  // Registered with a context a fault recovery replaced: register again. The
+  // region is in use by the caller, so nobody unmaps it meanwhile.
+  std::shared_lock ctx(ctx_mu_);
+  if (dead_.load()) return false;
+  set_current();
+  const bool pinned = register_host(r->base, r->size, r->writable);
+  regions_.set_pinned(region, pinned, generation_.load());
+  return pinned;
+}
+
+void CudaDevice::copy_from_region(StreamId stream, DevOffset dst, RegionId region, Bytes offset,
+                                  Bytes length) {
+  const char* host = regions_.at(region, offset, length, false);
+  if (!region_pinned(region)) return copy_from_host(stream, dst, host, length);
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s) || length == 0) return;
+  check(s, drv_.memcpy_htod_async(at(dst), host, length, s.handle), "copy from host");
+}
+
+void CudaDevice::copy_to_region(StreamId stream, RegionId region, Bytes offset, DevOffset src,
+                                Bytes length) {
+  char* host = regions_.at(region, offset, length, true);
+  if (!region_pinned(region)) return copy_to_host(stream, host, src, length);
+  OpScope op(*this, stream);
+  Stream& s = op.stream();
+  if (!begin_op(s) || length == 0) return;
+  check(s, drv_.memcpy_dtoh_async(host, at(src), length, s.handle), "copy to host");
+}
+
 void CudaDevice::notify(StreamId stream, std::uint64_t token) {
   OpScope op(*this, stream);
   Stream& s = op.stream();

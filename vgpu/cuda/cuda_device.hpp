@@ -82,6 +82,15 @@ class CudaDevice final : public Device {
   void free_staging(void* block, Bytes size) override;
   void copy_from_staging(StreamId stream, DevOffset dst, const void* host, Bytes length) override;
   void copy_to_staging(StreamId stream, void* host, DevOffset src, Bytes length) override;
+  // Regions are registered too (read-only ones with CU_MEMHOSTREGISTER_READ_ONLY),
+  // renewed after a recovery like staging; a region the driver will not
+  // register is still copied, through the pageable path.
+  int map_region(int fd, Bytes size, bool writable, RegionId& out, std::string& why) override;
+  void unmap_region(RegionId region) override;
+  void copy_from_region(StreamId stream, DevOffset dst, RegionId region, Bytes offset,
+                        Bytes length) override;
+  void copy_to_region(StreamId stream, RegionId region, Bytes offset, DevOffset src,
+                      Bytes length) override;
   // Records the interval's end event (and a host-function wake-up); device_ns is
   // cuEventElapsedTime from the event recorded before the interval's first op.
   void notify(StreamId stream, std::uint64_t token) override;
@@ -219,6 +228,10 @@ class CudaDevice final : public Device {
   // Whether [host, host+length) lies in a staging block registered with the
   // current context (re-registering it after a recovery).
   bool staging_pinned(const void* host, Bytes length);
+  // The same for a host region; false when its copies must take the pageable path.
+  bool region_pinned(RegionId region);
+  // cuMemHostRegister with the context current; whether it took.
+  bool register_host(void* p, Bytes size, bool writable);
   PinnedBlock acquire_pinned(Bytes size);
   void release_pinned(PinnedBlock b);
   void release_interval(Interval& iv);  // events and blocks back to the pools

@@ -201,6 +201,14 @@ class Executor final : public CompletionSink {
     dev_ = std::move(d);
     raw_ = dev_.get();
     dev_->set_sink(this);
+    // The shared staging area as a region of the device: host copies then go
+    // straight between it and the GPU (DMA on cuda), with no copy in between.
+    std::string why;
+    if (const int err = dev_->map_region(opts_.staging_fd, opts_.staging_size, true,
+                                         staging_region_, why)) {
+      spdlog::warn("host copies go through the device's own buffers: {}", why);
+      staging_region_ = 0;
+    }
   }
   Device* device() { return dev_.get(); }
   // Drains every stream (their completions go out) and closes the device.
@@ -350,7 +358,12 @@ class Executor final : public CompletionSink {
           note_error(m.stream, EINVAL);
           break;
         }
-        if (auto s = stream(m.stream)) d.copy_to_host(*s, staging_ + m.slot, m.src, m.length);
+        if (auto s = stream(m.stream)) {
+          if (staging_region_ != 0)
+            d.copy_to_region(*s, staging_region_, m.slot, m.src, m.length);
+          else
+            d.copy_to_host(*s, staging_ + m.slot, m.src, m.length);
+        }
         break;
       }
       case Msg::copy_from_host: {
@@ -360,7 +373,60 @@ class Executor final : public CompletionSink {
           note_error(m.stream, EINVAL);
           break;
         }
-        if (auto s = stream(m.stream)) d.copy_from_host(*s, m.dst, staging_ + m.slot, m.length);
+        if (auto s = stream(m.stream)) {
+          if (staging_region_ != 0)
+            d.copy_from_region(*s, m.dst, staging_region_, m.slot, m.length);
+          else
+            d.copy_from_host(*s, m.dst, staging_ + m.slot, m.length);
+        }
+        break;
+      }
+      case Msg::map_region: {
+        MapRegionMsg m;
+        if (!decode(body, size, m)) break;
+        std::string why;
+        int status = 0;
+        RegionId inner = 0;
+        if (fd < 0) {
+          status = EINVAL;
+          why = "the region's file did not arrive";
+        } else {
+          status = d.map_region(fd, m.size, m.writable != 0, inner, why);
+        }
+        if (status == 0) {
+          if (auto old = regions_.find(m.region); old != regions_.end())
+            d.unmap_region(old->second.inner);
+          regions_[m.region] = MappedRegion{inner, m.size, m.writable != 0};
+        }
+        reply(m.request, status, why);
+        break;
+      }
+      case Msg::unmap_region: {
+        UnmapRegionMsg m;
+        if (!decode(body, size, m)) break;
+        if (auto it = regions_.find(m.region); it != regions_.end()) {
+          d.unmap_region(it->second.inner);
+          regions_.erase(it);
+        }
+        break;
+      }
+      case Msg::copy_from_region:
+      case Msg::copy_to_region: {
+        RegionCopyMsg m;
+        if (!decode(body, size, m)) break;
+        const bool in = type == Msg::copy_from_region;
+        const auto it = regions_.find(m.region);
+        if (it == regions_.end() || m.offset > it->second.size ||
+            m.length > it->second.size - m.offset || (!in && !it->second.writable)) {
+          note_error(m.stream, EINVAL);
+          break;
+        }
+        if (auto s = stream(m.stream)) {
+          if (in)
+            d.copy_from_region(*s, m.device, it->second.inner, m.offset, m.length);
+          else
+            d.copy_to_region(*s, it->second.inner, m.offset, m.device, m.length);
+        }
         break;
       }
       case Msg::notify: {
@@ -496,6 +562,13 @@ class Executor final : public CompletionSink {
   std::unordered_map<ModuleHandle, ModuleHandle> modules_;
   std::unordered_map<FunctionHandle, FunctionHandle> functions_;
   std::vector<std::uint32_t> arg_sizes_;
+  struct MappedRegion {
+    RegionId inner;  // the device's id
+    Bytes size;
+    bool writable;
+  };
+  std::unordered_map<RegionId, MappedRegion> regions_;  // by salusd's id
+  RegionId staging_region_ = 0;                         // the shared staging area
   std::int64_t last_busy_ = -1;
   std::mutex override_mu_;
   std::unordered_map<std::uint64_t, int> overrides_;  // ticket -> status

@@ -15,7 +15,7 @@ namespace salus::vgpu::executor {
 
 // Both ends are the same binary (salusd re-executes itself), so the version
 // only guards against a salusd replaced on disk while it runs.
-constexpr std::uint32_t kProtocolVersion = 1;
+constexpr std::uint32_t kProtocolVersion = 2;
 // Largest datagram either side sends. Requests are batched up to this size; a
 // launch's arguments (64 at most, see the command parser) and a get_function
 // reply (up to 4096 parameter sizes) fit with room to spare.
@@ -40,6 +40,10 @@ enum class Msg : std::uint16_t {
   get_function,
   launch,
   shutdown,  // drain, then exit 0
+  map_region,  // a file's pages for direct copies: the fd comes alone in its datagram
+  unmap_region,
+  copy_from_region,
+  copy_to_region,
   // executor -> salusd
   hello = 64,  // first message: the device, or why it could not be opened
   reply,       // to destroy_stream, load_module, get_function
@@ -128,6 +132,24 @@ struct LaunchMsg {
   LaunchDims dims;
   std::uint32_t arg_count;
   std::uint32_t arg_bytes;
+};
+
+// Replied to. Region ids are salusd's, like stream ids.
+struct MapRegionMsg {
+  std::uint64_t request;
+  RegionId region;
+  std::uint32_t writable;
+  Bytes size;
+};
+struct UnmapRegionMsg {
+  RegionId region;
+};
+struct RegionCopyMsg {  // copy_from_region and copy_to_region
+  StreamId stream;
+  RegionId region;
+  Bytes offset;  // within the region
+  DevOffset device;
+  Bytes length;
 };
 
 // ---- executor -> salusd

@@ -151,6 +151,7 @@ RemoteDevice::~RemoteDevice() {
   if (io_.joinable()) io_.join();
   for (auto& [h, m] : modules_)
     if (m.memfd >= 0) ::close(m.memfd);
+  for (auto& [id, r] : regions_by_id_) ::close(r.fd);
   if (staging_ != nullptr) ::munmap(staging_, opts_.staging_bytes);
   if (staging_fd_ >= 0) ::close(staging_fd_);
   if (wake_fd_ >= 0) ::close(wake_fd_);
@@ -326,8 +327,57 @@ bool RemoteDevice::restore(Child& c, std::string& why) {
     }
     if (s.fd >= 0) ::close(s.fd);
   }
-  if (!ok) why = "restoring modules: " + why;
-  return ok;
+  if (!ok) {
+    why = "restoring modules: " + why;
+    return false;
+  }
+  return restore_regions(c, request, why);
+}
+
+bool RemoteDevice::restore_regions(Child& c, std::uint64_t& request, std::string& why) {
+  struct Snapshot {
+    RegionId id;
+    int fd;  // a dup: an unmap meanwhile must not close it under us
+    Bytes size;
+    bool writable;
+  };
+  std::vector<Snapshot> regions;
+  {
+    std::lock_guard lk(mu_);
+    for (const auto& [id, r] : regions_by_id_)
+      regions.push_back(Snapshot{id, ::fcntl(r.fd, F_DUPFD_CLOEXEC, 0), r.size, r.writable});
+  }
+  bool ok = true;
+  std::vector<RegionId> lost;
+  for (const Snapshot& r : regions) {
+    if (ok && r.fd >= 0) {
+      RecordWriter w;
+      const std::uint64_t req = request++;
+      w.put(Msg::map_region, MapRegionMsg{req, r.id, r.writable ? 1u : 0u, r.size});
+      Reply reply;
+      if (const int err = send_with_fd(c.socket, w, r.fd); err != 0) {
+        why = fmt::format("sending host region {}: {}", r.id, std::strerror(err));
+        ok = false;
+      } else if (!await_reply(c.socket, req, reply, why)) {
+        ok = false;
+      } else if (reply.status != 0) {
+        spdlog::error("gpu {}: host region {} did not map into the new executor: {}", opts_.index,
+                      r.id, reply.why);
+        lost.push_back(r.id);
+      }
+    } else if (r.fd < 0) {
+      lost.push_back(r.id);
+    }
+    if (r.fd >= 0) ::close(r.fd);
+  }
+  if (!ok) {
+    why = "restoring host regions: " + why;
+    return false;
+  }
+  std::lock_guard lk(mu_);
+  for (RegionId id : lost)
+    if (auto it = regions_by_id_.find(id); it != regions_by_id_.end()) it->second.lost = true;
+  return true;
 }
 
 bool RemoteDevice::await_reply(int socket, std::uint64_t request, Reply& out, std::string& why) {
@@ -1104,6 +1154,150 @@ int RemoteDevice::load_module(const std::vector<std::uint8_t>& image, ModuleHand
   m.size = image.size();
   out = h;
   return 0;
+}
+
+int RemoteDevice::map_region(int fd, Bytes size, bool writable, RegionId& out, std::string& why) {
+  if (size == 0) {
+    why = "an empty region";
+    return EINVAL;
+  }
+  const int own = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) {
+    const int err = errno;
+    why = fmt::format("keeping the region's file: {}", std::strerror(err));
+    return err;
+  }
+  std::unique_lock sync(sync_mu_);
+  std::unique_lock lk(mu_);
+  auto refuse = [&](int err, std::string text) {
+    ::close(own);
+    why = std::move(text);
+    return err;
+  };
+  if (state_ == State::unusable)
+    return refuse(ENODEV, "the GPU is out of service: " + unusable_why_);
+  if (state_ != State::running)
+    return refuse(EAGAIN, "the GPU's executor is being restarted after it was lost");
+  while (next_region_ == 0 || regions_by_id_.count(next_region_)) ++next_region_;
+  const RegionId id = next_region_++;
+  const std::uint64_t req = next_request_++;
+  flush();  // the fd travels alone with its record
+  RecordWriter w;
+  w.put(Msg::map_region, MapRegionMsg{req, id, writable ? 1u : 0u, size});
+  if (const int err = send_with_fd(child_.socket, w, own); err != 0)
+    return refuse(EIO, fmt::format("sending the region to the executor: {}", std::strerror(err)));
+  Reply r;
+  if (const int err = sync_call(lk, req, r, why); err != 0) {
+    ::close(own);
+    return err;
+  }
+  if (r.status != 0) return refuse(r.status, r.why);
+  regions_by_id_[id] = Region{own, size, writable, false};
+  out = id;
+  return 0;
+}
+
+void RemoteDevice::unmap_region(RegionId region) {
+  std::lock_guard lk(mu_);
+  const auto it = regions_by_id_.find(region);
+  if (it == regions_by_id_.end()) return;
+  ::close(it->second.fd);
+  regions_by_id_.erase(it);
+  // A new executor never hears of it; this one drops it after the copies sent before.
+  if (state_ == State::running) put(Msg::unmap_region, UnmapRegionMsg{region});
+}
+
+void RemoteDevice::region_copy(Msg type, StreamId stream, RegionId region, Bytes offset,
+                               DevOffset device, Bytes length) {
+  std::lock_guard lk(mu_);
+  const auto it = regions_by_id_.find(region);
+  if (it == regions_by_id_.end())
+    throw std::invalid_argument(fmt::format("gpu{}: no host region {}", opts_.index, region));
+  const Region& r = it->second;
+  if (offset > r.size || length > r.size - offset)
+    throw std::invalid_argument(fmt::format("gpu{}: +{} len {} is past host region {} ({} bytes)",
+                                            opts_.index, offset, length, region, r.size));
+  if (type == Msg::copy_to_region && !r.writable)
+    throw std::invalid_argument(
+        fmt::format("gpu{}: host region {} is read-only", opts_.index, region));
+  Stream& s = op_stream(stream);
+  if (!begin_op(s) || length == 0) return;
+  if (r.lost) return doom(s, EIO);
+  if (!put(type, RegionCopyMsg{stream, region, offset, device, length})) doom(s, EIO);
+}
+
+void RemoteDevice::copy_from_region(StreamId stream, DevOffset dst, RegionId region, Bytes offset,
+                                    Bytes length) {
+  region_copy(Msg::copy_from_region, stream, region, offset, dst, length);
+}
+
+void RemoteDevice::copy_to_region(StreamId stream, RegionId region, Bytes offset, DevOffset src,
+                                  Bytes length) {
+  region_copy(Msg::copy_to_region, stream, region, offset, src, length);
+}
+
+void* RemoteDevice::alloc_staging(Bytes size) {
+  const int fd = ::memfd_create("salus-staging", MFD_CLOEXEC);
+  if (fd < 0) return nullptr;
+  void* p = MAP_FAILED;
+  if (::ftruncate(fd, static_cast<off_t>(size)) == 0)
+    p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    ::close(fd);
+    return nullptr;
+  }
+  RegionId region = 0;
+  std::string why;
+  if (map_region(fd, size, true, region, why) != 0) {
+    spdlog::debug("gpu {}: a {}-byte staging block is not shared with the executor: {}",
+                  opts_.index, size, why);
+    region = 0;
+  }
+  ::close(fd);
+  std::lock_guard lk(staging_mu_);
+  staging_blocks_[reinterpret_cast<std::uintptr_t>(p)] = StagingBlock{size, region};
+  return p;
+}
+
+void RemoteDevice::free_staging(void* block, Bytes size) {
+  if (block == nullptr) return;
+  RegionId region = 0;
+  {
+    std::lock_guard lk(staging_mu_);
+    if (auto it = staging_blocks_.find(reinterpret_cast<std::uintptr_t>(block));
+        it != staging_blocks_.end()) {
+      region = it->second.region;
+      staging_blocks_.erase(it);
+    }
+  }
+  if (region != 0) unmap_region(region);
+  ::munmap(block, size);
+}
+
+RegionId RemoteDevice::staging_region(const void* host, Bytes length, Bytes& offset) {
+  const auto at = reinterpret_cast<std::uintptr_t>(host);
+  std::lock_guard lk(staging_mu_);
+  auto it = staging_blocks_.upper_bound(at);
+  if (it == staging_blocks_.begin()) return 0;
+  --it;
+  if (at + length > it->first + it->second.size) return 0;
+  offset = at - it->first;
+  return it->second.region;
+}
+
+void RemoteDevice::copy_from_staging(StreamId stream, DevOffset dst, const void* host,
+                                     Bytes length) {
+  Bytes offset = 0;
+  if (const RegionId r = staging_region(host, length, offset); r != 0)
+    return copy_from_region(stream, dst, r, offset, length);
+  copy_from_host(stream, dst, host, length);
+}
+
+void RemoteDevice::copy_to_staging(StreamId stream, void* host, DevOffset src, Bytes length) {
+  Bytes offset = 0;
+  if (const RegionId r = staging_region(host, length, offset); r != 0)
+    return copy_to_region(stream, r, offset, src, length);
+  copy_to_host(stream, host, src, length);
 }
 
 void RemoteDevice::unload_module(ModuleHandle module) {

@@ -83,6 +83,23 @@ class RemoteDevice final : public Device {
   // area is full.
   void copy_to_host(StreamId stream, void* host, DevOffset src, Bytes length) override;
   void copy_from_host(StreamId stream, DevOffset dst, const void* host, Bytes length) override;
+  // Staging blocks are memfd pages mapped here and, as regions, in the
+  // executor: copies to and from them go straight to the device there (DMA on
+  // cuda), with no pass through the staging area. A block the executor could
+  // not map (it was being restarted) falls back to copy_*_host.
+  void* alloc_staging(Bytes size) override;
+  void free_staging(void* block, Bytes size) override;
+  void copy_from_staging(StreamId stream, DevOffset dst, const void* host, Bytes length) override;
+  void copy_to_staging(StreamId stream, void* host, DevOffset src, Bytes length) override;
+  // The fd is passed to the executor, which maps (and on cuda pins) it; a copy
+  // of the fd is kept so that every new executor maps it again. EAGAIN while an
+  // executor is being restarted, ENODEV once the GPU is out of service.
+  int map_region(int fd, Bytes size, bool writable, RegionId& out, std::string& why) override;
+  void unmap_region(RegionId region) override;
+  void copy_from_region(StreamId stream, DevOffset dst, RegionId region, Bytes offset,
+                        Bytes length) override;
+  void copy_to_region(StreamId stream, RegionId region, Bytes offset, DevOffset src,
+                      Bytes length) override;
   // Sends the requests built since the last send (inside begin_batch and
   // end_batch: at end_batch), the whole interval in one datagram.
   void notify(StreamId stream, std::uint64_t token) override;
@@ -174,6 +191,16 @@ class RemoteDevice final : public Device {
     std::string why;
     std::vector<std::uint32_t> param_sizes;
   };
+  struct Region {
+    int fd = -1;  // our own copy, for the next executor
+    Bytes size = 0;
+    bool writable = false;
+    bool lost = false;  // a new executor could not map it: its copies fail with EIO
+  };
+  struct StagingBlock {
+    Bytes size = 0;
+    RegionId region = 0;  // 0: not mapped in the executor
+  };
   struct Child {
     pid_t pid = -1;
     int socket = -1;
@@ -186,6 +213,11 @@ class RemoteDevice final : public Device {
   // left behind.
   bool start_child(std::string& why, bool first);
   bool restore(Child& c, std::string& why);
+  bool restore_regions(Child& c, std::uint64_t& request, std::string& why);
+  void region_copy(Msg type, StreamId stream, RegionId region, Bytes offset, DevOffset device,
+                   Bytes length);
+  // The region of the staging block holding [host, host+length), or 0.
+  RegionId staging_region(const void* host, Bytes length, Bytes& offset);
   bool await_reply(int socket, std::uint64_t request, Reply& out, std::string& why);
   void io_loop();
   bool read_socket();  // false: the executor is gone
@@ -235,6 +267,8 @@ class RemoteDevice final : public Device {
   std::vector<std::unique_ptr<Stream>> streams_;  // index = StreamId; null = free
   std::map<ModuleHandle, Module> modules_;
   ModuleHandle next_module_ = 1;
+  std::map<RegionId, Region> regions_by_id_;
+  RegionId next_region_ = 1;
   std::uint64_t next_ticket_ = 1;
   std::uint64_t next_request_ = 1;
   Reply reply_;                        // the last reply to a caller's request
@@ -256,6 +290,9 @@ class RemoteDevice final : public Device {
   std::chrono::steady_clock::time_point restart_at_;
   std::int64_t busy_base_ = 0;  // busy time of executors before the current one
   std::int64_t busy_last_ = 0;  // the current executor's last report
+
+  std::mutex staging_mu_;  // never held while taking mu_ or sync_mu_
+  std::map<std::uintptr_t, StagingBlock> staging_blocks_;  // by address
 
   std::mutex sync_mu_;  // one synchronous request at a time
   std::thread io_;      // last: starts once everything above exists
