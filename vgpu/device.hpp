@@ -118,6 +118,15 @@ class Device {
     copy_to_host(stream, host, src, length);
   }
 
+  // Device memory this process can address directly (the sim backend's is host
+  // memory), or nullptr. The data plane then reads and writes files straight
+  // into it: nothing else touches a buffer while its transfer runs.
+  virtual char* host_view(DevOffset offset, Bytes length) {
+    (void)offset;
+    (void)length;
+    return nullptr;
+  }
+
   // ---- host regions: another file's pages, copied to and from directly ----
   // A client's shared-memory segment (upload/download shm:) or a staging block
   // shared with an executor process. map_region maps `size` bytes of `fd` (the

@@ -342,6 +342,8 @@ void TransferEngine::start(std::shared_ptr<TransferJob> job) {
       ++stats_.direct;
     }
   }
+  if (!a.segment && options_.device_view)
+    a.view = device_.host_view(a.job->device_offset, a.job->length);
   if (!a.job->upload && !a.job->file.exists() && !a.job->cancel.load()) {
     std::string why;
     if (const int rc = create_caller_file(a.job->who, a.job->file, a.job->shown, why))
@@ -389,6 +391,19 @@ void TransferEngine::pump(Active& a) {
     }
     return;
   }
+  if (a.view) {
+    // Files straight into and out of device memory: two reads or writes in flight.
+    for (Slot& s : a.slots) {
+      if (s.state != Slot::State::idle || a.next >= length) continue;
+      s.offset = a.next;
+      s.length = std::min(options_.chunk, length - a.next);
+      s.done = 0;
+      s.cancel_sent = false;
+      a.next += s.length;
+      file_io(s);
+    }
+    return;
+  }
   for (Slot& s : a.slots) {
     if (s.state != Slot::State::idle || a.next >= length) continue;
     if (!s.block) {
@@ -414,7 +429,7 @@ void TransferEngine::file_io(Slot& s) {
   const TransferJob& job = *s.owner->job;
   const int fd = job.file.fd.get();
   const auto off = static_cast<off_t>(job.file_offset + s.offset + s.done);
-  char* p = s.block.data() + s.done;
+  char* p = (s.owner->view ? s.owner->view + s.offset : s.block.data()) + s.done;
   const auto n = static_cast<std::size_t>(s.length - s.done);
   s.state = Slot::State::file;
   if (ring_ok_) {
@@ -473,10 +488,16 @@ void TransferEngine::on_file_done(Slot& s, int res) {
   if (res == 0) {
     s.state = Slot::State::idle;
     if (stop) return;
+    // With reads of later chunks in flight, this one may be past the new end:
+    // report where the file ends now.
+    struct stat now {};
+    const Bytes ended = job.upload && ::fstat(job.file.fd.get(), &now) == 0
+                            ? std::min(at, static_cast<Bytes>(now.st_size))
+                            : at;
     return fail(a, EIO,
                 job.upload ? fmt::format("{}: ended at byte {}, short of the {} bytes asked; it "
                                          "shrank after the command was accepted",
-                                         job.shown, at, job.file_offset + job.length)
+                                         job.shown, ended, job.file_offset + job.length)
                            : fmt::format("{}: writing at byte {} made no progress", job.shown, at));
   }
   s.done += static_cast<Bytes>(res);
@@ -485,7 +506,7 @@ void TransferEngine::on_file_done(Slot& s, int res) {
     return;
   }
   if (s.done < s.length) return file_io(s);  // a short read or write: the rest
-  if (job.upload) return device_copy(s);
+  if (job.upload && !a.view) return device_copy(s);
   s.state = Slot::State::idle;
   a.finished += s.length;
 }

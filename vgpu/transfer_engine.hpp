@@ -68,6 +68,10 @@ class TransferEngine {
     // transfer alone.
     Bytes segment_cache = Bytes{4} << 30;
     Bytes direct_chunk = Bytes{64} << 20;  // bytes per direct copy
+    // Files go straight into device memory the device lets this process
+    // address (sim); false: through staging, as on cuda (kept selectable so
+    // that path is tested on sim).
+    bool device_view = true;
   };
   struct Stats {
     unsigned active = 0;
@@ -145,6 +149,7 @@ class TransferEngine {
     std::int64_t device_ns = 0;
     std::int64_t started_ns = 0;
     Segment* segment = nullptr;  // direct: copies from/to its pages, no staging
+    char* view = nullptr;        // device memory in reach: file I/O straight into it
   };
   struct DeviceDone {
     std::uint64_t token;

@@ -71,10 +71,12 @@ class TransferEngineTest : public ::testing::Test {
     fs::remove_all(dir_);
     fs::remove_all(shm_dir_);
   }
+  // Files go through staging unless `view`: the path every backend but sim takes.
   void make_engine(Bytes chunk = 64 * kKiB, unsigned active = 2, bool io_uring = true,
-                   Bytes segment_cache = 64 * kMiB) {
+                   Bytes segment_cache = 64 * kMiB, bool view = false) {
     TransferEngine::Options o{chunk, active, io_uring};
     o.segment_cache = segment_cache;
+    o.device_view = view;
     o.direct_chunk = 256 * kKiB;  // several direct copies per test transfer
     engine_ = std::make_unique<TransferEngine>(*dev_, *pool_, o, 0);
     sink_.engine = engine_.get();
@@ -404,6 +406,45 @@ TEST_F(TransferEngineTest, AWriteOnlySegmentGoesThroughStaging) {
   std::ifstream in(p, std::ios::binary);
   EXPECT_EQ(std::vector<char>((std::istreambuf_iterator<char>(in)), {}), data);
   EXPECT_EQ(engine_->stats().direct, 0u);
+}
+
+// ---- files straight into device memory the engine can address (sim)
+
+TEST_F(TransferEngineTest, FilesGoStraightIntoAddressableDeviceMemory) {
+  make_engine(64 * kKiB, 2, true, 64 * kMiB, true);
+  const auto data = random_bytes(kMiB + 999, 30);
+  const auto p = write_file("src", data);
+  auto r = run(job(true, p, 7, 4096 + 1, data.size() - 7));
+  ASSERT_EQ(r.error, 0) << r.why;
+  EXPECT_EQ(device_bytes(4096 + 1, data.size() - 7), std::vector<char>(data.begin() + 7, data.end()));
+  const std::string dst = dir_ + "/dst";
+  r = run(job(false, dst, 0, 4096 + 1, data.size() - 7));
+  ASSERT_EQ(r.error, 0) << r.why;
+  std::ifstream in(dst, std::ios::binary);
+  EXPECT_EQ(std::vector<char>((std::istreambuf_iterator<char>(in)), {}),
+            std::vector<char>(data.begin() + 7, data.end()));
+  EXPECT_EQ(pool_->stats().allocations, 0u) << "no staging was used";
+  // A source that shrank fails as on the staging path.
+  auto shrunk = job(true, p, 0, 0, data.size());
+  ASSERT_EQ(::truncate(p.c_str(), 1000), 0);
+  r = run(std::move(shrunk));
+  EXPECT_EQ(r.error, EIO);
+  EXPECT_NE(r.why.find("ended at byte 1000"), std::string::npos) << r.why;
+  // Past the end of device memory there is no view: staging, and the device's EFAULT.
+  const auto q = write_file("q", random_bytes(256 * kKiB, 31));
+  EXPECT_EQ(run(job(true, q, 0, 64 * kMiB - 64 * kKiB, 256 * kKiB)).error, EFAULT);
+}
+
+TEST_F(TransferEngineTest, CancelStopsADirectFileTransferSoon) {
+  make_engine(64 * kKiB, 1, true, 64 * kMiB, true);
+  const auto p = write_file("src", random_bytes(32 * kMiB, 32));
+  auto j = job(true, p, 0, 0, 32 * kMiB);
+  auto f = submit(j);
+  engine_->cancel(j);
+  ASSERT_EQ(f.wait_for(30s), std::future_status::ready);
+  const auto r = f.get();
+  EXPECT_TRUE(r.error == ECANCELED || r.error == 0) << r.error;
+  EXPECT_EQ(engine_->stats().active, 0u);
 }
 
 }  // namespace

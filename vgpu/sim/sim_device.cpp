@@ -206,6 +206,11 @@ int SimDevice::get_function(ModuleHandle module, const std::string& name, Functi
   return 0;
 }
 
+char* SimDevice::host_view(DevOffset offset, Bytes length) {
+  if (offset > memory_.size() || length > memory_.size() - offset) return nullptr;
+  return reinterpret_cast<char*>(memory_.data()) + offset;
+}
+
 std::uint64_t SimDevice::device_address(DevOffset offset) const {
   return reinterpret_cast<std::uintptr_t>(memory_.data()) + offset;
 }

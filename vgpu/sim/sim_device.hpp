@@ -75,6 +75,8 @@ class SimDevice final : public Device {
                    std::vector<std::uint32_t>& param_sizes, std::string& why) override;
   // A host pointer into the simulated device memory.
   std::uint64_t device_address(DevOffset offset) const override;
+  // The same, for the data plane; nullptr for a range past the end.
+  char* host_view(DevOffset offset, Bytes length) override;
   // Runs the kernel once on the stream's thread. An unknown function, zero
   // dimensions or arguments that contradict the signature complete with EINVAL.
   void launch(StreamId stream, FunctionHandle function, const LaunchDims& dims,
