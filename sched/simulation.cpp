@@ -83,6 +83,7 @@ struct Job {
   std::uint64_t done = 0;
   std::uint32_t gpu = 0;
   std::optional<LaneId> lane;
+  TimeNs admit = -1;
   TimeNs start = -1;
   TimeNs finish = -1;
   std::int64_t device_ns = 0;
@@ -201,6 +202,7 @@ class Engine {
   void complete(std::uint32_t g, TimeNs t);
   void replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end);
   void boundary(std::uint32_t g, LaneId lane, TimeNs t);
+  void depart(std::uint32_t g, SessionId id, TimeNs t);
   void plan(Gpu& gpu, LaneState& ls);
   std::uint64_t forecast_one(Gpu& gpu, const LaneState& ls, const Job& j, TimeNs t0);
   void forecast_turns(Gpu& gpu, LaneState& ls);
@@ -224,7 +226,9 @@ class Engine {
   std::deque<std::size_t> cluster_queue_;  // exclusive placement: jobs without a GPU
   std::priority_queue<HeapEntry, std::vector<HeapEntry>, std::greater<>> heap_;
   std::vector<LaneId> started_;  // scratch for dispatch()
-  std::vector<Keyed> turns_;     // scratch heap for forecast_turns()
+  // Jobs whose last iteration ended this instant; they leave after its decisions.
+  std::vector<std::pair<std::uint32_t, SessionId>> leaving_;
+  std::vector<Keyed> turns_;  // scratch heap for forecast_turns()
   std::uint64_t rr_next_ = 0;
   SimCounters counters_;
   std::vector<WorkTimeline> work_;
@@ -340,6 +344,7 @@ void Engine::handle_admissions(std::uint32_t g, TimeNs t) {
   for (const arena::Admitted& a : admitted) {
     Job& j = job_of(a.session);
     j.lane = a.lane;
+    j.admit = t;
     gpu.waiting_bytes -= static_cast<std::int64_t>(j.declared.persistent + j.declared.ephemeral);
     LaneState& ls = gpu.lanes[a.lane];
     ls.members.push_back(a.session);
@@ -525,20 +530,33 @@ void Engine::boundary(std::uint32_t g, LaneId lane, TimeNs t) {
     if (k.second != j.id) ls.waiting.insert({gpu.sched.find(k.second)->key, k.second});
   for (const Piece& pc : r.pieces)
     if (pc.session != j.id) ls.waiting.insert({gpu.sched.find(pc.session)->key, pc.session});
-  bool structural = !gpu.quiet;
   if (j.done < j.spec->iters) {
     ls.waiting.insert({gpu.sched.find(j.id)->key, j.id});
   } else {
+    // Finished, but still a session: its client ends it once told of the last
+    // iteration, as salusd's sessions end when their client closes them. So the
+    // decisions of this boundary are made before the job's memory is released.
     j.finish = t;
-    gpu.sched.leave(j.id, t);
-    std::erase(ls.members, j.id);
-    if (ls.members.empty()) gpu.lanes.erase(lane);
-    gpu.placed_util -= j.util;
-    if (--gpu.placed_jobs == 0) gpu.placed_util = 0.0;  // no drift once empty
-    structural = true;
+    gpu.sched.set_runnable(j.id, false);
+    leaving_.emplace_back(g, j.id);
   }
   handle_admissions(g, t);
-  if (structural) check_quiet(gpu, t);
+  if (!gpu.quiet) check_quiet(gpu, t);
+}
+
+void Engine::depart(std::uint32_t g, SessionId id, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  Job& j = job_of(id);
+  fold(gpu, t);
+  gpu.sched.leave(id, t);
+  auto it = gpu.lanes.find(*j.lane);
+  std::erase(it->second.members, id);
+  // Only members run in a lane, so one without members is idle.
+  if (it->second.members.empty()) gpu.lanes.erase(it);
+  gpu.placed_util -= j.util;
+  if (--gpu.placed_jobs == 0) gpu.placed_util = 0.0;  // no drift once empty
+  handle_admissions(g, t);
+  check_quiet(gpu, t);
 }
 
 // How far the run just started in `ls` can go before a decision could differ from the
@@ -782,6 +800,17 @@ SimResult Engine::run() {
       gpus_[g].touched = false;
       close_instant(g, t);
     }
+    // Then jobs that finished leave, and what they free is used within the same
+    // instant, but only by lanes that had not started an iteration yet.
+    if (leaving_.empty()) continue;
+    for (const auto& [g, id] : leaving_) depart(g, id, t);
+    leaving_.clear();
+    place_waiting(t);
+    for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
+      if (!gpus_[g].touched) continue;
+      gpus_[g].touched = false;
+      close_instant(g, t);
+    }
   }
   for (const Job& j : jobs_)
     if (j.finish < 0)
@@ -795,6 +824,7 @@ SimResult Engine::run() {
     JobResult r;
     r.index = j.index;
     r.arrival = j.arrival;
+    r.admit = j.admit;
     r.start = j.start;
     r.finish = j.finish;
     r.gpu = j.gpu;

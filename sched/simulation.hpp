@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "arena/gpu_arena.hpp"
-#include "sched/policy.hpp"
 #include "sched/placement.hpp"
+#include "sched/policy.hpp"
 #include "sched/trace.hpp"
 
 namespace salus::sched {
@@ -45,6 +45,7 @@ struct SimConfig {
 struct JobResult {
   std::size_t index = 0;  // position in the trace
   arena::TimeNs arrival = 0;
+  arena::TimeNs admit = 0;   // the arena gave it a lane
   arena::TimeNs start = 0;   // first iteration began
   arena::TimeNs finish = 0;  // last iteration ended
   std::uint32_t gpu = 0;

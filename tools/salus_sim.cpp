@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option(
       "--jobs-out", o.jobs_out,
-      "write per-job results: job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane");
+      "write per-job results: job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane,"
+      "admit_s");
   app.add_option("--share-window", o.share_window_s,
                  "measure each job's share of GPU work in sliding windows of this many seconds, "
                  "between the last arrival and the first finish")
@@ -149,7 +150,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "salus-sim: cannot write '%s'\n", o.jobs_out.c_str());
       return kIoError;
     }
-    jobs_out << "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane\n";
+    jobs_out << "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane,admit_s\n";
   }
   if (!o.share_out.empty()) {
     share_out.open(o.share_out);
@@ -192,10 +193,10 @@ int main(int argc, char** argv) {
     }
     if (jobs_out.is_open()) {
       for (const sc::JobResult& j : res.jobs)
-        jobs_out << fmt::format("{},{},{},{},{},{},{},{},{}\n", trace[j.index].name,
+        jobs_out << fmt::format("{},{},{},{},{},{},{},{},{},{}\n", trace[j.index].name,
                                 sc::to_string(policy), seconds(j.arrival), seconds(j.start),
                                 seconds(j.finish), seconds(j.jct()), seconds(j.queue()), j.gpu,
-                                j.lane);
+                                j.lane, seconds(j.admit));
     }
     if (base.track_work) {
       const auto window = static_cast<salus::arena::TimeNs>(o.share_window_s * 1e9);

@@ -34,7 +34,7 @@ expect_exit 0 "$sim" --trace "$tmp/good.csv" --policy all
 # Per-job output.
 expect_exit 0 "$sim" --trace "$tmp/good.csv" --policy srtf --gpus 2 --gpu-memory 8G --placement rr \
   --jobs-out "$tmp/jobs.csv"
-[ "$(head -1 "$tmp/jobs.csv")" = "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane" ] || fail "jobs-out header"
+[ "$(head -1 "$tmp/jobs.csv")" = "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane,admit_s" ] || fail "jobs-out header"
 [ "$(wc -l <"$tmp/jobs.csv")" = 3 ] || fail "jobs-out rows: $(cat "$tmp/jobs.csv")"
 grep -q '^b,srtf,0.100000,0.100000,0.200000,0.100000,0.000000,1,' "$tmp/jobs.csv" || fail "jobs-out b: $(cat "$tmp/jobs.csv")"
 

@@ -152,6 +152,22 @@ TEST(SimPolicies, AdmissionWaitsForPersistentMemory) {
   EXPECT_NEAR(run(t, {PolicyKind::pack}).jobs[1].queue(), 1 * kSec, 1000);
 }
 
+TEST(SimPolicies, AFinishedJobLeavesAfterItsBoundarysDecision) {
+  // 16 GiB, SRTF, Algorithm 1. A (13 GiB lane) runs one 10 ms iteration; B joins A's lane;
+  // C waits for A's memory. In salusd A's memory is released when its client closes the
+  // session, after the lane has picked B's first iteration. So C is admitted at B's next
+  // boundary (20 ms), when B's busy lane shrinks and makes room for a lane of C's own; both
+  // run under contention until 40 ms. Releasing A's memory at the boundary itself admitted
+  // C at 10 ms, before the lane had started B.
+  const std::vector<sc::TraceJob> t{job("A", 0, 10, 1, 1.0, 1024, 13312),
+                                    job("B", 0.001, 10, 2, 1.0, 1024, 1536),
+                                    job("C", 0.002, 10, 1, 1.0, 1536, 12288)};
+  check(t, {PolicyKind::srtf, LaneModel::algorithm1},
+        {{0, 10 * kMs}, {10 * kMs, 40 * kMs}, {20 * kMs, 40 * kMs}});
+  const sc::SimResult r = run(t, {PolicyKind::srtf, LaneModel::algorithm1});
+  EXPECT_EQ(r.jobs[2].admit, 20 * kMs);
+}
+
 TEST(SimPolicies, FairAlternatesEqualJobs) {
   // Equal virtual times break ties by arrival: A B A B ... A ends at 190 ms, B at 200.
   const std::vector<sc::TraceJob> t{job("A", 0, 10, 10), job("B", 0, 10, 10)};

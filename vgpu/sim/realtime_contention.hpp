@@ -18,10 +18,26 @@ class RealTimeContention {
 
   RealTimeContention() : epoch_(Clock::now()) {}
 
+  // A kernel's extent on the model's time axis.
+  struct Span {
+    sched::TimeNs start = 0;
+    sched::TimeNs finish = 0;
+  };
+  static constexpr sched::TimeNs kNow = INT64_MAX;
+
   // Blocks the calling thread until a kernel occupying `util` of the GPU, which
   // would take `alone_ns` by itself, has finished under contention with every other
   // kernel running on this device. Thread-safe.
-  void run_kernel(std::int64_t alone_ns, double util);
+  //
+  // `ready_at` is when a GPU would have started it: the end of the stream's
+  // previous kernel, or its launch if later. A GPU starts a queued kernel the
+  // moment the one before it ends, but a stream thread wakes some 0.1 ms after
+  // its deadline on a busy host (timer slack, scheduling); a kernel that starts
+  // late is credited the work it would have done since `ready_at` (at the rate
+  // it would run at now), so back-to-back kernels keep the model's timeline
+  // instead of each losing a wake-up. Returns the kernel's model span, which is
+  // its device time.
+  Span run_kernel(std::int64_t alone_ns, double util, sched::TimeNs ready_at = kNow);
 
   // Nanoseconds since construction: the model's time axis.
   sched::TimeNs now() const;

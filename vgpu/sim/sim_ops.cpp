@@ -24,6 +24,7 @@ bool matrix_in(const HostMapping& memory, DevOffset at, std::uint64_t rows, std:
 struct Executor {
   HostMapping& memory;
   RealTimeContention& contention;
+  KernelTiming* timing;
 
   std::byte* at(DevOffset offset) const { return memory.data() + offset; }
 
@@ -43,7 +44,9 @@ struct Executor {
     const std::uint64_t usec = op.usec < kMaxUsec ? op.usec : kMaxUsec;
     // NaN would poison the model's utilization sum; the model clamps the rest.
     const double util = std::isnan(op.util) ? 1.0 : op.util;
-    contention.run_kernel(static_cast<std::int64_t>(usec) * 1000, util);
+    const auto span = contention.run_kernel(static_cast<std::int64_t>(usec) * 1000, util,
+                                            timing ? timing->ready_at : RealTimeContention::kNow);
+    if (timing) *timing = {timing->ready_at, span.start, span.finish, true};
     return 0;
   }
   int operator()(const GemmOp& op) const {
@@ -71,8 +74,9 @@ struct Executor {
 
 }  // namespace
 
-int execute_op(const SimOp& op, HostMapping& memory, RealTimeContention& contention) {
-  return std::visit(Executor{memory, contention}, op);
+int execute_op(const SimOp& op, HostMapping& memory, RealTimeContention& contention,
+               KernelTiming* timing) {
+  return std::visit(Executor{memory, contention, timing}, op);
 }
 
 }  // namespace salus::vgpu::sim

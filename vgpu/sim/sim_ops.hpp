@@ -56,9 +56,17 @@ struct NotifyOp {
 using SimOp =
     std::variant<FillOp, CopyOp, SpinOp, GemmOp, ToHostOp, FromHostOp, LaunchOp, NotifyOp>;
 
+// Where a kernel of the contention model (a spin) lies on the model's time axis.
+struct KernelTiming {
+  std::int64_t ready_at = INT64_MAX;  // see RealTimeContention::run_kernel
+  std::int64_t start = 0, finish = 0;
+  bool timed = false;  // set when the op was such a kernel
+};
+
 // Runs one op to completion on the calling thread. Returns 0, or the errno a real
 // device would report: EFAULT for a range outside device memory, EINVAL for a bad
 // fill width.
-int execute_op(const SimOp& op, HostMapping& memory, RealTimeContention& contention);
+int execute_op(const SimOp& op, HostMapping& memory, RealTimeContention& contention,
+               KernelTiming* timing = nullptr);
 
 }  // namespace salus::vgpu::sim

@@ -41,20 +41,29 @@ class SimStream {
 
  private:
   void loop();
-  void run_one(const SimOp& op);
+  void run_one(const SimOp& op, std::int64_t enqueued_at);
   void complete(std::uint64_t token);
 
   const StreamId id_;
   const StreamEnv env_;
 
+  // An op and when it was enqueued (the model's clock): the earliest it may start.
+  struct Queued {
+    SimOp op;
+    std::int64_t at = 0;
+  };
+
   std::mutex mu_;
   std::condition_variable work_;
-  OpRing<SimOp> queue_;    // guarded by mu_
+  OpRing<Queued> queue_;   // guarded by mu_
   bool stopping_ = false;  // guarded by mu_
 
   // Touched only by the stream thread.
   std::int64_t device_ns_ = 0;  // op time since the last notify
-  int status_ = 0;              // first error since the last notify
+  // Where this stream's previous op ended on the contention model's time axis:
+  // a kernel queued behind it starts there, as on a GPU, not when the thread wakes.
+  std::int64_t cursor_ = 0;
+  int status_ = 0;  // first error since the last notify
 
   std::thread thread_;  // last: starts after everything it uses exists
 };
