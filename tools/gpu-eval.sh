@@ -12,11 +12,14 @@
 #            gpu-pack, dataplane bandwidth, gpu-inference
 #   compare  two fixed-length jobs under time-slicing, MPS and salusd (Figure 15)
 #   replay   the online-100 trace through salusd on the GPU under FIFO, SRTF,
-#            PACK and FAIR, beside salus-sim's prediction of the same trace
+#            PACK and FAIR, beside salus-sim's prediction of the same trace,
+#            compared by tools/replay-compare
+#   dataplane  the data-plane bandwidth bench alone, with each GPU isolation
 #
 # Environment: SALUS_COMPARE_POLICIES (default "pack fair"),
 # SALUS_COMPARE_SALUSD_ONLY=1 (skip the native and MPS runs), SALUS_REPLAY_SCALE
-# (default 256).
+# (default 256), SALUS_REPLAY_POLICIES (default "fifo srtf pack fair"),
+# SALUS_REPLAY_ARGS (more salusd flags for the replay, e.g. --pipeline-depth 1).
 #
 # Each part writes OUT/PART.txt (what is recorded in docs/benchmarks.md) and
 # leaves no daemon, mount or MPS server behind.
@@ -164,8 +167,9 @@ part_compare() {
 # paper's P100), each job's iterations spin kernels of its iter_ms and util.
 part_replay() {
   local scale=${SALUS_REPLAY_SCALE:-256} policy
-  for policy in fifo srtf pack fair; do
-    start_salusd --policy $policy --cuda-memory-fraction 0.2 || return 1
+  for policy in ${SALUS_REPLAY_POLICIES:-fifo srtf pack fair}; do
+    # shellcheck disable=SC2086 # SALUS_REPLAY_ARGS is a list of flags
+    start_salusd --policy $policy --cuda-memory-fraction 0.2 ${SALUS_REPLAY_ARGS:-} || return 1
     local cap
     cap=$(awk '/^capacity:/ {print $2}' "$work/mnt/gpus/0/info")
     echo "== $policy (arena $cap bytes)"
@@ -174,6 +178,16 @@ part_replay() {
     stop_salusd
     "$bin/salus-sim" --trace "$work/scaled.csv" --policy $policy --gpu-memory "$cap" \
       --lanes algorithm1 --jobs-out "$out/sim-$policy.csv"
+    python3 tools/replay-compare "$out/replay-$policy.csv" "$out/sim-$policy.csv" \
+      --policy $policy --tie 0.05
+  done
+}
+
+part_dataplane() {
+  local b="$bin/salus-bench --salusd $bin/salusd" iso
+  for iso in process thread; do
+    echo "\$ salus-bench --gpu-isolation $iso dataplane --backend cuda --size 1G --repeat 5"
+    $b --gpu-isolation $iso dataplane --backend cuda --size 1G --repeat 5
   done
 }
 
