@@ -129,8 +129,8 @@ char* HostRegions::at(RegionId id, Bytes offset, Bytes length, bool for_write) c
   if (it == regions_.end()) throw std::invalid_argument(fmt::format("no host region {}", id));
   const Region& r = it->second;
   if (offset > r.size || length > r.size - offset)
-    throw std::invalid_argument(fmt::format("+{} len {} is past host region {} ({} bytes)", offset,
-                                            length, id, r.size));
+    throw std::invalid_argument(
+        fmt::format("+{} len {} is past host region {} ({} bytes)", offset, length, id, r.size));
   if (for_write && !r.writable)
     throw std::invalid_argument(fmt::format("host region {} is read-only", id));
   return r.base + offset;

@@ -33,8 +33,8 @@ TransferEndpoint open_transfer_endpoint(const CallerCredentials& who, const Tran
     const std::string path = fmt::format("{}/{}", kShmDir, cmd.source);
     // A download opens the segment for reading too, so that it can be mapped
     // for direct copies; a write-only segment still works, through staging.
-    int rc = open_caller_file(who, path, up ? FileIntent::read : FileIntent::read_write, ep.file,
-                              why);
+    int rc =
+        open_caller_file(who, path, up ? FileIntent::read : FileIntent::read_write, ep.file, why);
     if (rc == -EACCES && !up)
       rc = open_caller_file(who, path, FileIntent::write_existing, ep.file, why);
     if (rc == -ENOENT)

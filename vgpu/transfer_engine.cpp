@@ -1,8 +1,8 @@
 #include "vgpu/transfer_engine.hpp"
 
+#include <fcntl.h>
 #include <linux/capability.h>
 #include <poll.h>
-#include <fcntl.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -378,29 +378,22 @@ void TransferEngine::pump(Active& a) {
   }
   if (a.error || a.cancelled) return;
   const Bytes length = a.job->length;
-  if (a.segment) {
-    // Straight between the segment's pages and the device: two copies queued
-    // at a time keep the device busy, and cancelling waits for one at most.
+  if (a.segment || a.view) {
+    // No staging: a segment's pages to or from the device, or a file to or from
+    // device memory in reach. Two chunks in flight keep both sides busy, and
+    // cancelling waits for those two at most.
+    const Bytes chunk = a.segment ? options_.direct_chunk : options_.chunk;
     for (Slot& s : a.slots) {
       if (s.state != Slot::State::idle || a.next >= length) continue;
       s.offset = a.next;
-      s.length = std::min(options_.direct_chunk, length - a.next);
-      s.done = 0;
-      a.next += s.length;
-      device_copy(s);
-    }
-    return;
-  }
-  if (a.view) {
-    // Files straight into and out of device memory: two reads or writes in flight.
-    for (Slot& s : a.slots) {
-      if (s.state != Slot::State::idle || a.next >= length) continue;
-      s.offset = a.next;
-      s.length = std::min(options_.chunk, length - a.next);
+      s.length = std::min(chunk, length - a.next);
       s.done = 0;
       s.cancel_sent = false;
       a.next += s.length;
-      file_io(s);
+      if (a.segment)
+        device_copy(s);
+      else
+        file_io(s);
     }
     return;
   }

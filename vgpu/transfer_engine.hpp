@@ -190,9 +190,9 @@ class TransferEngine {
   std::deque<std::shared_ptr<TransferJob>> incoming_;
   std::vector<DeviceDone> device_done_;
   std::vector<std::uint64_t> forgotten_;  // sessions that ended
-  bool stopping_ = false;  // stop(): cancel everything
-  bool idle_ = false;      // stopping and nothing left
-  bool quit_ = false;      // the destructor: leave the loop once idle
+  bool stopping_ = false;                 // stop(): cancel everything
+  bool idle_ = false;                     // stopping and nothing left
+  bool quit_ = false;                     // the destructor: leave the loop once idle
   Stats stats_;
   std::array<std::atomic<std::int64_t>, kMaxActive> streams_;  // StreamId or -1
   int wake_fd_ = -1;

@@ -84,8 +84,8 @@ TEST(HostRegions, AFaultOutsideEveryRegionStillKills) {
         std::string why;
         if (t.map(guarded, kSize, false, id, why) != 0) ::_exit(3);
         const int other = make_file(kSize, 'a');
-        auto* q = static_cast<volatile char*>(
-            ::mmap(nullptr, kSize, PROT_READ, MAP_SHARED, other, 0));
+        auto* q =
+            static_cast<volatile char*>(::mmap(nullptr, kSize, PROT_READ, MAP_SHARED, other, 0));
         if (::ftruncate(other, 0) != 0) ::_exit(4);
         (void)q[kSize - 1];
         ::_exit(0);

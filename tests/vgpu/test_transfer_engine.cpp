@@ -116,8 +116,7 @@ class TransferEngineTest : public ::testing::Test {
   // A shared-memory segment of session `session`, opened as transfer_endpoint
   // opens one (a download reads and writes it).
   std::shared_ptr<TransferJob> shm_job(bool upload, const std::string& path, Bytes file_off,
-                                       DevOffset dev_off, Bytes length,
-                                       std::uint64_t session = 7) {
+                                       DevOffset dev_off, Bytes length, std::uint64_t session = 7) {
     auto j = job_as(upload ? FileIntent::read : FileIntent::read_write, upload, path, file_off,
                     dev_off, length);
     j->shm = true;
@@ -416,7 +415,8 @@ TEST_F(TransferEngineTest, FilesGoStraightIntoAddressableDeviceMemory) {
   const auto p = write_file("src", data);
   auto r = run(job(true, p, 7, 4096 + 1, data.size() - 7));
   ASSERT_EQ(r.error, 0) << r.why;
-  EXPECT_EQ(device_bytes(4096 + 1, data.size() - 7), std::vector<char>(data.begin() + 7, data.end()));
+  EXPECT_EQ(device_bytes(4096 + 1, data.size() - 7),
+            std::vector<char>(data.begin() + 7, data.end()));
   const std::string dst = dir_ + "/dst";
   r = run(job(false, dst, 0, 4096 + 1, data.size() - 7));
   ASSERT_EQ(r.error, 0) << r.why;

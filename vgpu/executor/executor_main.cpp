@@ -204,8 +204,8 @@ class Executor final : public CompletionSink {
     // The shared staging area as a region of the device: host copies then go
     // straight between it and the GPU (DMA on cuda), with no copy in between.
     std::string why;
-    if (const int err = dev_->map_region(opts_.staging_fd, opts_.staging_size, true,
-                                         staging_region_, why)) {
+    if (const int err =
+            dev_->map_region(opts_.staging_fd, opts_.staging_size, true, staging_region_, why)) {
       spdlog::warn("host copies go through the device's own buffers: {}", why);
       staging_region_ = 0;
     }

@@ -39,7 +39,7 @@ enum class Msg : std::uint16_t {
   unload_module,
   get_function,
   launch,
-  shutdown,  // drain, then exit 0
+  shutdown,    // drain, then exit 0
   map_region,  // a file's pages for direct copies: the fd comes alone in its datagram
   unmap_region,
   copy_from_region,
