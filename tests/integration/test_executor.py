@@ -70,6 +70,23 @@ def fresh_session_computes(d, gpu=0):
         s.close()
 
 
+def shm_upload_works(d, gpu=0):
+    """A shared-memory segment reaches the GPU's new executor and back."""
+    path = f"/dev/shm/salus-test-exec-{os.getpid()}"
+    data = bytes(range(256)) * 4096
+    with open(path, "wb") as f:
+        f.write(data)
+    s = Session(d)
+    try:
+        s.cmd(f"need persistent=4M ephemeral=1M gpu={gpu}\nalloc u 1M\n"
+              f"upload u shm:{os.path.basename(path)} 1M\nsync\n")
+        with open(s.file("mem/u"), "rb") as f:
+            assert f.read() == data
+    finally:
+        s.close()
+        os.unlink(path)
+
+
 def crash(d, kernel, gpu=0):
     s = Session(d)
     s.cmd(f"need persistent=1M ephemeral=1M gpu={gpu}\nmodule k {MODULE}\n")
@@ -136,6 +153,13 @@ def test_a_crashing_kernel_costs_its_gpu_context_but_not_salusd(daemon, kernel, 
 def test_an_executor_killed_from_outside_is_replaced(daemon):
     d = daemon
     old_pid = int(info(d)["executor_pid"])
+    # Staging blocks are shared with the executor (memfd regions) and pooled:
+    # the new executor must map the pooled ones again.
+    warm = Session(d)
+    warm.cmd("need persistent=4M ephemeral=1M gpu=0\nalloc m 1M\n")
+    with open(warm.file("mem/m"), "r+b") as f:
+        f.write(b"x" * 65536)
+    warm.close()
     bystander = busy_bystander(d)
     os.kill(old_pid, signal.SIGKILL)
     wait_back(d, 1)
@@ -145,6 +169,7 @@ def test_an_executor_killed_from_outside_is_replaced(daemon):
     assert wait_until(lambda: "gpu context lost" in bystander.status()["error"]), bystander.status()
     assert "SIGKILL" in bystander.status()["error"]
     fresh_session_computes(d)
+    shm_upload_works(d)
     assert not alive(old_pid)
     assert len(d.executors()) == 2
     with open(d.path("metrics")) as f:
