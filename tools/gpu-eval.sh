@@ -19,7 +19,8 @@
 # Environment: SALUS_COMPARE_POLICIES (default "pack fair"),
 # SALUS_COMPARE_SALUSD_ONLY=1 (skip the native and MPS runs), SALUS_REPLAY_SCALE
 # (default 256), SALUS_REPLAY_POLICIES (default "fifo srtf pack fair"),
-# SALUS_REPLAY_ARGS (more salusd flags for the replay, e.g. --pipeline-depth 1).
+# SALUS_REPLAY_ARGS (more salusd flags for the replay, e.g. --pipeline-depth 1),
+# SALUS_REPLAY_KERNEL_US (salus-replay --kernel-us; default 0, one kernel per iteration).
 #
 # Each part writes OUT/PART.txt (what is recorded in docs/benchmarks.md) and
 # leaves no daemon, mount or MPS server behind.
@@ -174,6 +175,7 @@ part_replay() {
     cap=$(awk '/^capacity:/ {print $2}' "$work/mnt/gpus/0/info")
     echo "== $policy (arena $cap bytes)"
     python3 tools/salus-replay --mount "$work/mnt" --trace traces/online-100.csv --scale "$scale" \
+      --kernel-us "${SALUS_REPLAY_KERNEL_US:-0}" \
       --policy $policy --scaled-out "$work/scaled.csv" --jobs-out "$out/replay-$policy.csv"
     stop_salusd
     "$bin/salus-sim" --trace "$work/scaled.csv" --policy $policy --gpu-memory "$cap" \
