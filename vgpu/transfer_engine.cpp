@@ -25,6 +25,11 @@ constexpr std::uint64_t kWakeTag = 1;    // the poll of the eventfd
 constexpr std::uint64_t kCancelTag = 2;  // IORING_OP_ASYNC_CANCEL requests
 constexpr unsigned kRingEntries = 64;
 
+// A file's ctime as one number, to compare a segment's now with when it was mapped.
+std::int64_t ctime_ns(const struct stat& st) {
+  return std::int64_t{st.st_ctim.tv_sec} * 1'000'000'000 + st.st_ctim.tv_nsec;
+}
+
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -226,7 +231,7 @@ bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
         // on write faults); the pages are the same, so its mappings stay.
         for (Segment& seg : segments_)
           if (seg.dev == a.segment->dev && seg.ino == a.segment->ino && seg.size == a.segment->size)
-            seg.ctime_ns = std::int64_t{now.st_ctim.tv_sec} * 1'000'000'000 + now.st_ctim.tv_nsec;
+            seg.ctime_ns = ctime_ns(now);
       }
       if (a.error) a.segment->transient = true;  // a guard may have replaced its pages
       release_segment(a.segment);
@@ -535,7 +540,7 @@ void TransferEngine::on_device_done(const DeviceDone& d) {
 TransferEngine::Segment* TransferEngine::acquire_segment(const TransferJob& job) {
   const struct stat& st = job.file.st;
   const bool writable = !job.upload;
-  const std::int64_t ctime = std::int64_t{st.st_ctim.tv_sec} * 1'000'000'000 + st.st_ctim.tv_nsec;
+  const std::int64_t ctime = ctime_ns(st);
   const auto size = static_cast<Bytes>(st.st_size);
   drop_segments(false);
   for (Segment& seg : segments_) {
@@ -571,8 +576,8 @@ TransferEngine::Segment* TransferEngine::acquire_segment(const TransferJob& job)
   seg.writable = writable;
   seg.transient = transient;
   seg.fd = UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-  std::string why;
   if (!seg.fd) return nullptr;
+  std::string why;
   if (const int err = device_.map_region(fd, size, writable, seg.region, why); err != 0) {
     spdlog::debug("gpu {}: {} goes through staging: {}", gpu_, job.shown, why);
     return nullptr;
@@ -595,10 +600,7 @@ void TransferEngine::drop_segments(bool everything) {
     bool drop = false;
     if (it->users == 0) {
       struct stat now {};
-      const std::int64_t ctime =
-          ::fstat(it->fd.get(), &now) == 0
-              ? std::int64_t{now.st_ctim.tv_sec} * 1'000'000'000 + now.st_ctim.tv_nsec
-              : -1;
+      const std::int64_t ctime = ::fstat(it->fd.get(), &now) == 0 ? ctime_ns(now) : -1;
       // Unlinked or changed: holding its pages would keep memory the client
       // freed, and a new transfer would not find it anyway.
       drop = everything || it->transient || now.st_nlink == 0 || ctime != it->ctime_ns ||
