@@ -358,7 +358,12 @@ void Engine::handle_admissions(std::uint32_t g, TimeNs t) {
     }
   }
   counters_.max_lanes = std::max<std::uint64_t>(counters_.max_lanes, gpu.lanes.size());
-  if (!admitted.empty()) check_quiet(gpu, t);
+  if (admitted.empty()) return;
+  // FIFO lets only the lane of the GPU's oldest runnable session dispatch. A job that
+  // arrived before the running one but waited for memory may be admitted to another lane
+  // now, and then the running lane must stop at its next boundary.
+  if (gpu.sched.policy() == PolicyKind::fifo) cut_all(gpu, t);
+  check_quiet(gpu, t);
 }
 
 void Engine::check_quiet(Gpu& gpu, TimeNs t) {

@@ -1,6 +1,7 @@
 // The simulation engine on tiny hand-made traces whose outcome is computed by hand in
 // the comments: each policy, the lane models, contention, admission, lane moves, and
 // placement on two GPUs. Every case runs both coalesced and one event per iteration.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -285,8 +286,7 @@ TEST(SimPlacement, ExclusiveGivesEachJobAWholeGpu) {
 
 TEST(SimPlacement, PackOnTwoGpusBeatsOneGpu) {
   std::vector<sc::TraceJob> t;
-  for (int i = 0; i < 8; ++i)
-    t.push_back(job("j" + std::to_string(i), 0, 10, 100, 1.0, 1024, 6144));
+  for (int i = 0; i < 8; ++i) t.push_back(job(fmt::format("j{}", i), 0, 10, 100, 1.0, 1024, 6144));
   const double one = run(t, {PolicyKind::pack}).summary.makespan_s;
   const double two =
       run(t, {PolicyKind::pack, LaneModel::automatic, 2, Placement::magm}).summary.makespan_s;
