@@ -50,6 +50,7 @@ void GpuScheduler::leave(SessionId id, TimeNs now) {
   auto it = sessions_.find(id);
   if (it != sessions_.end()) {
     unlink(it->second);
+    forget_in_flight(it->second);
     if (it->second.lane) {
       auto lq = lanes_.find(*it->second.lane);
       if (lq != lanes_.end() && lq->second.last == id) lq->second.last.reset();
@@ -93,16 +94,20 @@ void GpuScheduler::set_runnable(SessionId id, bool runnable) {
 
 bool GpuScheduler::lane_may_dispatch(LaneId lane) const {
   if (policy_ != PolicyKind::fifo) return true;
-  const std::pair<RankKey, SessionId>* best = nullptr;
-  LaneId best_lane = lane;
+  // The earliest arrival among sessions with work, queued or running. FIFO ranks by
+  // arrival alone, so runnable keys and in-flight arrivals compare directly.
+  const SessionSched* best = nullptr;
   for (const auto& [id, q] : lanes_) {
     if (q.runnable.empty()) continue;
-    if (!best || *q.runnable.begin() < *best) {
-      best = &*q.runnable.begin();
-      best_lane = id;
-    }
+    const SessionSched& head = sessions_.at(q.runnable.begin()->second);
+    if (!best || head.in.arrival < best->in.arrival) best = &head;
   }
-  return best_lane == lane;
+  for (SessionId id : in_flight_) {
+    const SessionSched& s = sessions_.at(id);
+    if (s.lane && (!best || s.in.arrival < best->in.arrival)) best = &s;
+  }
+  // Held by a session with nothing queued: no lane starts until its iteration ends.
+  return !best || (best->runnable && best->lane == lane);
 }
 
 std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
@@ -128,6 +133,7 @@ void GpuScheduler::iteration_dispatched(SessionId id) {
   const double estimate = std::max(s.in.mean_iter_ns, 1.0);
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
+  if (s.in_flight++ == 0) in_flight_.push_back(id);
   if (policy_ == PolicyKind::fair) rerank(s);
 }
 
@@ -138,6 +144,7 @@ void GpuScheduler::iteration_cycle(SessionId id, std::int64_t device_ns) {
   const double estimate = std::max(s.in.mean_iter_ns, 1.0);
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
+  ++s.in_flight;  // dispatched and done at once: in_flight_ is left as it was
   account_done(s, device_ns, true);
 }
 
@@ -148,6 +155,7 @@ void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool ite
 }
 
 void GpuScheduler::account_done(SessionSched& s, std::int64_t device_ns, bool iteration) {
+  if (s.in_flight > 0 && --s.in_flight == 0) forget_in_flight(s);
   s.gpu_ns += device_ns;
   if (iteration) {
     s.in.done += 1;
@@ -190,6 +198,13 @@ void GpuScheduler::link(SessionSched& s) {
   if (policy_ == PolicyKind::fair) s.in.vtime = std::max(s.in.vtime, q.vclock);
   s.key = rank(policy_, s.in);
   q.runnable.insert({s.key, s.id});
+}
+
+void GpuScheduler::forget_in_flight(SessionSched& s) {
+  const auto it = std::find(in_flight_.begin(), in_flight_.end(), s.id);
+  if (it == in_flight_.end()) return;
+  *it = in_flight_.back();
+  in_flight_.pop_back();
 }
 
 void GpuScheduler::rerank(SessionSched& s) {

@@ -24,9 +24,10 @@ struct SessionSched {
   RankInputs in;
   std::optional<LaneId> lane;
   bool runnable = false;
-  std::int64_t gpu_ns = 0;     // device time of finished iterations
-  std::deque<double> charged;  // FAIR: estimates charged for iterations in flight
-  RankKey key;                 // valid while runnable
+  std::uint32_t in_flight = 0;  // iterations dispatched and not yet done
+  std::int64_t gpu_ns = 0;      // device time of finished iterations
+  std::deque<double> charged;   // FAIR: estimates charged for iterations in flight
+  RankKey key;                  // valid while runnable
 };
 
 struct SchedStats {
@@ -58,7 +59,9 @@ class GpuScheduler {
   void set_runnable(SessionId id, bool runnable);
   // Whether a lane may start an iteration now. FIFO runs one session at a time
   // on the whole GPU (the earliest arrival with work, to completion), so only
-  // that session's lane may dispatch; the other policies run every lane.
+  // that session's lane may dispatch; the other policies run every lane. A session
+  // whose last queued iteration is still running holds the GPU until it ends, so the
+  // next job does not start under it.
   bool lane_may_dispatch(LaneId lane) const;
   // The decision: the lane's best-ranked runnable session, counted in stats.
   std::optional<SessionId> pick(LaneId lane);
@@ -90,12 +93,16 @@ class GpuScheduler {
   void unlink(SessionSched& s);
   void link(SessionSched& s);
   void rerank(SessionSched& s);
+  void forget_in_flight(SessionSched& s);
 
   arena::GpuArena arena_;
   PolicyKind policy_;
   std::uint64_t next_arrival_ = 0;
   std::unordered_map<SessionId, SessionSched> sessions_;
   std::unordered_map<LaneId, LaneQueue> lanes_;
+  // Sessions with an iteration in flight: at most lanes x pipeline depth, so FIFO's
+  // lane_may_dispatch scans it.
+  std::vector<SessionId> in_flight_;
   SchedStats stats_;
 };
 

@@ -5,7 +5,8 @@
 #
 #   tools/replay-bench.sh BUILD OUT [policy...]        (default: fifo srtf fair)
 #   env: TRACE (traces/online-100.csv), SCALE (256), ITER_SCALE (sqrt(SCALE)),
-#        DEPTH (salusd --pipeline-depth, 1), TIE (seconds, 0.05)
+#        DEPTH (salusd --pipeline-depth, 1), TIE (seconds, 0.05),
+#        KERNEL_US (salus-replay --kernel-us: spins of at most this many us, 0 = one)
 #
 # Needs root and /dev/fuse. The daemon and its mount are removed on any exit.
 set -eu
@@ -21,6 +22,7 @@ depth=${DEPTH:-1}
 tie=${TIE:-0.05}
 iter_args=()
 [ -n "${ITER_SCALE:-}" ] && iter_args=(--iter-scale "$ITER_SCALE")
+[ -n "${KERNEL_US:-}" ] && iter_args+=(--kernel-us "$KERNEL_US")
 mkdir -p "$out"
 
 mnt=""

@@ -177,3 +177,33 @@ TEST(GpuScheduler, FairLaneClockSurvivesAnotherSessionLeaving) {
   }
   EXPECT_LE(runs2, 6);
 }
+
+TEST(GpuScheduler, FifoHoldsTheGpuUntilTheLastIterationEnds) {
+  GpuScheduler s(64 * M, PolicyKind::fifo);
+  ASSERT_EQ(s.arrive(1, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
+  ASSERT_EQ(s.arrive(2, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
+  auto adm = s.take_admissions();
+  ASSERT_EQ(adm.size(), 2u);
+  ASSERT_NE(adm[0].lane, adm[1].lane);
+  s.set_runnable(1, true);
+  s.set_runnable(2, true);
+  ASSERT_EQ(s.pick(adm[0].lane), 1u);
+  s.iteration_dispatched(1);
+  // Its last iteration is on the device and nothing more is queued: the second job
+  // must not start under it, as it would on an idle GPU.
+  s.set_runnable(1, false);
+  EXPECT_FALSE(s.lane_may_dispatch(adm[1].lane));
+  EXPECT_FALSE(s.lane_may_dispatch(adm[0].lane));
+  s.iteration_done(1, 1000);
+  EXPECT_TRUE(s.lane_may_dispatch(adm[1].lane));
+  // An older job that becomes runnable while a younger one runs takes over at once;
+  // the younger one's lane waits.
+  ASSERT_EQ(s.pick(adm[1].lane), 2u);
+  s.iteration_dispatched(2);
+  s.set_runnable(1, true);
+  EXPECT_TRUE(s.lane_may_dispatch(adm[0].lane));
+  EXPECT_FALSE(s.lane_may_dispatch(adm[1].lane));
+  // Leaving with work in flight releases the hold.
+  s.leave(1, 10);
+  EXPECT_TRUE(s.lane_may_dispatch(adm[1].lane));
+}
