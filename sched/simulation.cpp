@@ -168,6 +168,9 @@ class Engine {
  public:
   Engine(const std::vector<TraceJob>& trace, const SimConfig& cfg) : cfg_(cfg) {
     if (cfg_.gpus == 0) throw SimError("at least one GPU is needed");
+    if (cfg_.iteration_overhead_ns < 0 ||
+        static_cast<double>(cfg_.iteration_overhead_ns) > kMaxJobNs)
+      throw SimError("the iteration overhead must be between 0 and 1e17 ns");
     lanes_ = resolve_lanes(cfg_.policy, cfg_.lanes);
     // One job per GPU needs a cluster-wide queue (a GPU takes the next job when it empties),
     // and exclusive placement gives one job per GPU whatever the lane model.
@@ -215,6 +218,12 @@ class Engine {
   void close_instant(std::uint32_t g, TimeNs t);
   void record_work(const Job& j, TimeNs t, double work);
   Job& job_of(SessionId id) { return jobs_[id - 1]; }
+  // What salusd measures for an iteration that took `span` of lane time: the device's
+  // part, without the broker's overhead at the boundary.
+  TimeNs device_time(TimeNs span) const {
+    const TimeNs o = cfg_.iteration_overhead_ns;
+    return o > 0 ? std::max<TimeNs>(1, span - o) : span;
+  }
 
   SimConfig cfg_;
   LaneModel lanes_;
@@ -249,7 +258,7 @@ void Engine::load(const std::vector<TraceJob>& trace) {
       throw SimError(fmt::format("{}: memory need is absurdly large", where));
     j.persistent = static_cast<Bytes>(std::llround(t.persistent_mb * kMiB));
     j.ephemeral = static_cast<Bytes>(std::llround(t.ephemeral_mb * kMiB));
-    j.iter_ns = std::max<TimeNs>(1, std::llround(t.iter_ms * 1e6));
+    j.iter_ns = std::max<TimeNs>(1, std::llround(t.iter_ms * 1e6)) + cfg_.iteration_overhead_ns;
     j.arrival = std::llround(t.arrival_s * 1e9);
     j.util = t.util;
     if (static_cast<double>(t.iters) * static_cast<double>(j.iter_ns) > kMaxJobNs)
@@ -497,12 +506,13 @@ void Engine::replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
               "salus-sim: coalesced run of job {} diverged from per-iteration scheduling",
               j.spec->name));
       }
+      const TimeNs measured = device_time(ti - prev);
       if (i > 1) {
-        gpu.sched.iteration_cycle(pc.session, ti - prev);
+        gpu.sched.iteration_cycle(pc.session, measured);
       } else {
-        gpu.sched.iteration_done(pc.session, ti - prev);  // dispatched at the run's start
+        gpu.sched.iteration_done(pc.session, measured);  // dispatched at the run's start
       }
-      j.device_ns += ti - prev;
+      j.device_ns += measured;
       prev = ti;
     }
     j.done += pc.count;
@@ -612,12 +622,13 @@ std::uint64_t Engine::forecast_one(Gpu& gpu, const LaneState& ls, const Job& j, 
   // dispatched; iteration_done swaps it for the measured time.
   RankInputs in = self->in;
   double charged = self->charged.empty() ? 0.0 : self->charged.back();
-  const double d = static_cast<double>(j.iter_ns) * gpu.model.slowdown();
+  const double span = static_cast<double>(j.iter_ns) * gpu.model.slowdown();
+  const double d = std::max(1.0, span - static_cast<double>(cfg_.iteration_overhead_ns));
   // Margin for the nanosecond rounding of the measured times that replay() feeds.
   const double margin = std::max(1e3, std::abs(rival.primary) * 1e-6);
   const std::uint64_t left = j.left();
   const double until = static_cast<double>(horizon() - t0);
-  double elapsed = d;
+  double elapsed = span;
   std::uint64_t k = 1;
   while (k < left && elapsed < until) {
     // Mirrors GpuScheduler::iteration_done, then iteration_dispatched for the next
@@ -628,7 +639,7 @@ std::uint64_t Engine::forecast_one(Gpu& gpu, const LaneState& ls, const Job& j, 
     const double key = fair ? in.vtime : remaining_ns(in);
     if (key + margin >= rival.primary) break;
     ++k;
-    elapsed += d;
+    elapsed += span;
     charged = std::max(in.mean_iter_ns, 1.0);
     in.vtime += charged;
   }
@@ -660,11 +671,11 @@ void Engine::forecast_turns(Gpu& gpu, LaneState& ls) {
     ++total;
     // Mirrors GpuScheduler::iteration_done and, for the next turn, iteration_dispatched,
     // operation for operation so that ties come out the same; replay() checks the turns.
-    const double d = static_cast<double>(std::max<TimeNs>(j.iter_ns, 1));
+    const double d = static_cast<double>(device_time(j.iter_ns));
     j.forecast_done += 1;
     j.forecast_mean += (d - j.forecast_mean) / static_cast<double>(j.forecast_done);
     key.primary += d - charged;
-    elapsed += d;
+    elapsed += static_cast<double>(j.iter_ns);
     if (j.forecast >= j.left() || total >= kMaxRunIterations || elapsed >= until) break;
     if (!turns_.empty() && turns_.front() < Keyed{key, cur}) {
       std::pop_heap(turns_.begin(), turns_.end(), later);

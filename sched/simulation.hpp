@@ -40,6 +40,11 @@ struct SimConfig {
   bool coalesce = true;
   // Records each job's cumulative GPU work over time, for share_windows().
   bool track_work = false;
+  // A real broker's cost per iteration boundary (completion, decision, dispatch), during
+  // which the lane is idle. Modeled as part of each iteration's lane time; the time the
+  // scheduler is told (SRTF's mean, FAIR's charge) leaves it out, as salusd measures
+  // device time only. 0: an ideal broker (the paper's tables).
+  arena::TimeNs iteration_overhead_ns = 0;
 };
 
 struct JobResult {

@@ -6,7 +6,12 @@
 #   tools/replay-bench.sh BUILD OUT [policy...]        (default: fifo srtf fair)
 #   env: TRACE (traces/online-100.csv), SCALE (256), ITER_SCALE (sqrt(SCALE)),
 #        DEPTH (salusd --pipeline-depth, 1), TIE (seconds, 0.05),
-#        KERNEL_US (salus-replay --kernel-us: spins of at most this many us, 0 = one)
+#        KERNEL_US (salus-replay --kernel-us: spins of at most this many us, 0 = one),
+#        OVERHEAD_US (salus-sim --iteration-overhead-us; default: measured here first)
+#
+# The overhead is salusd's host-side cost per iteration boundary on this machine at
+# this depth: one job of 1 ms iterations is replayed alone with 200 and 1200 iterations,
+# three times each; the median of (JCT difference / 1000 - 1 ms) goes to salus-sim.
 #
 # Needs root and /dev/fuse. The daemon and its mount are removed on any exit.
 set -eu
@@ -41,14 +46,40 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-for p in "${policies[@]}"; do
-  # A fresh daemon per policy, so no run inherits another's lanes or clocks.
+start_salusd() {  # LOG: a fresh daemon, so no run inherits another's lanes or clocks
   mnt=$(mktemp -d /tmp/salus-replay-bench.XXXXXX)
   "$build/tools/salusd" --backend sim --sim-gpus 1 --sim-memory 16G --log-level warn \
-    --pipeline-depth "$depth" --mount "$mnt" >"$out/salusd-$p.log" 2>&1 &
+    --pipeline-depth "$depth" --mount "$mnt" >"$1" 2>&1 &
   dpid=$!
   for _ in $(seq 100); do [ -e "$mnt/version" ] && break; sleep 0.1; done
   [ -e "$mnt/version" ] || { echo "replay-bench: salusd did not mount $mnt" >&2; exit 1; }
+}
+
+overhead=${OVERHEAD_US:-}
+if [ -z "$overhead" ]; then
+  start_salusd "$out/salusd-calibrate.log"
+  : >"$out/calibrate.txt"
+  for n in 200 1200 200 1200 200 1200; do
+    printf 'job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util\n' >"$out/calibrate.csv"
+    printf 'c,0,calibrate,16,16,1.0,%s,0.5\n' "$n" >>"$out/calibrate.csv"
+    python3 "$here/salus-replay" --mount "$mnt" --trace "$out/calibrate.csv" --scale 1 \
+      --iter-scale 1 --jobs-out "$out/calibrate-$n.csv" >/dev/null
+    echo "$n $(awk -F, 'NR==2{print $4}' "$out/calibrate-$n.csv")" >>"$out/calibrate.txt"
+  done
+  cleanup
+  overhead=$(python3 -c '
+import statistics, sys
+rows = [l.split() for l in open(sys.argv[1])]
+short = [float(j) for n, j in rows if n == "200"]
+long_ = [float(j) for n, j in rows if n == "1200"]
+gaps = [(l - s) / 1000 * 1e6 - 1000 for s, l in zip(short, long_)]
+print(f"{max(0.0, statistics.median(gaps)):.0f}")' "$out/calibrate.txt")
+  echo "replay-bench: salusd's cost per iteration boundary here: $overhead us" \
+    "(depth $depth; pairs of JCTs in $out/calibrate.txt)"
+fi
+
+for p in "${policies[@]}"; do
+  start_salusd "$out/salusd-$p.log"
   python3 "$here/salus-replay" --mount "$mnt" --trace "$trace" --scale "$scale" \
     "${iter_args[@]}" --policy "$p" --scaled-out "$out/scaled.csv" \
     --jobs-out "$out/replay-$p.csv" | tail -1 >"$out/replay-$p.summary"
@@ -56,9 +87,9 @@ for p in "${policies[@]}"; do
 done
 
 "$build/tools/salus-sim" --trace "$out/scaled.csv" --policy all --lanes algorithm1 \
-  --jobs-out "$out/sim-all.csv" >"$out/sim.summary"
+  --iteration-overhead-us "$overhead" --jobs-out "$out/sim-all.csv" >"$out/sim.summary"
 for p in "${policies[@]}"; do
-  echo "== $p (salusd --pipeline-depth $depth, scale $scale)"
+  echo "== $p (salusd --pipeline-depth $depth, scale $scale, salus-sim --iteration-overhead-us $overhead)"
   python3 "$here/replay-compare" "$out/replay-$p.csv" "$out/sim-all.csv" --policy "$p" --tie "$tie" |
     tee "$out/compare-$p.txt"
 done

@@ -35,6 +35,7 @@ struct Options {
   double share_window_s = 0;
   double share_step_s = 0;
   std::string share_out;
+  double iteration_overhead_us = 0;
   bool no_coalesce = false;
   bool stats = false;
 };
@@ -86,6 +87,12 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--share-out", o.share_out,
                  "write the share windows: policy,window_start_s,window_end_s,job,work_s,share");
+  app.add_option("--iteration-overhead-us", o.iteration_overhead_us,
+                 "host-side cost of each iteration boundary (completion, decision, dispatch), "
+                 "added to every iteration's time; 0 models an ideal broker. Measure it with "
+                 "tools/replay-bench.sh to predict a real salusd")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e6));
   app.add_flag("--no-coalesce", o.no_coalesce,
                "simulate every iteration as its own event (slower; same decisions)");
   app.add_flag("--stats", o.stats, "print event counts and wall time per policy to stderr");
@@ -128,6 +135,7 @@ int main(int argc, char** argv) {
         fmt::format("unknown lane model '{}' (auto, exclusive, algorithm1, shared)", o.lanes));
   base.lanes = *lanes;
   base.coalesce = !o.no_coalesce;
+  base.iteration_overhead_ns = std::llround(o.iteration_overhead_us * 1e3);
   if (!o.share_out.empty() && o.share_window_s <= 0)
     return usage("--share-out needs --share-window");
   base.track_work = o.share_window_s > 0;

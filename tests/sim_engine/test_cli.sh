@@ -38,6 +38,11 @@ expect_exit 0 "$sim" --trace "$tmp/good.csv" --policy srtf --gpus 2 --gpu-memory
 [ "$(wc -l <"$tmp/jobs.csv")" = 3 ] || fail "jobs-out rows: $(cat "$tmp/jobs.csv")"
 grep -q '^b,srtf,0.100000,0.100000,0.200000,0.100000,0.000000,1,' "$tmp/jobs.csv" || fail "jobs-out b: $(cat "$tmp/jobs.csv")"
 
+# A per-boundary overhead of 1 ms: a's 100 iterations end at 1.1 s, b's 10 at 1.21 s.
+expect_exit 0 "$sim" --trace "$tmp/good.csv" --policy fifo --iteration-overhead-us 1000
+[ "$(awk '$1=="fifo"{print $2}' "$tmp/out")" = "1.210" ] || fail "overhead: $(cat "$tmp/out")"
+expect_exit 2 "$sim" --trace "$tmp/good.csv" --iteration-overhead-us -5
+
 # Share windows.
 expect_exit 0 "$sim" --trace "$src/traces/fair-3.csv" --policy fair --share-window 10 --share-out "$tmp/share.csv"
 [ "$(head -1 "$tmp/share.csv")" = "policy,window_start_s,window_end_s,job,work_s,share" ] || fail "share header"

@@ -319,3 +319,22 @@ TEST(SimSummary, NearestRankPercentileAndAverages) {
   EXPECT_DOUBLE_EQ(s.avg_queue_s, 1.0);
   EXPECT_DOUBLE_EQ(s.makespan_s, 39.0);  // last finish 19 + 20, first arrival 0
 }
+
+TEST(SimOverhead, IterationOverheadLengthensEveryIteration) {
+  // 0.1 ms per boundary: A's 100 iterations take 1.01 s, B's 10 start after them.
+  // SRTF's and FAIR's ranks use the device time; the forecasts of coalesced runs too
+  // (test_coalescing.cpp runs random traces with an overhead).
+  sc::SimConfig c;
+  c.policy = PolicyKind::fifo;
+  c.iteration_overhead_ns = 100'000;
+  for (bool coalesce : {true, false}) {
+    c.coalesce = coalesce;
+    const sc::SimResult r = sc::simulate(long_then_short(), c);
+    EXPECT_NEAR(r.jobs[0].finish, 1010 * kMs, 1000);
+    EXPECT_NEAR(r.jobs[1].finish, 1111 * kMs, 1000);
+    // The scheduler is told device time only, as salusd measures it.
+    EXPECT_EQ(r.jobs[0].device_ns, 1000 * kMs);
+  }
+  c.iteration_overhead_ns = -1;
+  EXPECT_THROW(sc::simulate(long_then_short(), c), sc::SimError);
+}
