@@ -4,7 +4,8 @@
 # compares the two with tools/replay-compare. Results go to OUT.
 #
 #   tools/replay-bench.sh BUILD OUT [policy...]        (default: fifo srtf fair)
-#   env: TRACE (traces/online-100.csv), SCALE (256), ITER_SCALE (sqrt(SCALE)),
+#   env: TRACE (traces/online-100.csv), SCALE (256), ITER_SCALE (4: iterations 1/4 as
+#        long and 1/64 as many; fewer boundaries, so less of salusd's jitter adds up),
 #        DEPTH (salusd --pipeline-depth, 1), TIE (seconds, 0.05),
 #        KERNEL_US (salus-replay --kernel-us: spins of at most this many us, 0 = one),
 #        OVERHEAD_US (salus-sim --iteration-overhead-us; default: measured here first)
@@ -25,8 +26,7 @@ trace=${TRACE:-$here/../traces/online-100.csv}
 scale=${SCALE:-256}
 depth=${DEPTH:-1}
 tie=${TIE:-0.05}
-iter_args=()
-[ -n "${ITER_SCALE:-}" ] && iter_args=(--iter-scale "$ITER_SCALE")
+iter_args=(--iter-scale "${ITER_SCALE:-4}")
 [ -n "${KERNEL_US:-}" ] && iter_args+=(--kernel-us "$KERNEL_US")
 mkdir -p "$out"
 

@@ -1,0 +1,48 @@
+"""salus-sim against the real salusd: the first jobs of the shipped online trace,
+replayed through a salusd of its own on the sim backend (tools/replay-bench.sh, which
+also measures salusd's per-boundary cost and predicts with salus-sim). The full
+100-job comparison is a bench (docs/benchmarks.md); this is its short form, with
+bounds loose enough for a loaded 2-core machine and tight enough to catch a policy
+that salusd and salus-sim implement differently."""
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SALUSD = os.environ.get("SALUSD", os.path.join("build", "tools", "salusd"))
+BUILD = os.path.dirname(os.path.dirname(os.path.abspath(SALUSD)))
+JOBS = 40
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None,
+    reason="needs root, /dev/fuse and fusermount3 to mount a salusd")
+
+
+def parse(text):
+    ratio = float(re.search(r"^avg_jct_s real \S+ sim \S+ ratio (\S+)", text, re.M).group(1))
+    same, total = map(int, re.search(r"^pairs_same_order (\d+)/(\d+)", text, re.M).groups())
+    differ = int(re.search(r"\((\d+) of \d+ positions differ\)", text).group(1))
+    return ratio, same / total, differ
+
+
+def test_salusd_matches_salus_sim_on_the_online_trace(tmp_path):
+    with open(os.path.join(SRC, "traces", "online-100.csv")) as f:
+        lines = f.readlines()
+    trace = tmp_path / "online-40.csv"
+    trace.write_text("".join(lines[:JOBS + 1]))
+    out = tmp_path / "out"
+    env = dict(os.environ, TRACE=str(trace), SCALE="256")
+    run = subprocess.run(
+        [os.path.join(SRC, "tools", "replay-bench.sh"), BUILD, str(out), "fifo", "srtf", "pack",
+         "fair"], env=env, capture_output=True, text=True, timeout=600)
+    print(run.stdout, run.stderr)
+    assert run.returncode == 0, run.stderr
+    for policy in ("fifo", "srtf", "pack", "fair"):
+        ratio, pairs, differ = parse((out / f"compare-{policy}.txt").read_text())
+        # The issue's bound on average JCT, and nearly every pair of jobs in order.
+        assert abs(ratio - 1) <= 0.10, f"{policy}: average JCT real/sim {ratio}"
+        assert pairs >= 0.98, f"{policy}: only {pairs:.3f} of job pairs finish in the same order"
+        print(f"{policy}: JCT ratio {ratio:.3f}, pairs {pairs:.4f}, {differ} positions differ")
