@@ -12,15 +12,16 @@
 #            gpu-pack, dataplane bandwidth, gpu-inference
 #   compare  two fixed-length jobs under time-slicing, MPS and salusd (Figure 15)
 #   replay   the online-100 trace through salusd on the GPU under FIFO, SRTF,
-#            PACK and FAIR, beside salus-sim's prediction of the same trace,
-#            compared by tools/replay-compare
+#            PACK and FAIR, beside salus-sim's prediction of the same trace with
+#            salusd's measured per-boundary cost (tools/replay-bench.sh)
 #   dataplane  the data-plane bandwidth bench alone, with each GPU isolation
 #
 # Environment: SALUS_COMPARE_POLICIES (default "pack fair"),
 # SALUS_COMPARE_SALUSD_ONLY=1 (skip the native and MPS runs), SALUS_REPLAY_SCALE
 # (default 256), SALUS_REPLAY_POLICIES (default "fifo srtf pack fair"),
-# SALUS_REPLAY_ARGS (more salusd flags for the replay, e.g. --pipeline-depth 1),
-# SALUS_REPLAY_KERNEL_US (salus-replay --kernel-us; default 0, one kernel per iteration).
+# SALUS_REPLAY_DEPTH (salusd --pipeline-depth for the replay, default 1),
+# SALUS_REPLAY_KERNEL_US (salus-replay --kernel-us; default 500: a DL iteration is many
+# kernels, and a GPU does not time-slice one that holds every SM).
 #
 # Each part writes OUT/PART.txt (what is recorded in docs/benchmarks.md) and
 # leaves no daemon, mount or MPS server behind.
@@ -167,22 +168,11 @@ part_compare() {
 # online-100 scaled to end in about a minute on a 16 GiB arena (like the
 # paper's P100), each job's iterations spin kernels of its iter_ms and util.
 part_replay() {
-  local scale=${SALUS_REPLAY_SCALE:-256} policy
-  for policy in ${SALUS_REPLAY_POLICIES:-fifo srtf pack fair}; do
-    # shellcheck disable=SC2086 # SALUS_REPLAY_ARGS is a list of flags
-    start_salusd --policy $policy --cuda-memory-fraction 0.2 ${SALUS_REPLAY_ARGS:-} || return 1
-    local cap
-    cap=$(awk '/^capacity:/ {print $2}' "$work/mnt/gpus/0/info")
-    echo "== $policy (arena $cap bytes)"
-    python3 tools/salus-replay --mount "$work/mnt" --trace traces/online-100.csv --scale "$scale" \
-      --kernel-us "${SALUS_REPLAY_KERNEL_US:-0}" \
-      --policy $policy --scaled-out "$work/scaled.csv" --jobs-out "$out/replay-$policy.csv"
-    stop_salusd
-    "$bin/salus-sim" --trace "$work/scaled.csv" --policy $policy --gpu-memory "$cap" \
-      --lanes algorithm1 --jobs-out "$out/sim-$policy.csv"
-    python3 tools/replay-compare "$out/replay-$policy.csv" "$out/sim-$policy.csv" \
-      --policy $policy --tie 0.05
-  done
+  SCALE=${SALUS_REPLAY_SCALE:-256} DEPTH=${SALUS_REPLAY_DEPTH:-1} \
+    KERNEL_US=${SALUS_REPLAY_KERNEL_US:-500} \
+    BACKEND_ARGS="--backend cuda --cuda-memory-fraction 0.2" \
+    tools/replay-bench.sh "$bin" "$work/replay" ${SALUS_REPLAY_POLICIES:-fifo srtf pack fair}
+  cp "$work"/replay/replay-*.csv "$work"/replay/sim-all.csv "$out"/ 2>/dev/null || true
 }
 
 part_dataplane() {

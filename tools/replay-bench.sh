@@ -1,14 +1,18 @@
 #!/bin/bash
-# Replays a trace through a salusd of its own (sim backend, 1 GPU, 16G) once per
-# policy, predicts the same scaled trace with salus-sim (--lanes algorithm1), and
-# compares the two with tools/replay-compare. Results go to OUT.
+# Replays a trace through a salusd of its own (default: sim backend, 1 GPU, 16G) once
+# per policy, predicts the same scaled trace with salus-sim (--lanes algorithm1, the
+# GPU's arena capacity as read from the mount), and compares the two with
+# tools/replay-compare. Results go to OUT.
 #
-#   tools/replay-bench.sh BUILD OUT [policy...]        (default: fifo srtf fair)
+#   tools/replay-bench.sh BUILD OUT [policy...]        (default: fifo srtf pack fair)
+#   BUILD: a build directory (BUILD/tools/salusd) or a bundle's bin/ (BUILD/salusd)
 #   env: TRACE (traces/online-100.csv), SCALE (256), ITER_SCALE (4: iterations 1/4 as
 #        long and 1/64 as many; fewer boundaries, so less of salusd's jitter adds up),
 #        DEPTH (salusd --pipeline-depth, 1), TIE (seconds, 0.05),
 #        KERNEL_US (salus-replay --kernel-us: spins of at most this many us, 0 = one),
-#        OVERHEAD_US (salus-sim --iteration-overhead-us; default: measured here first)
+#        OVERHEAD_US (salus-sim --iteration-overhead-us; default: measured here first),
+#        BACKEND_ARGS (salusd flags; default --backend sim --sim-gpus 1 --sim-memory 16G;
+#        on a GPU, e.g. --backend cuda --cuda-memory-fraction 0.2)
 #
 # The overhead is salusd's host-side cost per iteration boundary on this machine at
 # this depth: one job of 1 ms iterations is replayed alone with 200 and 1200 iterations,
@@ -20,8 +24,11 @@ build=${1:?usage: replay-bench.sh BUILD OUT [policy...]}
 out=${2:?usage: replay-bench.sh BUILD OUT [policy...]}
 shift 2
 policies=("$@")
-[ ${#policies[@]} -eq 0 ] && policies=(fifo srtf fair)
+[ ${#policies[@]} -eq 0 ] && policies=(fifo srtf pack fair)
 here=$(cd "$(dirname "$0")" && pwd)
+salusd=$build/tools/salusd salus_sim=$build/tools/salus-sim
+[ -x "$salusd" ] || salusd=$build/salusd salus_sim=$build/salus-sim
+read -r -a backend_args <<<"${BACKEND_ARGS:---backend sim --sim-gpus 1 --sim-memory 16G}"
 trace=${TRACE:-$here/../traces/online-100.csv}
 scale=${SCALE:-256}
 depth=${DEPTH:-1}
@@ -48,11 +55,12 @@ trap cleanup EXIT INT TERM
 
 start_salusd() {  # LOG: a fresh daemon, so no run inherits another's lanes or clocks
   mnt=$(mktemp -d /tmp/salus-replay-bench.XXXXXX)
-  "$build/tools/salusd" --backend sim --sim-gpus 1 --sim-memory 16G --log-level warn \
-    --pipeline-depth "$depth" --mount "$mnt" >"$1" 2>&1 &
+  "$salusd" "${backend_args[@]}" --log-level warn --pipeline-depth "$depth" --mount "$mnt" \
+    >"$1" 2>&1 &
   dpid=$!
-  for _ in $(seq 100); do [ -e "$mnt/version" ] && break; sleep 0.1; done
+  for _ in $(seq 600); do [ -e "$mnt/version" ] && break; sleep 0.1; done
   [ -e "$mnt/version" ] || { echo "replay-bench: salusd did not mount $mnt" >&2; exit 1; }
+  capacity=$(awk '/^capacity:/ {print $2}' "$mnt/gpus/0/info")
 }
 
 overhead=${OVERHEAD_US:-}
@@ -86,7 +94,7 @@ for p in "${policies[@]}"; do
   cleanup
 done
 
-"$build/tools/salus-sim" --trace "$out/scaled.csv" --policy all --lanes algorithm1 \
+"$salus_sim" --trace "$out/scaled.csv" --policy all --lanes algorithm1 --gpu-memory "$capacity" \
   --iteration-overhead-us "$overhead" --jobs-out "$out/sim-all.csv" >"$out/sim.summary"
 for p in "${policies[@]}"; do
   echo "== $p (salusd --pipeline-depth $depth, scale $scale, salus-sim --iteration-overhead-us $overhead)"
