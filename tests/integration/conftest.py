@@ -232,3 +232,21 @@ def pytest_sessionfinish(session, exitstatus):
         stats = rep.stats
         if stats.get("skipped") and not stats.get("passed") and not stats.get("failed"):
             session.exitstatus = 77
+
+
+_own_basetemp = None
+
+
+def pytest_configure(config):
+    """pytest 7.2 keeps the temporary folders of its last three runs under
+    /tmp/pytest-of-USER; tests here leave nothing behind, so each run gets a folder of
+    its own, removed when the run ends, skipped or not."""
+    global _own_basetemp
+    if config.option.basetemp is None:
+        _own_basetemp = tempfile.mkdtemp(prefix="salus-pytest-")
+        config.option.basetemp = _own_basetemp
+
+
+def pytest_unconfigure(config):
+    if _own_basetemp is not None:
+        shutil.rmtree(_own_basetemp, ignore_errors=True)
