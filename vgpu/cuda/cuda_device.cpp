@@ -745,20 +745,29 @@ bool CudaDevice::staging_pinned(const void* host, Bytes length) {
   return b.registered;
 }
 
-void CudaDevice::copy_from_staging(StreamId stream, DevOffset dst, const void* host, Bytes length) {
-  if (!staging_pinned(host, length)) return copy_from_host(stream, dst, host, length);
+void CudaDevice::copy_in(StreamId stream, DevOffset dst, const void* host, Bytes length,
+                         bool pinned) {
+  if (!pinned) return copy_from_host(stream, dst, host, length);
   OpScope op(*this, stream);
   Stream& s = op.stream();
   if (!begin_op(s) || length == 0) return;
   check(s, drv_.memcpy_htod_async(at(dst), host, length, s.handle), "copy from host");
 }
 
-void CudaDevice::copy_to_staging(StreamId stream, void* host, DevOffset src, Bytes length) {
-  if (!staging_pinned(host, length)) return copy_to_host(stream, host, src, length);
+void CudaDevice::copy_out(StreamId stream, void* host, DevOffset src, Bytes length, bool pinned) {
+  if (!pinned) return copy_to_host(stream, host, src, length);
   OpScope op(*this, stream);
   Stream& s = op.stream();
   if (!begin_op(s) || length == 0) return;
   check(s, drv_.memcpy_dtoh_async(host, at(src), length, s.handle), "copy to host");
+}
+
+void CudaDevice::copy_from_staging(StreamId stream, DevOffset dst, const void* host, Bytes length) {
+  copy_in(stream, dst, host, length, staging_pinned(host, length));
+}
+
+void CudaDevice::copy_to_staging(StreamId stream, void* host, DevOffset src, Bytes length) {
+  copy_out(stream, host, src, length, staging_pinned(host, length));
 }
 
 bool CudaDevice::register_host(void* p, Bytes size, bool writable) {
@@ -811,22 +820,12 @@ bool CudaDevice::region_pinned(RegionId region) {
 
 void CudaDevice::copy_from_region(StreamId stream, DevOffset dst, RegionId region, Bytes offset,
                                   Bytes length) {
-  const char* host = regions_.at(region, offset, length, false);
-  if (!region_pinned(region)) return copy_from_host(stream, dst, host, length);
-  OpScope op(*this, stream);
-  Stream& s = op.stream();
-  if (!begin_op(s) || length == 0) return;
-  check(s, drv_.memcpy_htod_async(at(dst), host, length, s.handle), "copy from host");
+  copy_in(stream, dst, regions_.at(region, offset, length, false), length, region_pinned(region));
 }
 
 void CudaDevice::copy_to_region(StreamId stream, RegionId region, Bytes offset, DevOffset src,
                                 Bytes length) {
-  char* host = regions_.at(region, offset, length, true);
-  if (!region_pinned(region)) return copy_to_host(stream, host, src, length);
-  OpScope op(*this, stream);
-  Stream& s = op.stream();
-  if (!begin_op(s) || length == 0) return;
-  check(s, drv_.memcpy_dtoh_async(host, at(src), length, s.handle), "copy to host");
+  copy_out(stream, regions_.at(region, offset, length, true), src, length, region_pinned(region));
 }
 
 void CudaDevice::notify(StreamId stream, std::uint64_t token) {

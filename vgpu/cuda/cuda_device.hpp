@@ -230,6 +230,10 @@ class CudaDevice final : public Device {
   bool staging_pinned(const void* host, Bytes length);
   // The same for a host region; false when its copies must take the pageable path.
   bool region_pinned(RegionId region);
+  // One DMA between device memory and pinned host pages, or the pageable path when the
+  // pages could not be pinned; behind the staging and region copies alike.
+  void copy_in(StreamId stream, DevOffset dst, const void* host, Bytes length, bool pinned);
+  void copy_out(StreamId stream, void* host, DevOffset src, Bytes length, bool pinned);
   // cuMemHostRegister with the context current; whether it took.
   bool register_host(void* p, Bytes size, bool writable);
   PinnedBlock acquire_pinned(Bytes size);
