@@ -5,6 +5,7 @@
 
 #include <map>
 #include <random>
+#include <vector>
 
 using namespace salus;
 using namespace salus::sched;
@@ -22,6 +23,20 @@ struct OneLane {
     EXPECT_EQ(adm.size(), 1u);
     s.set_runnable(id, true);
     return adm.at(0).lane;
+  }
+};
+// Sessions 1 and 2, each in a lane of its own, both runnable.
+struct TwoLanes {
+  GpuScheduler s;
+  std::vector<arena::Admitted> adm;
+  explicit TwoLanes(PolicyKind p) : s(64 * M, p) {
+    EXPECT_EQ(s.arrive(1, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
+    EXPECT_EQ(s.arrive(2, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
+    adm = s.take_admissions();
+    EXPECT_EQ(adm.size(), 2u);
+    EXPECT_NE(adm.at(0).lane, adm.at(1).lane);  // room for two lanes
+    s.set_runnable(1, true);
+    s.set_runnable(2, true);
   }
 };
 }  // namespace
@@ -133,14 +148,10 @@ TEST(GpuScheduler, LeaveRemovesFromLaneAndArena) {
 
 TEST(GpuScheduler, FifoRunsOneSessionAtATimeAcrossLanesPackRunsAll) {
   for (PolicyKind p : {PolicyKind::fifo, PolicyKind::pack}) {
-    GpuScheduler s(64 * M, p);
-    ASSERT_EQ(s.arrive(1, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
-    ASSERT_EQ(s.arrive(2, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
-    auto adm = s.take_admissions();
+    TwoLanes t(p);
+    GpuScheduler& s = t.s;
+    const auto& adm = t.adm;
     ASSERT_EQ(adm.size(), 2u);
-    ASSERT_NE(adm[0].lane, adm[1].lane);  // room for two lanes
-    s.set_runnable(1, true);
-    s.set_runnable(2, true);
     EXPECT_TRUE(s.lane_may_dispatch(adm[0].lane));
     EXPECT_EQ(s.lane_may_dispatch(adm[1].lane), p == PolicyKind::pack);
     s.set_runnable(1, false);  // the first one finished its work
@@ -179,14 +190,10 @@ TEST(GpuScheduler, FairLaneClockSurvivesAnotherSessionLeaving) {
 }
 
 TEST(GpuScheduler, FifoHoldsTheGpuUntilTheLastIterationEnds) {
-  GpuScheduler s(64 * M, PolicyKind::fifo);
-  ASSERT_EQ(s.arrive(1, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
-  ASSERT_EQ(s.arrive(2, arena::Need{M, 8 * M}, 0, {}, 0), arena::ArenaError::ok);
-  auto adm = s.take_admissions();
+  TwoLanes t(PolicyKind::fifo);
+  GpuScheduler& s = t.s;
+  const auto& adm = t.adm;
   ASSERT_EQ(adm.size(), 2u);
-  ASSERT_NE(adm[0].lane, adm[1].lane);
-  s.set_runnable(1, true);
-  s.set_runnable(2, true);
   ASSERT_EQ(s.pick(adm[0].lane), 1u);
   s.iteration_dispatched(1);
   // Its last iteration is on the device and nothing more is queued: the second job
