@@ -214,3 +214,59 @@ TEST(GpuScheduler, FifoHoldsTheGpuUntilTheLastIterationEnds) {
   s.leave(1, 10);
   EXPECT_TRUE(s.lane_may_dispatch(adm[1].lane));
 }
+
+// Salus's own FAIR resets every session's service counter when a job arrives. With a
+// newcomer every 25 ms and a 30 ms iteration at the head of the tie order, that rule
+// runs A first after every reset and B never; virtual time keeps A's and B's debts
+// across arrivals, and starts each newcomer at the lane clock. A one-lane model of
+// the reset rule runs beside GpuScheduler on the same arrivals.
+TEST(GpuScheduler, FairKeepsSharesUnderFrequentArrivalsWhereResetOnArrivalStarves) {
+  constexpr std::int64_t kArrivalEvery = 25'000, kEnd = 5'000'000;
+  const auto cost = [](SessionId id) -> std::int64_t {
+    return id == 1 ? 30'000 : id == 2 ? 10'000 : 1'000;  // A, B, then one-iteration newcomers
+  };
+
+  // Ours.
+  OneLane t(PolicyKind::fair);
+  const LaneId lane = t.add(1);
+  t.add(2);
+  std::map<SessionId, std::int64_t> ours;
+  SessionId next_id = 3;
+  std::int64_t next_arrival = kArrivalEvery;
+  for (std::int64_t now = 0; now < kEnd;) {
+    for (; next_arrival <= now; next_arrival += kArrivalEvery) t.add(next_id++);
+    const SessionId id = *t.s.pick(lane);
+    t.s.iteration_dispatched(id);
+    now += cost(id);
+    t.s.iteration_done(id, cost(id));
+    ours[id] += cost(id);
+    if (id > 2) t.s.leave(id, now);  // a newcomer's one iteration is all it has
+  }
+
+  // The reset rule: least service since the last arrival, ties to the earliest session.
+  std::map<SessionId, std::int64_t> service, reset;
+  service[1] = service[2] = 0;
+  next_id = 3;
+  next_arrival = kArrivalEvery;
+  for (std::int64_t now = 0; now < kEnd;) {
+    for (; next_arrival <= now; next_arrival += kArrivalEvery) {
+      for (auto& [id, s] : service) s = 0;
+      service[next_id++] = 0;
+    }
+    SessionId id = service.begin()->first;
+    for (const auto& [sid, s] : service)
+      if (s < service[id]) id = sid;
+    now += cost(id);
+    service[id] += cost(id);
+    reset[id] += cost(id);
+    if (id > 2) service.erase(id);
+  }
+
+  const auto share_of_b = [](std::map<SessionId, std::int64_t>& m) {
+    return static_cast<double>(m[2]) / static_cast<double>(m[1] + m[2]);
+  };
+  EXPECT_NEAR(share_of_b(ours), 0.5, 0.02);
+  EXPECT_LT(share_of_b(reset), 0.01);
+  // And no newcomer waits behind the old sessions' history: all but the last ran.
+  EXPECT_GE(ours.size(), static_cast<std::size_t>(kEnd / kArrivalEvery));
+}
