@@ -20,7 +20,15 @@ struct Overloaded : Ts... {
 template <class... Ts>
 Overloaded(Ts...) -> Overloaded<Ts...>;
 
-void run_all(std::vector<std::function<void()>>& later) {
+constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pass
+constexpr std::chrono::milliseconds kBusySamplePeriod{100};
+constexpr std::size_t kMaxModuleBytes = 256u << 20;
+// exec_* result: the write must wait and run this line again later.
+constexpr int kSuspend = -1;
+
+}  // namespace
+
+void run_deferred(std::vector<std::function<void()>>& later) {
   for (auto& fn : later) {
     try {
       fn();
@@ -32,14 +40,6 @@ void run_all(std::vector<std::function<void()>>& later) {
   }
   later.clear();
 }
-
-constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pass
-constexpr std::chrono::milliseconds kBusySamplePeriod{100};
-constexpr std::size_t kMaxModuleBytes = 256u << 20;
-// exec_* result: the write must wait and run this line again later.
-constexpr int kSuspend = -1;
-
-}  // namespace
 
 const char* to_string(SessionState s) {
   switch (s) {
@@ -184,7 +184,7 @@ void Broker::end_session(SessionId id) {
     s->watchers.clear();
     maybe_finalize(*s, later);
   }
-  run_all(later);
+  run_deferred(later);
 }
 
 std::optional<SessionId> Broker::find_session(const std::string& dir_name) const {
@@ -325,7 +325,7 @@ void Broker::submit(
       if (s->writes.size() == 1) resume_writes(*s, later);
     }
   }
-  run_all(later);
+  run_deferred(later);
 }
 
 void Broker::resume_writes(Session& s, Deferred& later) {
@@ -921,7 +921,7 @@ void Broker::wait(SessionId id, std::function<void(int err, std::string text)> d
       check_waiters(*s, later);
     }
   }
-  run_all(later);
+  run_deferred(later);
 }
 
 void Broker::check_waiters(Session& s, Deferred& later) {
@@ -1166,7 +1166,7 @@ void Broker::worker_loop(Gpu& g) {
       spdlog::error("gpu {} worker: {}", g.index, e.what());
     }
     batch.clear();
-    run_all(later);
+    run_deferred(later);
   }
 }
 

@@ -10,13 +10,6 @@
 
 namespace salus::vgpu {
 
-namespace {
-void run_all(std::vector<std::function<void()>>& later) {
-  for (auto& fn : later) fn();
-  later.clear();
-}
-}  // namespace
-
 std::vector<Broker::BufferView> Broker::list_buffers(SessionId id) const {
   std::lock_guard lk(mu_);
   std::vector<BufferView> out;
@@ -90,7 +83,7 @@ int Broker::remove_buffer(SessionId id, const Caller& caller, const std::string&
     if (caller.uid != s->uid && !caller.admin) return -EACCES;
     rc = -exec_free(*s, FreeCmd{name}, 0);
   }
-  run_all(later);
+  run_deferred(later);
   return rc;
 }
 
@@ -159,7 +152,7 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
     }
   }
   done(err);
-  run_all(later);
+  run_deferred(later);
 }
 
 // mem/ reads and writes: one host copy through a staging block, queued like any

@@ -4,6 +4,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -14,6 +15,10 @@
 #include "vgpu/broker.hpp"
 
 namespace salus::vgpu {
+
+// Runs the replies and releases collected under the broker's lock, after it is
+// dropped, and empties the list. Nothing they throw escapes into a FUSE callback.
+void run_deferred(std::vector<std::function<void()>>& later);
 
 // Hands device completions to the GPU's worker thread.
 class Broker::Sink final : public CompletionSink {

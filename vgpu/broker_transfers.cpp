@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include <fmt/format.h>
-#include <spdlog/spdlog.h>
 
 #include "vgpu/broker.hpp"
 #include "vgpu/broker_gpu.hpp"
@@ -21,17 +20,6 @@ const std::shared_ptr<const Iteration>& no_ops() {
     return i;
   }();
   return it;
-}
-
-void run_all(std::vector<std::function<void()>>& later) {
-  for (auto& fn : later) {
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      spdlog::error("deferred reply threw: {}", e.what());
-    }
-  }
-  later.clear();
 }
 
 std::string ref(const BufRef& r) {
@@ -160,7 +148,7 @@ void Broker::transfer_finished(SessionId id, std::uint64_t seq, TransferResult r
     }
     maybe_finalize(*s, later);  // `s` may be gone after this
   }
-  run_all(later);
+  run_deferred(later);
 }
 
 }  // namespace salus::vgpu
