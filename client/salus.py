@@ -80,7 +80,22 @@ def _strip_timestamp(line):
     return line
 
 
-class Session:
+class _Closing:
+    """close() at the end of a `with` block and when garbage-collected."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class Session(_Closing):
     """One salusd session.
 
     Session()            a new session through <mount>/clone; closing it ends the
@@ -164,17 +179,6 @@ class Session:
                 os.rmdir(self.dir)
             except FileNotFoundError:
                 pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self.close()
 
     def path(self, name):
         return os.path.join(self.dir, name)
@@ -452,7 +456,7 @@ def _segref(seg, seg_offset):
     return f"{seg.name}+{int(seg_offset)}" if seg_offset else seg.name
 
 
-class Segment:
+class Segment(_Closing):
     """A POSIX shared-memory segment of `size` bytes for upload/download: the
     file /dev/shm/NAME, created here with mode 0600, mapped, and removed by
     close(). salusd accepts only segments owned by the writing uid.
@@ -497,14 +501,3 @@ class Segment:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
             self.path = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self.close()
