@@ -1119,6 +1119,18 @@ std::int64_t RemoteDevice::busy_ns() const {
   return busy_base_ + busy_last_;
 }
 
+int RemoteDevice::unavailable(std::string& why) const {
+  if (state_ == State::unusable) {
+    why = "the GPU is out of service: " + unusable_why_;
+    return ENODEV;
+  }
+  if (state_ != State::running) {
+    why = "the GPU's executor is being restarted after it was lost; try again in a moment";
+    return EAGAIN;
+  }
+  return 0;
+}
+
 int RemoteDevice::load_module(const std::vector<std::uint8_t>& image, ModuleHandle& out,
                               std::string& why) {
   const int fd = make_image_fd(image, why);
@@ -1130,11 +1142,7 @@ int RemoteDevice::load_module(const std::vector<std::uint8_t>& image, ModuleHand
     why = std::move(text);
     return err;
   };
-  if (state_ == State::unusable)
-    return refuse(ENODEV, "the GPU is out of service: " + unusable_why_);
-  if (state_ != State::running)
-    return refuse(EAGAIN,
-                  "the GPU's executor is being restarted after it was lost; try again in a moment");
+  if (std::string text; const int err = unavailable(text)) return refuse(err, std::move(text));
   if (next_module_ == 0) return refuse(ENOSPC, "module handles exhausted");
   const ModuleHandle h = next_module_++;
   const std::uint64_t req = next_request_++;
@@ -1174,10 +1182,7 @@ int RemoteDevice::map_region(int fd, Bytes size, bool writable, RegionId& out, s
     why = std::move(text);
     return err;
   };
-  if (state_ == State::unusable)
-    return refuse(ENODEV, "the GPU is out of service: " + unusable_why_);
-  if (state_ != State::running)
-    return refuse(EAGAIN, "the GPU's executor is being restarted after it was lost");
+  if (std::string text; const int err = unavailable(text)) return refuse(err, std::move(text));
   while (next_region_ == 0 || regions_by_id_.count(next_region_)) ++next_region_;
   const RegionId id = next_region_++;
   const std::uint64_t req = next_request_++;
@@ -1327,14 +1332,7 @@ int RemoteDevice::get_function(ModuleHandle module, const std::string& name, Fun
       param_sizes = fns[i].param_sizes;
       return 0;
     }
-  if (state_ == State::unusable) {
-    why = "the GPU is out of service: " + unusable_why_;
-    return ENODEV;
-  }
-  if (state_ != State::running) {
-    why = "the GPU's executor is being restarted after it was lost; try again in a moment";
-    return EAGAIN;
-  }
+  if (const int err = unavailable(why)) return err;
   if (fns.size() >= kMaxFunctionsPerModule) {
     why = "too many functions looked up in this module";
     return ENOSPC;

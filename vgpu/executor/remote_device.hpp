@@ -245,6 +245,9 @@ class RemoteDevice final : public Device {
   std::uint64_t piece_limit() const;
   int sync_call(std::unique_lock<std::mutex>& lk, std::uint64_t request, Reply& out,
                 std::string& why);
+  // 0 while an executor serves the GPU; else ENODEV (out of service) or EAGAIN (being
+  // replaced), with the reason in `why`. Needs mu_.
+  int unavailable(std::string& why) const;
   std::uint64_t make_ticket(StreamId id) {
     return std::uint64_t{id} << 40 | (next_ticket_++ & ((std::uint64_t{1} << 40) - 1));
   }
