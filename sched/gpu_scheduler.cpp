@@ -144,18 +144,18 @@ void GpuScheduler::iteration_cycle(SessionId id, std::int64_t device_ns) {
   const double estimate = std::max(s.in.mean_iter_ns, 1.0);
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
-  ++s.in_flight;  // dispatched and done at once: in_flight_ is left as it was
-  account_done(s, device_ns, true);
+  account_done(s, device_ns, true);  // dispatched and done at once: in_flight stays
 }
 
 void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool iteration) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
-  account_done(it->second, device_ns, iteration);
+  SessionSched& s = it->second;
+  if (s.in_flight > 0 && --s.in_flight == 0) forget_in_flight(s);
+  account_done(s, device_ns, iteration);
 }
 
 void GpuScheduler::account_done(SessionSched& s, std::int64_t device_ns, bool iteration) {
-  if (s.in_flight > 0 && --s.in_flight == 0) forget_in_flight(s);
   s.gpu_ns += device_ns;
   if (iteration) {
     s.in.done += 1;
