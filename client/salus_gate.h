@@ -1,0 +1,123 @@
+/* salus_gate.h: the gate of an attached session, shared by salusd and
+ * libsalus-shim.so (and readable from Python with ctypes).
+ *
+ * An *attached* session is a program that keeps its own CUDA context (PyTorch,
+ * any CUDA program) and is scheduled by salusd only at iteration boundaries.
+ * The gate is one page of shared memory plus a doorbell; no FUSE round trip
+ * happens per iteration.
+ *
+ * Set-up (once per process, by the shim):
+ *   1. the program makes a sealed memfd of sizeof(struct salus_gate)
+ *      (memfd_create MFD_CLOEXEC|MFD_ALLOW_SEALING, ftruncate, then
+ *      F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL) and fills in the header;
+ *   2. it makes an eventfd (EFD_CLOEXEC|EFD_NONBLOCK): the doorbell to salusd;
+ *   3. it writes `attach gate=FD bell=FD` to its session's ctl. salusd takes
+ *      both fds out of the *writing* process with pidfd_getfd (so they work
+ *      from any container: no shared /dev/shm or socket path is needed), checks
+ *      the seals, the size and the header, and keeps a pidfd of the process:
+ *      when it exits, the session ends.
+ *
+ * Iterations are numbered from 1. Iteration k runs from the grant of k to the
+ * program's k-th boundary (salus_step()). At boundary k the program:
+ *   - records an end event for k and sets `requested` = k + 1;
+ *   - rings the doorbell if `granted` < k + 1, and waits on `grant_word`
+ *     (FUTEX_WAIT, shared) until `granted` >= k + 1.
+ * When iteration k's work has finished on the GPU (its event completed), the
+ * program adds its device time to `gpu_ns_total`, sets `completed` = k and
+ * rings the doorbell. salusd treats a grant as a dispatch and a completion as
+ * the end of that iteration, exactly as for hosted work: the same
+ * GpuScheduler decides, and a lane's pipeline depth bounds
+ * `granted - completed`.
+ *
+ * Liveness: salusd bumps `heartbeat` at least every 100 ms while it serves the
+ * gate. A program that sees no change for SALUS_GATE_DEAD_MS, or `state` ==
+ * SALUS_GATE_DETACHED, runs ungated (it never exits because of salusd) and
+ * tries to attach again later.
+ *
+ * Memory: `budget_bytes` is what the session may hold on the GPU (persistent +
+ * ephemeral of its `need`; UINT64_MAX: no limit). The shim charges every
+ * allocation to `charged_bytes` before it reaches the driver and refuses one
+ * that would pass the budget.
+ *
+ * All counters are naturally aligned and accessed with atomic operations
+ * (C11 atomics / std::atomic_ref, or __atomic builtins); fields are owned by
+ * one side, as marked. Layout is fixed: grow it only by appending and raising
+ * SALUS_GATE_VERSION.
+ */
+#ifndef SALUS_GATE_H
+#define SALUS_GATE_H
+
+#include <stdint.h>
+
+#define SALUS_GATE_MAGIC 0x5441474553554C53ULL /* "SLUSGATE" little-endian */
+#define SALUS_GATE_VERSION 1u
+#define SALUS_GATE_DEAD_MS 2000u
+#define SALUS_GATE_NOTE_BYTES 512u
+
+/* state, written by salusd */
+#define SALUS_GATE_ATTACHING 0u /* the program filled in the header; salusd has not taken it */
+#define SALUS_GATE_ATTACHED 1u  /* salusd serves the gate */
+#define SALUS_GATE_DETACHED 2u  /* salusd let go (session ended, salusd stopping): run ungated */
+
+/* marking, written by the program */
+#define SALUS_MARK_NONE 0u     /* no boundary seen yet */
+#define SALUS_MARK_EXPLICIT 1u /* salus_step() / salus.step() / automatic PyTorch hooks */
+#define SALUS_MARK_SLICE 2u    /* fallback: salusd asked an unmarked program to yield */
+
+struct salus_gate {
+  /* ---- header: written by the program before attach, read-only after ---- */
+  uint64_t magic;   /* SALUS_GATE_MAGIC */
+  uint32_t version; /* SALUS_GATE_VERSION */
+  uint32_t size;    /* sizeof(struct salus_gate) */
+  int32_t pid;      /* the program's pid in its own namespace (for messages only) */
+  uint32_t reserved0;
+
+  /* ---- written by salusd ---- */
+  uint32_t state;           /* SALUS_GATE_* */
+  uint32_t grant_word;      /* futex word: incremented after every change of granted/state */
+  uint64_t granted;         /* iterations the program may start: 1..granted */
+  uint64_t heartbeat;       /* incremented at least every 100 ms while attached */
+  uint64_t budget_bytes;    /* device memory the session may hold; UINT64_MAX: no limit */
+  uint32_t yield_requested; /* an unmarked program should come to a boundary (slice) */
+  uint32_t gpu;             /* salusd's index of the session's GPU */
+  uint64_t quantum_ns;      /* fallback slice length salusd wants, device time */
+  uint64_t reserved1[4];
+
+  /* ---- written by the program ---- */
+  uint64_t requested;       /* highest iteration the program wants to start */
+  uint64_t completed;       /* iterations whose GPU work has finished (in order) */
+  uint64_t gpu_ns_total;    /* device time of completed iterations, summed */
+  uint64_t charged_bytes;   /* device memory charged now */
+  uint64_t peak_bytes;      /* the most ever charged */
+  uint64_t launches;        /* kernel launches seen (relaxed) */
+  uint64_t gate_waits;      /* boundaries that had to wait for a grant */
+  uint64_t gate_wait_ns;    /* time spent waiting, summed */
+  uint64_t oom_refusals;    /* allocations refused for the budget */
+  uint32_t marking;         /* SALUS_MARK_* */
+  uint32_t note_seq;        /* incremented after `note` is rewritten */
+  char note[SALUS_GATE_NOTE_BYTES]; /* one line for the session log (NUL-terminated) */
+  uint64_t reserved2[8];
+};
+
+#ifdef __cplusplus
+static_assert(sizeof(struct salus_gate) % 8 == 0, "salus_gate: 8-byte multiple");
+#endif
+
+/* The C entry points libsalus-shim.so exports (also through ctypes):
+ *   int salus_step(void);        an iteration boundary: ends the running iteration and
+ *                                returns once the next one is granted. 0, or -errno when the
+ *                                program is not attached (it then runs ungated; never fatal).
+ *   int salus_attached(void);    1 while salusd serves the gate, else 0.
+ *   uint64_t salus_iterations(void);  boundaries passed so far.
+ */
+#ifdef __cplusplus
+extern "C" {
+#endif
+int salus_step(void);
+int salus_attached(void);
+uint64_t salus_iterations(void);
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SALUS_GATE_H */
