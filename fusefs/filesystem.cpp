@@ -473,8 +473,7 @@ void op_unlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
     fuse_reply_err(req, EPERM);
     return;
   }
-  const int rc = fs.broker().remove_buffer(p.id, caller_of(req, fs.options()), name);
-  fuse_reply_err(req, rc < 0 ? -rc : 0);
+  fuse_reply_err(req, fs.broker().remove_buffer(p.id, caller_of(req, fs.options()), name));
 }
 
 // ---------------------------------------------------------------- files

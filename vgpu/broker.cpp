@@ -23,8 +23,6 @@ Overloaded(Ts...) -> Overloaded<Ts...>;
 constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pass
 constexpr std::chrono::milliseconds kBusySamplePeriod{100};
 constexpr std::size_t kMaxModuleBytes = 256u << 20;
-// exec_* result: the write must wait and run this line again later.
-constexpr int kSuspend = -1;
 
 }  // namespace
 
@@ -421,14 +419,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
   return std::visit(
       Overloaded{
           [&](const NeedCmd& c) { return exec_need(s, c, ln, later); },
-          [&](const AllocCmd& c) {
-            const int rc = exec_alloc(s, c, ln);
-            if (rc == kSuspend) {
-              suspend = true;
-              return 0;
-            }
-            return rc;
-          },
+          [&](const AllocCmd& c) { return exec_alloc(s, c, ln, suspend); },
           [&](const FreeCmd& c) { return exec_free(s, c, ln); },
           [&](const BeginCmd&) {
             if (s.recording)
@@ -607,7 +598,7 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   return 0;
 }
 
-int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln) {
+int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& suspend) {
   auto fail = [&](int err, std::string msg) {
     log(s, fmt::format("line {}: alloc {}: {}", ln, c.name, msg));
     return err;
@@ -643,13 +634,18 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln) {
   if (r.error == arena::ArenaError::fragmented) {
     // Compaction is planned; the write waits (holding no thread) and retries.
     kick(g);
-    return kSuspend;
+    suspend = true;
+    return 0;
   }
   if (r.error == arena::ArenaError::no_memory) {
     // Memory this session freed may still be in use by its submitted work; it
     // comes back when that work completes, so wait for it rather than fail.
-    for (const auto& [handle, pin] : s.pins)
-      if (pin.retired) return kSuspend;
+    for (const auto& [handle, pin] : s.pins) {
+      if (pin.retired) {
+        suspend = true;
+        return 0;
+      }
+    }
   }
   if (r.error != arena::ArenaError::ok) {
     const auto pl = g.sched.arena().placement(s.id);

@@ -129,6 +129,8 @@ class Broker {
   std::optional<BufferView> find_buffer(SessionId id, const std::string& name) const;
   std::optional<BufferView> buffer_by_id(SessionId id, std::uint32_t buffer_id) const;
   // mem/NAME: create (size 0), resize (allocate/reallocate keeping contents), remove.
+  // create_buffer returns the buffer id or -errno; resize_buffer and
+  // remove_buffer give 0 or a positive errno (docs/style.md, rules 1 and 2).
   int create_buffer(SessionId id, const Caller& caller, const std::string& name);
   void resize_buffer(SessionId id, const Caller& caller, std::uint32_t buffer_id, Bytes size,
                      std::function<void(int err)> done);
@@ -197,7 +199,9 @@ class Broker {
   bool run_write(Session& s, PendingWrite& w, Deferred& later);
   int exec(Session& s, const CommandLine& line, PendingWrite& w, bool& suspend, Deferred& later);
   int exec_need(Session& s, const NeedCmd& cmd, std::uint32_t line, Deferred& later);
-  int exec_alloc(Session& s, const AllocCmd& cmd, std::uint32_t line);
+  // 0 or a positive errno; sets `suspend` when the line must wait (compaction,
+  // memory still pinned by submitted work) and run again.
+  int exec_alloc(Session& s, const AllocCmd& cmd, std::uint32_t line, bool& suspend);
   int exec_free(Session& s, const FreeCmd& cmd, std::uint32_t line);
   int record_op(Session& s, const Command& cmd, std::uint32_t line);
   int exec_module(Session& s, const ModuleCmd& cmd, PendingWrite& w, std::uint32_t line);

@@ -75,16 +75,16 @@ int Broker::create_buffer(SessionId id, const Caller& caller, const std::string&
 
 int Broker::remove_buffer(SessionId id, const Caller& caller, const std::string& name) {
   Deferred later;
-  int rc = 0;
+  int err = 0;
   {
     std::lock_guard lk(mu_);
     Session* s = get(id);
-    if (!s || s->dead) return -ENOENT;
-    if (caller.uid != s->uid && !caller.admin) return -EACCES;
-    rc = -exec_free(*s, FreeCmd{name}, 0);
+    if (!s || s->dead) return ENOENT;
+    if (caller.uid != s->uid && !caller.admin) return EACCES;
+    err = exec_free(*s, FreeCmd{name}, 0);
   }
   run_deferred(later);
-  return rc;
+  return err;
 }
 
 void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid, Bytes size,
