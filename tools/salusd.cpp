@@ -137,23 +137,9 @@ std::optional<std::string> validate(const Settings& s) {
   return std::nullopt;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  // salusd re-executes itself as the executor process of each isolated GPU.
-  if (salus::vgpu::executor::is_executor_invocation(argc, argv))
-    return salus::vgpu::executor::executor_main(argc, argv);
-  Settings s;
-  // The config file is read before the flags, so that flags override it.
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--config" && i + 1 < argc) s.config = argv[i + 1];
-    if (a.rfind("--config=", 0) == 0) s.config = a.substr(9);
-  }
-  if (!s.config.empty()) {
-    if (auto err = load_config(s.config, s)) return fail(*err);
-  }
-  CLI::App flags{"salusd: the Salus GPU-sharing daemon; serves the /salus filesystem"};
+// Every command-line flag, bound to its setting; the config file's keys are in
+// load_config.
+void add_flags(CLI::App& flags, Settings& s) {
   flags.set_version_flag("--version",
                          fmt::format("salusd {} api {}", SALUS_VERSION, SALUS_API_VERSION));
   flags.add_option("--config", s.config, "TOML config file (e.g. /etc/salus/salusd.toml)");
@@ -203,14 +189,156 @@ int main(int argc, char** argv) {
                   "poisons its context (default for cuda); thread: inside salusd (default for sim)")
       ->check(CLI::IsMember({"auto", "process", "thread"}));
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
+}
+
+// The config file, then the flags, then the checks. Returns false when salusd
+// must exit now with `exit_code` (a bad value, --help, --version).
+bool parse_settings(int argc, char** argv, Settings& s, int& exit_code) {
+  // The config file is read before the flags, so that flags override it.
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--config" && i + 1 < argc) s.config = argv[i + 1];
+    if (a.rfind("--config=", 0) == 0) s.config = a.substr(9);
+  }
+  if (!s.config.empty()) {
+    if (auto err = load_config(s.config, s)) {
+      exit_code = fail(*err);
+      return false;
+    }
+  }
+  CLI::App flags{"salusd: the Salus GPU-sharing daemon; serves the /salus filesystem"};
+  add_flags(flags, s);
   try {
     flags.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return flags.exit(e);
+    exit_code = flags.exit(e);
+    return false;
   }
-
   // Values from the config file get the same checks as flags.
-  if (auto why = validate(s)) return fail(*why);
+  if (auto why = validate(s)) {
+    exit_code = fail(*why);
+    return false;
+  }
+  return true;
+}
+
+struct Devices {
+  std::string backend;  // "cuda" or "sim": what `auto` became
+  std::vector<std::unique_ptr<salus::vgpu::Device>> list;
+};
+
+// The cuda GPUs (in executors or in this process), or with `auto` and no
+// usable GPU, none. Returns false with `why` when --backend cuda cannot be had.
+bool open_cuda(const Settings& s, const salus::vgpu::executor::RemoteOptions& ro, Devices& d,
+               std::string& why) {
+  salus::vgpu::CudaOptions co;
+  co.memory_fraction = s.cuda_memory_fraction;
+  std::string not_found;
+  if (s.gpu_isolation == "thread") {
+    d.list = salus::vgpu::open_cuda_devices(co, not_found);
+  } else if (const int n = salus::vgpu::cuda_device_count(not_found); n > 0) {
+    auto cuda = ro;
+    cuda.executor.backend = "cuda";
+    d.list = salus::vgpu::executor::open_remote_devices(cuda, n, not_found);
+  }
+  if (!d.list.empty()) {
+    d.backend = "cuda";
+  } else if (s.backend == "cuda") {
+    why = fmt::format("--backend cuda: {}", not_found);
+    return false;
+  } else {
+    spdlog::info("backend auto: {}; using the sim backend", not_found);
+    d.backend = "sim";
+  }
+  return true;
+}
+
+// The GPUs salusd serves. Returns false with the whole message in `why`.
+bool open_devices(const Settings& s, salus::arena::Bytes sim_memory, Devices& d, std::string& why) {
+  d.backend = s.backend;
+  // Process isolation: the parent creates no CUDA context; each executor opens its GPU.
+  salus::vgpu::executor::RemoteOptions ro;
+  ro.executor.sim_memory = sim_memory;
+  ro.executor.cuda_memory_fraction = s.cuda_memory_fraction;
+  ro.executor.log_level = s.log_level;
+  if ((d.backend == "cuda" || d.backend == "auto") && !open_cuda(s, ro, d, why)) return false;
+  if (d.backend == "sim" && s.gpu_isolation == "process") {
+    ro.executor.backend = "sim";
+    std::string not_opened;
+    d.list = salus::vgpu::executor::open_remote_devices(ro, s.sim_gpus, not_opened);
+    if (d.list.empty()) {
+      why = fmt::format("sim backend: {}", not_opened);
+      return false;
+    }
+  } else if (d.backend == "sim") {
+    try {
+      for (int i = 0; i < s.sim_gpus; ++i)
+        d.list.push_back(std::make_unique<salus::vgpu::SimDevice>(i, sim_memory));
+    } catch (const std::exception& e) {
+      why = fmt::format("sim backend: cannot reserve {} per GPU: {}", s.sim_memory, e.what());
+      return false;
+    }
+  }
+  return true;
+}
+
+// NVML readings for the cuda backend's GPUs, found by UUID. Optional: without
+// libnvidia-ml.so.1 gpus/N/info says why and the metrics leave them out.
+std::unique_ptr<salus::vgpu::GpuTelemetry> start_telemetry(const Devices& d) {
+  if (d.backend != "cuda") return nullptr;
+  std::vector<std::string> uuids;
+  for (const auto& dev : d.list) uuids.push_back(dev->info().uuid);
+  auto sampler = std::make_unique<salus::vgpu::nvml::NvmlSampler>(std::move(uuids));
+  for (std::size_t i = 0; i < d.list.size(); ++i) {
+    const auto t = sampler->snapshot(i);
+    if (t.available)
+      spdlog::info("gpu {}: nvml readings available", i);
+    else
+      spdlog::info("gpu {}: no nvml readings: {}", i, t.why_not);
+  }
+  return sampler;
+}
+
+salus::vgpu::BrokerConfig broker_config(const Settings& s) {
+  salus::vgpu::BrokerConfig bc;
+  bc.policy = *salus::sched::policy_from_string(s.policy);
+  bc.placement = *salus::sched::placement_from_string(s.placement);
+  bc.quotas = s.quotas;
+  bc.pipeline_depth = s.pipeline_depth;
+  bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
+  bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
+  bc.transfers_active = s.transfers_active;
+  return bc;
+}
+
+// Every queued upload/download holds the caller's file open: allow what the
+// hard limit allows rather than the usual 1024.
+void raise_fd_limit() {
+  if (rlimit nofile{};
+      ::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &nofile);
+  }
+}
+
+// The optional --metrics-listen endpoint; null with `why` when it cannot listen.
+std::unique_ptr<salus::tools::MetricsHttpServer> start_metrics_http(const Settings& s,
+                                                                    salus::vgpu::Broker& broker,
+                                                                    std::string& why) {
+  const auto address = salus::tools::parse_listen_address(s.metrics_listen, why);
+  if (!address) return nullptr;
+  return salus::tools::MetricsHttpServer::start(
+      *address, [&broker] { return broker.render_metrics(); }, why);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // salusd re-executes itself as the executor process of each isolated GPU.
+  if (salus::vgpu::executor::is_executor_invocation(argc, argv))
+    return salus::vgpu::executor::executor_main(argc, argv);
+  Settings s;
+  if (int exit_code = 0; !parse_settings(argc, argv, s, exit_code)) return exit_code;
 
   auto logger = spdlog::stderr_color_mt("salusd");
   spdlog::set_default_logger(logger);
@@ -230,93 +358,21 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::string backend = s.backend;
-  std::vector<std::unique_ptr<salus::vgpu::Device>> devices;
-  // Process isolation: the parent creates no CUDA context; each executor opens its GPU.
-  salus::vgpu::executor::RemoteOptions ro;
-  ro.executor.sim_memory = *sim_memory;
-  ro.executor.cuda_memory_fraction = s.cuda_memory_fraction;
-  ro.executor.log_level = s.log_level;
-  if (backend == "cuda" || backend == "auto") {
-    salus::vgpu::CudaOptions co;
-    co.memory_fraction = s.cuda_memory_fraction;
-    std::string why;
-    if (s.gpu_isolation == "thread") {
-      devices = salus::vgpu::open_cuda_devices(co, why);
-    } else if (const int n = salus::vgpu::cuda_device_count(why); n > 0) {
-      ro.executor.backend = "cuda";
-      devices = salus::vgpu::executor::open_remote_devices(ro, n, why);
-    }
-    if (!devices.empty()) {
-      backend = "cuda";
-    } else if (backend == "cuda") {
-      return fail(fmt::format("--backend cuda: {}", why));
-    } else {
-      spdlog::info("backend auto: {}; using the sim backend", why);
-      backend = "sim";
-    }
-  }
-  if (backend == "sim" && s.gpu_isolation == "process") {
-    ro.executor.backend = "sim";
-    std::string why;
-    devices = salus::vgpu::executor::open_remote_devices(ro, s.sim_gpus, why);
-    if (devices.empty()) return fail(fmt::format("sim backend: {}", why));
-  } else if (backend == "sim") {
-    try {
-      for (int i = 0; i < s.sim_gpus; ++i)
-        devices.push_back(std::make_unique<salus::vgpu::SimDevice>(i, *sim_memory));
-    } catch (const std::exception& e) {
-      return fail(
-          fmt::format("sim backend: cannot reserve {} per GPU: {}", s.sim_memory, e.what()));
-    }
-  }
-
-  // NVML readings for the cuda backend's GPUs, found by UUID. Optional: without
-  // libnvidia-ml.so.1 gpus/N/info says why and the metrics leave them out.
-  std::unique_ptr<salus::vgpu::GpuTelemetry> telemetry;
-  if (backend == "cuda") {
-    std::vector<std::string> uuids;
-    for (const auto& d : devices) uuids.push_back(d->info().uuid);
-    auto sampler = std::make_unique<salus::vgpu::nvml::NvmlSampler>(std::move(uuids));
-    for (std::size_t i = 0; i < devices.size(); ++i) {
-      const auto t = sampler->snapshot(i);
-      if (t.available)
-        spdlog::info("gpu {}: nvml readings available", i);
-      else
-        spdlog::info("gpu {}: no nvml readings: {}", i, t.why_not);
-    }
-    telemetry = std::move(sampler);
-  }
-
+  Devices devices;
+  if (std::string why; !open_devices(s, *sim_memory, devices, why)) return fail(why);
+  auto telemetry = start_telemetry(devices);
+  const std::string backend = devices.backend;
   const bool isolated =
       s.gpu_isolation == "process" || (s.gpu_isolation == "auto" && backend == "cuda");
-  salus::vgpu::BrokerConfig bc;
-  bc.policy = *salus::sched::policy_from_string(s.policy);
-  bc.placement = *salus::sched::placement_from_string(s.placement);
-  bc.quotas = s.quotas;
-  bc.pipeline_depth = s.pipeline_depth;
-  bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
-  bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
-  bc.transfers_active = s.transfers_active;
-  // Every queued upload/download holds the caller's file open: allow what the
-  // hard limit allows rather than the usual 1024.
-  if (rlimit nofile{};
-      ::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
-    nofile.rlim_cur = nofile.rlim_max;
-    ::setrlimit(RLIMIT_NOFILE, &nofile);
-  }
-  salus::vgpu::Broker broker(std::move(devices), bc, std::move(telemetry));
+  raise_fd_limit();
+  salus::vgpu::Broker broker(std::move(devices.list), broker_config(s), std::move(telemetry));
 
   // Before the mount, so that a port in use stops salusd before anything is
   // served. Declared after the broker: destroyed, and so stopped, before it.
   std::unique_ptr<salus::tools::MetricsHttpServer> metrics_http;
   if (!s.metrics_listen.empty()) {
     std::string why;
-    const auto address = salus::tools::parse_listen_address(s.metrics_listen, why);
-    if (address) {
-      metrics_http = salus::tools::MetricsHttpServer::start(
-          *address, [&broker] { return broker.render_metrics(); }, why);
-    }
+    metrics_http = start_metrics_http(s, broker, why);
     if (!metrics_http) {
       broker.shutdown(std::chrono::milliseconds(0));
       return fail(fmt::format("--metrics-listen {}", why));

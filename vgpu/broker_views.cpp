@@ -293,120 +293,153 @@ std::string Broker::render_stats() const {
   return o;
 }
 
-std::string Broker::render_metrics() const {
-  std::vector<GpuTelemetrySnapshot> telemetry;
-  for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_of(i));
-  std::lock_guard lk(mu_);
-  std::string o;
-  auto family = [&](std::string_view name, std::string_view type, std::string_view help) {
-    o += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
-  };
+namespace {
+
+// Prometheus text, one family at a time: its HELP and TYPE lines, then its
+// samples. A new metric is one call to the method of its shape.
+class MetricsText {
+ public:
+  using Labelled = std::vector<std::pair<const char*, std::string>>;
+
+  void family(std::string_view name, std::string_view type, std::string_view help) {
+    o_ += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+  }
+  // One sample per GPU; value(gpu) gives it, formatted.
+  template <class Gpus, class Value>
+  void per_gpu(const Gpus& gpus, std::string_view name, std::string_view type,
+               std::string_view help, Value value) {
+    family(name, type, help);
+    for (const auto& g : gpus)
+      o_ += fmt::format("{}{{gpu=\"{}\"}} {}\n", name, g->index, value(*g));
+  }
+  // Several samples per GPU told apart by the label `key`: values(gpu) lists
+  // (label value, formatted sample) pairs.
+  template <class Gpus, class Values>
+  void per_gpu_by(const Gpus& gpus, std::string_view name, std::string_view type,
+                  std::string_view help, std::string_view key, Values values) {
+    family(name, type, help);
+    for (const auto& g : gpus)
+      for (const auto& [label, v] : Labelled(values(*g)))
+        o_ += fmt::format("{}{{gpu=\"{}\",{}=\"{}\"}} {}\n", name, g->index, key, label, v);
+  }
+  // One sample per session; value(session) gives it, formatted.
+  template <class Sessions, class Value>
+  void per_session(const Sessions& sessions, std::string_view name, std::string_view type,
+                   std::string_view help, Value value) {
+    family(name, type, help);
+    for (const auto& [id, s] : sessions)
+      o_ +=
+          fmt::format("{}{{session=\"{}\",uid=\"{}\"}} {}\n", name, s->dir_name, s->uid, value(*s));
+  }
+  template <class T>
+  void single(std::string_view name, std::string_view type, std::string_view help, const T& v) {
+    family(name, type, help);
+    o_ += fmt::format("{} {}\n", name, v);
+  }
   // NVML families appear only when some GPU gives the reading, and then only
   // with the GPUs that give it: an absent sample, not a made-up 0.
-  auto nvml_family = [&](std::string_view name, std::string_view type, std::string_view help,
-                         std::optional<double> GpuReadings::*field, const char* format) {
+  void nvml(const std::vector<GpuTelemetrySnapshot>& telemetry, std::string_view name,
+            std::string_view type, std::string_view help, std::optional<double> GpuReadings::*field,
+            const char* format) {
     bool any = false;
     for (const auto& t : telemetry) any = any || (t.readings.*field).has_value();
     if (!any) return;
     family(name, type, help);
     for (std::size_t i = 0; i < telemetry.size(); ++i)
       if (const auto& v = telemetry[i].readings.*field)
-        o += fmt::format("{}{{gpu=\"{}\"}} {}\n", name, i, fmt::format(fmt::runtime(format), *v));
-  };
-  family("salus_gpu_memory_bytes", "gauge", "GPU arena bytes by class.");
-  for (const auto& g : gpus_) {
-    const auto m = g->sched.arena().memory();
-    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"capacity\"}} {}\n", g->index,
-                     m.capacity);
-    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"persistent\"}} {}\n", g->index,
-                     m.persistent_used);
-    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"reserved\"}} {}\n", g->index,
-                     m.persistent_reserved);
-    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"ephemeral\"}} {}\n", g->index,
-                     m.lane_total);
-    o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"free\"}} {}\n", g->index, m.free);
+        o_ += fmt::format("{}{{gpu=\"{}\"}} {}\n", name, i, fmt::format(fmt::runtime(format), *v));
   }
-  family("salus_lane_count", "gauge", "Lanes open on the GPU.");
-  for (const auto& g : gpus_)
-    o += fmt::format("salus_lane_count{{gpu=\"{}\"}} {}\n", g->index,
-                     g->sched.arena().memory().lanes);
-  family("salus_gpu_busy_seconds_total", "counter", "Device time with at least one op running.");
-  for (const auto& g : gpus_)
-    o += fmt::format("salus_gpu_busy_seconds_total{{gpu=\"{}\"}} {:.9f}\n", g->index,
-                     static_cast<double>(g->device->busy_ns()) / 1e9);
-  family("salus_gpu_restarts_total", "counter",
-         "Times the GPU lost its context and was given a fresh one (executor restarts).");
-  for (const auto& g : gpus_)
-    o += fmt::format("salus_gpu_restarts_total{{gpu=\"{}\"}} {}\n", g->index,
-                     g->device->health().restarts);
-  family("salus_gpu_busy_ratio", "gauge",
-         "Fraction of the last window during which the GPU ran at least one op.");
-  for (const auto& g : gpus_)
-    for (const auto& [label, ns] : {std::pair<const char*, TimeNs>{"1s", 1'000'000'000},
-                                    {"10s", 10'000'000'000},
-                                    {"60s", 60'000'000'000}})
-      o += fmt::format("salus_gpu_busy_ratio{{gpu=\"{}\",window=\"{}\"}} {:.4f}\n", g->index, label,
-                       busy_fraction(*g, ns));
-  nvml_family("salus_gpu_sm_utilization_ratio", "gauge",
-              "NVML: fraction of the driver's last sample period during which a kernel ran.",
-              &GpuReadings::sm_util, "{:.2f}");
-  nvml_family("salus_gpu_memory_controller_utilization_ratio", "gauge",
-              "NVML: fraction of the driver's last sample period during which device memory "
-              "was read or written.",
-              &GpuReadings::mem_util, "{:.2f}");
-  nvml_family("salus_gpu_power_watts", "gauge", "NVML: board power draw.", &GpuReadings::power_w,
-              "{:.3f}");
-  nvml_family("salus_gpu_energy_joules_total", "counter",
-              "NVML: energy consumed since the driver was loaded.", &GpuReadings::energy_j,
-              "{:.3f}");
-  nvml_family("salus_gpu_temperature_celsius", "gauge", "NVML: GPU die temperature.",
-              &GpuReadings::temperature_c, "{:.0f}");
-  family("salus_switches_total", "counter", "Lane switches between sessions.");
-  for (const auto& g : gpus_)
-    o +=
-        fmt::format("salus_switches_total{{gpu=\"{}\"}} {}\n", g->index, g->sched.stats().switches);
-  family("salus_session_iterations_total", "counter", "Iterations finished by the session.");
-  for (const auto& [id, s] : sessions_)
-    o += fmt::format("salus_session_iterations_total{{session=\"{}\",uid=\"{}\"}} {}\n",
-                     s->dir_name, s->uid, s->iterations_done);
-  family("salus_session_gpu_seconds_total", "counter", "Device time used by the session.");
-  for (const auto& [id, s] : sessions_)
-    o += fmt::format("salus_session_gpu_seconds_total{{session=\"{}\",uid=\"{}\"}} {:.9f}\n",
-                     s->dir_name, s->uid, static_cast<double>(s->gpu_ns) / 1e9);
-  family("salus_session_queue_seconds", "gauge", "Time the session waited for admission.");
-  for (const auto& [id, s] : sessions_) {
-    TimeNs waited = s->queue_wait_ns;
-    if (s->state == SessionState::queued) waited += now() - s->queued_at;
-    o += fmt::format("salus_session_queue_seconds{{session=\"{}\",uid=\"{}\"}} {:.9f}\n",
-                     s->dir_name, s->uid, static_cast<double>(waited) / 1e9);
-  }
-  family("salus_sessions", "gauge", "Live sessions.");
-  o += fmt::format("salus_sessions {}\n", sessions_.size());
-  family("salus_iterations_total", "counter", "Iterations finished on all GPUs.");
-  o += fmt::format("salus_iterations_total {}\n", stats_.iterations);
-  family("salus_command_errors_total", "counter", "Commands that failed.");
-  o += fmt::format("salus_command_errors_total {}\n", stats_.command_errors);
-  family("salus_transfers_total", "counter", "upload/download transfers that ended, by result.");
-  for (const auto& g : gpus_) {
-    const auto t = g->transfers->stats();
-    for (const auto& [result, n] : {std::pair<const char*, std::uint64_t>{"completed", t.completed},
-                                    {"failed", t.failed},
-                                    {"cancelled", t.cancelled}})
-      o += fmt::format("salus_transfers_total{{gpu=\"{}\",result=\"{}\"}} {}\n", g->index, result,
-                       n);
-  }
-  family("salus_shm_segment_bytes", "gauge",
-         "Shared-memory segments mapped (on cuda, pinned) for direct transfers.");
-  for (const auto& g : gpus_)
-    o += fmt::format("salus_shm_segment_bytes{{gpu=\"{}\"}} {}\n", g->index,
-                     g->transfers->stats().segment_bytes);
-  family("salus_staging_bytes", "gauge", "Host staging memory of the data plane.");
-  for (const auto& g : gpus_) {
-    const auto p = g->staging->stats();
-    o += fmt::format("salus_staging_bytes{{gpu=\"{}\",state=\"in_use\"}} {}\n", g->index, p.in_use);
-    o += fmt::format("salus_staging_bytes{{gpu=\"{}\",state=\"cached\"}} {}\n", g->index, p.cached);
-  }
-  return o;
+  std::string take() { return std::move(o_); }
+
+ private:
+  std::string o_;
+};
+
+}  // namespace
+
+std::string Broker::render_metrics() const {
+  std::vector<GpuTelemetrySnapshot> telemetry;
+  for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_of(i));
+  std::lock_guard lk(mu_);
+  MetricsText m;
+  using Labelled = MetricsText::Labelled;
+  auto str = [](auto v) { return fmt::format("{}", v); };
+  auto seconds = [](TimeNs ns) { return fmt::format("{:.9f}", static_cast<double>(ns) / 1e9); };
+
+  m.per_gpu_by(gpus_, "salus_gpu_memory_bytes", "gauge", "GPU arena bytes by class.", "class",
+               [&](const Gpu& g) {
+                 const auto mem = g.sched.arena().memory();
+                 return Labelled{{"capacity", str(mem.capacity)},
+                                 {"persistent", str(mem.persistent_used)},
+                                 {"reserved", str(mem.persistent_reserved)},
+                                 {"ephemeral", str(mem.lane_total)},
+                                 {"free", str(mem.free)}};
+               });
+  m.per_gpu(gpus_, "salus_lane_count", "gauge", "Lanes open on the GPU.",
+            [&](const Gpu& g) { return str(g.sched.arena().memory().lanes); });
+  m.per_gpu(gpus_, "salus_gpu_busy_seconds_total", "counter",
+            "Device time with at least one op running.",
+            [&](const Gpu& g) { return seconds(g.device->busy_ns()); });
+  m.per_gpu(gpus_, "salus_gpu_restarts_total", "counter",
+            "Times the GPU lost its context and was given a fresh one (executor restarts).",
+            [&](const Gpu& g) { return str(g.device->health().restarts); });
+  m.per_gpu_by(gpus_, "salus_gpu_busy_ratio", "gauge",
+               "Fraction of the last window during which the GPU ran at least one op.", "window",
+               [&](const Gpu& g) {
+                 auto ratio = [&](TimeNs ns) {
+                   return fmt::format("{:.4f}", busy_fraction(g, ns));
+                 };
+                 return Labelled{{"1s", ratio(1'000'000'000)},
+                                 {"10s", ratio(10'000'000'000)},
+                                 {"60s", ratio(60'000'000'000)}};
+               });
+  m.nvml(telemetry, "salus_gpu_sm_utilization_ratio", "gauge",
+         "NVML: fraction of the driver's last sample period during which a kernel ran.",
+         &GpuReadings::sm_util, "{:.2f}");
+  m.nvml(telemetry, "salus_gpu_memory_controller_utilization_ratio", "gauge",
+         "NVML: fraction of the driver's last sample period during which device memory "
+         "was read or written.",
+         &GpuReadings::mem_util, "{:.2f}");
+  m.nvml(telemetry, "salus_gpu_power_watts", "gauge", "NVML: board power draw.",
+         &GpuReadings::power_w, "{:.3f}");
+  m.nvml(telemetry, "salus_gpu_energy_joules_total", "counter",
+         "NVML: energy consumed since the driver was loaded.", &GpuReadings::energy_j, "{:.3f}");
+  m.nvml(telemetry, "salus_gpu_temperature_celsius", "gauge", "NVML: GPU die temperature.",
+         &GpuReadings::temperature_c, "{:.0f}");
+  m.per_gpu(gpus_, "salus_switches_total", "counter", "Lane switches between sessions.",
+            [&](const Gpu& g) { return str(g.sched.stats().switches); });
+  m.per_session(sessions_, "salus_session_iterations_total", "counter",
+                "Iterations finished by the session.",
+                [&](const Session& s) { return str(s.iterations_done); });
+  m.per_session(sessions_, "salus_session_gpu_seconds_total", "counter",
+                "Device time used by the session.",
+                [&](const Session& s) { return seconds(s.gpu_ns); });
+  m.per_session(sessions_, "salus_session_queue_seconds", "gauge",
+                "Time the session waited for admission.", [&](const Session& s) {
+                  TimeNs waited = s.queue_wait_ns;
+                  if (s.state == SessionState::queued) waited += now() - s.queued_at;
+                  return seconds(waited);
+                });
+  m.single("salus_sessions", "gauge", "Live sessions.", sessions_.size());
+  m.single("salus_iterations_total", "counter", "Iterations finished on all GPUs.",
+           stats_.iterations);
+  m.single("salus_command_errors_total", "counter", "Commands that failed.", stats_.command_errors);
+  m.per_gpu_by(gpus_, "salus_transfers_total", "counter",
+               "upload/download transfers that ended, by result.", "result", [&](const Gpu& g) {
+                 const auto t = g.transfers->stats();
+                 return Labelled{{"completed", str(t.completed)},
+                                 {"failed", str(t.failed)},
+                                 {"cancelled", str(t.cancelled)}};
+               });
+  m.per_gpu(gpus_, "salus_shm_segment_bytes", "gauge",
+            "Shared-memory segments mapped (on cuda, pinned) for direct transfers.",
+            [&](const Gpu& g) { return str(g.transfers->stats().segment_bytes); });
+  m.per_gpu_by(gpus_, "salus_staging_bytes", "gauge", "Host staging memory of the data plane.",
+               "state", [&](const Gpu& g) {
+                 const auto p = g.staging->stats();
+                 return Labelled{{"in_use", str(p.in_use)}, {"cached", str(p.cached)}};
+               });
+  return m.take();
 }
 
 }  // namespace salus::vgpu

@@ -27,6 +27,7 @@
 #include "vgpu/cuda/cuda_backend.hpp"
 #include "vgpu/executor/executor_protocol.hpp"
 #include "vgpu/sim/sim_device.hpp"
+#include "vgpu/unique_fd.hpp"
 
 namespace salus::vgpu::executor {
 
@@ -244,16 +245,16 @@ class Executor final : public CompletionSink {
     Msg type;
     const char* body;
     std::size_t body_size;
+    const UniqueFd owned(fd);
     bool go_on = true;
     while (rd.next(type, body, body_size)) {
       try {
-        go_on = handle(type, body, body_size, fd) && go_on;
+        go_on = handle(type, body, body_size, owned.get()) && go_on;
       } catch (const std::exception& e) {
         spdlog::error("request {}: {}", static_cast<int>(type), e.what());
       }
     }
     if (rd.error()) spdlog::error("malformed request datagram ({} bytes)", size);
-    if (fd >= 0) ::close(fd);
     return go_on;
   }
 
@@ -297,259 +298,250 @@ class Executor final : public CompletionSink {
     out_.post(w.data(), w.size());
   }
 
-  bool handle(Msg type, const char* body, std::size_t size, int& fd) {
-    Device& d = *dev_;
+  // One request: decode it and hand it to its handler (`on`, one per message).
+  // `fd` is the descriptor that came with the datagram, or -1; serve() closes it.
+  // Returns false for shutdown.
+  bool handle(Msg type, const char* body, std::size_t size, int fd) {
     switch (type) {
-      case Msg::create_stream: {
-        CreateStreamMsg m;
-        if (!decode(body, size, m)) break;
-        if (stream(m.stream)) break;  // a restore and a create raced: one is enough
-        if (m.stream >= streams_.size()) streams_.resize(m.stream + 1);
-        try {
-          streams_[m.stream] = d.create_stream();
-        } catch (const std::exception& e) {
-          spdlog::error("stream {}: cannot create: {}", m.stream, e.what());
-        }
-        break;
-      }
-      case Msg::destroy_stream: {
-        DestroyStreamMsg m;
-        if (!decode(body, size, m)) break;
-        if (auto s = stream(m.stream)) {
-          try {
-            d.destroy_stream(*s);  // drains: its completions go out before the reply
-          } catch (const std::exception& e) {
-            spdlog::error("stream {}: cannot destroy: {}", m.stream, e.what());
-          }
-          streams_[m.stream].reset();
-        }
-        if (m.stream < errors_.size()) errors_[m.stream] = 0;
-        reply(m.request, 0, {});
-        break;
-      }
-      case Msg::fill: {
-        FillMsg m;
-        if (!decode(body, size, m)) break;
-        if (auto s = stream(m.stream)) d.fill(*s, m.dst, m.length, m.pattern, m.width);
-        break;
-      }
-      case Msg::copy: {
-        CopyMsg m;
-        if (!decode(body, size, m)) break;
-        if (auto s = stream(m.stream)) d.copy(*s, m.dst, m.src, m.length);
-        break;
-      }
-      case Msg::spin: {
-        SpinMsg m;
-        if (!decode(body, size, m)) break;
-        if (auto s = stream(m.stream)) d.spin(*s, m.usec, m.util);
-        break;
-      }
-      case Msg::gemm: {
-        GemmMsg m;
-        if (!decode(body, size, m)) break;
-        if (auto s = stream(m.stream)) d.gemm(*s, m.m, m.n, m.k, m.a, m.b, m.c);
-        break;
-      }
-      case Msg::copy_to_host: {
-        ToHostMsg m;
-        if (!decode(body, size, m)) break;
-        if (!staged(m.slot, m.length)) {
-          note_error(m.stream, EINVAL);
-          break;
-        }
-        if (auto s = stream(m.stream)) {
-          if (staging_region_ != 0)
-            d.copy_to_region(*s, staging_region_, m.slot, m.src, m.length);
-          else
-            d.copy_to_host(*s, staging_ + m.slot, m.src, m.length);
-        }
-        break;
-      }
-      case Msg::copy_from_host: {
-        FromHostMsg m;
-        if (!decode(body, size, m)) break;
-        if (!staged(m.slot, m.length)) {
-          note_error(m.stream, EINVAL);
-          break;
-        }
-        if (auto s = stream(m.stream)) {
-          if (staging_region_ != 0)
-            d.copy_from_region(*s, m.dst, staging_region_, m.slot, m.length);
-          else
-            d.copy_from_host(*s, m.dst, staging_ + m.slot, m.length);
-        }
-        break;
-      }
-      case Msg::map_region: {
-        MapRegionMsg m;
-        if (!decode(body, size, m)) break;
-        std::string why;
-        int status = 0;
-        RegionId inner = 0;
-        if (fd < 0) {
-          status = EINVAL;
-          why = "the region's file did not arrive";
-        } else {
-          status = d.map_region(fd, m.size, m.writable != 0, inner, why);
-        }
-        if (status == 0) {
-          if (auto old = regions_.find(m.region); old != regions_.end())
-            d.unmap_region(old->second.inner);
-          regions_[m.region] = MappedRegion{inner, m.size, m.writable != 0};
-        }
-        reply(m.request, status, why);
-        break;
-      }
-      case Msg::unmap_region: {
-        UnmapRegionMsg m;
-        if (!decode(body, size, m)) break;
-        if (auto it = regions_.find(m.region); it != regions_.end()) {
-          d.unmap_region(it->second.inner);
-          regions_.erase(it);
-        }
-        break;
-      }
+      case Msg::create_stream:
+        return dispatch<CreateStreamMsg>(body, size);
+      case Msg::destroy_stream:
+        return dispatch<DestroyStreamMsg>(body, size);
+      case Msg::fill:
+        return dispatch<FillMsg>(body, size);
+      case Msg::copy:
+        return dispatch<CopyMsg>(body, size);
+      case Msg::spin:
+        return dispatch<SpinMsg>(body, size);
+      case Msg::gemm:
+        return dispatch<GemmMsg>(body, size);
+      case Msg::copy_to_host:
+        return dispatch<ToHostMsg>(body, size);
+      case Msg::copy_from_host:
+        return dispatch<FromHostMsg>(body, size);
+      case Msg::map_region:
+        return dispatch<MapRegionMsg>(body, size, fd);
+      case Msg::unmap_region:
+        return dispatch<UnmapRegionMsg>(body, size);
       case Msg::copy_from_region:
-      case Msg::copy_to_region: {
-        RegionCopyMsg m;
-        if (!decode(body, size, m)) break;
-        const bool in = type == Msg::copy_from_region;
-        const auto it = regions_.find(m.region);
-        if (it == regions_.end() || m.offset > it->second.size ||
-            m.length > it->second.size - m.offset || (!in && !it->second.writable)) {
-          note_error(m.stream, EINVAL);
-          break;
-        }
-        if (auto s = stream(m.stream)) {
-          if (in)
-            d.copy_from_region(*s, m.device, it->second.inner, m.offset, m.length);
-          else
-            d.copy_to_region(*s, it->second.inner, m.offset, m.device, m.length);
-        }
-        break;
-      }
-      case Msg::notify: {
-        NotifyMsg m;
-        if (!decode(body, size, m)) break;
-        auto s = stream(m.stream);
-        if (!s) {
-          // Never created (or its creation failed): nothing of it is queued.
-          complete(m.ticket, EIO, 0);
-          break;
-        }
-        if (m.stream < errors_.size() && errors_[m.stream] != 0) {
-          std::lock_guard lk(override_mu_);
-          overrides_[m.ticket] = errors_[m.stream];
-          has_overrides_.store(true, std::memory_order_release);
-          errors_[m.stream] = 0;
-        }
-        d.notify(*s, m.ticket);
-        break;
-      }
-      case Msg::discard: {
-        DiscardMsg m;
-        if (decode(body, size, m)) d.discard(m.offset, m.length);
-        break;
-      }
-      case Msg::load_module: {
-        LoadModuleMsg m;
-        if (!decode(body, size, m)) break;
-        std::vector<std::uint8_t> image;
-        std::string why;
-        int status = 0;
-        if (fd < 0) {
-          status = EINVAL;
-          why = "the module image did not arrive";
-        } else {
-          image.resize(m.size);
-          std::size_t done = 0;
-          while (done < image.size()) {
-            const ssize_t n =
-                ::pread(fd, image.data() + done, image.size() - done, static_cast<off_t>(done));
-            if (n < 0 && errno == EINTR) continue;
-            if (n <= 0) break;
-            done += static_cast<std::size_t>(n);
-          }
-          ::close(fd);
-          fd = -1;
-          if (done != image.size()) {
-            status = EIO;
-            why = "reading the module image failed";
-          }
-        }
-        ModuleHandle h = 0;
-        if (status == 0) status = d.load_module(image, h, why);
-        if (status == 0) modules_[m.module] = h;
-        reply(m.request, status, why);
-        break;
-      }
-      case Msg::unload_module: {
-        UnloadModuleMsg m;
-        if (!decode(body, size, m)) break;
-        if (auto it = modules_.find(m.module); it != modules_.end()) {
-          d.unload_module(it->second);
-          modules_.erase(it);
-        }
-        for (auto it = functions_.begin(); it != functions_.end();) {
-          if (static_cast<ModuleHandle>(it->first >> 32) == m.module)
-            it = functions_.erase(it);
-          else
-            ++it;
-        }
-        break;
-      }
-      case Msg::get_function: {
-        GetFunctionMsg m;
-        if (!decode(body, size, m) || size < sizeof m + m.name_length) break;
-        const std::string name(body + sizeof m, m.name_length);
-        std::string why;
-        std::vector<std::uint32_t> sizes;
-        int status = ENOENT;
-        auto it = modules_.find(m.module);
-        if (it == modules_.end()) {
-          why = fmt::format("no module {}", m.module);
-        } else {
-          FunctionHandle f = 0;
-          status = d.get_function(it->second, name, f, sizes, why);
-          if (status == 0) functions_[m.function] = f;
-        }
-        reply(m.request, status, why, sizes);
-        break;
-      }
-      case Msg::launch: {
-        LaunchMsg m;
-        if (!decode(body, size, m)) break;
-        const std::size_t need = sizeof m + std::size_t{m.arg_count} * 4 + m.arg_bytes;
-        if (need > size) {
-          note_error(m.stream, EINVAL);
-          break;
-        }
-        std::vector<std::uint32_t>& sizes = arg_sizes_;
-        sizes.resize(m.arg_count);
-        if (m.arg_count != 0) std::memcpy(sizes.data(), body + sizeof m, sizes.size() * 4);
-        std::size_t sum = 0;
-        for (std::uint32_t v : sizes) sum += v;
-        if (sum != m.arg_bytes) {
-          note_error(m.stream, EINVAL);
-          break;
-        }
-        const auto* args =
-            reinterpret_cast<const std::uint8_t*>(body + sizeof m + sizes.size() * 4);
-        // An unknown handle (a module that did not reload) is the device's to
-        // refuse: EINVAL at the next notify, with its log line.
-        auto f = functions_.find(m.function);
-        const FunctionHandle h = f == functions_.end() ? ~FunctionHandle{0} : f->second;
-        if (auto s = stream(m.stream)) d.launch(*s, h, m.dims, args, sizes.data(), sizes.size());
-        break;
-      }
+        return dispatch<RegionCopyMsg>(body, size, true);
+      case Msg::copy_to_region:
+        return dispatch<RegionCopyMsg>(body, size, false);
+      case Msg::notify:
+        return dispatch<NotifyMsg>(body, size);
+      case Msg::discard:
+        return dispatch<DiscardMsg>(body, size);
+      case Msg::load_module:
+        return dispatch<LoadModuleMsg>(body, size, fd);
+      case Msg::unload_module:
+        return dispatch<UnloadModuleMsg>(body, size);
+      case Msg::get_function:
+        return dispatch<GetFunctionMsg>(body, size, body, size);
+      case Msg::launch:
+        return dispatch<LaunchMsg>(body, size, body, size);
       case Msg::shutdown:
         return false;
       default:
         spdlog::error("unknown request type {}", static_cast<int>(type));
-        break;
+        return true;
     }
+  }
+
+  // Decodes the fixed part of a request of type M and calls its handler with
+  // `extra`; a short record is logged and skipped.
+  template <class M, class... Extra>
+  bool dispatch(const char* body, std::size_t size, Extra... extra) {
+    M m;
+    if (decode(body, size, m)) on(m, extra...);
     return true;
+  }
+
+  void on(const CreateStreamMsg& m) {
+    if (stream(m.stream)) return;  // a restore and a create raced: one is enough
+    if (m.stream >= streams_.size()) streams_.resize(m.stream + 1);
+    try {
+      streams_[m.stream] = dev_->create_stream();
+    } catch (const std::exception& e) {
+      spdlog::error("stream {}: cannot create: {}", m.stream, e.what());
+    }
+  }
+
+  void on(const DestroyStreamMsg& m) {
+    if (auto s = stream(m.stream)) {
+      try {
+        dev_->destroy_stream(*s);  // drains: its completions go out before the reply
+      } catch (const std::exception& e) {
+        spdlog::error("stream {}: cannot destroy: {}", m.stream, e.what());
+      }
+      streams_[m.stream].reset();
+    }
+    if (m.stream < errors_.size()) errors_[m.stream] = 0;
+    reply(m.request, 0, {});
+  }
+
+  void on(const FillMsg& m) {
+    if (auto s = stream(m.stream)) dev_->fill(*s, m.dst, m.length, m.pattern, m.width);
+  }
+  void on(const CopyMsg& m) {
+    if (auto s = stream(m.stream)) dev_->copy(*s, m.dst, m.src, m.length);
+  }
+  void on(const SpinMsg& m) {
+    if (auto s = stream(m.stream)) dev_->spin(*s, m.usec, m.util);
+  }
+  void on(const GemmMsg& m) {
+    if (auto s = stream(m.stream)) dev_->gemm(*s, m.m, m.n, m.k, m.a, m.b, m.c);
+  }
+
+  void on(const ToHostMsg& m) {
+    if (!staged(m.slot, m.length)) return note_error(m.stream, EINVAL);
+    auto s = stream(m.stream);
+    if (!s) return;
+    if (staging_region_ != 0)
+      dev_->copy_to_region(*s, staging_region_, m.slot, m.src, m.length);
+    else
+      dev_->copy_to_host(*s, staging_ + m.slot, m.src, m.length);
+  }
+
+  void on(const FromHostMsg& m) {
+    if (!staged(m.slot, m.length)) return note_error(m.stream, EINVAL);
+    auto s = stream(m.stream);
+    if (!s) return;
+    if (staging_region_ != 0)
+      dev_->copy_from_region(*s, m.dst, staging_region_, m.slot, m.length);
+    else
+      dev_->copy_from_host(*s, m.dst, staging_ + m.slot, m.length);
+  }
+
+  void on(const MapRegionMsg& m, int fd) {
+    std::string why;
+    int status = 0;
+    RegionId inner = 0;
+    if (fd < 0) {
+      status = EINVAL;
+      why = "the region's file did not arrive";
+    } else {
+      status = dev_->map_region(fd, m.size, m.writable != 0, inner, why);
+    }
+    if (status == 0) {
+      if (auto old = regions_.find(m.region); old != regions_.end())
+        dev_->unmap_region(old->second.inner);
+      regions_[m.region] = MappedRegion{inner, m.size, m.writable != 0};
+    }
+    reply(m.request, status, why);
+  }
+
+  void on(const UnmapRegionMsg& m) {
+    if (auto it = regions_.find(m.region); it != regions_.end()) {
+      dev_->unmap_region(it->second.inner);
+      regions_.erase(it);
+    }
+  }
+
+  // copy_from_region (`in`) and copy_to_region share one record.
+  void on(const RegionCopyMsg& m, bool in) {
+    const auto it = regions_.find(m.region);
+    if (it == regions_.end() || m.offset > it->second.size ||
+        m.length > it->second.size - m.offset || (!in && !it->second.writable))
+      return note_error(m.stream, EINVAL);
+    auto s = stream(m.stream);
+    if (!s) return;
+    if (in)
+      dev_->copy_from_region(*s, m.device, it->second.inner, m.offset, m.length);
+    else
+      dev_->copy_to_region(*s, it->second.inner, m.offset, m.device, m.length);
+  }
+
+  void on(const NotifyMsg& m) {
+    auto s = stream(m.stream);
+    // Never created (or its creation failed): nothing of it is queued.
+    if (!s) return complete(m.ticket, EIO, 0);
+    if (m.stream < errors_.size() && errors_[m.stream] != 0) {
+      std::lock_guard lk(override_mu_);
+      overrides_[m.ticket] = errors_[m.stream];
+      has_overrides_.store(true, std::memory_order_release);
+      errors_[m.stream] = 0;
+    }
+    dev_->notify(*s, m.ticket);
+  }
+
+  void on(const DiscardMsg& m) { dev_->discard(m.offset, m.length); }
+
+  void on(const LoadModuleMsg& m, int fd) {
+    std::vector<std::uint8_t> image;
+    std::string why;
+    int status = 0;
+    if (fd < 0) {
+      status = EINVAL;
+      why = "the module image did not arrive";
+    } else if (!read_image(fd, m.size, image)) {
+      status = EIO;
+      why = "reading the module image failed";
+    }
+    ModuleHandle h = 0;
+    if (status == 0) status = dev_->load_module(image, h, why);
+    if (status == 0) modules_[m.module] = h;
+    reply(m.request, status, why);
+  }
+
+  static bool read_image(int fd, std::size_t size, std::vector<std::uint8_t>& image) {
+    image.resize(size);
+    std::size_t done = 0;
+    while (done < image.size()) {
+      const ssize_t n =
+          ::pread(fd, image.data() + done, image.size() - done, static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      done += static_cast<std::size_t>(n);
+    }
+    return done == image.size();
+  }
+
+  void on(const UnloadModuleMsg& m) {
+    if (auto it = modules_.find(m.module); it != modules_.end()) {
+      dev_->unload_module(it->second);
+      modules_.erase(it);
+    }
+    for (auto it = functions_.begin(); it != functions_.end();) {
+      if (static_cast<ModuleHandle>(it->first >> 32) == m.module)
+        it = functions_.erase(it);
+      else
+        ++it;
+    }
+  }
+
+  // The function's name follows the fixed part of the record.
+  void on(const GetFunctionMsg& m, const char* body, std::size_t size) {
+    if (size < sizeof m + m.name_length) return;
+    const std::string name(body + sizeof m, m.name_length);
+    std::string why;
+    std::vector<std::uint32_t> sizes;
+    int status = ENOENT;
+    if (auto it = modules_.find(m.module); it == modules_.end()) {
+      why = fmt::format("no module {}", m.module);
+    } else {
+      FunctionHandle f = 0;
+      status = dev_->get_function(it->second, name, f, sizes, why);
+      if (status == 0) functions_[m.function] = f;
+    }
+    reply(m.request, status, why, sizes);
+  }
+
+  // The argument sizes, then the argument bytes, follow the fixed part.
+  void on(const LaunchMsg& m, const char* body, std::size_t size) {
+    const std::size_t need = sizeof m + std::size_t{m.arg_count} * 4 + m.arg_bytes;
+    if (need > size) return note_error(m.stream, EINVAL);
+    std::vector<std::uint32_t>& sizes = arg_sizes_;
+    sizes.resize(m.arg_count);
+    if (m.arg_count != 0) std::memcpy(sizes.data(), body + sizeof m, sizes.size() * 4);
+    std::size_t sum = 0;
+    for (std::uint32_t v : sizes) sum += v;
+    if (sum != m.arg_bytes) return note_error(m.stream, EINVAL);
+    const auto* args = reinterpret_cast<const std::uint8_t*>(body + sizeof m + sizes.size() * 4);
+    // An unknown handle (a module that did not reload) is the device's to
+    // refuse: EINVAL at the next notify, with its log line.
+    auto f = functions_.find(m.function);
+    const FunctionHandle h = f == functions_.end() ? ~FunctionHandle{0} : f->second;
+    if (auto s = stream(m.stream)) dev_->launch(*s, h, m.dims, args, sizes.data(), sizes.size());
   }
 
   const ExecutorOptions& opts_;
@@ -598,9 +590,8 @@ void send_hello(Outbox& out, const Device* d, int status, const std::string& why
   out.post(w.data(), w.size());
 }
 
-}  // namespace
-
-int run_executor(const ExecutorOptions& o) {
+// The process settings an executor runs under, before anything else.
+void harden_process(const ExecutorOptions& o) {
   // spawn_executor set it before exec (it survives exec); set it again in case
   // this binary was started some other way.
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -617,13 +608,83 @@ int run_executor(const ExecutorOptions& o) {
     ::setrlimit(RLIMIT_CORE, &no_core);
   }
   ::prctl(PR_SET_NAME, fmt::format("salus-exec{}", o.gpu).c_str());
+}
 
+void start_logging(const ExecutorOptions& o) {
   auto logger = spdlog::stderr_color_mt("executor");
   spdlog::set_default_logger(logger);
   spdlog::set_level(spdlog::level::from_str(o.log_level));
   spdlog::set_pattern(
       fmt::format("%Y-%m-%dT%H:%M:%S.%e %^%l%$ executor gpu{} pid {}: %v", o.gpu, ::getpid()));
+}
 
+// The executor's one device, or null with `why`.
+std::unique_ptr<Device> open_device(const ExecutorOptions& o, Outbox& out, std::string& why) {
+  if (o.backend == "sim") {
+    try {
+      return std::make_unique<SimDevice>(o.gpu, o.sim_memory);
+    } catch (const std::exception& e) {
+      why = fmt::format("sim gpu{}: cannot reserve {} bytes: {}", o.gpu, o.sim_memory, e.what());
+      return nullptr;
+    }
+  }
+  CudaOptions co;
+  co.memory_fraction = o.cuda_memory_fraction;
+  co.arena_bytes = o.arena_bytes;
+  // A sticky error stays for the life of this process: report it, let the
+  // errored completions go out, and exit; salusd starts a fresh executor.
+  co.recover_in_process = false;
+  co.on_sticky_fault = [&out](const std::string& cause, bool kernel, bool delivered) {
+    if (!delivered) {
+      spdlog::error("sticky fault {}; reporting it and exiting", cause);
+      FaultMsg f{};
+      f.kernel_fault = kernel ? 1 : 0;
+      put_text(f.cause, cause);
+      char buf[record_size(sizeof(FaultMsg))];
+      out.post(buf, encode_one(buf, Msg::fault, f));
+      return;
+    }
+    out.drain(std::chrono::seconds(2));
+    ::_exit(kExitStickyFault);
+  };
+  return open_cuda_device(co, o.gpu, o.gpu, why);
+}
+
+// One request datagram into `buf`; `fd` gets the first descriptor that came
+// with it (the others are closed), or -1. Returns the datagram's size, 0 on a
+// receive timeout, or -1 once salusd is gone.
+ssize_t receive(int socket, std::vector<char>& buf, int& fd) {
+  iovec iov{buf.data(), buf.size()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof control;
+  fd = -1;
+  const ssize_t n = ::recvmsg(socket, &mh, MSG_CMSG_CLOEXEC);
+  if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)) return -1;
+  if (n < 0) return 0;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t i = 0; i < count; ++i) {
+      int got;
+      std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof got);
+      if (fd < 0)
+        fd = got;
+      else
+        ::close(got);
+    }
+  }
+  return n;
+}
+
+}  // namespace
+
+int run_executor(const ExecutorOptions& o) {
+  harden_process(o);
+  start_logging(o);
   void* map = ::mmap(nullptr, o.staging_size, PROT_READ | PROT_WRITE, MAP_SHARED, o.staging_fd, 0);
   if (map == MAP_FAILED) {
     spdlog::critical("mapping the staging area: {}", std::strerror(errno));
@@ -632,36 +693,8 @@ int run_executor(const ExecutorOptions& o) {
   Outbox out(o.socket_fd);
   Executor ex(o, out, static_cast<char*>(map));
 
-  std::unique_ptr<Device> dev;
   std::string why;
-  if (o.backend == "sim") {
-    try {
-      dev = std::make_unique<SimDevice>(o.gpu, o.sim_memory);
-    } catch (const std::exception& e) {
-      why = fmt::format("sim gpu{}: cannot reserve {} bytes: {}", o.gpu, o.sim_memory, e.what());
-    }
-  } else {
-    CudaOptions co;
-    co.memory_fraction = o.cuda_memory_fraction;
-    co.arena_bytes = o.arena_bytes;
-    // A sticky error stays for the life of this process: report it, let the
-    // errored completions go out, and exit; salusd starts a fresh executor.
-    co.recover_in_process = false;
-    co.on_sticky_fault = [&out](const std::string& cause, bool kernel, bool delivered) {
-      if (!delivered) {
-        spdlog::error("sticky fault {}; reporting it and exiting", cause);
-        FaultMsg f{};
-        f.kernel_fault = kernel ? 1 : 0;
-        put_text(f.cause, cause);
-        char buf[record_size(sizeof(FaultMsg))];
-        out.post(buf, encode_one(buf, Msg::fault, f));
-        return;
-      }
-      out.drain(std::chrono::seconds(2));
-      ::_exit(kExitStickyFault);
-    };
-    dev = open_cuda_device(co, o.gpu, o.gpu, why);
-  }
+  std::unique_ptr<Device> dev = open_device(o, out, why);
   if (!dev) {
     spdlog::error("{}", why);
     send_hello(out, nullptr, ENODEV, why);
@@ -678,35 +711,12 @@ int run_executor(const ExecutorOptions& o) {
   const timeval tick{0, 100'000};
   ::setsockopt(o.socket_fd, SOL_SOCKET, SO_RCVTIMEO, &tick, sizeof tick);
   for (;;) {
-    iovec iov{buf.data(), buf.size()};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof control;
-    const ssize_t n = ::recvmsg(o.socket_fd, &mh, MSG_CMSG_CLOEXEC);
-    if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK)) {
-      // salusd is gone: nobody is left to tell; the parent-death signal is on
-      // its way anyway.
-      ::_exit(0);
-    }
-    if (n > 0) {
-      int fd = -1;
-      for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-        const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (std::size_t i = 0; i < count; ++i) {
-          int got;
-          std::memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof got);
-          if (fd < 0)
-            fd = got;
-          else
-            ::close(got);
-        }
-      }
-      if (!ex.serve(buf.data(), static_cast<std::size_t>(n), fd)) break;
-    }
+    int fd = -1;
+    const ssize_t n = receive(o.socket_fd, buf, fd);
+    // salusd is gone: nobody is left to tell; the parent-death signal is on
+    // its way anyway.
+    if (n < 0) ::_exit(0);
+    if (n > 0 && !ex.serve(buf.data(), static_cast<std::size_t>(n), fd)) break;
     if (Clock::now() - last_busy >= std::chrono::milliseconds(100)) {
       ex.send_busy_if_changed();
       last_busy = Clock::now();

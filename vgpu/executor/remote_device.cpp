@@ -45,26 +45,30 @@ long ms(std::chrono::steady_clock::duration d) {
   return static_cast<long>(std::chrono::duration_cast<std::chrono::milliseconds>(d).count());
 }
 
-int make_image_fd(const std::vector<std::uint8_t>& image, std::string& why) {
-  const int fd = ::memfd_create("salus-module", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) {
+UniqueFd make_image_fd(const std::vector<std::uint8_t>& image, std::string& why) {
+  UniqueFd fd(::memfd_create("salus-module", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd) {
     why = fmt::format("memfd_create: {}", std::strerror(errno));
-    return -1;
+    return fd;
   }
   std::size_t done = 0;
   while (done < image.size()) {
-    const ssize_t n = ::write(fd, image.data() + done, image.size() - done);
+    const ssize_t n = ::write(fd.get(), image.data() + done, image.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       why = fmt::format("keeping the module image: {}", std::strerror(errno));
-      ::close(fd);
-      return -1;
+      return UniqueFd{};
     }
     done += static_cast<std::size_t>(n);
   }
   // Reloaded after every restart: nobody may change it meanwhile.
-  ::fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
   return fd;
+}
+
+// A close-on-exec duplicate of `fd` (-1 inside when it cannot be made).
+UniqueFd dup_fd(int fd) {
+  return UniqueFd(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
 }
 
 // Sends one datagram carrying `fd` (SCM_RIGHTS). Returns 0 or an errno.
@@ -100,39 +104,22 @@ int send_datagram(int socket, const char* data, std::size_t size) {
 
 RemoteDevice::RemoteDevice(RemoteOptions options)
     : opts_(std::move(options)), ring_(opts_.staging_bytes) {
-  auto cleanup = [&] {
-    if (staging_ != nullptr) ::munmap(staging_, opts_.staging_bytes);
-    if (staging_fd_ >= 0) ::close(staging_fd_);
-    if (wake_fd_ >= 0) ::close(wake_fd_);
-    staging_ = nullptr;
-    staging_fd_ = wake_fd_ = -1;
-  };
+  // A throw below leaves nothing behind: the fds and the mapping are members.
   std::string why;
-  staging_fd_ = create_staging(opts_.staging_bytes, why);
-  if (staging_fd_ < 0)
+  staging_fd_.reset(create_staging(opts_.staging_bytes, why));
+  if (!staging_fd_)
     throw std::runtime_error(fmt::format("gpu{}: staging area: {}", opts_.index, why));
-  void* p =
-      ::mmap(nullptr, opts_.staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, staging_fd_, 0);
-  if (p == MAP_FAILED) {
-    const int err = errno;
-    cleanup();
+  staging_ = Mapping::shared(staging_fd_.get(), opts_.staging_bytes);
+  if (!staging_)
     throw std::runtime_error(
-        fmt::format("gpu{}: mapping the staging area: {}", opts_.index, std::strerror(err)));
-  }
-  staging_ = static_cast<char*>(p);
-  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (wake_fd_ < 0) {
-    const int err = errno;
-    cleanup();
-    throw std::runtime_error(fmt::format("gpu{}: eventfd: {}", opts_.index, std::strerror(err)));
-  }
+        fmt::format("gpu{}: mapping the staging area: {}", opts_.index, std::strerror(errno)));
+  wake_fd_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_fd_)
+    throw std::runtime_error(fmt::format("gpu{}: eventfd: {}", opts_.index, std::strerror(errno)));
   opts_.executor.socket_fd = 3;  // where spawn_executor puts them
   opts_.executor.staging_fd = 4;
   opts_.executor.staging_size = opts_.staging_bytes;
-  if (!start_child(why, true)) {
-    cleanup();
-    throw std::runtime_error(why);
-  }
+  if (!start_child(why, true)) throw std::runtime_error(why);
   io_ = std::thread([this] { io_loop(); });
 }
 
@@ -140,7 +127,7 @@ RemoteDevice::~RemoteDevice() {
   {
     std::lock_guard lk(mu_);
     stop_ = true;
-    if (state_ == State::running && child_.socket >= 0) {
+    if (state_ == State::running && child_.socket) {
       // Queued work finishes (the executor drains its streams), then it exits.
       put(Msg::shutdown, ShutdownMsg{});
       flush();
@@ -149,33 +136,28 @@ RemoteDevice::~RemoteDevice() {
   cv_.notify_all();
   wake();
   if (io_.joinable()) io_.join();
-  for (auto& [h, m] : modules_)
-    if (m.memfd >= 0) ::close(m.memfd);
-  for (auto& [id, r] : regions_by_id_) ::close(r.fd);
-  if (staging_ != nullptr) ::munmap(staging_, opts_.staging_bytes);
-  if (staging_fd_ >= 0) ::close(staging_fd_);
-  if (wake_fd_ >= 0) ::close(wake_fd_);
+  // The module and region fds, the staging mapping and the fds close with the members.
 }
 
 void RemoteDevice::wake() {
   const std::uint64_t one = 1;
-  [[maybe_unused]] const ssize_t n = ::write(wake_fd_, &one, sizeof one);
+  [[maybe_unused]] const ssize_t n = ::write(wake_fd_.get(), &one, sizeof one);
 }
 
 bool RemoteDevice::start_child(std::string& why, bool first) {
   const std::string who = fmt::format("gpu{} executor", opts_.index);
   ExecutorProcess p;
-  if (spawn_executor(opts_.exe, opts_.executor.to_args(), staging_fd_, p, why) != 0) {
+  if (spawn_executor(opts_.exe, opts_.executor.to_args(), staging_fd_.get(), p, why) != 0) {
     why = fmt::format("{}: cannot start: {}", who, why);
     return false;
   }
   Child c;
   c.pid = p.pid;
-  c.socket = p.socket;
+  c.socket.reset(p.socket);
   auto give_up = [&](const std::string& text) {
     ::kill(c.pid, SIGKILL);
     reap_executor(c.pid, std::chrono::milliseconds(0));
-    ::close(c.socket);
+    c.socket.reset();
     why = fmt::format("{} (pid {}): {}", who, c.pid, text);
     return false;
   };
@@ -188,7 +170,7 @@ bool RemoteDevice::start_child(std::string& why, bool first) {
     const auto left = deadline - Clock::now();
     if (left <= Clock::duration::zero())
       return give_up(fmt::format("no hello within {} s", ms(opts_.start_timeout) / 1000));
-    pollfd fds[2] = {{c.socket, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    pollfd fds[2] = {{c.socket.get(), POLLIN, 0}, {wake_fd_.get(), POLLIN, 0}};
     const int r = ::poll(fds, first ? 1 : 2, static_cast<int>(std::min<long>(ms(left) + 1, 1000)));
     if (r < 0 && errno != EINTR) return give_up(fmt::format("poll: {}", std::strerror(errno)));
     if (!first) {
@@ -196,17 +178,17 @@ bool RemoteDevice::start_child(std::string& why, bool first) {
         // Local completions wait for the I/O loop (local_ready_ stays set);
         // only the wake-up is consumed here, or poll would spin.
         std::uint64_t v;
-        [[maybe_unused]] const ssize_t got = ::read(wake_fd_, &v, sizeof v);
+        [[maybe_unused]] const ssize_t got = ::read(wake_fd_.get(), &v, sizeof v);
       }
       std::lock_guard lk(mu_);
       if (stop_) return give_up("salusd is stopping");
     }
     if (r <= 0 || (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
-    const ssize_t n = ::recv(c.socket, buf.data(), buf.size(), MSG_DONTWAIT);
+    const ssize_t n = ::recv(c.socket.get(), buf.data(), buf.size(), MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     if (n <= 0) {
       const int st = reap_executor(c.pid, std::chrono::milliseconds(2000));
-      ::close(c.socket);
+      c.socket.reset();
       why = fmt::format("{} (pid {}) {} before it was ready", who, c.pid, describe_wait_status(st));
       return false;
     }
@@ -218,10 +200,40 @@ bool RemoteDevice::start_child(std::string& why, bool first) {
       return give_up("its first message was not a hello");
     have = true;
   }
-  if (hello.version != kProtocolVersion)
-    return give_up(fmt::format("speaks protocol {}, not {} (was salusd replaced while running?)",
-                               hello.version, kProtocolVersion));
-  if (hello.status != 0) return give_up(get_text(hello.why));
+  if (std::string text; !adopt_hello(hello, first, text)) return give_up(text);
+  c.arena_base = hello.arena_base;
+  if (!first && !restore(c, why)) return give_up(why);
+
+  std::lock_guard lk(mu_);
+  // Streams first (created while restarting too: the table is the truth), then
+  // what was queued for this executor while it started.
+  send_stream_creates(c);
+  arena_base_ = c.arena_base;
+  child_ = std::move(c);
+  base_generation_ = generation_.load();
+  child_up_ = Clock::now();
+  kill_at_.reset();
+  state_ = State::running;
+  flush();
+  cv_.notify_all();
+  if (!first)
+    spdlog::info("gpu {}: executor pid {} is up ({} restart{} so far)", opts_.index, child_.pid,
+                 generation_.load(), generation_.load() == 1 ? "" : "s");
+  else
+    spdlog::debug("gpu {}: executor pid {} is up", opts_.index, child_.pid);
+  return true;
+}
+
+bool RemoteDevice::adopt_hello(const HelloMsg& hello, bool first, std::string& why) {
+  if (hello.version != kProtocolVersion) {
+    why = fmt::format("speaks protocol {}, not {} (was salusd replaced while running?)",
+                      hello.version, kProtocolVersion);
+    return false;
+  }
+  if (hello.status != 0) {
+    why = get_text(hello.why);
+    return false;
+  }
   if (first) {
     info_.index = opts_.index;
     info_.name = get_text(hello.name);
@@ -236,18 +248,17 @@ bool RemoteDevice::start_child(std::string& why, bool first) {
     // lanes and persistent buffers depends on its size.
     opts_.executor.arena_bytes = hello.arena_size;
   } else if (hello.arena_size != info_.arena_size) {
-    return give_up(fmt::format("its arena is {} bytes, not the {} salusd laid out",
-                               hello.arena_size, info_.arena_size));
+    why = fmt::format("its arena is {} bytes, not the {} salusd laid out", hello.arena_size,
+                      info_.arena_size);
+    return false;
   }
-  c.arena_base = hello.arena_base;
-  if (!first && !restore(c, why)) return give_up(why);
+  return true;
+}
 
-  std::lock_guard lk(mu_);
-  // Streams first (created while restarting too: the table is the truth), then
-  // what was queued for this executor while it started.
+void RemoteDevice::send_stream_creates(Child& c) {
   RecordWriter creates;
   auto send_creates = [&] {
-    if (!creates.empty()) send_datagram(c.socket, creates.data(), creates.size());
+    if (!creates.empty()) send_datagram(c.socket.get(), creates.data(), creates.size());
     creates.clear();
   };
   for (StreamId id = 0; id < streams_.size(); ++id) {
@@ -256,26 +267,12 @@ bool RemoteDevice::start_child(std::string& why, bool first) {
     creates.put(Msg::create_stream, CreateStreamMsg{id});
   }
   send_creates();
-  child_ = c;
-  arena_base_ = c.arena_base;
-  base_generation_ = generation_.load();
-  child_up_ = Clock::now();
-  kill_at_.reset();
-  state_ = State::running;
-  flush();
-  cv_.notify_all();
-  if (!first)
-    spdlog::info("gpu {}: executor pid {} is up ({} restart{} so far)", opts_.index, c.pid,
-                 generation_.load(), generation_.load() == 1 ? "" : "s");
-  else
-    spdlog::debug("gpu {}: executor pid {} is up", opts_.index, c.pid);
-  return true;
 }
 
 bool RemoteDevice::restore(Child& c, std::string& why) {
   struct Snapshot {
     ModuleHandle handle;
-    int fd;  // a dup: an unload meanwhile must not close it under us
+    UniqueFd fd;  // a dup: an unload meanwhile must not close it under us
     std::uint64_t size;
     std::vector<std::string> names;
   };
@@ -283,7 +280,7 @@ bool RemoteDevice::restore(Child& c, std::string& why) {
   {
     std::lock_guard lk(mu_);
     for (const auto& [h, m] : modules_) {
-      Snapshot s{h, ::fcntl(m.memfd, F_DUPFD_CLOEXEC, 0), m.size, {}};
+      Snapshot s{h, dup_fd(m.memfd.get()), m.size, {}};
       for (const Function& f : m.functions) s.names.push_back(f.name);
       modules.push_back(std::move(s));
     }
@@ -291,15 +288,15 @@ bool RemoteDevice::restore(Child& c, std::string& why) {
   bool ok = true;
   std::uint64_t request = kRestoreRequest;
   for (Snapshot& s : modules) {
-    if (ok && s.fd >= 0) {
+    if (ok && s.fd) {
       RecordWriter w;
       const std::uint64_t req = request++;
       w.put(Msg::load_module, LoadModuleMsg{req, s.handle, s.size});
       Reply r;
-      if (const int err = send_with_fd(c.socket, w, s.fd); err != 0) {
+      if (const int err = send_with_fd(c.socket.get(), w, s.fd.get()); err != 0) {
         why = fmt::format("sending module {}: {}", s.handle, std::strerror(err));
         ok = false;
-      } else if (!await_reply(c.socket, req, r, why)) {
+      } else if (!await_reply(c.socket.get(), req, r, why)) {
         ok = false;
       } else if (r.status != 0) {
         // Launches of its kernels complete with EINVAL until it is loaded again.
@@ -315,8 +312,8 @@ bool RemoteDevice::restore(Child& c, std::string& why) {
                                static_cast<std::uint32_t>(name.size())},
                 {{name.data(), name.size()}});
           Reply fr;
-          if (send_datagram(c.socket, g.data(), g.size()) != 0 ||
-              !await_reply(c.socket, freq, fr, why)) {
+          if (send_datagram(c.socket.get(), g.data(), g.size()) != 0 ||
+              !await_reply(c.socket.get(), freq, fr, why)) {
             ok = false;
           } else if (fr.status != 0) {
             spdlog::error("gpu {}: kernel {} of module {} is gone in the new executor: {}",
@@ -325,7 +322,6 @@ bool RemoteDevice::restore(Child& c, std::string& why) {
         }
       }
     }
-    if (s.fd >= 0) ::close(s.fd);
   }
   if (!ok) {
     why = "restoring modules: " + why;
@@ -337,7 +333,7 @@ bool RemoteDevice::restore(Child& c, std::string& why) {
 bool RemoteDevice::restore_regions(Child& c, std::uint64_t& request, std::string& why) {
   struct Snapshot {
     RegionId id;
-    int fd;  // a dup: an unmap meanwhile must not close it under us
+    UniqueFd fd;  // a dup: an unmap meanwhile must not close it under us
     Bytes size;
     bool writable;
   };
@@ -345,30 +341,29 @@ bool RemoteDevice::restore_regions(Child& c, std::uint64_t& request, std::string
   {
     std::lock_guard lk(mu_);
     for (const auto& [id, r] : regions_by_id_)
-      regions.push_back(Snapshot{id, ::fcntl(r.fd, F_DUPFD_CLOEXEC, 0), r.size, r.writable});
+      regions.push_back(Snapshot{id, dup_fd(r.fd.get()), r.size, r.writable});
   }
   bool ok = true;
   std::vector<RegionId> lost;
   for (const Snapshot& r : regions) {
-    if (ok && r.fd >= 0) {
+    if (ok && r.fd) {
       RecordWriter w;
       const std::uint64_t req = request++;
       w.put(Msg::map_region, MapRegionMsg{req, r.id, r.writable ? 1u : 0u, r.size});
       Reply reply;
-      if (const int err = send_with_fd(c.socket, w, r.fd); err != 0) {
+      if (const int err = send_with_fd(c.socket.get(), w, r.fd.get()); err != 0) {
         why = fmt::format("sending host region {}: {}", r.id, std::strerror(err));
         ok = false;
-      } else if (!await_reply(c.socket, req, reply, why)) {
+      } else if (!await_reply(c.socket.get(), req, reply, why)) {
         ok = false;
       } else if (reply.status != 0) {
         spdlog::error("gpu {}: host region {} did not map into the new executor: {}", opts_.index,
                       r.id, reply.why);
         lost.push_back(r.id);
       }
-    } else if (r.fd < 0) {
+    } else if (!r.fd) {
       lost.push_back(r.id);
     }
-    if (r.fd >= 0) ::close(r.fd);
   }
   if (!ok) {
     why = "restoring host regions: " + why;
@@ -434,7 +429,7 @@ void RemoteDevice::io_loop() {
     std::optional<Clock::time_point> kill_at;
     {
       std::lock_guard lk(mu_);
-      sock = child_.socket;
+      sock = child_.socket.get();
       stopping = stop_;
       want_restart = state_ == State::restarting && sock < 0 && !stop_;
       restart_at = restart_at_;
@@ -459,8 +454,7 @@ void RemoteDevice::io_loop() {
       {
         std::lock_guard lk(mu_);
         pid = child_.pid;
-        if (child_.socket >= 0) ::close(child_.socket);
-        child_ = Child{};
+        child_ = Child{};  // closes the socket
         state_ = State::stopped;
         // Whatever is still pending will not complete any more.
         for (StreamId id = 0; id < streams_.size(); ++id) {
@@ -508,7 +502,7 @@ void RemoteDevice::io_loop() {
       const int k = static_cast<int>(ms(*kill_at - now) + 1);
       timeout = timeout < 0 ? k : std::min(timeout, k);
     }
-    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {sock, POLLIN, 0}};
+    pollfd fds[2] = {{wake_fd_.get(), POLLIN, 0}, {sock, POLLIN, 0}};
     const int r = ::poll(fds, sock >= 0 ? 2 : 1, timeout);
     if (r < 0 && errno != EINTR) {
       spdlog::error("gpu {}: executor I/O: poll: {}", opts_.index, std::strerror(errno));
@@ -518,7 +512,7 @@ void RemoteDevice::io_loop() {
     if (r <= 0) continue;
     if (fds[0].revents & POLLIN) {
       std::uint64_t v;
-      [[maybe_unused]] const ssize_t n = ::read(wake_fd_, &v, sizeof v);
+      [[maybe_unused]] const ssize_t n = ::read(wake_fd_.get(), &v, sizeof v);
     }
     if (sock >= 0 && (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) && !read_socket())
       on_executor_gone();
@@ -534,7 +528,7 @@ bool RemoteDevice::read_socket() {
   int sock;
   {
     std::lock_guard lk(mu_);
-    sock = child_.socket;
+    sock = child_.socket.get();
   }
   mmsghdr msgs[kBatch];
   iovec iovs[kBatch];
@@ -638,18 +632,15 @@ void RemoteDevice::handle_record(Msg type, const char* body, std::size_t size,
 
 void RemoteDevice::on_executor_gone() {
   pid_t pid;
-  int sock;
   {
     std::lock_guard lk(mu_);
     pid = child_.pid;
-    sock = child_.socket;
   }
   const int st = reap_executor(pid, std::chrono::milliseconds(2000));
   std::vector<Delivery> out;
   {
     std::lock_guard lk(mu_);
-    ::close(sock);
-    child_ = Child{};
+    child_ = Child{};  // closes the socket
     kill_at_.reset();
     const bool reported = fault_reported_;
     fault_reported_ = false;
@@ -798,7 +789,8 @@ void RemoteDevice::deliver(std::vector<Delivery>& out) {
   for (const Delivery& d : out)
     if (d.copy_out)
       for (const Slot& sl : d.slots)
-        if (sl.copy_out != nullptr) std::memcpy(sl.copy_out, staging_ + sl.offset, sl.length);
+        if (sl.copy_out != nullptr)
+          std::memcpy(sl.copy_out, staging_.data() + sl.offset, sl.length);
   bool freed = false;
   {
     std::lock_guard lk(mu_);
@@ -850,8 +842,8 @@ bool RemoteDevice::put(Msg type, const T& fixed,
 }
 
 void RemoteDevice::flush() {
-  if (tx_.empty() || state_ != State::running || child_.socket < 0) return;
-  if (const int err = send_datagram(child_.socket, tx_.data(), tx_.size()); err != 0) {
+  if (tx_.empty() || state_ != State::running || !child_.socket) return;
+  if (const int err = send_datagram(child_.socket.get(), tx_.data(), tx_.size()); err != 0) {
     // The executor is gone; the I/O thread sees the hangup and fails what was sent.
     spdlog::debug("gpu {}: sending to the executor: {}", opts_.index, std::strerror(err));
   }
@@ -1052,7 +1044,7 @@ void RemoteDevice::copy_from_host(StreamId stream, DevOffset dst, const void* ho
     if (!take_slot(lk, n, off)) return doom(s, state_ == State::unusable ? ENODEV : EIO);
     // The copy-in can be megabytes: not under the lock the I/O thread needs.
     lk.unlock();
-    std::memcpy(staging_ + off, from + done, n);
+    std::memcpy(staging_.data() + off, from + done, n);
     lk.lock();
     if (s.open.doomed) {
       ring_.free(off);
@@ -1133,12 +1125,11 @@ int RemoteDevice::unavailable(std::string& why) const {
 
 int RemoteDevice::load_module(const std::vector<std::uint8_t>& image, ModuleHandle& out,
                               std::string& why) {
-  const int fd = make_image_fd(image, why);
-  if (fd < 0) return EIO;
+  UniqueFd fd = make_image_fd(image, why);
+  if (!fd) return EIO;
   std::unique_lock sync(sync_mu_);
   std::unique_lock lk(mu_);
   auto refuse = [&](int err, std::string text) {
-    ::close(fd);
     why = std::move(text);
     return err;
   };
@@ -1149,16 +1140,13 @@ int RemoteDevice::load_module(const std::vector<std::uint8_t>& image, ModuleHand
   flush();  // the image's fd travels alone with its record
   RecordWriter w;
   w.put(Msg::load_module, LoadModuleMsg{req, h, image.size()});
-  if (const int err = send_with_fd(child_.socket, w, fd); err != 0)
+  if (const int err = send_with_fd(child_.socket.get(), w, fd.get()); err != 0)
     return refuse(EIO, fmt::format("sending the module to the executor: {}", std::strerror(err)));
   Reply r;
-  if (const int err = sync_call(lk, req, r, why); err != 0) {
-    ::close(fd);
-    return err;
-  }
+  if (const int err = sync_call(lk, req, r, why); err != 0) return err;
   if (r.status != 0) return refuse(r.status, r.why);
   Module& m = modules_[h];
-  m.memfd = fd;
+  m.memfd = std::move(fd);
   m.size = image.size();
   out = h;
   return 0;
@@ -1169,8 +1157,8 @@ int RemoteDevice::map_region(int fd, Bytes size, bool writable, RegionId& out, s
     why = "an empty region";
     return EINVAL;
   }
-  const int own = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
-  if (own < 0) {
+  UniqueFd own = dup_fd(fd);
+  if (!own) {
     const int err = errno;
     why = fmt::format("keeping the region's file: {}", std::strerror(err));
     return err;
@@ -1178,7 +1166,6 @@ int RemoteDevice::map_region(int fd, Bytes size, bool writable, RegionId& out, s
   std::unique_lock sync(sync_mu_);
   std::unique_lock lk(mu_);
   auto refuse = [&](int err, std::string text) {
-    ::close(own);
     why = std::move(text);
     return err;
   };
@@ -1189,15 +1176,12 @@ int RemoteDevice::map_region(int fd, Bytes size, bool writable, RegionId& out, s
   flush();  // the fd travels alone with its record
   RecordWriter w;
   w.put(Msg::map_region, MapRegionMsg{req, id, writable ? 1u : 0u, size});
-  if (const int err = send_with_fd(child_.socket, w, own); err != 0)
+  if (const int err = send_with_fd(child_.socket.get(), w, own.get()); err != 0)
     return refuse(EIO, fmt::format("sending the region to the executor: {}", std::strerror(err)));
   Reply r;
-  if (const int err = sync_call(lk, req, r, why); err != 0) {
-    ::close(own);
-    return err;
-  }
+  if (const int err = sync_call(lk, req, r, why); err != 0) return err;
   if (r.status != 0) return refuse(r.status, r.why);
-  regions_by_id_[id] = Region{own, size, writable, false};
+  regions_by_id_[id] = Region{std::move(own), size, writable, false};
   out = id;
   return 0;
 }
@@ -1206,8 +1190,7 @@ void RemoteDevice::unmap_region(RegionId region) {
   std::lock_guard lk(mu_);
   const auto it = regions_by_id_.find(region);
   if (it == regions_by_id_.end()) return;
-  ::close(it->second.fd);
-  regions_by_id_.erase(it);
+  regions_by_id_.erase(it);  // closes our copy of the fd
   // A new executor never hears of it; this one drops it after the copies sent before.
   if (state_ == State::running) put(Msg::unmap_region, UnmapRegionMsg{region});
 }
@@ -1242,41 +1225,38 @@ void RemoteDevice::copy_to_region(StreamId stream, RegionId region, Bytes offset
 }
 
 void* RemoteDevice::alloc_staging(Bytes size) {
-  const int fd = ::memfd_create("salus-staging", MFD_CLOEXEC);
-  if (fd < 0) return nullptr;
-  void* p = MAP_FAILED;
-  if (::ftruncate(fd, static_cast<off_t>(size)) == 0)
-    p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
-    ::close(fd);
-    return nullptr;
-  }
+  const UniqueFd fd(::memfd_create("salus-staging", MFD_CLOEXEC));
+  if (!fd || ::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) return nullptr;
+  Mapping block = Mapping::shared(fd.get(), size);
+  if (!block) return nullptr;
   RegionId region = 0;
   std::string why;
-  if (map_region(fd, size, true, region, why) != 0) {
+  if (map_region(fd.get(), size, true, region, why) != 0) {
     spdlog::debug("gpu {}: a {}-byte staging block is not shared with the executor: {}",
                   opts_.index, size, why);
     region = 0;
   }
-  ::close(fd);
+  char* p = block.data();
   std::lock_guard lk(staging_mu_);
-  staging_blocks_[reinterpret_cast<std::uintptr_t>(p)] = StagingBlock{size, region};
+  staging_blocks_[reinterpret_cast<std::uintptr_t>(p)] = StagingBlock{std::move(block), region};
   return p;
 }
 
 void RemoteDevice::free_staging(void* block, Bytes size) {
   if (block == nullptr) return;
+  (void)size;  // the mapping knows its size
   RegionId region = 0;
+  Mapping gone;  // unmapped here after the executor let go of it
   {
     std::lock_guard lk(staging_mu_);
     if (auto it = staging_blocks_.find(reinterpret_cast<std::uintptr_t>(block));
         it != staging_blocks_.end()) {
       region = it->second.region;
+      gone = std::move(it->second.mapping);
       staging_blocks_.erase(it);
     }
   }
   if (region != 0) unmap_region(region);
-  ::munmap(block, size);
 }
 
 RegionId RemoteDevice::staging_region(const void* host, Bytes length, Bytes& offset) {
@@ -1285,7 +1265,7 @@ RegionId RemoteDevice::staging_region(const void* host, Bytes length, Bytes& off
   auto it = staging_blocks_.upper_bound(at);
   if (it == staging_blocks_.begin()) return 0;
   --it;
-  if (at + length > it->first + it->second.size) return 0;
+  if (at + length > it->first + it->second.mapping.size()) return 0;
   offset = at - it->first;
   return it->second.region;
 }
@@ -1309,8 +1289,7 @@ void RemoteDevice::unload_module(ModuleHandle module) {
   std::lock_guard lk(mu_);
   auto it = modules_.find(module);
   if (it == modules_.end()) return;
-  if (it->second.memfd >= 0) ::close(it->second.memfd);
-  modules_.erase(it);
+  modules_.erase(it);  // closes the image's memfd
   // Ordered after the launches already sent, which keep its code alive there.
   put(Msg::unload_module, UnloadModuleMsg{module});
 }

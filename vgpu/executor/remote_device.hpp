@@ -23,6 +23,8 @@
 #include "vgpu/executor/executor_main.hpp"
 #include "vgpu/executor/executor_protocol.hpp"
 #include "vgpu/executor/staging_ring.hpp"
+#include "vgpu/mapping.hpp"
+#include "vgpu/unique_fd.hpp"
 
 namespace salus::vgpu::executor {
 
@@ -172,7 +174,7 @@ class RemoteDevice final : public Device {
     std::vector<std::uint32_t> param_sizes;
   };
   struct Module {
-    int memfd = -1;  // the image
+    UniqueFd memfd;  // the image
     std::uint64_t size = 0;
     std::vector<Function> functions;  // FunctionHandle = module << 32 | index
   };
@@ -192,18 +194,18 @@ class RemoteDevice final : public Device {
     std::vector<std::uint32_t> param_sizes;
   };
   struct Region {
-    int fd = -1;  // our own copy, for the next executor
+    UniqueFd fd;  // our own copy, for the next executor
     Bytes size = 0;
     bool writable = false;
     bool lost = false;  // a new executor could not map it: its copies fail with EIO
   };
   struct StagingBlock {
-    Bytes size = 0;
+    Mapping mapping;
     RegionId region = 0;  // 0: not mapped in the executor
   };
   struct Child {
     pid_t pid = -1;
-    int socket = -1;
+    UniqueFd socket;
     std::uint64_t arena_base = 0;
   };
 
@@ -212,6 +214,11 @@ class RemoteDevice final : public Device {
   // On success it is the running one; on failure `why` says why and nothing is
   // left behind.
   bool start_child(std::string& why, bool first);
+  // Checks the new executor's hello and, from the first one, takes the
+  // device's description. False with `why` when the executor cannot serve.
+  bool adopt_hello(const HelloMsg& hello, bool first, std::string& why);
+  // Creates every stream of the table in the new executor. Needs mu_.
+  void send_stream_creates(Child& c);
   bool restore(Child& c, std::string& why);
   bool restore_regions(Child& c, std::uint64_t& request, std::string& why);
   void region_copy(Msg type, StreamId stream, RegionId region, Bytes offset, DevOffset device,
@@ -255,9 +262,9 @@ class RemoteDevice final : public Device {
   RemoteOptions opts_;
   DeviceInfo info_;
   std::atomic<CompletionSink*> sink_{nullptr};
-  int staging_fd_ = -1;
-  char* staging_ = nullptr;  // mapped in both processes
-  int wake_fd_ = -1;         // eventfd: wakes the I/O thread
+  UniqueFd staging_fd_;
+  Mapping staging_;   // mapped in both processes
+  UniqueFd wake_fd_;  // eventfd: wakes the I/O thread
 
   mutable std::mutex mu_;       // everything below
   std::condition_variable cv_;  // replies, state changes, staging freed, streams drained
