@@ -22,13 +22,13 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/recording_sink.hpp"
 #include "vgpu/cuda/cuda_backend.hpp"
 #include "vgpu/cuda/cuda_device.hpp"
 
 namespace {
 
 using salus::vgpu::Bytes;
-using salus::vgpu::CompletionSink;
 using salus::vgpu::CudaOptions;
 using salus::vgpu::Device;
 using salus::vgpu::FunctionHandle;
@@ -39,42 +39,7 @@ using salus::vgpu::cuda::CudaDevice;
 
 constexpr Bytes kMiB = Bytes{1} << 20;
 
-class Sink : public CompletionSink {
- public:
-  struct Done {
-    StreamId stream;
-    std::uint64_t token;
-    int status;
-    std::int64_t device_ns;
-  };
-  void on_complete(StreamId stream, std::uint64_t token, int status,
-                   std::int64_t device_ns) override {
-    std::lock_guard lock(mu_);
-    done_.push_back({stream, token, status, device_ns});
-    cv_.notify_all();
-  }
-  // Bounded, so a broken backend fails the test instead of hanging it.
-  std::optional<Done> wait(StreamId stream, std::uint64_t token,
-                           std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
-    std::unique_lock lock(mu_);
-    std::optional<Done> found;
-    cv_.wait_for(lock, timeout, [&] {
-      for (const Done& d : done_)
-        if (d.stream == stream && d.token == token) found = d;
-      return found.has_value();
-    });
-    return found;
-  }
-  std::vector<Done> all() {
-    std::lock_guard lock(mu_);
-    return done_;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Done> done_;
-};
+using Sink = salus::test::RecordingSink;
 
 std::vector<std::uint8_t> read_file(const char* path) {
   std::ifstream in(path, std::ios::binary);
@@ -123,11 +88,11 @@ class CudaDeviceTest : public ::testing::Test {
     dev_->notify(s, token);
     return token;
   }
-  Sink::Done sync(StreamId s) {
+  Sink::Event sync(StreamId s) {
     const std::uint64_t token = notify(s);
     const auto done = sink_.wait(s, token);
     EXPECT_TRUE(done.has_value()) << "no completion for token " << token;
-    return done.value_or(Sink::Done{s, token, -1, 0});
+    return done.value_or(Sink::Event{s, token, -1, 0});
   }
   int sync() { return sync(stream_).status; }
 
@@ -420,7 +385,7 @@ TEST_F(CudaDeviceTest, CompletesNotifiesInOrderWithDeviceTime) {
   }
   tokens.push_back(notify(stream_));  // an empty interval: no device time
   ASSERT_TRUE(sink_.wait(stream_, tokens.back()).has_value());
-  const auto all = sink_.all();
+  const auto all = sink_.events();
   ASSERT_EQ(all.size(), tokens.size());
   for (std::size_t i = 0; i < all.size(); ++i) {
     EXPECT_EQ(all[i].token, tokens[i]) << "out of order";
@@ -694,7 +659,7 @@ TEST_F(CudaDeviceTest, WithoutInProcessRecoveryAFaultTakesTheDeviceOutOfService)
   o.recover_in_process = false;
   o.on_sticky_fault = [&](const std::string& cause, bool kernel, bool delivered) {
     std::lock_guard lk(mu);
-    calls.push_back(Call{cause, kernel, delivered, sink_.all().size()});
+    calls.push_back(Call{cause, kernel, delivered, sink_.events().size()});
   };
   open(o);
   const ModuleHandle m = load_test_module();
@@ -787,8 +752,8 @@ TEST_F(CudaDeviceTest, RecoversWhileAnotherThreadKeepsEnqueueing) {
   producer.join();
   EXPECT_EQ(dev_->generation(), 1u);
   ASSERT_FALSE(sent.empty());
-  std::vector<Sink::Done> got;
-  for (const Sink::Done& d : sink_.all())
+  std::vector<Sink::Event> got;
+  for (const Sink::Event& d : sink_.events())
     if (d.stream == busy) got.push_back(d);
   ASSERT_EQ(got.size(), sent.size());
   for (std::size_t i = 0; i < got.size(); ++i) {

@@ -20,10 +20,11 @@
 #include <utility>
 #include <vector>
 
+#include "tests/support/recording_sink.hpp"
+
 namespace {
 
 using salus::vgpu::Bytes;
-using salus::vgpu::CompletionSink;
 using salus::vgpu::SimDevice;
 using salus::vgpu::StreamId;
 using Clock = std::chrono::steady_clock;
@@ -39,53 +40,7 @@ double ns_to_ms(std::int64_t ns) {
   return static_cast<double>(ns) / 1e6;
 }
 
-class RecordingSink : public CompletionSink {
- public:
-  struct Event {
-    StreamId stream;
-    std::uint64_t token;
-    int status;
-    std::int64_t device_ns;
-    Clock::time_point at;
-  };
-
-  void on_complete(StreamId stream, std::uint64_t token, int status,
-                   std::int64_t device_ns) override {
-    std::lock_guard lock(mu_);
-    events_.push_back(Event{stream, token, status, device_ns, Clock::now()});
-    cv_.notify_all();
-  }
-
-  // Waits (bounded, so a broken backend fails instead of hanging) for a token.
-  std::optional<Event> wait(StreamId stream, std::uint64_t token,
-                            milliseconds timeout = milliseconds(5000)) {
-    std::unique_lock lock(mu_);
-    std::optional<Event> found;
-    cv_.wait_for(lock, timeout, [&] {
-      for (const Event& e : events_)
-        if (e.stream == stream && e.token == token) {
-          found = e;
-          return true;
-        }
-      return false;
-    });
-    return found;
-  }
-
-  std::optional<Event> find(StreamId stream, std::uint64_t token) {
-    return wait(stream, token, milliseconds(0));
-  }
-
-  std::vector<Event> events() {
-    std::lock_guard lock(mu_);
-    return events_;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Event> events_;
-};
+using salus::test::RecordingSink;
 
 // A device with a sink and one stream, plus a synchronous "run everything queued
 // so far" helper.

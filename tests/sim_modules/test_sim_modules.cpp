@@ -16,13 +16,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/recording_sink.hpp"
 #include "vgpu/sim/sim_device.hpp"
 #include "vgpu/sim/sim_modules.hpp"
 
 namespace {
 
 using salus::vgpu::Bytes;
-using salus::vgpu::CompletionSink;
 using salus::vgpu::FunctionHandle;
 using salus::vgpu::LaunchDims;
 using salus::vgpu::ModuleHandle;
@@ -31,35 +31,7 @@ using salus::vgpu::StreamId;
 
 constexpr Bytes kMiB = Bytes{1} << 20;
 
-class Sink : public CompletionSink {
- public:
-  void on_complete(StreamId stream, std::uint64_t token, int status, std::int64_t) override {
-    std::lock_guard lock(mu_);
-    done_.push_back({stream, token, status});
-    cv_.notify_all();
-  }
-  // The status of (stream, token), or nullopt after a bounded wait.
-  std::optional<int> wait(StreamId stream, std::uint64_t token) {
-    std::unique_lock lock(mu_);
-    std::optional<int> status;
-    cv_.wait_for(lock, std::chrono::seconds(10), [&] {
-      for (const Done& d : done_)
-        if (d.stream == stream && d.token == token) status = d.status;
-      return status.has_value();
-    });
-    return status;
-  }
-
- private:
-  struct Done {
-    StreamId stream;
-    std::uint64_t token;
-    int status;
-  };
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Done> done_;
-};
+using Sink = salus::test::RecordingSink;
 
 std::vector<std::uint8_t> read_file(const char* path) {
   std::ifstream in(path, std::ios::binary);
@@ -112,9 +84,9 @@ class SimModules : public ::testing::Test {
   int sync() {
     const std::uint64_t token = next_token_++;
     dev_.notify(stream_, token);
-    const auto status = sink_.wait(stream_, token);
-    EXPECT_TRUE(status.has_value()) << "no completion";
-    return status.value_or(-1);
+    const auto done = sink_.wait(stream_, token);
+    EXPECT_TRUE(done.has_value()) << "no completion";
+    return done ? done->status : -1;
   }
   std::vector<std::uint8_t> read(Bytes offset, Bytes length) {
     std::vector<std::uint8_t> out(length);

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/support/recording_sink.hpp"
 #include "vgpu/executor/executor_main.hpp"
 #include "vgpu/executor/remote_device.hpp"
 
@@ -27,43 +28,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-struct Done {
-  StreamId stream;
-  std::uint64_t token;
-  int status;
-};
-
-class RecordingSink final : public CompletionSink {
- public:
-  void on_complete(StreamId stream, std::uint64_t token, int status, std::int64_t) override {
-    std::lock_guard lk(mu_);
-    done_.push_back(Done{stream, token, status});
-    cv_.notify_all();
-  }
-  // Waits for the completion of `token`; returns its status, or -1 on timeout.
-  int wait(std::uint64_t token, std::chrono::milliseconds limit = 20s) {
-    std::unique_lock lk(mu_);
-    int status = -1;
-    cv_.wait_for(lk, limit, [&] {
-      for (const Done& d : done_)
-        if (d.token == token) {
-          status = d.status;
-          return true;
-        }
-      return false;
-    });
-    return status;
-  }
-  std::vector<Done> all() {
-    std::lock_guard lk(mu_);
-    return done_;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Done> done_;
-};
+using salus::test::RecordingSink;
 
 RemoteOptions sim_options(Bytes staging = Bytes{8} << 20) {
   RemoteOptions o;
@@ -124,7 +89,7 @@ TEST(RemoteDevice, FillCopyAndReadBack) {
   std::vector<std::uint32_t> out(1024, 0);
   d.copy_to_host(s, out.data(), 8192, 4096);
   d.notify(s, 1);
-  ASSERT_EQ(sink.wait(1), 0);
+  ASSERT_EQ(sink.status_of(1), 0);
   for (std::uint32_t v : out) ASSERT_EQ(v, 0x01020304u);
   d.destroy_stream(s);
 }
@@ -143,10 +108,10 @@ TEST(RemoteDevice, CompletionsKeepEachStreamsOrder) {
     d.copy_to_host(s, back[i].data(), at, 256);
     d.notify(s, 1000 + i);
   }
-  ASSERT_EQ(sink.wait(1198), 0);
-  ASSERT_EQ(sink.wait(1199), 0);
+  ASSERT_EQ(sink.status_of(1198), 0);
+  ASSERT_EQ(sink.status_of(1199), 0);
   std::map<StreamId, std::uint64_t> last;
-  for (const Done& x : sink.all()) {
+  for (const RecordingSink::Event& x : sink.events()) {
     EXPECT_EQ(x.status, 0);
     EXPECT_GT(x.token, last[x.stream]) << "stream " << x.stream;
     last[x.stream] = x.token;
@@ -167,10 +132,10 @@ TEST(RemoteDevice, HostCopiesLargerThanTheStagingAreaAreSplit) {
   d.copy_from_host(s, 4096, in.data(), n);
   d.copy_to_host(s, out.data(), 4096, n);
   d.notify(s, 1);
-  ASSERT_EQ(sink.wait(1), 0);
+  ASSERT_EQ(sink.status_of(1), 0);
   EXPECT_TRUE(std::memcmp(in.data(), out.data(), n) == 0);
   // The fences are internal: the sink saw exactly one completion.
-  EXPECT_EQ(sink.all().size(), 1u);
+  EXPECT_EQ(sink.events().size(), 1u);
 }
 
 TEST(RemoteDevice, ModulesAndHandlesSurviveAnExecutorRestart) {
@@ -195,7 +160,7 @@ TEST(RemoteDevice, ModulesAndHandlesSurviveAnExecutorRestart) {
     std::int32_t value = -1;
     d.copy_to_host(s, &value, 0, 4);
     d.notify(s, token);
-    EXPECT_EQ(sink.wait(token), 0);
+    EXPECT_EQ(sink.status_of(token), 0);
     return value;
   };
   EXPECT_EQ(run_count(1), 1);
@@ -205,7 +170,7 @@ TEST(RemoteDevice, ModulesAndHandlesSurviveAnExecutorRestart) {
   d.spin(s, 2'000'000, 1.0);  // in flight when the executor dies
   d.notify(s, 3);
   ::kill(old, SIGKILL);
-  EXPECT_EQ(sink.wait(3), EIO);  // killed from outside: nobody's kernel is blamed
+  EXPECT_EQ(sink.status_of(3), EIO);  // killed from outside: nobody's kernel is blamed
   ASSERT_TRUE(wait_restarted(d, old));
   EXPECT_EQ(d.generation(), 1u);
   const DeviceHealth h = d.health();
@@ -244,8 +209,8 @@ TEST(RemoteDevice, ACrashingKernelIsBlamedOnItsStreamOnly) {
   d.launch(culprit, crash, LaunchDims{}, reinterpret_cast<const std::uint8_t*>(&bad), &arg_size, 1);
   d.notify(culprit, 2);
   const pid_t old = d.executor_pid();
-  EXPECT_EQ(sink.wait(2), EFAULT);
-  EXPECT_EQ(sink.wait(1), EIO);
+  EXPECT_EQ(sink.status_of(2), EFAULT);
+  EXPECT_EQ(sink.status_of(1), EIO);
   EXPECT_EQ(d.generation(), 1u);
   EXPECT_NE(d.health().last_fault.find("SIGSEGV"), std::string::npos) << d.health().last_fault;
   ASSERT_TRUE(wait_restarted(d, old));
@@ -256,8 +221,8 @@ TEST(RemoteDevice, ACrashingKernelIsBlamedOnItsStreamOnly) {
   d.notify(culprit, 3);
   d.fill(bystander, 4096, 64, 5, 4);
   d.notify(bystander, 4);
-  EXPECT_EQ(sink.wait(3), 0);
-  EXPECT_EQ(sink.wait(4), 0);
+  EXPECT_EQ(sink.status_of(3), 0);
+  EXPECT_EQ(sink.status_of(4), 0);
   EXPECT_EQ(out, std::vector<std::uint32_t>(16, 0));
 }
 
@@ -282,7 +247,7 @@ TEST(RemoteDevice, RepeatedQuickDeathsTakeTheGpuOutOfService) {
       << d.health().unusable_why;
   d.fill(s, 0, 64, 1, 1);
   d.notify(s, 7);
-  EXPECT_EQ(sink.wait(7), ENODEV);
+  EXPECT_EQ(sink.status_of(7), ENODEV);
   std::string why;
   ModuleHandle m;
   EXPECT_EQ(d.load_module({1, 2, 3}, m, why), ENODEV);

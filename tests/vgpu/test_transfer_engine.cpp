@@ -17,6 +17,7 @@
 #include <random>
 #include <thread>
 
+#include "tests/support/recording_sink.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 using namespace salus::vgpu;
@@ -28,25 +29,7 @@ namespace {
 constexpr Bytes kKiB = 1024, kMiB = 1024 * 1024;
 
 // Completions of the engine's streams go to the engine, the test's own to it.
-class Sink : public CompletionSink {
- public:
-  void on_complete(StreamId stream, std::uint64_t token, int status, std::int64_t ns) override {
-    if (engine && engine->owns_stream(stream))
-      return engine->on_device_complete(stream, token, status, ns);
-    std::lock_guard lk(mu);
-    done[token] = status;
-    cv.notify_all();
-  }
-  int wait(std::uint64_t token) {
-    std::unique_lock lk(mu);
-    cv.wait(lk, [&] { return done.count(token) > 0; });
-    return done[token];
-  }
-  TransferEngine* engine = nullptr;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::map<std::uint64_t, int> done;
-};
+using Sink = salus::test::RecordingSink;
 
 class TransferEngineTest : public ::testing::Test {
  protected:
@@ -64,7 +47,7 @@ class TransferEngineTest : public ::testing::Test {
   }
   void TearDown() override {
     engine_.reset();
-    sink_.engine = nullptr;
+    sink_.forward = nullptr;
     dev_->destroy_stream(stream_);
     pool_.reset();
     dev_.reset();
@@ -79,7 +62,12 @@ class TransferEngineTest : public ::testing::Test {
     o.device_view = view;
     o.direct_chunk = 256 * kKiB;  // several direct copies per test transfer
     engine_ = std::make_unique<TransferEngine>(*dev_, *pool_, o, 0);
-    sink_.engine = engine_.get();
+    sink_.forward = [e = engine_.get()](StreamId stream, std::uint64_t token, int status,
+                                        std::int64_t ns) {
+      if (!e->owns_stream(stream)) return false;
+      e->on_device_complete(stream, token, status, ns);
+      return true;
+    };
   }
   static std::vector<char> random_bytes(std::size_t n, unsigned seed) {
     std::mt19937 rng(seed);
@@ -98,14 +86,14 @@ class TransferEngineTest : public ::testing::Test {
     dev_->copy_to_host(stream_, v.data(), at, n);
     const std::uint64_t token = next_token_++;
     dev_->notify(stream_, token);
-    EXPECT_EQ(sink_.wait(token), 0);
+    EXPECT_EQ(sink_.status_of(token), 0);
     return v;
   }
   void put_device(DevOffset at, const std::vector<char>& v) {
     dev_->copy_from_host(stream_, at, v.data(), v.size());
     const std::uint64_t token = next_token_++;
     dev_->notify(stream_, token);
-    ASSERT_EQ(sink_.wait(token), 0);
+    ASSERT_EQ(sink_.status_of(token), 0);
   }
   static CallerCredentials root() { return CallerCredentials{}; }
   std::shared_ptr<TransferJob> job(bool upload, const std::string& path, Bytes file_off,
