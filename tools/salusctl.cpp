@@ -533,16 +533,27 @@ std::string q(const Ctx& ctx, std::string_view rel) {
   return sh_quote(ctx.path(rel));
 }
 
+// A loop over the entries of DIR ("gpus" or "sessions") that runs BODY with the
+// entry in $VAR. An empty directory leaves the glob unexpanded; the [ -e ] test
+// skips it, so the loop (and a script ending with it) still succeeds.
+std::string for_each_entry(const Ctx& ctx, std::string_view var, std::string_view dir,
+                           std::string_view file, std::string_view body) {
+  return fmt::format("for {0} in {1}/{2}/*; do [ -e \"${0}/{3}\" ] || continue; {4}; done", var,
+                     sh_quote(ctx.mount), dir, file, body);
+}
+
+std::string cat_sessions(const Ctx& ctx) {
+  return for_each_entry(ctx, "s", "sessions", "status", "cat \"$s/status\"");
+}
+
 // ---------------------------------------------------------------- commands
 
 int cmd_status(const Ctx& ctx) {
   if (ctx.explain) {
-    explain(
-        {fmt::format("cat {} {} {}", q(ctx, "version"), q(ctx, "policy"), q(ctx, "stats")),
-         fmt::format("for g in {}/gpus/*; do cat \"$g/info\" \"$g/memory\" \"$g/lanes\" "
-                     "\"$g/queue\"; done",
-                     sh_quote(ctx.mount)),
-         fmt::format("for s in {}/sessions/*; do cat \"$s/status\"; done", sh_quote(ctx.mount))});
+    explain({fmt::format("cat {} {} {}", q(ctx, "version"), q(ctx, "policy"), q(ctx, "stats")),
+             for_each_entry(ctx, "g", "gpus", "info",
+                            "cat \"$g/info\" \"$g/memory\" \"$g/lanes\" \"$g/queue\""),
+             cat_sessions(ctx)});
     return 0;
   }
   const std::string version = read_file(ctx, ctx.path("version"));
@@ -568,8 +579,7 @@ int cmd_status(const Ctx& ctx) {
 
 int cmd_sessions(const Ctx& ctx) {
   if (ctx.explain) {
-    explain(
-        {fmt::format("for s in {}/sessions/*; do cat \"$s/status\"; done", sh_quote(ctx.mount))});
+    explain({cat_sessions(ctx)});
     return 0;
   }
   const auto sessions = read_sessions(ctx);
@@ -817,18 +827,32 @@ std::pair<int, int> terminal_size() {
 
 int cmd_top(const Ctx& ctx, double interval, bool once) {
   if (ctx.explain) {
-    explain(
-        {"# busy % = increase of salus_gpu_busy_seconds_total over the interval; iter/s "
-         "from successive status reads",
-         fmt::format("while :; do clear; date; grep -E '^salus_(gpu_busy_seconds_total|gpu_"
-                     "memory_bytes|lane_count)' {}",
-                     q(ctx, "metrics")),
-         fmt::format("  cat {}/gpus/*/lanes", sh_quote(ctx.mount)),
-         fmt::format("  for s in {}/sessions/*; do echo \"== $s\"; grep -E "
-                     "'^(state|gpu|lane|iterations_done|gpu_time_ms|queue_wait_ms):' "
-                     "\"$s/status\"; done",
-                     sh_quote(ctx.mount)),
-         fmt::format("  sleep {:g}; done", interval)});
+    // One frame; rates are the increase between two frames one interval apart.
+    const std::string busy = fmt::format(
+        "grep -E '^salus_(gpu_busy_seconds_total|gpu_memory_bytes|lane_count)' {}",
+        q(ctx, "metrics"));
+    const std::vector<std::string> frame = {
+        "date", busy, for_each_entry(ctx, "g", "gpus", "lanes", "cat \"$g/lanes\""),
+        for_each_entry(ctx, "s", "sessions", "status",
+                       "echo \"== $s\"; grep -E "
+                       "'^(state|gpu|lane|iterations_done|gpu_time_ms|queue_wait_ms):' "
+                       "\"$s/status\"")};
+    std::vector<std::string> lines = {
+        "# busy % = increase of salus_gpu_busy_seconds_total over the interval; iter/s "
+        "from the increase of iterations_done"};
+    if (once) {
+      // --once: a first sample, the interval, then the frame to compare it with.
+      lines.push_back(busy);
+      lines.push_back(fmt::format("sleep {:g}", interval));
+      lines.insert(lines.end(), frame.begin(), frame.end());
+    } else {
+      lines.push_back("while :; do");
+      lines.push_back("  clear");
+      for (const auto& l : frame) lines.push_back("  " + l);
+      lines.push_back(fmt::format("  sleep {:g}", interval));
+      lines.push_back("done");
+    }
+    explain(lines);
     return 0;
   }
   SignalFd sigs({SIGINT, SIGTERM, SIGHUP});

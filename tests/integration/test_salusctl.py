@@ -416,6 +416,69 @@ def test_explain_run_is_a_working_script(salusd):
     assert os.listdir(salusd.path("sessions")) == []
 
 
+def table_names(text, title):
+    """The NAME column of the table under `title` (or of the only table)."""
+    if title:
+        text = text.split(f"\n{title}\n")[1].split("\n\n")[0]
+    lines = text.strip().splitlines()
+    header = lines[0].split()
+    if "NAME" not in header:
+        return set()
+    return {l.split()[header.index("NAME")] for l in lines[1:] if l.strip() and "(none)" not in l}
+
+
+def file_names(text):
+    """Session names in cat'ed status files: the `name:` right after an `id:`
+    (a GPU's info has a `name:` too)."""
+    lines = text.splitlines()
+    return {l.split(": ", 1)[1] for prev, l in zip([""] + lines, lines)
+            if prev.startswith("id: ") and l.startswith("name: ")}
+
+
+def run_both(d, *args, timeout=20):
+    """The command's own result and its --explain script's result run by sh."""
+    own = ctl(d, *args)
+    script = ctl(d, "--explain", *args).stdout
+    try:
+        by_sh = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True,
+                               timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"--explain {' '.join(args)} never ends:\n{script}")
+    assert by_sh.returncode == own.returncode, (args, script, by_sh.stderr)
+    assert by_sh.stderr == "", (args, script, by_sh.stderr)
+    return own, by_sh
+
+
+def test_every_explain_script_runs_and_shows_what_the_command_shows(salusd):
+    # With no session at all (a glob that matches nothing) ...
+    own, by_sh = run_both(salusd, "status")
+    assert own.returncode == 0
+    assert table_names(own.stdout, "SESSIONS") == file_names(by_sh.stdout) == set()
+    gpus = len(os.listdir(salusd.path("gpus")))
+    assert by_sh.stdout.splitlines().count("name: Salus simulated GPU") == gpus
+    assert own.stdout.split("\nGPUS\n")[1].split("\n\n")[0].count("Salus simulated GPU") == gpus
+    own, by_sh = run_both(salusd, "sessions")
+    assert own.returncode == 0 and by_sh.stdout == ""
+    own, by_sh = run_both(salusd, "top", "--once", "--interval", "0.2")
+    assert own.returncode == 0 and "salus_gpu_busy_seconds_total" in by_sh.stdout
+    # ... and with two.
+    named(salusd, "alpha")
+    named(salusd, "beta", "need persistent=4M ephemeral=8M gpu=1\n")
+    own, by_sh = run_both(salusd, "status")
+    assert table_names(own.stdout, "SESSIONS") == file_names(by_sh.stdout) == {"alpha", "beta"}
+    own, by_sh = run_both(salusd, "sessions")
+    assert table_names(own.stdout, None) == file_names(by_sh.stdout) == {"alpha", "beta"}
+    own, by_sh = run_both(salusd, "show", "beta")
+    assert "name: beta" in own.stdout and "name: beta" in by_sh.stdout
+    own, by_sh = run_both(salusd, "top", "--once", "--interval", "0.2")
+    for name in ("alpha", "beta"):
+        assert name in own.stdout and f"sessions/{name}" in by_sh.stdout
+    own, by_sh = run_both(salusd, "policy")
+    assert own.stdout == by_sh.stdout
+    # Commands that change something are run both ways in
+    # test_explain_prints_commands_that_do_the_same and test_explain_run_is_a_working_script.
+
+
 # ---------------------------------------------------------------- usage and environment
 
 def test_usage_errors_exit_2(salusd):
