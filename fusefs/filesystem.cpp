@@ -4,13 +4,19 @@
 #include <fuse3/fuse_lowlevel.h>
 #include <poll.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <fstream>
+#include <future>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -855,19 +861,47 @@ const fuse_lowlevel_ops kOps = [] {
   return ops;
 }();
 
-// Whether something is already mounted at `path` (per /proc/self/mountinfo).
-bool mounted_at(const std::string& path) {
+// The filesystem type of what is mounted at `path` (per /proc/self/mountinfo),
+// e.g. "fuse.salus", or nullopt when nothing is.
+std::optional<std::string> mounted_at(const std::string& path) {
   std::ifstream in("/proc/self/mountinfo");
   std::string line;
+  std::optional<std::string> type;
   while (std::getline(in, line)) {
-    // fields: id parent major:minor root mountpoint ...
+    // fields: id parent major:minor root mountpoint options [optional...] - fstype ...
     std::size_t pos = 0;
     for (int i = 0; i < 4 && pos != std::string::npos; ++i) pos = line.find(' ', pos + 1);
     if (pos == std::string::npos) continue;
     const std::size_t end = line.find(' ', pos + 1);
-    if (line.substr(pos + 1, end - pos - 1) == path) return true;
+    if (line.substr(pos + 1, end - pos - 1) != path) continue;
+    const std::size_t dash = line.find(" - ", end);
+    // The last mount on the path is the one a lookup sees.
+    type = dash == std::string::npos ? std::string()
+                                     : line.substr(dash + 3, line.find(' ', dash + 3) - dash - 3);
   }
-  return false;
+  return type;
+}
+
+// statfs(2) on `path`: 0 or its errno, ETIMEDOUT when no answer came within
+// `limit`. A FUSE mount whose daemon died keeps answering stat from the
+// kernel's attribute cache for up to the attribute timeout, but statfs always
+// goes to the daemon, and on a dead connection fails at once with ENOTCONN.
+// The call runs on its own thread: a live but hung filesystem must not hang
+// salusd's start.
+int statfs_errno(const std::string& path, std::chrono::milliseconds limit) {
+  auto result = std::make_shared<std::promise<int>>();
+  std::future<int> answer = result->get_future();
+  std::thread([path, result] {
+    struct statfs sf;
+    result->set_value(::statfs(path.c_str(), &sf) == 0 ? 0 : errno);
+  }).detach();
+  if (answer.wait_for(limit) != std::future_status::ready) return ETIMEDOUT;
+  return answer.get();
+}
+
+std::string dead_mount(const std::string& path) {
+  return fmt::format("mountpoint {} is busy: a dead FUSE mount is there; run `fusermount3 -u {}`",
+                     path, path);
 }
 
 }  // namespace
@@ -888,11 +922,7 @@ std::optional<std::string> Filesystem::mount() {
   char resolved[PATH_MAX];
   struct stat st;
   if (::stat(options_.mountpoint.c_str(), &st) != 0) {
-    if (errno == ENOTCONN)
-      return fmt::format(
-          "mountpoint {} is busy: a dead FUSE mount is there; run "
-          "`fusermount3 -u {}`",
-          options_.mountpoint, options_.mountpoint);
+    if (errno == ENOTCONN) return dead_mount(options_.mountpoint);
     if (errno != ENOENT || ::mkdir(options_.mountpoint.c_str(), 0755) != 0)
       return fmt::format("mountpoint {}: {}", options_.mountpoint, std::strerror(errno));
   } else if (!S_ISDIR(st.st_mode)) {
@@ -900,11 +930,14 @@ std::optional<std::string> Filesystem::mount() {
   }
   if (!::realpath(options_.mountpoint.c_str(), resolved))
     return fmt::format("mountpoint {}: {}", options_.mountpoint, std::strerror(errno));
-  if (mounted_at(resolved))
+  if (const auto type = mounted_at(resolved)) {
+    if (type->rfind("fuse", 0) == 0 && statfs_errno(resolved, std::chrono::seconds(2)) == ENOTCONN)
+      return dead_mount(resolved);
     return fmt::format(
         "mountpoint {} is busy: something is already mounted there (another "
         "salusd?)",
         resolved);
+  }
   std::vector<std::string> argv_s = {"salusd", "-o",
                                      "allow_other,default_permissions,fsname=salus,subtype=salus"};
   if (options_.debug) argv_s.push_back("-d");
