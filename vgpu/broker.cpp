@@ -318,6 +318,7 @@ void Broker::submit(
       w.caller_admin = caller.admin;
       w.parse_error = std::move(parse_error);
       w.done = std::move(done);
+      w.number = ++s->writes_received;
       s->writes.push_back(std::move(w));
       // Writes run strictly in order: only the oldest suspended one may proceed.
       if (s->writes.size() == 1) resume_writes(*s, later);
@@ -347,6 +348,13 @@ bool Broker::run_write(Session& s, PendingWrite& w, Deferred& later) {
       s.recording.reset();
       // Said on the error's own line, so "the last log line" stays the reason.
       if (!s.log.empty()) s.log.back().text += "; the iteration begun by this write is discarded";
+    } else if (err && s.recording && !s.log.empty()) {
+      // An earlier write's `begin` (the `end` meant for it may be the line
+      // that failed): everything the session writes next is recorded, not run.
+      s.log.back().text += fmt::format(
+          "; a recording is still open (begin on line {} of write {}): the lines that follow "
+          "are recorded into it, not run, until `end`",
+          s.recording->begun_line, s.recording->begun_write);
     }
     auto done = std::move(w.done);
     std::string reply = std::move(w.reply);
@@ -426,6 +434,8 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
               return fail(EINVAL, "begin inside begin: end the open iteration first");
             s.recording.emplace();
             s.recording->iter = std::make_shared<Iteration>();
+            s.recording->begun_write = w.number;
+            s.recording->begun_line = ln;
             w.began_recording = true;
             return 0;
           },

@@ -106,6 +106,9 @@ std::string Broker::render_status(SessionId id) const {
   kv("queue_wait_ms", fmt::format("{:.3f}", ms(waited)));
   kv("rank", rank);
   kv("recording", s->recording ? "yes" : "no");
+  kv("recording_begun", s->recording ? fmt::format("line {} of write {}", s->recording->begun_line,
+                                                   s->recording->begun_write)
+                                     : std::string("-"));
   kv("error",
      s->error ? fmt::format("{} {}", strerrorname_np(s->error), s->error_text) : std::string("-"));
   return o;

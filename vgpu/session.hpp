@@ -121,6 +121,9 @@ struct WorkItem {
 
 struct Recording {
   std::shared_ptr<Iteration> iter;
+  // Where its `begin` was, for the status and for errors while it stays open.
+  std::uint64_t begun_write = 0;  // the session's writes of commands, from 1
+  std::uint32_t begun_line = 0;   // within that write, from 1
   std::unordered_map<std::string, std::pair<Bytes, Bytes>> ephemeral;  // name -> (offset, size)
 };
 
@@ -155,6 +158,7 @@ struct PendingWrite {
   std::uint64_t sync_target = 0;  // while waiting on `sync`
   bool syncing = false;
   bool began_recording = false;  // a `begin` of this write opened the recording
+  std::uint64_t number = 0;      // the session's writes of commands, from 1
   WriteReply done;
 };
 
@@ -190,6 +194,7 @@ struct Session {
 
   // Recording and work.
   std::optional<Recording> recording;
+  std::uint64_t writes_received = 0;  // numbers PendingWrite::number
   std::shared_ptr<const Iteration> last_iteration;
   std::deque<WorkItem> queue;       // submitted, not fully dispatched
   std::deque<WorkItem> dispatched;  // fully dispatched, some instances in flight
