@@ -828,9 +828,9 @@ std::pair<int, int> terminal_size() {
 int cmd_top(const Ctx& ctx, double interval, bool once) {
   if (ctx.explain) {
     // One frame; rates are the increase between two frames one interval apart.
-    const std::string busy = fmt::format(
-        "grep -E '^salus_(gpu_busy_seconds_total|gpu_memory_bytes|lane_count)' {}",
-        q(ctx, "metrics"));
+    const std::string busy =
+        fmt::format("grep -E '^salus_(gpu_busy_seconds_total|gpu_memory_bytes|lane_count)' {}",
+                    q(ctx, "metrics"));
     const std::vector<std::string> frame = {
         "date", busy, for_each_entry(ctx, "g", "gpus", "lanes", "cat \"$g/lanes\""),
         for_each_entry(ctx, "s", "sessions", "status",
@@ -949,23 +949,50 @@ int exit_status_of(int wstatus) {
   return 1;
 }
 
+// run's --explain: the same steps as a shell script (the session named after
+// the shell's pid when --name is not given).
+void explain_run(const Ctx& ctx, const RunOptions& o, const std::string& dir,
+                 const std::string& need) {
+  std::string cmdline;
+  for (const auto& w : o.command) cmdline += (cmdline.empty() ? "" : " ") + sh_quote(w);
+  const std::string shown_dir = o.name ? ctx.path(dir) : ctx.path("sessions/run-") + "$$";
+  const std::string d = o.name ? sh_quote(shown_dir) : "\"" + shown_dir + "\"";
+  std::vector<std::string> lines = {fmt::format("mkdir {}", d)};
+  if (!need.empty()) lines.push_back(fmt::format("echo {} > {}/ctl", sh_quote(need), d));
+  lines.push_back(
+      fmt::format("SALUS_SESSION={} SALUS_MOUNT={} {}; rc=$?", d, sh_quote(ctx.mount), cmdline));
+  lines.push_back(fmt::format("[ $rc -eq 0 ] && cat {}/wait", d));
+  lines.push_back(fmt::format("rmdir {}", d));
+  lines.push_back("exit $rc");
+  explain(lines);
+}
+
+// Waits for run's command. Signals typed at the terminal already reach it
+// (same process group); signals sent to salusctl alone are passed on, and the
+// last one is left in `interrupted`. Returns the wait status.
+int wait_command(pid_t child, SignalFd& sigs, int& interrupted) {
+  int wstatus = 0;
+  for (bool done = false; !done;) {
+    pollfd p{sigs.fd(), POLLIN, 0};
+    if (::poll(&p, 1, -1) < 0 && errno != EINTR) break;
+    while (auto si = sigs.take()) {
+      if (si->ssi_signo == SIGCHLD) continue;
+      if (si->ssi_code == SI_USER || si->ssi_code == SI_QUEUE)
+        ::kill(child, static_cast<int>(si->ssi_signo));
+      interrupted = static_cast<int>(si->ssi_signo);
+    }
+    const pid_t r = ::waitpid(child, &wstatus, WNOHANG);
+    done = r == child || (r < 0 && errno != EINTR);
+  }
+  return wstatus;
+}
+
 int cmd_run(const Ctx& ctx, RunOptions o) {
   const std::string name = o.name.value_or(fmt::format("run-{}", ::getpid()));
   const std::string dir = "sessions/" + name;
   const std::string need = need_line(o);
-  std::string cmdline;
-  for (const auto& w : o.command) cmdline += (cmdline.empty() ? "" : " ") + sh_quote(w);
   if (ctx.explain) {
-    const std::string shown_dir = o.name ? ctx.path(dir) : ctx.path("sessions/run-") + "$$";
-    const std::string d = o.name ? sh_quote(shown_dir) : "\"" + shown_dir + "\"";
-    std::vector<std::string> lines = {fmt::format("mkdir {}", d)};
-    if (!need.empty()) lines.push_back(fmt::format("echo {} > {}/ctl", sh_quote(need), d));
-    lines.push_back(
-        fmt::format("SALUS_SESSION={} SALUS_MOUNT={} {}; rc=$?", d, sh_quote(ctx.mount), cmdline));
-    lines.push_back(fmt::format("[ $rc -eq 0 ] && cat {}/wait", d));
-    lines.push_back(fmt::format("rmdir {}", d));
-    lines.push_back("exit $rc");
-    explain(lines);
+    explain_run(ctx, o, dir, need);
     return 0;
   }
   const std::string path = ctx.path(dir);
@@ -1001,23 +1028,8 @@ int cmd_run(const Ctx& ctx, RunOptions o) {
     fmt::print(stderr, "salusctl: {}: {}\n", o.command[0], std::strerror(err));
     ::_exit(err == ENOENT ? 127 : 126);
   }
-  // Wait for the command. Signals typed at the terminal already reach it (same
-  // process group); signals sent to salusctl alone are passed on.
-  int wstatus = 0;
   int interrupted = 0;
-  for (bool done = false; !done;) {
-    pollfd p{sigs.fd(), POLLIN, 0};
-    if (::poll(&p, 1, -1) < 0 && errno != EINTR) break;
-    while (auto si = sigs.take()) {
-      if (si->ssi_signo == SIGCHLD) continue;
-      if (si->ssi_code == SI_USER || si->ssi_code == SI_QUEUE)
-        ::kill(child, static_cast<int>(si->ssi_signo));
-      interrupted = static_cast<int>(si->ssi_signo);
-    }
-    const pid_t r = ::waitpid(child, &wstatus, WNOHANG);
-    done = r == child || (r < 0 && errno != EINTR);
-  }
-  const int rc = exit_status_of(wstatus);
+  const int rc = exit_status_of(wait_command(child, sigs, interrupted));
   if (rc == 0 && !interrupted) {
     // Wait for the session's GPU work in a thread so that a signal can still end it:
     // removing the session answers the pending wait with ECANCELED.
