@@ -1282,123 +1282,11 @@ void CudaDevice::flush_after_fault(bool rebuild) {
   {
     // Waits for API calls in flight; on a faulted context they fail fast.
     std::unique_lock ctx(ctx_mu_);
-    for (const auto& s : all_streams()) {
-      std::lock_guard lock(pending_mu_);
-      for (Interval& iv : s->pending) {
-        // EFAULT for the likely culprits; an earlier op error (EINVAL, ...) is
-        // kept for the others, whose work is lost either way.
-        int status = fault_status(kernel, iv.user_launch);
-        if (status != EFAULT && iv.status != 0) status = iv.status;
-        out.push_back(Delivery{s, iv.token, status, 0});
-        // Events and staging die with the context: forget, do not free.
-        iv.start = iv.end = nullptr;
-        iv.blocks.clear();
-        iv.copy_out.clear();
-      }
-      // Ops queued since the last notify are lost too; the next notify says so.
-      Interval& open = s->open;
-      if (open.ops > 0) {
-        int status = fault_status(kernel, open.user_launch);
-        if (status != EFAULT && open.status != 0) status = open.status;
-        open.status = status;
-      }
-      open.start = open.end = nullptr;
-      open.blocks.clear();
-      open.copy_out.clear();
-      open.user_launch = false;
-      s->handle = nullptr;
-      s->wake = nullptr;
-      s->scratch = 0;
-      s->discards_seen = 0;
-    }
-    {
-      std::lock_guard lock(pool_mu_);
-      free_events_.clear();
-      free_blocks_.clear();
-      cached_bytes_ = 0;
-    }
-    {
-      std::lock_guard lock(modules_mu_);
-      for (auto& [id, m] : modules_) {
-        m.handle = nullptr;
-        for (Function& f : m.functions) f.handle = nullptr;
-      }
-      retired_.clear();
-      retired_count_.store(0);
-    }
-    builtin_module_ = nullptr;
-    spin_fn_ = gemm_fn_ = nullptr;
-    maint_ = nullptr;
-    discard_event_ = nullptr;
-    arena_base_.store(0);
+    fail_pending(kernel, out);
+    forget_context();
     if (hand_over) dead_.store(true);
 
-    if (rebuild) {
-      // cuDevicePrimaryCtxReset destroys every allocation, stream, event and
-      // module of the context; releasing and retaining again gives a fresh one.
-      set_current();
-      const CUresult reset = drv_.primary_ctx_reset(device_);
-      drv_.primary_ctx_release(device_);
-      ctx_ = nullptr;
-      std::string why;
-      if (reset != CUDA_SUCCESS)
-        why = fmt::format("cuDevicePrimaryCtxReset: {}", drv_.error_name(reset));
-      if (why.empty()) open_context(false, why);
-      if (why.empty()) {
-        for (const auto& s : all_streams()) {
-          std::lock_guard lock(s->mu);
-          if (const CUresult r = drv_.stream_create(&s->handle, CU_STREAM_NON_BLOCKING);
-              r != CUDA_SUCCESS) {
-            s->handle = nullptr;
-            why = fmt::format("cuStreamCreate: {}", drv_.error_name(r));
-            break;
-          }
-          s->wake = create_wake_stream();
-        }
-      }
-      if (why.empty()) {
-        std::lock_guard lock(modules_mu_);
-        for (auto& [id, m] : modules_) {
-          // Same image, same names: the broker's handles keep working.
-          if (drv_.module_load_data_ex(&m.handle, m.image.data(), 0, nullptr, nullptr) !=
-              CUDA_SUCCESS) {
-            m.handle = nullptr;
-            spdlog::error("cuda gpu{}: module {} did not reload after the fault", info_.index, id);
-            continue;
-          }
-          for (Function& f : m.functions)
-            if (drv_.module_get_function(&f.handle, m.handle, f.name.c_str()) != CUDA_SUCCESS)
-              f.handle = nullptr;
-        }
-      }
-      if (!why.empty()) {
-        spdlog::critical("cuda gpu{}: recovery failed ({}); the GPU is out of service", info_.index,
-                         why);
-        {
-          std::lock_guard lock(text_mu_);
-          dead_why_ = fmt::format("the GPU is unusable after a failed fault recovery ({})", why);
-        }
-        dead_.store(true);
-        if (ctx_ != nullptr) {
-          drv_.primary_ctx_reset(device_);
-          drv_.primary_ctx_release(device_);
-          ctx_ = nullptr;
-        }
-        for (const auto& s : all_streams()) {
-          std::lock_guard lock(s->mu);
-          s->handle = nullptr;
-          s->wake = nullptr;
-        }
-      } else {
-        spdlog::warn("cuda gpu{}: context rebuilt after {}; device memory was cleared", info_.index,
-                     drv_.error_name(cause));
-      }
-      {
-        std::lock_guard lock(text_mu_);
-        last_restart_ = cause_text;
-      }
-      generation_.fetch_add(1);
-    }
+    if (rebuild) rebuild_context(cause, cause_text);
     fault_.store(CUDA_SUCCESS);
   }
   auto report = [&](bool delivered) {
@@ -1414,6 +1302,134 @@ void CudaDevice::flush_after_fault(bool rebuild) {
   report(false);
   deliver(out);
   report(true);
+}
+
+// Every pending interval completes with the fault's status (EFAULT for the
+// likely culprits); the stream's handles died with the context. Needs ctx_mu_.
+void CudaDevice::fail_pending(bool kernel, std::vector<Delivery>& out) {
+  for (const auto& s : all_streams()) {
+    std::lock_guard lock(pending_mu_);
+    for (Interval& iv : s->pending) {
+      // EFAULT for the likely culprits; an earlier op error (EINVAL, ...) is
+      // kept for the others, whose work is lost either way.
+      int status = fault_status(kernel, iv.user_launch);
+      if (status != EFAULT && iv.status != 0) status = iv.status;
+      out.push_back(Delivery{s, iv.token, status, 0});
+      // Events and staging die with the context: forget, do not free.
+      iv.start = iv.end = nullptr;
+      iv.blocks.clear();
+      iv.copy_out.clear();
+    }
+    // Ops queued since the last notify are lost too; the next notify says so.
+    Interval& open = s->open;
+    if (open.ops > 0) {
+      int status = fault_status(kernel, open.user_launch);
+      if (status != EFAULT && open.status != 0) status = open.status;
+      open.status = status;
+    }
+    open.start = open.end = nullptr;
+    open.blocks.clear();
+    open.copy_out.clear();
+    open.user_launch = false;
+    s->handle = nullptr;
+    s->wake = nullptr;
+    s->scratch = 0;
+    s->discards_seen = 0;
+  }
+}
+
+// Forgets (never frees) what lived in the lost context: pooled events and
+// staging, module and function handles, the built-in kernels. Needs ctx_mu_.
+void CudaDevice::forget_context() {
+  {
+    std::lock_guard lock(pool_mu_);
+    free_events_.clear();
+    free_blocks_.clear();
+    cached_bytes_ = 0;
+  }
+  {
+    std::lock_guard lock(modules_mu_);
+    for (auto& [id, m] : modules_) {
+      m.handle = nullptr;
+      for (Function& f : m.functions) f.handle = nullptr;
+    }
+    retired_.clear();
+    retired_count_.store(0);
+  }
+  builtin_module_ = nullptr;
+  spin_fn_ = gemm_fn_ = nullptr;
+  maint_ = nullptr;
+  discard_event_ = nullptr;
+  arena_base_.store(0);
+}
+
+// A fresh primary context with the same streams and modules, or the GPU out of
+// service when that fails. Needs ctx_mu_.
+void CudaDevice::rebuild_context(CUresult cause, const std::string& cause_text) {
+  // cuDevicePrimaryCtxReset destroys every allocation, stream, event and
+  // module of the context; releasing and retaining again gives a fresh one.
+  set_current();
+  const CUresult reset = drv_.primary_ctx_reset(device_);
+  drv_.primary_ctx_release(device_);
+  ctx_ = nullptr;
+  std::string why;
+  if (reset != CUDA_SUCCESS)
+    why = fmt::format("cuDevicePrimaryCtxReset: {}", drv_.error_name(reset));
+  if (why.empty()) open_context(false, why);
+  if (why.empty()) {
+    for (const auto& s : all_streams()) {
+      std::lock_guard lock(s->mu);
+      if (const CUresult r = drv_.stream_create(&s->handle, CU_STREAM_NON_BLOCKING);
+          r != CUDA_SUCCESS) {
+        s->handle = nullptr;
+        why = fmt::format("cuStreamCreate: {}", drv_.error_name(r));
+        break;
+      }
+      s->wake = create_wake_stream();
+    }
+  }
+  if (why.empty()) {
+    std::lock_guard lock(modules_mu_);
+    for (auto& [id, m] : modules_) {
+      // Same image, same names: the broker's handles keep working.
+      if (drv_.module_load_data_ex(&m.handle, m.image.data(), 0, nullptr, nullptr) !=
+          CUDA_SUCCESS) {
+        m.handle = nullptr;
+        spdlog::error("cuda gpu{}: module {} did not reload after the fault", info_.index, id);
+        continue;
+      }
+      for (Function& f : m.functions)
+        if (drv_.module_get_function(&f.handle, m.handle, f.name.c_str()) != CUDA_SUCCESS)
+          f.handle = nullptr;
+    }
+  }
+  if (!why.empty()) {
+    spdlog::critical("cuda gpu{}: recovery failed ({}); the GPU is out of service", info_.index,
+                     why);
+    {
+      std::lock_guard lock(text_mu_);
+      dead_why_ = fmt::format("the GPU is unusable after a failed fault recovery ({})", why);
+    }
+    dead_.store(true);
+    if (ctx_ != nullptr) {
+      drv_.primary_ctx_reset(device_);
+      drv_.primary_ctx_release(device_);
+      ctx_ = nullptr;
+    }
+    for (const auto& s : all_streams()) {
+      std::lock_guard lock(s->mu);
+      s->handle = nullptr;
+      s->wake = nullptr;
+    }
+  } else {
+    spdlog::warn("cuda gpu{}: context rebuilt after {}; device memory was cleared", info_.index,
+                 drv_.error_name(cause));
+  }
+  {
+    std::lock_guard lock(text_mu_);
+    last_restart_ = cause_text;
+  }
+  generation_.fetch_add(1);
 }
 
 std::string CudaDevice::dead_reason() const {

@@ -254,6 +254,9 @@ class CudaDevice final : public Device {
   // rebuild: recover (CudaOptions::recover_in_process decides how); false while
   // the destructor runs.
   void flush_after_fault(bool rebuild);
+  void fail_pending(bool kernel, std::vector<Delivery>& out);
+  void forget_context();
+  void rebuild_context(CUresult cause, const std::string& cause_text);
   std::string dead_reason() const;
   static void CUDA_CB on_host_wake(void* waker);
 
