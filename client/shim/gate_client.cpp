@@ -16,7 +16,6 @@
 
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -63,6 +62,21 @@ void ring(int bell) {
   [[maybe_unused]] ssize_t n = ::write(bell, &one, sizeof one);
 }
 
+// A condition variable straight on pthreads: std::condition_variable::wait is
+// a GLIBCXX_3.4.30 symbol, which would keep the shim out of images whose
+// libstdc++ predates GCC 12.
+struct Cond {
+  pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+  void wait(std::unique_lock<std::mutex>& lk) {
+    ::pthread_cond_wait(&cv, lk.mutex()->native_handle());
+  }
+  template <typename Pred>
+  void wait(std::unique_lock<std::mutex>& lk, Pred pred) {
+    while (!pred()) wait(lk);
+  }
+  void notify_all() { ::pthread_cond_broadcast(&cv); }
+};
+
 // An iteration whose end the completion thread waits for, in order.
 struct Pending {
   salus_gate* gate;    // null: not attached at that boundary (only timing continuity)
@@ -87,7 +101,7 @@ struct Client {
   int reported_errno = 0;
 
   std::mutex qmu;  // the completion queue and the event pool
-  std::condition_variable qcv;
+  Cond qcv;
   std::deque<Pending> queue;
   std::vector<CUevent> free_events;
   std::size_t events_made = 0;
