@@ -19,6 +19,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -513,6 +514,34 @@ TEST(Gate, StepWaitsForTheGrantAndReportsGpuTime) {
   salusd->auto_grant = true;
 }
 
+// The gate's round trip as the program sees it: boundary, doorbell, the fake
+// salusd's poll wakes and grants, futex wake, salus_step returns. Printed for
+// docs/benchmarks.md; the bound only catches a broken wake-up (a lost wake
+// would cost the 100 ms futex timeout).
+void round_trip(const char* what) {
+  salus_gate* g = salusd->gate();
+  ASSERT_NE(g, nullptr);
+  ASSERT_TRUE(salusd->auto_grant);
+  constexpr int kSteps = 2000;
+  std::vector<double> us;
+  for (int i = 0; i < kSteps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_EQ(shim_step(), 0);
+    us.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(us.begin(), us.end());
+  const double p50 = us[kSteps / 2], p99 = us[kSteps * 99 / 100];
+  std::printf("gate round trip (%s): p50 %.1f us, p99 %.1f us over %d boundaries\n", what, p50, p99,
+              kSteps);
+  EXPECT_LT(p50, 20'000.0);
+}
+
+TEST(Gate, RoundTrip) {
+  gpu();
+  round_trip("with CUDA: an event per boundary");
+}
+
 // ---- suites that run in a process of their own ----
 
 TEST(CpuOnly, StepAttachesAndTimesIterationsByWallClock) {
@@ -530,6 +559,7 @@ TEST(CpuOnly, StepAttachesAndTimesIterationsByWallClock) {
   EXPECT_EQ(shim_iterations(), 2u);
   EXPECT_EQ(::dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD), nullptr)
       << "a CPU-only program had libcuda loaded";
+  round_trip("CPU only");
 }
 
 TEST(Lifecycle, DetachedRunsUngatedThenReattaches) {
