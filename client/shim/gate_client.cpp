@@ -97,6 +97,7 @@ struct Client {
   bool attempted = false;        // a first attach was tried
   bool forbidden = false;        // never attach (forked child, or salusd said no for good)
   int memfd = -1;
+  dev_t mount_dev = 0;  // the salus mount's device when last attached: one per salusd instance
   Clock::time_point last_attempt{};
   int reported_errno = 0;
 
@@ -320,6 +321,15 @@ bool try_attach(Client& c, bool reattach) {
   if (c.forbidden || dir.empty()) return false;
   int ctl = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
   if (ctl < 0 && errno == ENOENT && reattach) {
+    // Gone from the same salusd (same mount): the session was ended on
+    // purpose (rmdir, kill), so stay ungated. Gone across a restart (a new
+    // mount): make it again.
+    struct stat st {};
+    if (::stat(env("SALUS_MOUNT").c_str(), &st) == 0 && st.st_dev == c.mount_dev) {
+      c.forbidden = true;
+      report(c, dir, ENOENT);
+      return false;
+    }
     recreate_session(dir);
     ctl = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
   }
@@ -351,6 +361,8 @@ bool try_attach(Client& c, bool reattach) {
   // so that a late ring never writes into a reused descriptor.
   g_bell.store(bell);
   g_gate.store(g, std::memory_order_release);
+  struct stat st {};
+  c.mount_dev = ::stat(env("SALUS_MOUNT").c_str(), &st) == 0 ? st.st_dev : 0;
   c.gate_iter = 0;
   c.reported_errno = 0;
   return wait_grant(c, g, 1);

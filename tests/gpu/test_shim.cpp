@@ -60,6 +60,7 @@ class FakeSalusd {
   }
 
   salus_gate* gate() { return gate_.load(); }
+  const std::string& ctl() const { return ctl_; }
   int attaches() const { return attaches_.load(); }
   std::uint64_t bells() const { return bells_.load(); }
   std::atomic<bool> auto_grant{true};
@@ -602,6 +603,23 @@ TEST(Lifecycle, AStoppedHeartbeatLetsTheProgramRunOn) {
   EXPECT_LT(waited, std::chrono::milliseconds(SALUS_GATE_DEAD_MS + 1500));
   EXPECT_EQ(shim_attached(), 0);
   ASSERT_EQ(spin(0us), CUDA_SUCCESS);
+}
+
+// Runs after AStoppedHeartbeatLetsTheProgramRunOn (the program is ungated).
+TEST(Lifecycle, ASessionEndedBySalusdIsNotMadeAgain) {
+  gpu();
+  ASSERT_EQ(shim_attached(), 0);
+  salusd->set_state(SALUS_GATE_DETACHED);  // the fake salusd goes back to reading ctl
+  const std::string ctl = salusd->ctl(), away = ctl + ".away";
+  ASSERT_EQ(::rename(ctl.c_str(), away.c_str()), 0);  // the session is gone, same mount
+  std::this_thread::sleep_for(1100ms);
+  EXPECT_EQ(shim_step(), -ENOTCONN);
+  ASSERT_EQ(::rename(away.c_str(), ctl.c_str()), 0);
+  std::this_thread::sleep_for(1100ms);
+  EXPECT_EQ(shim_step(), -ENOTCONN) << "an ended session must not be attached again";
+  EXPECT_EQ(salusd->attaches(), 2);
+  struct stat st {};
+  EXPECT_EQ(::stat(away.c_str(), &st), -1) << "nothing was created in its place";
 }
 
 TEST(Yield, AnUnmarkedProgramComesToASliceBoundaryAtItsNextLaunch) {
