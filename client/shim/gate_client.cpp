@@ -203,6 +203,13 @@ void end_iteration(Client& c, salus_gate* g, std::uint64_t iter, CUstream stream
     const bool borrowed =
         p.ctx == nullptr && c.last_ctx != nullptr && d->ctx_set_current(c.last_ctx) == CUDA_SUCCESS;
     if (borrowed) p.ctx = c.last_ctx;
+    // Never record into a CUDA graph being captured (an optimizer hook fires
+    // inside torch.cuda.graph capture too): with a capture under way the event
+    // record would fail and invalidate it. Such a boundary is timed by the clock.
+    CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (p.ctx != nullptr && (d->stream_is_capturing(stream, &capture) != CUDA_SUCCESS ||
+                             capture != CU_STREAM_CAPTURE_STATUS_NONE))
+      p.ctx = nullptr;
     if (p.ctx != nullptr) {
       c.last_ctx = p.ctx;
       p.event = take_event(c);
@@ -427,7 +434,7 @@ bool wait_grant(Client& c, salus_gate* g, std::uint64_t want) {
 
 void set_marking(Client& c, std::uint32_t marking) {
   if (c.marking == SALUS_MARK_EXPLICIT) return;
-  c.marking = marking;
+  __atomic_store_n(&c.marking, marking, __ATOMIC_RELAXED);  // read by launch hooks
   __atomic_store_n(&gate()->marking, marking, __ATOMIC_RELAXED);
 }
 
@@ -483,7 +490,8 @@ void after_cuinit() {
 }
 
 void implicit_boundary(CUstream stream) {
-  if (t_in_boundary || client().marking == SALUS_MARK_EXPLICIT) return;
+  if (t_in_boundary || __atomic_load_n(&client().marking, __ATOMIC_RELAXED) == SALUS_MARK_EXPLICIT)
+    return;
   const Driver& d = driver();
   CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
   if (!d.ok || d.stream_is_capturing(stream, &st) != CUDA_SUCCESS ||
