@@ -327,10 +327,10 @@ bool try_attach(Client& c, bool reattach) {
   const std::string dir = session_dir();
   if (c.forbidden || dir.empty()) return false;
   int ctl = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
-  if (ctl < 0 && errno == ENOENT && reattach) {
-    // Gone from the same salusd (same mount): the session was ended on
-    // purpose (rmdir, kill), so stay ungated. Gone across a restart (a new
-    // mount): make it again.
+  if (ctl < 0 && errno == ENOENT && reattach && c.mount_dev != 0) {
+    // A session we were attached to is gone. From the same salusd (same
+    // mount): it was ended on purpose (rmdir, kill), so stay ungated. Across
+    // a restart (a new mount): make it again. One never attached is never made.
     struct stat st {};
     if (::stat(env("SALUS_MOUNT").c_str(), &st) == 0 && st.st_dev == c.mount_dev) {
       c.forbidden = true;

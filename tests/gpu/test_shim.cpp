@@ -545,9 +545,22 @@ TEST(Gate, RoundTrip) {
 
 // ---- suites that run in a process of their own ----
 
-TEST(CpuOnly, StepAttachesAndTimesIterationsByWallClock) {
-  // No cuInit in this process: the first salus_step attaches.
+TEST(CpuOnly, AMissingSessionLeavesTheProgramUngatedAndIsTriedAgain) {
+  ::setenv("SALUS_SESSION", "no-such-session", 1);
+  EXPECT_EQ(shim_step(), -ENOTCONN);
+  EXPECT_EQ(shim_step(), -ENOTCONN);
+  EXPECT_EQ(shim_iterations(), 2u);
   EXPECT_EQ(shim_attached(), 0);
+  EXPECT_EQ(salusd->attaches(), 0);
+  // SALUS_SESSION as `salusctl run` sets it: the session's path.
+  ::setenv("SALUS_SESSION", (std::string(::getenv("SALUS_MOUNT")) + "/sessions/s1").c_str(), 1);
+  std::this_thread::sleep_for(1100ms);  // attach is tried again at most once a second
+}
+
+TEST(CpuOnly, StepAttachesAndTimesIterationsByWallClock) {
+  // No cuInit in this process: a salus_step attaches.
+  EXPECT_EQ(shim_attached(), 0);
+  const std::uint64_t iters = shim_iterations();
   ASSERT_EQ(shim_step(), 0);
   ASSERT_EQ(salusd->attaches(), 1);
   salus_gate* g = salusd->gate();
@@ -557,7 +570,7 @@ TEST(CpuOnly, StepAttachesAndTimesIterationsByWallClock) {
   EXPECT_TRUE(eventually([&] { return load(g->completed) == 1; }));
   EXPECT_GE(load(g->gpu_ns_total), 30'000'000u);
   EXPECT_EQ(load(g->requested), 2u);
-  EXPECT_EQ(shim_iterations(), 2u);
+  EXPECT_EQ(shim_iterations(), iters + 2);
   EXPECT_EQ(::dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD), nullptr)
       << "a CPU-only program had libcuda loaded";
   round_trip("CPU only");
