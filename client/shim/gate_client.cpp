@@ -97,7 +97,8 @@ struct Client {
   bool attempted = false;        // a first attach was tried
   bool forbidden = false;        // never attach (forked child, or salusd said no for good)
   int memfd = -1;
-  dev_t mount_dev = 0;  // the salus mount's device when last attached: one per salusd instance
+  bool ever_attached = false;
+  Clock::time_point attached_at{};  // of the last successful attach
   Clock::time_point last_attempt{};
   int reported_errno = 0;
 
@@ -254,6 +255,24 @@ std::string session_dir() {
   return m + "/sessions/" + s;
 }
 
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// How long the salusd now serving $SALUS_MOUNT has run (`uptime_s` of its
+// `stats`), or -1 if none answers.
+double salusd_uptime_s() {
+  const int fd = ::open((env("SALUS_MOUNT") + "/stats").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char buf[4096];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return -1;
+  buf[n] = '\0';
+  const char* p = std::strstr(buf, "uptime_s: ");
+  return p == nullptr ? -1 : std::strtod(p + std::strlen("uptime_s: "), nullptr);
+}
+
 // After salusd restarted, the session is gone: make it again, under the same
 // name, with `need` from $SALUS_NEED. Only on a mounted salus (FUSE), so that
 // nothing is created in the empty mount point of a stopped salusd.
@@ -327,17 +346,19 @@ bool try_attach(Client& c, bool reattach) {
   const std::string dir = session_dir();
   if (c.forbidden || dir.empty()) return false;
   int ctl = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
-  if (ctl < 0 && errno == ENOENT && reattach && c.mount_dev != 0) {
-    // A session we were attached to is gone. From the same salusd (same
-    // mount): it was ended on purpose (rmdir, kill), so stay ungated. Across
-    // a restart (a new mount): make it again. One never attached is never made.
-    struct stat st {};
-    if (::stat(env("SALUS_MOUNT").c_str(), &st) == 0 && st.st_dev == c.mount_dev) {
+  if (ctl < 0 && errno == ENOENT && reattach && c.ever_attached) {
+    // A session we were attached to is gone. If the salusd serving the mount
+    // has run since before we attached, the session was ended on purpose
+    // (rmdir, kill): stay ungated. If it started since (a restart), make the
+    // session again. With no salusd answering, try again later. A session the
+    // program never attached to is never made.
+    const double up = salusd_uptime_s();
+    if (up >= 0 && up >= seconds_since(c.attached_at)) {
       c.forbidden = true;
       report(c, dir, ENOENT);
       return false;
     }
-    recreate_session(dir);
+    if (up >= 0) recreate_session(dir);
     ctl = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
   }
   if (ctl < 0) {
@@ -368,8 +389,8 @@ bool try_attach(Client& c, bool reattach) {
   // so that a late ring never writes into a reused descriptor.
   g_bell.store(bell);
   g_gate.store(g, std::memory_order_release);
-  struct stat st {};
-  c.mount_dev = ::stat(env("SALUS_MOUNT").c_str(), &st) == 0 ? st.st_dev : 0;
+  c.ever_attached = true;
+  c.attached_at = Clock::now();
   c.gate_iter = 0;
   c.reported_errno = 0;
   return wait_grant(c, g, 1);
