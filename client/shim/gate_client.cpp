@@ -269,8 +269,17 @@ double salusd_uptime_s() {
   ::close(fd);
   if (n <= 0) return -1;
   buf[n] = '\0';
-  const char* p = std::strstr(buf, "uptime_s: ");
-  return p == nullptr ? -1 : std::strtod(p + std::strlen("uptime_s: "), nullptr);
+  // A line "uptime_s 12.345" (salus(5), stats).
+  for (const char* p = buf; p != nullptr;) {
+    if (std::strncmp(p, "uptime_s ", 9) == 0) {
+      char* end = nullptr;
+      const double v = std::strtod(p + 9, &end);
+      return end == p + 9 ? -1 : v;
+    }
+    p = std::strchr(p, '\n');
+    if (p != nullptr) ++p;
+  }
+  return -1;
 }
 
 // After salusd restarted, the session is gone: make it again, under the same

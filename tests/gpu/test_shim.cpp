@@ -65,7 +65,7 @@ class FakeSalusd {
   // The `stats` file's uptime_s, by which the shim tells a restart.
   void set_uptime(double s) {
     FILE* f = std::fopen((root_ + "/stats").c_str(), "w");
-    std::fprintf(f, "version: test\nuptime_s: %.3f\nsessions: 1\n", s);
+    std::fprintf(f, "version 0.1.0\nuptime_s %.3f\ngpus 1\n", s);  // as salusd writes it
     std::fclose(f);
   }
   const std::string& ctl() const { return ctl_; }
