@@ -29,7 +29,7 @@ def test_shell_examples_run(salusd, doc):
     assert out.returncode == 0, f"{doc}: exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("page", ["salus.5", "salusd.8", "salusctl.1"])
+@pytest.mark.parametrize("page", ["salus.5", "salusd.8", "salusctl.1", "libsalus-shim.3"])
 def test_man_pages_render(page):
     from conftest import SALUSD
     built = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(SALUSD))), "docs", page)
