@@ -822,7 +822,7 @@ int cmd_top(const Ctx& ctx, double interval, bool once) {
         {"# busy % = increase of salus_gpu_busy_seconds_total over the interval; iter/s "
          "from successive status reads",
          fmt::format("while :; do clear; date; grep -E '^salus_(gpu_busy_seconds_total|gpu_"
-                     "memory_bytes|lane_count)' {}",
+                     "memory_bytes|lanes)' {}",
                      q(ctx, "metrics")),
          fmt::format("  cat {}/gpus/*/lanes", sh_quote(ctx.mount)),
          fmt::format("  for s in {}/sessions/*; do echo \"== $s\"; grep -E "

@@ -326,9 +326,9 @@ std::string Broker::render_metrics() const {
                      m.lane_total);
     o += fmt::format("salus_gpu_memory_bytes{{gpu=\"{}\",class=\"free\"}} {}\n", g->index, m.free);
   }
-  family("salus_lane_count", "gauge", "Lanes open on the GPU.");
+  family("salus_gpu_lanes", "gauge", "Lanes open on the GPU.");
   for (const auto& g : gpus_)
-    o += fmt::format("salus_lane_count{{gpu=\"{}\"}} {}\n", g->index,
+    o += fmt::format("salus_gpu_lanes{{gpu=\"{}\"}} {}\n", g->index,
                      g->sched.arena().memory().lanes);
   family("salus_gpu_busy_seconds_total", "counter", "Device time with at least one op running.");
   for (const auto& g : gpus_)
