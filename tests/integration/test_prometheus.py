@@ -133,9 +133,9 @@ def test_prometheus_scrapes_two_salusd(fleet):
         assert wait_until(lambda: sessions() == want, 30, 0.2), (sessions(), prom.logs())
         # Per-GPU families carry both nodes' GPUs: 1 + 2.
         gpus = prom.query('salus_gpu_memory_bytes{class="capacity"}')
-        assert sorted((r["metric"]["instance"], r["metric"]["gpu"]) for r in gpus) == [
+        assert sorted((r["metric"]["instance"], r["metric"]["gpu"]) for r in gpus) == sorted([
             (f"127.0.0.1:{ports[0]}", "0"), (f"127.0.0.1:{ports[1]}", "0"),
-            (f"127.0.0.1:{ports[1]}", "1")]
+            (f"127.0.0.1:{ports[1]}", "1")])
     finally:
         s.close()
 
