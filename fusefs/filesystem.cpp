@@ -168,12 +168,14 @@ const std::string& version_text() {
 }
 
 // Whether lookups of `in` return snapshot inodes: the generated files whose
-// content changes. readme and version never change and report their size.
+// content changes (policy too: admins also write it through the snapshot).
+// readme and version never change and report their size.
 bool snapshotted(Inode in) {
   switch (in.kind) {
     case Kind::top_file:
       return in.sub == static_cast<std::uint32_t>(TopFile::stats) ||
-             in.sub == static_cast<std::uint32_t>(TopFile::metrics);
+             in.sub == static_cast<std::uint32_t>(TopFile::metrics) ||
+             in.sub == static_cast<std::uint32_t>(TopFile::policy);
     case Kind::gpu_file:
       return true;
     case Kind::session_file:
@@ -187,9 +189,19 @@ bool snapshotted(Inode in) {
 // The content of a snapshotted file now; -ENOENT if it is gone.
 int render(Broker& b, Inode in, std::string& content, std::uint64_t& version) {
   if (in.kind == Kind::top_file) {
-    content =
-        static_cast<TopFile>(in.sub) == TopFile::stats ? b.render_stats() : b.render_metrics();
-    return 0;
+    switch (static_cast<TopFile>(in.sub)) {
+      case TopFile::stats:
+        content = b.render_stats();
+        return 0;
+      case TopFile::metrics:
+        content = b.render_metrics();
+        return 0;
+      case TopFile::policy:
+        content = b.render_policy();
+        return 0;
+      default:
+        return -ENOENT;
+    }
   }
   if (in.kind == Kind::gpu_file) {
     if (in.id >= b.gpu_count()) return -ENOENT;
@@ -650,12 +662,15 @@ void open_snapshot(fuse_req_t req, fuse_file_info* fi, Filesystem& fs, Inode in,
     fuse_reply_err(req, ESTALE);
     return;
   }
-  if (writing) {  // every generated file is read-only
+  // Every generated file is read-only but policy, which admins write.
+  const bool policy = snap->origin.kind == Kind::top_file &&
+                      snap->origin.sub == static_cast<std::uint32_t>(TopFile::policy);
+  if (writing && !(policy && caller.admin)) {
     fuse_reply_err(req, EACCES);
     return;
   }
   auto of = std::make_shared<OpenFile>();
-  of->ino = snap->origin;  // read and poll treat it as the file it shows
+  of->ino = snap->origin;  // read, write and poll treat it as the file it shows
   if (snap->origin.kind == Kind::session_file) {
     if (int rc = fs.broker().check_access(snap->origin.id, caller)) {
       fuse_reply_err(req, -rc);

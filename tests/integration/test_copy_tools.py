@@ -16,7 +16,7 @@ from conftest import Session
 
 BUSYBOX = shutil.which("busybox") or "/bin/busybox"
 
-FILES = ["version", "README", "stats", "metrics",
+FILES = ["version", "README", "policy", "stats", "metrics",
          "gpus/0/info", "gpus/0/memory", "gpus/0/lanes", "gpus/0/queue"]
 
 
@@ -148,3 +148,16 @@ def test_snapshots_of_a_gone_session_are_gone(salusd):
     assert wait_until(lambda: not os.path.exists(path))
     with pytest.raises(FileNotFoundError):
         open(path)
+
+
+def test_policy_written_and_read_with_busybox(salusd):
+    """policy is a snapshot too, and admins still write it through one."""
+    bb = busybox_static()
+    r = subprocess.run([bb, "sh", "-c", f'echo srtf > {salusd.path("policy")} && cat {salusd.path("policy")}'],
+                       capture_output=True, text=True, timeout=10)
+    assert r.returncode == 0 and "policy: srtf\n" in r.stdout, r
+    r = subprocess.run([bb, "sh", "-c", f'echo fair > {salusd.path("policy")}'], capture_output=True,
+                       text=True, timeout=10, user=65534)
+    assert r.returncode != 0 and "denied" in r.stderr, r
+    with open(salusd.path("policy")) as f:
+        assert "policy: srtf\n" in f.read()
