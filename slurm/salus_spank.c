@@ -31,6 +31,12 @@ SPANK_PLUGIN(salus, 1);
 #define SALUS_PATH_MAX 1200
 
 static char salus_mount[1024] = "/salus";
+/* libsalus-shim.so: when the file exists, tasks get it in LD_PRELOAD, so CUDA
+ * programs attach to the step's session (SALUS_SESSION). */
+#ifndef SALUS_SHIM_DEFAULT
+#define SALUS_SHIM_DEFAULT "/usr/lib/x86_64-linux-gnu/libsalus-shim.so"
+#endif
+static char salus_shim[1024] = SALUS_SHIM_DEFAULT;
 static char salus_arg[SALUS_ARG_MAX];      /* the --salus value; empty: not asked for */
 static char salus_session[SALUS_PATH_MAX]; /* the session made for this step */
 /* Why the step cannot have its session. slurm_spank_user_init records it and
@@ -106,8 +112,10 @@ int slurm_spank_init(spank_t sp, int ac, char** av) {
   for (int i = 0; i < ac; ++i) {
     if (!strncmp(av[i], "mount=", 6) && av[i][6] == '/') {
       snprintf(salus_mount, sizeof salus_mount, "%s", av[i] + 6);
+    } else if (!strncmp(av[i], "shim=", 5) && (av[i][5] == '/' || av[i][5] == '\0')) {
+      snprintf(salus_shim, sizeof salus_shim, "%s", av[i] + 5); /* shim= : none */
     } else {
-      slurm_error("salus: unknown plugstack.conf argument '%s' (mount=/PATH)", av[i]);
+      slurm_error("salus: unknown plugstack.conf argument '%s' (mount=/PATH, shim=/PATH)", av[i]);
       return -1;
     }
   }
@@ -136,6 +144,21 @@ __attribute__((format(printf, 1, 2))) static int salus_fail(const char* fmt, ...
   vsnprintf(salus_failure, sizeof salus_failure, fmt, ap);
   va_end(ap);
   slurm_error("%s", salus_failure);
+  return 0;
+}
+
+/* Puts the shim first in the tasks' LD_PRELOAD when it is installed; a node
+ * without it runs the step with the file interface only. */
+static int salus_preload_shim(spank_t sp) {
+  char old[2048] = "", preload[4096];
+  if (salus_shim[0] == '\0' || access(salus_shim, R_OK) != 0) return 0;
+  if (spank_getenv(sp, "LD_PRELOAD", old, sizeof old) != ESPANK_SUCCESS) old[0] = '\0';
+  if (old[0])
+    snprintf(preload, sizeof preload, "%s %s", salus_shim, old);
+  else
+    snprintf(preload, sizeof preload, "%s", salus_shim);
+  if (spank_setenv(sp, "LD_PRELOAD", preload, 1) != ESPANK_SUCCESS)
+    return salus_fail("salus: cannot set LD_PRELOAD for the tasks");
   return 0;
 }
 
@@ -181,7 +204,7 @@ int slurm_spank_user_init(spank_t sp, int ac, char** av) {
       spank_setenv(sp, "SALUS_MOUNT", salus_mount, 1) != ESPANK_SUCCESS) {
     return salus_fail("salus: cannot set SALUS_SESSION/SALUS_MOUNT for the tasks");
   }
-  return 0;
+  return salus_preload_shim(sp);
 }
 
 /* Remote, in each task just before exec, as the job's user. */

@@ -10,6 +10,7 @@ jobs from two uids each own theirs; a node with no salusd fails the step at once
 with a clear error; a bad --salus is refused by srun; a count-only GRES
 (docs/slurm.md's recipe) packs jobs by salusd shares.
 """
+import glob
 import os
 import shutil
 import signal
@@ -83,6 +84,8 @@ class SlurmCluster:
             os.mkdir(os.path.join(self.dir, d))
         os.chmod(os.path.join(self.dir, "work"), 0o1777)
         self.mount = mount
+        # Stands in for libsalus-shim.so: a real library every task can preload.
+        self.shim = next(iter(sorted(glob.glob("/lib/*/libm.so.6") + glob.glob("/lib64/libm.so.6"))))
         self.procs = []
         self.conf = os.path.join(self.dir, "slurm.conf")
         self.env = dict(os.environ, SLURM_CONF=self.conf)
@@ -95,7 +98,7 @@ class SlurmCluster:
         with open(os.path.join(self.dir, "gres.conf"), "w") as f:
             f.write(f"NodeName={NODE} Name=salus Count=4\n")
         with open(os.path.join(self.dir, "plugstack.conf"), "w") as f:
-            f.write(f"required {PLUGIN} mount={self.mount}\n")
+            f.write(f"required {PLUGIN} mount={self.mount} shim={self.shim}\n")
         key = os.path.join(self.dir, "munge.key")
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
@@ -219,6 +222,16 @@ def test_srun_step_runs_in_its_own_session(node):
     assert os.path.basename(session).startswith("slurm-")
     assert lines[1:] == ["0", "uid: 0", "state: admitted", "persistent: 4194304"], lines
     assert wait_until(lambda: not os.path.exists(session), 10), "session left after the step"
+
+
+def test_tasks_preload_the_shim_when_it_is_installed(node):
+    d, c = node
+    r = c.run(["srun", "-N1", "-n1", "--salus=persistent=1M,ephemeral=1M", "sh", "-c",
+               'echo "$LD_PRELOAD"'])
+    assert r.returncode == 0 and r.stdout.split() == [c.shim], r.stdout + r.stderr
+    # Steps without --salus are left alone.
+    r = c.run(["srun", "-N1", "-n1", "sh", "-c", 'echo "[$LD_PRELOAD][$SALUS_SESSION]"'])
+    assert r.returncode == 0 and r.stdout.strip() == "[][]", r.stdout + r.stderr
 
 
 def test_two_jobs_from_two_uids(node):
