@@ -217,7 +217,10 @@ class Session(_Closing):
             raise self._error(e.errno, repr(shown)) from None
 
     def need(self, persistent, ephemeral, *, iters=None, priority=None, gpu=None):
-        """Declares the session's memory; admission follows (state queued until then)."""
+        """Declares the session's memory; admission follows (state queued until then).
+        gpu defaults to $SALUS_GPU (set by a `salusctl cdi` device), if set."""
+        if gpu is None and os.environ.get("SALUS_GPU"):
+            gpu = os.environ["SALUS_GPU"]
         line = f"need persistent={_size(persistent)} ephemeral={_size(ephemeral)}"
         if iters is not None:
             line += f" iters={int(iters)}"

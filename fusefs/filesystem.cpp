@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include <fmt/format.h>
@@ -28,6 +29,39 @@
 #include "salus_config.hpp"
 
 namespace salus::fusefs {
+
+// The content of each snapshot inode (Kind::snapshot_file), from the lookup that
+// made it until the kernel forgets it. One lookup, one inode, one content: the
+// size the kernel caches and the bytes every reader of that inode gets agree.
+struct Snapshots {
+  struct Entry {
+    Inode origin;  // the generated file this is a snapshot of
+    std::shared_ptr<const std::string> content;
+    std::uint64_t version = 0;  // status: the session's status version at lookup
+  };
+
+  Inode add(Entry e) {
+    static std::atomic<std::uint64_t> instances{0};
+    const std::uint64_t n = ++instances;
+    const Inode in{Kind::snapshot_file, n >> 24, static_cast<std::uint32_t>(n & 0xffffff)};
+    std::lock_guard lk(mu);
+    entries.emplace(encode(in), std::move(e));
+    return in;
+  }
+  std::optional<Entry> find(std::uint64_t ino) {
+    std::lock_guard lk(mu);
+    const auto it = entries.find(ino);
+    if (it == entries.end()) return std::nullopt;
+    return it->second;
+  }
+  void erase(std::uint64_t ino) {
+    std::lock_guard lk(mu);
+    entries.erase(ino);
+  }
+
+  std::mutex mu;
+  std::unordered_map<std::uint64_t, Entry> entries;  // by snapshot inode number
+};
 
 namespace {
 
@@ -133,6 +167,77 @@ const char* session_file_name(SessionFile f) {
   return "";
 }
 
+const std::string& version_text() {
+  static const std::string text =
+      fmt::format("salusd {} api {}\n", SALUS_VERSION, SALUS_API_VERSION);
+  return text;
+}
+
+// Whether lookups of `in` return snapshot inodes: the generated files whose
+// content changes (policy too: admins also write it through the snapshot).
+// readme and version never change and report their size.
+bool snapshotted(Inode in) {
+  switch (in.kind) {
+    case Kind::top_file:
+      return in.sub == static_cast<std::uint32_t>(TopFile::stats) ||
+             in.sub == static_cast<std::uint32_t>(TopFile::metrics) ||
+             in.sub == static_cast<std::uint32_t>(TopFile::policy);
+    case Kind::gpu_file:
+      return true;
+    case Kind::session_file:
+      return in.sub == static_cast<std::uint32_t>(SessionFile::status) ||
+             in.sub == static_cast<std::uint32_t>(SessionFile::log);
+    default:
+      return false;
+  }
+}
+
+// The content of a snapshotted file now; -ENOENT if it is gone.
+int render(Broker& b, Inode in, std::string& content, std::uint64_t& version) {
+  if (in.kind == Kind::top_file) {
+    switch (static_cast<TopFile>(in.sub)) {
+      case TopFile::stats:
+        content = b.render_stats();
+        return 0;
+      case TopFile::metrics:
+        content = b.render_metrics();
+        return 0;
+      case TopFile::policy:
+        content = b.render_policy();
+        return 0;
+      default:
+        return -ENOENT;
+    }
+  }
+  if (in.kind == Kind::gpu_file) {
+    if (in.id >= b.gpu_count()) return -ENOENT;
+    switch (static_cast<GpuFile>(in.sub)) {
+      case GpuFile::info:
+        content = b.render_gpu_info(in.id);
+        return 0;
+      case GpuFile::memory:
+        content = b.render_gpu_memory(in.id);
+        return 0;
+      case GpuFile::lanes:
+        content = b.render_gpu_lanes(in.id);
+        return 0;
+      case GpuFile::queue:
+        content = b.render_gpu_queue(in.id);
+        return 0;
+      default:
+        return -ENOENT;
+    }
+  }
+  if (in.kind != Kind::session_file || !b.session_owner(in.id)) return -ENOENT;
+  if (static_cast<SessionFile>(in.sub) == SessionFile::status) {
+    version = b.status_version(in.id);
+    content = b.render_status(in.id);
+  } else {
+    content = b.render_log(in.id);
+  }
+  return 0;
+}
+
 // Attributes of an inode; -ENOENT if what it names is gone.
 int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
   std::memset(&st, 0, sizeof st);
@@ -147,10 +252,25 @@ int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
       st.st_mode = S_IFDIR | 0755;
       st.st_nlink = 2;
       return 0;
+    case Kind::snapshot_file: {
+      const auto snap = fs.snapshots().find(encode(in));
+      if (!snap) return -ESTALE;
+      if (int rc = fill_attr(fs, snap->origin, st)) return rc;
+      st.st_ino = encode(in);
+      st.st_size = static_cast<off_t>(snap->content->size());
+      st.st_blocks = static_cast<blkcnt_t>((snap->content->size() + 511) / 512);
+      return 0;
+    }
     case Kind::top_file:
       switch (static_cast<TopFile>(in.sub)) {
         case TopFile::readme:
+          st.st_mode = S_IFREG | 0444;
+          st.st_size = static_cast<off_t>(readme_text().size());
+          return 0;
         case TopFile::version:
+          st.st_mode = S_IFREG | 0444;
+          st.st_size = static_cast<off_t>(version_text().size());
+          return 0;
         case TopFile::stats:
         case TopFile::metrics:
           st.st_mode = S_IFREG | 0444;
@@ -222,6 +342,7 @@ void reply_entry(fuse_req_t req, Filesystem& fs, Inode in) {
   std::memset(&e, 0, sizeof e);
   const int rc = fill_attr(fs, in, e.attr);
   if (rc) {
+    if (in.kind == Kind::snapshot_file) fs.snapshots().erase(encode(in));
     fuse_reply_err(req, -rc);
     return;
   }
@@ -231,7 +352,9 @@ void reply_entry(fuse_req_t req, Filesystem& fs, Inode in) {
   e.ino = encode(in);
   e.attr_timeout = fixed ? kStaticTimeout : kDynamicTimeout;
   e.entry_timeout = fixed ? kStaticTimeout : kDynamicTimeout;
-  fuse_reply_entry(req, &e);
+  // The kernel never saw the inode if the lookup was interrupted.
+  if (fuse_reply_entry(req, &e) != 0 && in.kind == Kind::snapshot_file)
+    fs.snapshots().erase(encode(in));
 }
 
 // ---------------------------------------------------------------- lookup
@@ -304,7 +427,31 @@ void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
     fuse_reply_err(req, err);
     return;
   }
-  reply_entry(req, fs, *in);
+  if (!snapshotted(*in)) {
+    reply_entry(req, fs, *in);
+    return;
+  }
+  Snapshots::Entry snap{*in, nullptr, 0};
+  std::string content;
+  if (int rc = render(fs.broker(), *in, content, snap.version)) {
+    fuse_reply_err(req, -rc);
+    return;
+  }
+  snap.content = std::make_shared<const std::string>(std::move(content));
+  reply_entry(req, fs, fs.snapshots().add(std::move(snap)));
+}
+
+// A snapshot inode is returned by exactly one lookup: its first forget is its last.
+void op_forget(fuse_req_t req, fuse_ino_t ino, std::uint64_t) {
+  if (decode(ino).kind == Kind::snapshot_file) fs_of(req)->snapshots().erase(ino);
+  fuse_reply_none(req);
+}
+
+void op_forget_multi(fuse_req_t req, size_t count, fuse_forget_data* forgets) {
+  for (size_t i = 0; i < count; ++i)
+    if (decode(forgets[i].ino).kind == Kind::snapshot_file)
+      fs_of(req)->snapshots().erase(forgets[i].ino);
+  fuse_reply_none(req);
 }
 
 void op_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
@@ -486,7 +633,7 @@ void op_unlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
 
 void reply_open(fuse_req_t req, fuse_file_info* fi, std::shared_ptr<OpenFile> of) {
   fi->fh = reinterpret_cast<std::uint64_t>(new std::shared_ptr<OpenFile>(std::move(of)));
-  fi->direct_io = 1;  // synthetic content: no page cache, sizes don't matter
+  fi->direct_io = 1;  // synthetic content: read() bypasses the page cache
   fi->keep_cache = 0;
   if (fuse_reply_open(req, fi) == -ENOENT) {
     // The opener is gone (interrupted); drop our handle.
@@ -511,6 +658,36 @@ void open_clone(fuse_req_t req, fuse_file_info* fi, Broker& b, const Caller& cal
   reply_open(req, fi, std::move(of));
 }
 
+// Opening a snapshot inode reads the content its lookup rendered, with the
+// checks of the file it is a snapshot of.
+void open_snapshot(fuse_req_t req, fuse_file_info* fi, Filesystem& fs, Inode in,
+                   const Caller& caller, bool writing) {
+  const auto snap = fs.snapshots().find(encode(in));
+  if (!snap) {
+    fuse_reply_err(req, ESTALE);
+    return;
+  }
+  // Every generated file is read-only but policy, which admins write.
+  const bool policy = snap->origin.kind == Kind::top_file &&
+                      snap->origin.sub == static_cast<std::uint32_t>(TopFile::policy);
+  if (writing && !(policy && caller.admin)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  auto of = std::make_shared<OpenFile>();
+  of->ino = snap->origin;  // read, write and poll treat it as the file it shows
+  if (snap->origin.kind == Kind::session_file) {
+    if (int rc = fs.broker().check_access(snap->origin.id, caller)) {
+      fuse_reply_err(req, -rc);
+      return;
+    }
+    of->session = snap->origin.id;
+  }
+  of->content = *snap->content;
+  of->version = snap->version;
+  reply_open(req, fi, std::move(of));
+}
+
 void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Filesystem& fs = *fs_of(req);
   Broker& b = fs.broker();
@@ -526,7 +703,7 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
           of->content = readme_text();
           break;
         case TopFile::version:
-          of->content = fmt::format("salusd {} api {}\n", SALUS_VERSION, SALUS_API_VERSION);
+          of->content = version_text();
           break;
         case TopFile::stats:
           of->content = b.render_stats();
@@ -558,27 +735,17 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     case Kind::clone_file:
       open_clone(req, fi, b, caller);
       return;
+    case Kind::snapshot_file:
+      open_snapshot(req, fi, fs, in, caller, writing);
+      return;
     case Kind::gpu_file:
       if (writing) {
         fuse_reply_err(req, EACCES);
         return;
       }
-      switch (static_cast<GpuFile>(in.sub)) {
-        case GpuFile::info:
-          of->content = b.render_gpu_info(in.id);
-          break;
-        case GpuFile::memory:
-          of->content = b.render_gpu_memory(in.id);
-          break;
-        case GpuFile::lanes:
-          of->content = b.render_gpu_lanes(in.id);
-          break;
-        case GpuFile::queue:
-          of->content = b.render_gpu_queue(in.id);
-          break;
-        default:
-          fuse_reply_err(req, ENOENT);
-          return;
+      if (int rc = render(b, in, of->content, of->version)) {
+        fuse_reply_err(req, -rc);
+        return;
       }
       break;
     case Kind::session_file:
@@ -600,11 +767,7 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
         fuse_reply_err(req, EACCES);
         return;
       }
-      if (f == SessionFile::status) {
-        of->version = b.status_version(in.id);
-        of->content = b.render_status(in.id);
-      }
-      if (f == SessionFile::log) of->content = b.render_log(in.id);
+      if (snapshotted(in)) render(b, in, of->content, of->version);  // status, log
       if (f == SessionFile::ctl || f == SessionFile::wait) fi->nonseekable = 1;
       break;
     }
@@ -843,6 +1006,8 @@ const fuse_lowlevel_ops kOps = [] {
   std::memset(&ops, 0, sizeof ops);
   ops.init = op_init;
   ops.lookup = op_lookup;
+  ops.forget = op_forget;
+  ops.forget_multi = op_forget_multi;
   ops.getattr = op_getattr;
   ops.setattr = op_setattr;
   ops.opendir = op_opendir;
@@ -907,7 +1072,7 @@ std::string dead_mount(const std::string& path) {
 }  // namespace
 
 Filesystem::Filesystem(vgpu::Broker& broker, FilesystemOptions options)
-    : broker_(broker), options_(std::move(options)) {}
+    : broker_(broker), options_(std::move(options)), snapshots_(std::make_unique<Snapshots>()) {}
 
 Filesystem::~Filesystem() {
   unmount();

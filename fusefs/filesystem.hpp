@@ -14,6 +14,8 @@ struct fuse_session;
 
 namespace salus::fusefs {
 
+struct Snapshots;  // generated files' content per snapshot inode (filesystem.cpp)
+
 struct FilesystemOptions {
   std::string mountpoint;
   std::optional<gid_t> admin_group;
@@ -38,10 +40,12 @@ class Filesystem {
 
   vgpu::Broker& broker() { return broker_; }
   const FilesystemOptions& options() const { return options_; }
+  Snapshots& snapshots() { return *snapshots_; }
 
  private:
   vgpu::Broker& broker_;
   FilesystemOptions options_;
+  std::unique_ptr<Snapshots> snapshots_;
   fuse_session* session_ = nullptr;
   bool mounted_ = false;
 };

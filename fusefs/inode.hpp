@@ -22,6 +22,12 @@ enum class Kind : std::uint8_t {
   // kernel serializes direct-I/O writes per inode, and clone files whose writes
   // wait (sync, admission) must not hold up other sessions' clone files.
   clone_file = 10,  // id and sub: a unique instance number
+  // What a lookup of a generated file (stats, metrics, gpus/N/*, a session's
+  // status and log) returns: a fresh inode holding the content rendered at that
+  // lookup, whose size is that content's. sendfile() and splice() read through
+  // the page cache up to the inode's size, so a size of 0 made busybox cat/cp and
+  // shutil.copyfile see empty files.
+  snapshot_file = 11,  // id and sub: a unique instance number
 };
 
 enum class TopFile : std::uint32_t { readme, version, clone, policy, ctl, stats, metrics, count };

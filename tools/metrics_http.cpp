@@ -127,8 +127,12 @@ std::unique_ptr<MetricsHttpServer> MetricsHttpServer::start(const ListenAddress&
   }
   ::freeaddrinfo(found);
   if (fd < 0) {
-    why = fmt::format("cannot listen on {}:{}: {}", address.host, address.port,
-                      std::strerror(err ? err : EADDRNOTAVAIL));
+    why = fmt::format("cannot listen on {}:{}: {}{}", address.host, address.port,
+                      std::strerror(err ? err : EADDRNOTAVAIL),
+                      err == EAFNOSUPPORT
+                          ? " (under salusd.service, install the drop-in salusd-metrics.conf: "
+                            "salusd(8), SYSTEMD)"
+                          : "");
     return nullptr;
   }
   sockaddr_storage ss{};

@@ -38,6 +38,7 @@
 #include <CLI/CLI.hpp>
 
 #include "salus_config.hpp"
+#include "tools/cdi_spec.hpp"
 
 namespace {
 
@@ -829,7 +830,7 @@ int cmd_top(const Ctx& ctx, double interval, bool once) {
   if (ctx.explain) {
     // One frame; rates are the increase between two frames one interval apart.
     const std::string busy =
-        fmt::format("grep -E '^salus_(gpu_busy_seconds_total|gpu_memory_bytes|lane_count)' {}",
+        fmt::format("grep -E '^salus_(gpu_busy_seconds_total|gpu_memory_bytes|gpu_lanes)' {}",
                     q(ctx, "metrics"));
     const std::vector<std::string> frame = {
         "date", busy, for_each_entry(ctx, "g", "gpus", "lanes", "cat \"$g/lanes\""),
@@ -1073,6 +1074,63 @@ int cmd_run(const Ctx& ctx, RunOptions o) {
 
 }  // namespace
 
+// ---------------------------------------------------------------- cdi
+
+struct CdiOptions {
+  std::string kind = "salus.io/gpu";
+  std::string shim = SALUS_LIBDIR "/libsalus-shim.so";
+  std::string output;  // empty or "-": stdout
+};
+
+// Writes `text` to `path` through a temporary file and a rename, so a container
+// engine reading the spec directory never sees half a spec.
+void write_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(fmt::format("{}: {}", tmp, std::strerror(errno)));
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      fail(fmt::format("{}: {}", tmp, std::strerror(err)));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    fail(fmt::format("{}: {}", path, std::strerror(err)));
+  }
+}
+
+int cmd_cdi(const Ctx& ctx, const CdiOptions& o) {
+  salus::tools::CdiInput in;
+  in.kind = o.kind;
+  // The real path: a /salus symlink to /run/salus/fs must bind /run/salus.
+  char resolved[PATH_MAX];
+  in.mount = ::realpath(ctx.mount.c_str(), resolved) ? resolved : ctx.mount;
+  for (const auto& g : list_dir(ctx, ctx.path("gpus"))) in.gpus.push_back(g);
+  struct stat st;
+  if (!o.shim.empty() && ::stat(o.shim.c_str(), &st) == 0 && S_ISREG(st.st_mode)) in.shim = o.shim;
+  salus::tools::CdiSpec spec;
+  try {
+    spec = salus::tools::make_cdi_spec(in);
+  } catch (const std::invalid_argument& e) {
+    fail(e.what());
+  }
+  for (const auto& note : spec.notes) fmt::print(stderr, "salusctl cdi: note: {}\n", note);
+  if (o.output.empty() || o.output == "-") {
+    std::fwrite(spec.json.data(), 1, spec.json.size(), stdout);
+    return 0;
+  }
+  write_atomically(o.output, spec.json);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   Ctx ctx;
   const char* env_mount = std::getenv("SALUS_MOUNT");
@@ -1119,10 +1177,20 @@ int main(int argc, char** argv) {
   run->add_option("--ephemeral", run_opts.ephemeral, "Ephemeral (per-iteration) memory, e.g. 1G");
   run->add_option("--iters", run_opts.iters, "Declared iterations (used by srtf)");
   run->add_option("--priority", run_opts.priority, "Priority (used by the priority policy)");
-  run->add_option("--gpu", run_opts.gpu, "GPU index or 'any'");
+  run->add_option("--gpu", run_opts.gpu, "GPU index or 'any' (default $SALUS_GPU, if set)");
   run->add_option("--name", run_opts.name, "Session name (default run-<pid>)");
   run->add_flag("-v,--verbose", run_opts.verbose, "Report the session's result on stderr");
   run->add_option("CMD", run_opts.command, "The command and its arguments, after --")->required();
+
+  CdiOptions cdi_opts;
+  auto* cdi = app.add_subcommand(
+      "cdi", "Write a CDI spec (podman/containerd/CRI-O --device KIND=GPU|any) for this host");
+  cdi->add_option("-o,--output", cdi_opts.output,
+                  "File to write, e.g. /etc/cdi/salus.json (default: standard output)");
+  cdi->add_option("--kind", cdi_opts.kind, "CDI kind VENDOR/CLASS (default salus.io/gpu)");
+  cdi->add_option("--shim", cdi_opts.shim,
+                  "libsalus-shim.so to bind and LD_PRELOAD in containers, if it exists "
+                  "(default " SALUS_LIBDIR "/libsalus-shim.so; empty: none)");
 
   try {
     app.parse(argc, argv);
@@ -1153,8 +1221,13 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("drain")) return cmd_ctl(ctx, fmt::format("drain {}", drain_gpu));
     if (app.got_subcommand("undrain")) return cmd_ctl(ctx, fmt::format("undrain {}", undrain_gpu));
     if (app.got_subcommand("top")) return cmd_top(ctx, interval, once);
+    if (app.got_subcommand("cdi")) return cmd_cdi(ctx, cdi_opts);
     if (app.got_subcommand("run")) {
       if (run_opts.name) check_word("--name", *run_opts.name);
+      // A CDI device (salusctl cdi) names the container's GPU in SALUS_GPU.
+      const char* env_gpu = std::getenv("SALUS_GPU");
+      if (!run_opts.gpu && env_gpu && *env_gpu && (run_opts.persistent || run_opts.ephemeral))
+        run_opts.gpu = env_gpu;
       for (auto* v : {&run_opts.persistent, &run_opts.ephemeral, &run_opts.gpu})
         if (*v) check_word("run option", **v);
       return cmd_run(ctx, std::move(run_opts));

@@ -378,7 +378,7 @@ std::string Broker::render_metrics() const {
                                  {"ephemeral", str(mem.lane_total)},
                                  {"free", str(mem.free)}};
                });
-  m.per_gpu(gpus_, "salus_lane_count", "gauge", "Lanes open on the GPU.",
+  m.per_gpu(gpus_, "salus_gpu_lanes", "gauge", "Lanes open on the GPU.",
             [&](const Gpu& g) { return str(g.sched.arena().memory().lanes); });
   m.per_gpu(gpus_, "salus_gpu_busy_seconds_total", "counter",
             "Device time with at least one op running.",
