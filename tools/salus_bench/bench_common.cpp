@@ -87,7 +87,8 @@ Daemon::Daemon(const std::string& salusd, const std::vector<std::string>& extra)
   const std::string log = dir + "/salusd.log";
   pid = ::fork();
   if (pid == 0) {
-    std::vector<std::string> args = {salusd, "--mount", mnt};
+    // Its named sessions are saved in its own temp dir, never in /var/lib/salus.
+    std::vector<std::string> args = {salusd, "--mount", mnt, "--state-dir", dir + "/state"};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
