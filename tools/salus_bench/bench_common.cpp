@@ -83,6 +83,7 @@ Daemon::Daemon(const std::string& salusd, const std::vector<std::string>& extra)
   if (!::mkdtemp(tmpl)) die("mkdtemp failed");
   dir = tmpl;
   mnt = dir + "/mnt";
+  ::chmod(dir.c_str(), 0755);  // other uids (salus-bench soak --uids) reach the mount
   ::mkdir(mnt.c_str(), 0755);
   const std::string log = dir + "/salusd.log";
   pid = ::fork();
