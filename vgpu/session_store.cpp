@@ -33,6 +33,10 @@ constexpr const char* kNew = "sessions.new";
 constexpr const char* kSetAside = "set-aside";
 constexpr const char* kStateFile = "session.state";
 constexpr Bytes kChunk = Bytes{8} << 20;
+// The least a save waits for one chunk: the data must move even when the grace
+// period is 0 or used up; a session whose queued work ends later is left out.
+constexpr std::chrono::seconds kChunkWait{5};
+constexpr std::chrono::seconds kFirstChunkWait{1};
 
 std::string errno_text(int e) {
   return std::strerror(e);
@@ -335,9 +339,11 @@ std::optional<SavedSession> parse_session_state(std::string_view text, std::stri
 namespace {
 
 // Copies buffer `b` of session `id` into `fd` in chunks: each read waits for
-// the session's earlier work, each write goes through the ring. 0 or an errno.
+// the session's earlier work, each write goes through the ring. A read must
+// finish by `until`; once one has, the session's earlier work is done and the
+// next read gets kChunkWait of its own. 0 or an errno.
 int save_buffer(Broker& broker, SessionId id, const Broker::BufferView& b, int fd, RingIo& ring,
-                std::chrono::steady_clock::time_point deadline, std::uint64_t& hash) {
+                std::chrono::steady_clock::time_point& until, std::uint64_t& hash) {
   hash = kFnvOffset;
   for (Bytes off = 0; off < b.size; off += kChunk) {
     const Bytes len = std::min(kChunk, b.size - off);
@@ -345,7 +351,8 @@ int save_buffer(Broker& broker, SessionId id, const Broker::BufferView& b, int f
     broker.read_buffer(id, b.id, off, len, [p](int err, std::span<const char> data) {
       p->finish(err, data.data(), data.size());
     });
-    if (const int err = p->wait_until(deadline)) return err;
+    if (const int err = p->wait_until(until)) return err;
+    until = std::chrono::steady_clock::now() + kChunkWait;
     std::lock_guard lk(p->mu);  // the callback is done with it
     if (p->data.size() != len) return EIO;
     hash = fnv1a64(hash, p->data.data(), len);
@@ -361,9 +368,12 @@ int write_file(int dir, const char* name, const std::string& text, RingIo& ring)
   return -ring.fsync(fd.get());
 }
 
-// Writes one session into `parent`/NAME/. 0 or an errno, with `why`.
+// Writes one session into `parent`/NAME/. Its first read may wait for the
+// session's queued work until `work_deadline` (the grace period), or a second
+// when that has passed. 0 or an errno, with `why`.
 int save_one(Broker& broker, const Broker::NamedSessionState& n, int parent, RingIo& ring,
-             std::chrono::steady_clock::time_point deadline, Bytes& bytes, std::string& why) {
+             std::chrono::steady_clock::time_point work_deadline, Bytes& bytes, std::string& why) {
+  auto until = std::max(work_deadline, std::chrono::steady_clock::now() + kFirstChunkWait);
   if (::mkdirat(parent, n.name.c_str(), 0700) != 0) {
     const int e = errno;
     why = fmt::format("mkdir: {}", errno_text(e));
@@ -388,7 +398,7 @@ int save_one(Broker& broker, const Broker::NamedSessionState& n, int parent, Rin
                          O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!fd) return errno;
     std::uint64_t hash = 0;
-    if (const int err = save_buffer(broker, n.id, b, fd.get(), ring, deadline, hash)) {
+    if (const int err = save_buffer(broker, n.id, b, fd.get(), ring, until, hash)) {
       why = fmt::format(
           "buffer {}: {}", b.name,
           err == ETIMEDOUT ? "its session's work did not finish in time" : errno_text(err));

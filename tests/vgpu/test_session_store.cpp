@@ -237,6 +237,24 @@ TEST_F(SessionStoreTest, CorruptStateIsSetAsideNeverACrash) {
   br->shutdown(1s);
 }
 
+// With no grace period left, an idle session is still saved (its data must
+// move), and one whose queued work runs on is left out rather than waited for.
+TEST_F(SessionStoreTest, ASaveWithoutGraceSkipsOnlySessionsStillWorking) {
+  auto br = populated(random_bytes(4096, 5), "b");
+  const auto id = static_cast<SessionId>(br->create_session(kAlice, "busy"));
+  ASSERT_EQ(run(*br, id, "need persistent=1M ephemeral=1M\nalloc v 4K\n"), 0);
+  auto parsed = fusefs::parse_commands("begin\nspin 3000000\nend\n");
+  br->submit(id, kAlice, 0, std::move(parsed.commands), std::nullopt, [](int, std::string) {});
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = save_sessions(*br, dir_, 0ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2500ms);
+  EXPECT_EQ(r.sessions, 1u);
+  EXPECT_EQ(r.skipped, 1u);
+  EXPECT_TRUE(fs::exists(dir_ + "/sessions/model/session.state"));
+  EXPECT_FALSE(fs::exists(dir_ + "/sessions/busy"));
+  br->shutdown(0ms);
+}
+
 TEST_F(SessionStoreTest, RefusesAStateDirOthersCanRead) {
   fs::create_directories(dir_);
   ::chmod(dir_.c_str(), 0755);
