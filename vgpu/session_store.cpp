@@ -204,13 +204,22 @@ struct Pending {
 
 }  // namespace
 
-std::uint64_t fnv1a64(std::uint64_t h, const void* data, std::size_t n) {
+std::uint64_t state_hash(std::uint64_t h, const void* data, std::size_t n) {
+  constexpr std::uint64_t kPrime = 1099511628211ULL;
   const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 1099511628211ULL;
+  std::uint64_t lane[4] = {kHashStart, kHashStart ^ 1, kHashStart ^ 2, kHashStart ^ 3};
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int l = 0; l < 4; ++l) {
+      std::uint64_t w;
+      std::memcpy(&w, p + i + 8 * l, 8);
+      lane[l] = (lane[l] ^ w) * kPrime;
+    }
   }
-  return h;
+  std::uint64_t c = n;
+  for (const std::uint64_t l : lane) c = (c ^ l) * kPrime;
+  for (; i < n; ++i) c = (c ^ p[i]) * kPrime;
+  return (h ^ c) * kPrime;
 }
 
 // ---------------------------------------------------------------- session.state
@@ -344,7 +353,7 @@ namespace {
 // next read gets kChunkWait of its own. 0 or an errno.
 int save_buffer(Broker& broker, SessionId id, const Broker::BufferView& b, int fd, RingIo& ring,
                 std::chrono::steady_clock::time_point& until, std::uint64_t& hash) {
-  hash = kFnvOffset;
+  hash = kHashStart;
   for (Bytes off = 0; off < b.size; off += kChunk) {
     const Bytes len = std::min(kChunk, b.size - off);
     auto p = std::make_shared<Pending>();
@@ -355,7 +364,7 @@ int save_buffer(Broker& broker, SessionId id, const Broker::BufferView& b, int f
     until = std::chrono::steady_clock::now() + kChunkWait;
     std::lock_guard lk(p->mu);  // the callback is done with it
     if (p->data.size() != len) return EIO;
-    hash = fnv1a64(hash, p->data.data(), len);
+    hash = state_hash(hash, p->data.data(), len);
     if (const int rc = ring.write(fd, p->data.data(), len, static_cast<off_t>(off))) return -rc;
   }
   return -ring.fsync(fd);
@@ -526,14 +535,14 @@ int verify_files(int dir, const SavedSession& s, RingIo& ring, std::string& why)
       why = fmt::format("{} (buffer {}) is missing or not {} bytes", file, b.name, b.size);
       return EINVAL;
     }
-    std::uint64_t h = kFnvOffset;
+    std::uint64_t h = kHashStart;
     for (Bytes off = 0; off < b.size; off += kChunk) {
       chunk.resize(std::min(kChunk, b.size - off));
       if (ring.read(fd.get(), chunk.data(), chunk.size(), static_cast<off_t>(off)) != 0) {
         why = fmt::format("{}: read failed", file);
         return EIO;
       }
-      h = fnv1a64(h, chunk.data(), chunk.size());
+      h = state_hash(h, chunk.data(), chunk.size());
     }
     if (h != b.hash) {
       why = fmt::format("{} (buffer {}) does not match its recorded hash", file, b.name);
@@ -641,6 +650,8 @@ StoreReport restore_sessions(Broker& broker, const std::string& dir,
   const auto names = list_dir(state.get(), kCurrent);
   UniqueFd current(
       ::openat(state.get(), kCurrent, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!names.empty())
+    spdlog::info("state: restoring {} named session(s) from {}", names.size(), dir);
   RingIo ring;
   for (const auto& name : names) {
     UniqueFd sdir(

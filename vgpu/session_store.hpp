@@ -43,7 +43,7 @@ struct SavedSession {
   struct Buffer {
     std::string name;
     Bytes size = 0;
-    std::uint64_t hash = 0;  // fnv1a64 of its bytes: a torn or altered file is caught
+    std::uint64_t hash = 0;  // state_hash of its bytes: a torn or damaged file is caught
   };
   std::vector<Buffer> buffers;
 };
@@ -53,9 +53,13 @@ struct SavedSession {
 std::string format_session_state(const SavedSession& s);
 std::optional<SavedSession> parse_session_state(std::string_view text, std::string& why);
 
-// 64-bit FNV-1a, continued from `h` (start with kFnvOffset).
-inline constexpr std::uint64_t kFnvOffset = 14695981039346656037ULL;
-std::uint64_t fnv1a64(std::uint64_t h, const void* data, std::size_t n);
+// The hash of a buffer file, continued chunk by chunk from `h` (start with
+// kHashStart; save and restore cut the same 8 MiB chunks). Each chunk is hashed
+// FNV-1a style over 8-byte words in four interleaved lanes, so that it runs at
+// memory speed (bytewise FNV-1a took 3.8 s per GiB); it detects torn and damaged
+// files, not tampering: the state directory is salusd's alone.
+inline constexpr std::uint64_t kHashStart = 14695981039346656037ULL;
+std::uint64_t state_hash(std::uint64_t h, const void* data, std::size_t n);
 
 struct StoreReport {
   std::size_t sessions = 0;  // saved, or restored

@@ -114,7 +114,7 @@ TEST(SessionState, RoundTripsAndRejectsWhatIsMalformed) {
   s.iters = 500;
   s.gpu = 1;
   s.priority = -2;
-  s.buffers = {{"w", 4096, 0x0123456789abcdefULL}, {"empty", 0, kFnvOffset}};
+  s.buffers = {{"w", 4096, 0x0123456789abcdefULL}, {"empty", 0, kHashStart}};
   const std::string text = format_session_state(s);
   std::string why;
   const auto back = parse_session_state(text, why);
@@ -143,6 +143,21 @@ TEST(SessionState, RoundTripsAndRejectsWhatIsMalformed) {
     EXPECT_FALSE(parse_session_state(t, why)) << t;
     EXPECT_FALSE(why.empty());
   }
+}
+
+TEST(StateHash, SeesEveryByteAndItsPlace) {
+  std::string a = random_bytes(1000, 7);
+  const auto h = state_hash(kHashStart, a.data(), a.size());
+  EXPECT_EQ(h, state_hash(kHashStart, a.data(), a.size()));
+  for (std::size_t i : {0, 31, 32, 500, 995, 999}) {
+    std::string b = a;
+    b[i] ^= 1;
+    EXPECT_NE(state_hash(kHashStart, b.data(), b.size()), h) << i;
+  }
+  std::string swapped = a;
+  std::swap(swapped[0], swapped[8]);  // same bytes, another lane
+  EXPECT_NE(state_hash(kHashStart, swapped.data(), swapped.size()), h);
+  EXPECT_NE(state_hash(kHashStart, a.data(), 999), h);  // length counts
 }
 
 TEST_F(SessionStoreTest, ANamedSessionSurvivesARestartByteForByte) {
