@@ -408,9 +408,11 @@ int save_one(Broker& broker, const Broker::NamedSessionState& n, int parent, Rin
     if (!fd) return errno;
     std::uint64_t hash = 0;
     if (const int err = save_buffer(broker, n.id, b, fd.get(), ring, until, hash)) {
-      why = fmt::format(
-          "buffer {}: {}", b.name,
-          err == ETIMEDOUT ? "its session's work did not finish in time" : errno_text(err));
+      why = fmt::format("buffer {}: {}", b.name,
+                        err == ETIMEDOUT ? "its session's work did not finish in time"
+                        : err == EIO ? "the session's failure latch is set (write `reset` before "
+                                       "stopping salusd to keep it)"
+                                     : errno_text(err));
       return err;
     }
     s.buffers.push_back({b.name, b.size, hash});
@@ -491,7 +493,10 @@ namespace {
 // Moves sessions/NAME to set-aside/NAME.TIME, for the administrator to look at.
 void set_aside(int state, const std::string& name, const std::string& why) {
   ::mkdirat(state, kSetAside, 0700);
-  const std::string to = fmt::format("{}/{}.{}", kSetAside, name, std::time(nullptr));
+  // The time, and a count for two in the same second (another start, another
+  // session of that name): an entry there is never overwritten.
+  static unsigned seq = 0;
+  const std::string to = fmt::format("{}/{}.{}.{}", kSetAside, name, std::time(nullptr), seq++);
   const std::string from = fmt::format("{}/{}", kCurrent, name);
   if (::renameat(state, from.c_str(), state, to.c_str()) == 0)
     spdlog::error("state: session {} is not restored: {}; its saved files are kept in {}", name,

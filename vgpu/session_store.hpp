@@ -7,7 +7,7 @@
 //   sessions/NAME/buf-N           the bytes of its N-th buffer
 //   sessions.new/                 a save in progress (or the previous snapshot
 //                                 just swapped out); removed at start
-//   set-aside/NAME.TIME/          a saved session that was corrupt or could not
+//   set-aside/NAME.TIME.N/        a saved session that was corrupt or could not
 //                                 be restored, kept for the administrator
 // A save writes sessions.new/ with io_uring, fsyncs every file and directory,
 // then swaps it with sessions/ in one renameat2(RENAME_EXCHANGE): a crash at any
