@@ -230,6 +230,7 @@ std::string format_session_state(const SavedSession& s) {
     out += fmt::format("need persistent={} ephemeral={}", s.persistent, s.ephemeral);
     if (s.iters) out += fmt::format(" iters={}", *s.iters);
     if (s.gpu) out += fmt::format(" gpu={}", *s.gpu);
+    if (s.label) out += fmt::format(" name={}", *s.label);
     out += '\n';
   }
   out += fmt::format("priority {}\nbuffers {}\n", s.priority, s.buffers.size());
@@ -263,8 +264,14 @@ bool parse_need(std::istringstream& in, SavedSession& s) {
   bool p = false, e = false;
   while (in >> kv) {
     const auto eq = kv.find('=');
-    if (eq == std::string::npos || !parse_u64(kv.substr(eq + 1), v)) return false;
+    if (eq == std::string::npos) return false;
     const std::string key = kv.substr(0, eq);
+    if (key == "name") {
+      s.label = kv.substr(eq + 1);
+      if (!is_valid_name(*s.label)) return false;
+      continue;
+    }
+    if (!parse_u64(kv.substr(eq + 1), v)) return false;
     if (key == "persistent")
       s.persistent = v, p = true;
     else if (key == "ephemeral")
@@ -399,6 +406,7 @@ int save_one(Broker& broker, const Broker::NamedSessionState& n, int parent, Rin
   s.ephemeral = n.need.ephemeral;
   s.iters = n.need.iters;
   if (n.need.gpu && *n.need.gpu >= 0) s.gpu = n.need.gpu;
+  s.label = n.need.name;
   s.priority = n.priority;
   for (std::size_t i = 0; i < n.buffers.size(); ++i) {
     const auto& b = n.buffers[i];
@@ -605,6 +613,7 @@ int restore_one(Broker& broker, const SavedSession& s, int dir, RingIo& ring,
     need.persistent = s.persistent;
     need.ephemeral = s.ephemeral;
     need.iters = s.iters;
+    need.name = s.label;
     need.gpu = s.gpu && static_cast<std::size_t>(*s.gpu) < broker.gpu_count() ? *s.gpu : kAnyGpu;
     cmds.emplace_back(need);
   }

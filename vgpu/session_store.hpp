@@ -39,6 +39,7 @@ struct SavedSession {
   Bytes ephemeral = 0;
   std::optional<std::uint64_t> iters;
   std::optional<int> gpu;
+  std::optional<std::string> label;  // need name=, the display name
   std::int32_t priority = 0;
   struct Buffer {
     std::string name;

@@ -87,7 +87,7 @@ class SessionStoreTest : public ::testing::Test {
     auto br = make_broker();
     const auto id = static_cast<SessionId>(br->create_session(kAlice, "model"));
     EXPECT_EQ(run(*br, id,
-                  fmt::format("need persistent=64M ephemeral=8M iters=500\npriority 3\n"
+                  fmt::format("need persistent=64M ephemeral=8M iters=500 name=resnet\npriority 3\n"
                               "alloc w {}\nalloc bias {}\n",
                               w.size(), b.size())),
               0);
@@ -113,6 +113,7 @@ TEST(SessionState, RoundTripsAndRejectsWhatIsMalformed) {
   s.ephemeral = 8 << 20;
   s.iters = 500;
   s.gpu = 1;
+  s.label = "resnet";
   s.priority = -2;
   s.buffers = {{"w", 4096, 0x0123456789abcdefULL}, {"empty", 0, kHashStart}};
   const std::string text = format_session_state(s);
@@ -124,6 +125,7 @@ TEST(SessionState, RoundTripsAndRejectsWhatIsMalformed) {
   EXPECT_EQ(back->gid, 1001u);
   EXPECT_EQ(back->iters, std::optional<std::uint64_t>(500));
   EXPECT_EQ(back->gpu, std::optional<int>(1));
+  EXPECT_EQ(back->label, std::optional<std::string>("resnet"));
   EXPECT_EQ(back->priority, -2);
   ASSERT_EQ(back->buffers.size(), 2u);
   EXPECT_EQ(back->buffers[0].hash, 0x0123456789abcdefULL);
@@ -137,6 +139,7 @@ TEST(SessionState, RoundTripsAndRejectsWhatIsMalformed) {
       std::string(text).replace(text.find("buffer w"), 8, "buffer ."),  // invalid name
       std::string(text).replace(text.find("buffers 2"), 9, "buffers 3"),
       std::string(text).replace(text.find("name model"), 10, "name ../x "),
+      std::string(text).replace(text.find("name=resnet"), 11, "name=../etc"),
   };
   for (const auto& t : bad) {
     why.clear();
@@ -190,6 +193,8 @@ TEST_F(SessionStoreTest, ANamedSessionSurvivesARestartByteForByte) {
   EXPECT_EQ(br->find_buffer(*id, "empty")->size, 0u);
   const std::string status = br->render_status(*id);
   EXPECT_NE(status.find("state: admitted"), std::string::npos) << status;
+  EXPECT_NE(status.find("priority: 3"), std::string::npos) << status;
+  EXPECT_NE(status.find("name: resnet"), std::string::npos) << status;
   EXPECT_NE(br->render_log(*id).find("restored after a restart"), std::string::npos);
   // Only named sessions come back.
   EXPECT_EQ(br->list_sessions().size(), 1u);
