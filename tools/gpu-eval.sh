@@ -54,7 +54,7 @@ trap cleanup EXIT
 # Starts salusd on $work/mnt with the given flags; waits for the mount.
 start_salusd() {
   mkdir -p "$work/mnt"
-  "$bin/salusd" --backend cuda --mount "$work/mnt" --log-level warn "$@" >"$work/salusd.log" 2>&1 &
+  "$bin/salusd" --backend cuda --mount "$work/mnt" --state-dir "$work/state" --log-level warn "$@" >"$work/salusd.log" 2>&1 &
   daemon_pid=$!
   for _ in $(seq 600); do
     [ -e "$work/mnt/version" ] && return 0

@@ -55,8 +55,9 @@ trap cleanup EXIT INT TERM
 
 start_salusd() {  # LOG: a fresh daemon, so no run inherits another's lanes or clocks
   mnt=$(mktemp -d /tmp/salus-replay-bench.XXXXXX)
+  # --state-dir '': no named session of another run (or of the host) comes back.
   "$salusd" "${backend_args[@]}" --log-level warn --pipeline-depth "$depth" --mount "$mnt" \
-    >"$1" 2>&1 &
+    --state-dir '' >"$1" 2>&1 &
   dpid=$!
   for _ in $(seq 600); do [ -e "$mnt/version" ] && break; sleep 0.1; done
   [ -e "$mnt/version" ] || { echo "replay-bench: salusd did not mount $mnt" >&2; exit 1; }

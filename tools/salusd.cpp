@@ -26,9 +26,13 @@
 #include "vgpu/cuda/cuda_backend.hpp"
 #include "vgpu/executor/remote_device.hpp"
 #include "vgpu/nvml/nvml_sampler.hpp"
+#include "vgpu/session_store.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 namespace {
+
+// How long a restored session may wait for its admission and its bytes.
+constexpr std::chrono::milliseconds kRestoreBound{30000};
 
 struct Settings {
   std::string mount = "/salus";
@@ -50,6 +54,9 @@ struct Settings {
   unsigned transfers_active = 4;
   bool fuse_debug = false;
   std::string metrics_listen;  // empty: no HTTP endpoint
+  // Named sessions are saved here on a clean stop and restored at start; empty:
+  // neither.
+  std::string state_dir = "/var/lib/salus";
 };
 
 int fail(const std::string& why) {
@@ -74,6 +81,7 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   s.pipeline_depth = t["pipeline_depth"].value_or(s.pipeline_depth);
   s.shutdown_grace_ms = t["shutdown_grace_ms"].value_or(s.shutdown_grace_ms);
   s.metrics_listen = t["metrics_listen"].value_or(s.metrics_listen);
+  s.state_dir = t["state_dir"].value_or(s.state_dir);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.gpu_isolation = t["gpu_isolation"].value_or(s.gpu_isolation);
@@ -163,6 +171,9 @@ void add_flags(CLI::App& flags, Settings& s) {
       ->check(CLI::Range(1, 64));
   flags.add_option("--shutdown-grace-ms", s.shutdown_grace_ms,
                    "On SIGTERM, how long running iterations may take to finish");
+  flags.add_option("--state-dir", s.state_dir,
+                   "Where named sessions are saved on SIGTERM and restored at start (default "
+                   "/var/lib/salus; empty: not saved)");
   flags.add_option("--quota-sessions", s.quotas.sessions_per_uid, "Sessions per uid");
   flags.add_option("--quota-buffers", s.quotas.buffers_per_uid, "Buffers per uid");
   flags.add_option("--quota-queued", s.quotas.queued_iterations_per_uid,
@@ -380,6 +391,9 @@ int main(int argc, char** argv) {
     spdlog::info("metrics: serving http://{}/metrics", metrics_http->local_address());
   }
 
+  // Before the mount: users see their named sessions as they left them.
+  if (!s.state_dir.empty()) salus::vgpu::restore_sessions(broker, s.state_dir, kRestoreBound);
+
   salus::fusefs::FilesystemOptions fo;
   fo.mountpoint = s.mount;
   fo.admin_group = admin_gid;
@@ -399,6 +413,10 @@ int main(int argc, char** argv) {
   const int rc = fs.serve();
   sd_notify(0, "STOPPING=1");
   if (metrics_http) metrics_http->stop();
+  // Nothing new arrives now that serve() has returned; each buffer is read
+  // after the work its session queued before it, up to the grace period.
+  if (!s.state_dir.empty())
+    salus::vgpu::save_sessions(broker, s.state_dir, std::chrono::milliseconds(s.shutdown_grace_ms));
   spdlog::info("stopping: no new work; letting running iterations finish (up to {} ms)",
                s.shutdown_grace_ms);
   broker.shutdown(std::chrono::milliseconds(s.shutdown_grace_ms));

@@ -142,6 +142,22 @@ class Broker {
   void write_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, const char* data,
                     Bytes length, std::function<void(int err, Bytes written)> done);
 
+  // ---- restart (session_store.cpp saves and restores named sessions with these) ----
+  struct NamedSessionState {
+    SessionId id = 0;
+    std::string name;
+    uid_t uid = 0;
+    gid_t gid = 0;
+    bool need_declared = false;  // `need` was accepted (queued, admitted or placed)
+    NeedCmd need;                // as declared; need.gpu is where it was placed
+    std::int32_t priority = 0;
+    std::vector<BufferView> buffers;
+  };
+  // Every live named session, as of now (a snapshot under the lock).
+  std::vector<NamedSessionState> named_sessions() const;
+  // Adds a line to a session's log (e.g. "restored after a restart").
+  void note(SessionId id, std::string text);
+
   // ---- admin ----
   int kill_session(SessionId id);
   int set_policy(const std::string& text);  // "NAME [key=value...]"

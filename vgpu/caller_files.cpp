@@ -1,7 +1,9 @@
 #include "vgpu/caller_files.hpp"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <linux/openat2.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -82,6 +84,24 @@ int open_regular(int dir, const std::string& name, FileIntent intent, const std:
   return 0;
 }
 
+// EACCES when `fd` is on a kernel filesystem. The message names only the path
+// the caller gave, never a component reached through a symlink.
+int refuse_kernel_fs(int fd, const std::string& path, std::string& why) {
+  struct statfs fs;
+  if (::fstatfs(fd, &fs) != 0) {
+    const int e = errno;
+    why = fmt::format("{}: fstatfs: {}", path, std::strerror(e));
+    return -e;
+  }
+  const char* kind = kernel_filesystem(fs.f_type);
+  if (!kind) return 0;
+  why = fmt::format(
+      "{}: refused: it leads into {}, a kernel filesystem; salusd never opens files in /proc, "
+      "/sys or the like for a session",
+      path, kind);
+  return -EACCES;
+}
+
 int walk(const CallerCredentials& who, int root, const std::string& path, FileIntent intent,
          CallerFile& out, std::string& why) {
   std::vector<UniqueFd> dirs;  // root first; each entry a child of the one before
@@ -125,6 +145,9 @@ int walk(const CallerCredentials& who, int root, const std::string& path, FileIn
       return probe;
     }
     UniqueFd entry(probe);
+    // What lies on /proc, /sys, debugfs... answers to capabilities and to the
+    // opener's identity in ways a root daemon's open cannot pass on faithfully.
+    if (const int rc = refuse_kernel_fs(probe, path, why)) return rc;
     struct stat st;
     if (::fstat(probe, &st) != 0) {
       const int e = errno;
@@ -183,6 +206,45 @@ int walk(const CallerCredentials& who, int root, const std::string& path, FileIn
 
 }  // namespace
 
+const char* kernel_filesystem(long f_type) {
+  switch (static_cast<unsigned long>(f_type) & 0xffffffffUL) {
+    case PROC_SUPER_MAGIC:
+      return "procfs";
+    case SYSFS_MAGIC:
+      return "sysfs";
+    case DEBUGFS_MAGIC:
+      return "debugfs";
+    case TRACEFS_MAGIC:
+      return "tracefs";
+    case SECURITYFS_MAGIC:
+      return "securityfs";
+    case CGROUP_SUPER_MAGIC:
+      return "cgroupfs";
+    case CGROUP2_SUPER_MAGIC:
+      return "cgroup2fs";
+    case BPF_FS_MAGIC:
+      return "bpffs";
+    case EFIVARFS_MAGIC:
+      return "efivarfs";
+    case PSTOREFS_MAGIC:
+      return "pstore";
+    case SELINUX_MAGIC:
+      return "selinuxfs";
+    case SMACK_MAGIC:
+      return "smackfs";
+    case BINFMTFS_MAGIC:
+      return "binfmt_misc";
+    case NSFS_MAGIC:
+      return "nsfs";
+    case 0x62656570UL:
+      return "configfs";  // CONFIGFS_MAGIC, not in linux/magic.h
+    case 0x65735543UL:
+      return "fusectl";  // FUSECTL_SUPER_MAGIC
+    default:
+      return nullptr;
+  }
+}
+
 bool may_follow_symlink(uid_t caller_uid, uid_t link_uid, uid_t dir_uid) {
   return link_uid == caller_uid || link_uid == 0 || link_uid == dir_uid;
 }
@@ -193,6 +255,10 @@ int open_caller_file(const CallerCredentials& who, const std::string& path, File
   if (path.empty() || path[0] != '/') {
     why = fmt::format("'{}' is not an absolute path", path);
     return -EINVAL;
+  }
+  if (who.refused) {
+    why = fmt::format("{}: {}", path, who.refused_why);
+    return -who.refused;
   }
   const std::string root = who.root_path();
   UniqueFd root_fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
@@ -206,6 +272,7 @@ int open_caller_file(const CallerCredentials& who, const std::string& path, File
     why = "could not take on the caller's credentials";
     return -EPERM;
   }
+  if (const int rc = refuse_kernel_fs(root_fd.get(), path, why)) return rc;
   const int rc = walk(who, root_fd.get(), path, intent, out, why);
   if (rc < 0) out = CallerFile{};
   return rc;
@@ -214,6 +281,10 @@ int open_caller_file(const CallerCredentials& who, const std::string& path, File
 int create_caller_file(const CallerCredentials& who, CallerFile& f, const std::string& shown,
                        std::string& why) {
   if (f.exists()) return 0;
+  if (who.refused) {
+    why = fmt::format("{}: {}", shown, who.refused_why);
+    return -who.refused;
+  }
   if (!f.dir) {
     why = fmt::format("{}: nowhere to create it", shown);
     return -EINVAL;

@@ -9,6 +9,10 @@
 // every directory, not only sticky world-writable ones). Others fail with EACCES.
 // ".." never climbs above the caller's root, and nothing is ever opened before
 // it is known to be a regular file, so no FIFO blocks and no device is touched.
+// Nothing on a kernel filesystem (/proc, /sys, debugfs, cgroupfs...) is ever
+// opened: each step's filesystem is checked (fstatfs) before it is used.
+// Everything runs under ThreadCredentials: the caller's ids and groups, and only
+// the capabilities the caller has itself.
 #pragma once
 
 #include <sys/stat.h>
@@ -46,7 +50,9 @@ inline constexpr int kMaxSymlinks = 40;  // like the kernel's MAXSYMLINKS
 //   ENOENT, ENOTDIR, EACCES (permissions, or an untrusted symlink), ELOOP (too
 //   many symlinks, or for writes a symlink as the last component: salusd never
 //   writes through one), EISDIR a directory, EINVAL a FIFO, socket or device,
-//   EPERM when the caller's credentials could not be taken on.
+//   EPERM when the caller's credentials could not be taken on or were refused
+//   (CallerCredentials::refused: a caller outside salusd's pid namespace),
+//   EACCES also for anything on a kernel filesystem (kernel_filesystem).
 // For `write` to a missing file, the caller's write and search permission on the
 // directory is checked now; create_caller_file creates it later.
 int open_caller_file(const CallerCredentials& who, const std::string& path, FileIntent intent,
@@ -62,6 +68,10 @@ int create_caller_file(const CallerCredentials& who, CallerFile& f, const std::s
 // Reads a whole regular file as the caller, up to `limit` bytes (EFBIG beyond).
 int read_file_as_caller(const CallerCredentials& who, const std::string& path, std::size_t limit,
                         std::vector<std::uint8_t>& out, std::string& why);
+
+// The name of the kernel filesystem with statfs type `f_type` (procfs, sysfs,
+// debugfs, tracefs, securityfs, cgroupfs...), or nullptr for any other.
+const char* kernel_filesystem(long f_type);
 
 // The symlink rule above, as a pure function: may a caller with `caller_uid`
 // follow a link owned by `link_uid` that sits in a directory owned by `dir_uid`?

@@ -58,8 +58,11 @@ class Salusd:
         self.log_path = os.path.join(self.tmp, "salusd.log")
         self.backend = backend
         sim = ["--sim-gpus", str(gpus), "--sim-memory", sim_memory] if backend == "sim" else []
+        # Named sessions are saved on stop: into this daemon's own temp dir unless
+        # a test shares one between daemons (never the host's /var/lib/salus).
+        state = [] if "--state-dir" in extra_args else ["--state-dir", os.path.join(self.tmp, "state")]
         self.args = [SALUSD, "--backend", backend, *sim,
-                     "--mount", self.mnt, "--log-level", "debug", *extra_args]
+                     "--mount", self.mnt, "--log-level", "debug", *state, *extra_args]
         self.env = None  # the daemon's environment; None: this one
         self.isolation = None  # what the environment asked for, checked at start
         if GPU_ISOLATION and "--gpu-isolation" not in extra_args:

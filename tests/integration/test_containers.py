@@ -174,7 +174,7 @@ set -eu
 SALUSD=$1; T=$2
 trap 'kill $(cat $T/pid1 $T/pid2 2>/dev/null) 2>/dev/null || true' EXIT
 start() {
-  "$SALUSD" --backend sim --sim-gpus 1 --sim-memory 64M --mount $T/run/fs > $T/log$1 2>&1 &
+  "$SALUSD" --backend sim --sim-gpus 1 --sim-memory 64M --mount $T/run/fs --state-dir $T/state > $T/log$1 2>&1 &
   echo $! > $T/pid$1
   for i in $(seq 200); do [ -e $T/run/fs/version ] && return 0; sleep 0.05; done
   echo "salusd did not start: $(cat $T/log$1)"; exit 1

@@ -37,7 +37,8 @@ def test_sigterm_drains_unmounts_and_exits_zero(salusd_factory):
 
 def test_refuses_busy_mountpoint(salusd_factory):
     first = salusd_factory().start()
-    out = subprocess.run([SALUSD, "--backend", "sim", "--sim-memory", "64M", "--mount", first.mnt],
+    out = subprocess.run([SALUSD, "--backend", "sim", "--sim-memory", "64M", "--mount", first.mnt,
+                          "--state-dir", ""],
                          capture_output=True, text=True, timeout=10)
     assert out.returncode != 0
     assert "busy" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
@@ -75,7 +76,7 @@ def test_refuses_without_dev_fuse(tmp_path):
     # A private mount namespace whose /dev has no fuse node.
     out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
                           f"mount -t tmpfs none /dev && exec {SALUSD} --backend sim --sim-memory 64M "
-                          f"--mount {tmp_path}"], capture_output=True, text=True, timeout=10)
+                          f"--mount {tmp_path} --state-dir ''"], capture_output=True, text=True, timeout=10)
     assert out.returncode != 0
     assert "/dev/fuse" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 

@@ -35,8 +35,10 @@ std::unique_ptr<Broker> make_broker(int gpus = 1, Bytes memory = 256u << 20,
   return std::make_unique<Broker>(std::move(devs), cfg);
 }
 
-const Caller kRoot{0, 0, 0, true};
-const Caller kAlice{1000, 1000, 0, false};
+// Callers are this test process: a pid of 0 (a caller outside salusd's pid
+// namespace) is refused for anything done as the caller.
+const Caller kRoot{0, 0, ::getpid(), true};
+const Caller kAlice{1000, 1000, ::getpid(), false};
 
 // Submits text and waits for the (possibly deferred) reply.
 std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text,
@@ -353,7 +355,8 @@ TEST(Broker, BadTransfersFailTheWriteWithAReason) {
       {"upload nope shm:" + seg.name + " 1", ENOENT, "unknown buffer 'nope'"},
       {"upload w shm:" + seg.name + "-gone 1", ENOENT, "no such segment"},
       {"download w file:/tmp 1", EISDIR, "a directory"},
-      {"download w file:/proc/self 1", ELOOP, "never writes through"},
+      {"download w file:/proc/self 1", EACCES, "procfs, a kernel filesystem"},
+      {"download w file:/tmp/../proc/self/x 1", EACCES, "procfs, a kernel filesystem"},
       {"upload w file:/dev/zero 1", EINVAL, "a character device"},
       {"begin\nupload w shm:" + seg.name + " 1", EINVAL, "not allowed inside begin/end"},
   };
@@ -366,6 +369,22 @@ TEST(Broker, BadTransfersFailTheWriteWithAReason) {
   // None of them queued anything or failed the session.
   EXPECT_EQ(field(b->render_status(id), "state"), "admitted");
   EXPECT_EQ(wait_for(*b, id).first, 0);
+}
+
+// Regression (issue 17, item 6): a caller FUSE reports with pid 0 (outside
+// salusd's pid namespace) gets nothing done as it, root or not.
+TEST(Broker, ACallerWithoutAPidIsRefusedFilesAndModules) {
+  auto b = make_broker();
+  const Caller outside{0, 0, 0, true};
+  const auto id = static_cast<SessionId>(b->create_session(outside, ""));
+  ASSERT_EQ(run(*b, id, "need persistent=4M ephemeral=1M\nalloc w 8K\n", outside).first, 0);
+  for (const char* text : {"upload w file:/etc/hostname 1\n", "download w file:/tmp/x 1\n",
+                           "upload w shm:seg 1\n", "module m /etc/hostname\n"}) {
+    EXPECT_EQ(run(*b, id, text, outside).first, EPERM) << text;
+    const auto log = b->render_log(id);
+    EXPECT_NE(log.find("outside salusd's pid namespace"), std::string::npos) << log;
+  }
+  EXPECT_EQ(field(b->render_status(id), "state"), "admitted");
 }
 
 TEST(Broker, ASourceThatShrinksBeforeItsTurnFailsTheSession) {

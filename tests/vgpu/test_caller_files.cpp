@@ -5,8 +5,11 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/capability.h>
+#include <linux/magic.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -50,7 +53,12 @@ class CallerFilesTest : public ::testing::Test {
     c.umask = 022;
     return c;
   }
-  static CallerCredentials root() { return as(0, 0); }
+  // A root caller with every capability, as a root shell has.
+  static CallerCredentials root() {
+    auto c = as(0, 0);
+    c.caps = ~std::uint64_t{0};
+    return c;
+  }
   static std::string read_all(int fd) {
     std::string out(64, '\0');
     const ssize_t n = ::pread(fd, out.data(), out.size(), 0);
@@ -192,6 +200,87 @@ TEST_F(CallerFilesTest, AppliesTheCallersPermissions) {
   if (fs::exists("/etc/shadow")) {
     EXPECT_EQ(open(as(kNobody), "/etc/shadow", FileIntent::read, f), -EACCES);
   }
+}
+
+TEST(KernelFilesystems, AreNamedByTheirMagic) {
+  EXPECT_STREQ(kernel_filesystem(PROC_SUPER_MAGIC), "procfs");
+  EXPECT_STREQ(kernel_filesystem(SYSFS_MAGIC), "sysfs");
+  EXPECT_STREQ(kernel_filesystem(DEBUGFS_MAGIC), "debugfs");
+  EXPECT_STREQ(kernel_filesystem(CGROUP2_SUPER_MAGIC), "cgroup2fs");
+  EXPECT_EQ(kernel_filesystem(0xEF53), nullptr);      // ext4
+  EXPECT_EQ(kernel_filesystem(0x01021994), nullptr);  // tmpfs
+}
+
+// Regression (issue 17, item 5): /proc and /sys answer to the opener's
+// capabilities and identity in ways salusd cannot pass on; they are refused,
+// also through a symlink, and the message names only the path the caller gave.
+TEST_F(CallerFilesTest, RefusesKernelFilesystemsEvenThroughASymlink) {
+  CallerFile f;
+  EXPECT_EQ(open(root(), "/proc/self/status", FileIntent::read, f), -EACCES);
+  EXPECT_NE(why_.find("procfs, a kernel filesystem"), std::string::npos) << why_;
+  EXPECT_EQ(open(as(kNobody), "/proc/1/cwd/x", FileIntent::read, f), -EACCES);
+  EXPECT_NE(why_.find("procfs"), std::string::npos) << why_;
+  fs::create_symlink("/proc/self/environ", path("env"));
+  EXPECT_EQ(open(root(), path("env"), FileIntent::read, f), -EACCES);
+  EXPECT_EQ(why_.find("environ"), std::string::npos) << why_;
+  EXPECT_FALSE(f.exists());
+  if (fs::exists("/sys/kernel/uevent_seqnum")) {
+    EXPECT_EQ(open(root(), "/sys/kernel/uevent_seqnum", FileIntent::read, f), -EACCES);
+    EXPECT_NE(why_.find("sysfs"), std::string::npos) << why_;
+  }
+}
+
+std::uint64_t effective_caps() {
+  __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[2];
+  if (::syscall(SYS_capget, &hdr, data) != 0) return 0;
+  return data[0].effective | (std::uint64_t{data[1].effective} << 32);
+}
+
+// Regression (issue 17, item 5): the open runs with the caller's capabilities,
+// not salusd's. Root without CAP_DAC_OVERRIDE cannot read another uid's 0600
+// file, and the thread gets its own capabilities back afterwards.
+TEST_F(CallerFilesTest, OpensWithTheCallersCapabilitiesOnly) {
+  NEED_ROOT();
+  const auto before = effective_caps();
+  if ((before & (1ULL << CAP_DAC_OVERRIDE)) == 0) GTEST_SKIP() << "needs CAP_DAC_OVERRIDE";
+  const auto secret = make_file("theirs", "t", 0600);
+  ASSERT_EQ(::chown(secret.c_str(), kOther, kOther), 0);
+  CallerFile f;
+  auto bare_root = as(0, 0);  // uid 0 with no capabilities (e.g. a capability-dropped job)
+  EXPECT_EQ(open(bare_root, secret, FileIntent::read, f), -EACCES) << why_;
+  EXPECT_EQ(effective_caps(), before);
+  EXPECT_EQ(open(root(), secret, FileIntent::read, f), 0) << why_;
+  EXPECT_EQ(effective_caps(), before);
+  // CAP_DAC_READ_SEARCH would search a directory without x for anyone.
+  fs::create_directory(path("noexec"));
+  make_file("noexec/f", "f", 0644);
+  ::chmod(path("noexec").c_str(), 0600);
+  EXPECT_EQ(open(as(kNobody), path("noexec/f"), FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(bare_root, path("noexec/f"), FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(root(), path("noexec/f"), FileIntent::read, f), 0) << why_;
+  EXPECT_EQ(effective_caps(), before);
+}
+
+// Regression (issue 17, item 6): FUSE reports pid 0 for a caller outside
+// salusd's pid namespace; /proc/self would then be salusd's own credentials.
+TEST_F(CallerFilesTest, RefusesACallerWithoutAPid) {
+  const auto p = make_file("open", "o", 0644);
+  const auto who = CallerCredentials::capture({kNobody, kNobody, 0});
+  EXPECT_EQ(who.refused, EPERM);
+  EXPECT_TRUE(who.groups.empty());
+  EXPECT_EQ(who.caps, 0u);
+  CallerFile f;
+  EXPECT_EQ(open(who, p, FileIntent::read, f), -EPERM);
+  EXPECT_NE(why_.find("outside salusd's pid namespace"), std::string::npos) << why_;
+  EXPECT_EQ(open(who, path("new"), FileIntent::write, f), -EPERM);
+  std::vector<std::uint8_t> bytes;
+  EXPECT_EQ(read_file_as_caller(who, p, 1024, bytes, why_), -EPERM);
+  // A caller with a pid is read from its /proc entry: this process.
+  const auto self = CallerCredentials::capture({::geteuid(), ::getegid(), ::getpid()});
+  EXPECT_EQ(self.refused, 0);
+  EXPECT_EQ(self.caps, effective_caps());
+  EXPECT_EQ(open(self, p, FileIntent::read, f), 0) << why_;
 }
 
 TEST_F(CallerFilesTest, WritesExistingFilesWithoutTruncatingThem) {

@@ -83,11 +83,13 @@ Daemon::Daemon(const std::string& salusd, const std::vector<std::string>& extra)
   if (!::mkdtemp(tmpl)) die("mkdtemp failed");
   dir = tmpl;
   mnt = dir + "/mnt";
+  ::chmod(dir.c_str(), 0755);  // other uids (salus-bench soak --uids) reach the mount
   ::mkdir(mnt.c_str(), 0755);
   const std::string log = dir + "/salusd.log";
   pid = ::fork();
   if (pid == 0) {
-    std::vector<std::string> args = {salusd, "--mount", mnt};
+    // Its named sessions are saved in its own temp dir, never in /var/lib/salus.
+    std::vector<std::string> args = {salusd, "--mount", mnt, "--state-dir", dir + "/state"};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
