@@ -39,7 +39,9 @@ std::unique_ptr<Broker> make_broker(sched::PolicyKind policy = sched::PolicyKind
   return std::make_unique<Broker>(std::move(devs), cfg);
 }
 
-Caller me() { return Caller{0, 0, getpid(), true}; }
+Caller me() {
+  return Caller{0, 0, getpid(), true};
+}
 
 std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text,
                                 const Caller& who = me()) {
@@ -49,7 +51,9 @@ std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text
   std::promise<std::pair<int, std::string>> p;
   auto f = p.get_future();
   b.submit(id, who, text.size(), std::move(parsed.commands), std::move(perr),
-           [&p](int err, std::string reply) { p.set_value({err, std::move(reply)}); });
+           [&p](int err, std::string reply) {
+             p.set_value({err, std::move(reply)});
+           });
   if (f.wait_for(10s) != std::future_status::ready) return {ETIMEDOUT, {}};
   return f.get();
 }
@@ -131,8 +135,8 @@ struct Program {
   }
 };
 
-SessionId attached_session(Broker& b, Program& p, const std::string& need =
-                                                      "need persistent=8M ephemeral=8M\n") {
+SessionId attached_session(Broker& b, Program& p,
+                           const std::string& need = "need persistent=8M ephemeral=8M\n") {
   const auto id = static_cast<SessionId>(b.create_session(me(), ""));
   EXPECT_EQ(run(b, id, need + p.attach()).first, 0) << b.render_log(id);
   return id;
@@ -177,8 +181,7 @@ TEST(Attach, ValidatesTheGateAndTheBell) {
   ASSERT_EQ(pipe(pipefd), 0);
   expect_fail(fmt::format("attach gate={} bell={}\n", good.memfd, pipefd[0]), EINVAL,
               "not an eventfd");
-  expect_fail(fmt::format("attach gate={} bell={}\n", pipefd[0], good.bell), EINVAL,
-              "not a memfd");
+  expect_fail(fmt::format("attach gate={} bell={}\n", pipefd[0], good.bell), EINVAL, "not a memfd");
   close(pipefd[0]);
   close(pipefd[1]);
   // attach needs a prior need.
