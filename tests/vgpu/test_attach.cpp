@@ -342,3 +342,37 @@ TEST(Attach, ShutdownDetachesPrograms) {
   b->shutdown(100ms);
   EXPECT_EQ(ld(p.g->state), SALUS_GATE_DETACHED);
 }
+
+TEST(Attach, QueuedSessionGetsGrantsOnceAdmitted) {
+  auto b = make_broker();
+  // A hosted session holds most of the GPU; the attached one waits for admission.
+  const auto big = static_cast<SessionId>(b->create_session(me(), ""));
+  ASSERT_EQ(run(*b, big, "need persistent=200M ephemeral=0\n").first, 0);
+  Program p;
+  const SessionId id = attached_session(*b, p, "need persistent=100M ephemeral=0\n");
+  EXPECT_EQ(field(b->render_status(id), "state"), "queued");
+  EXPECT_EQ(ld(p.g->state), SALUS_GATE_ATTACHED);
+  p.request(1);
+  EXPECT_FALSE(p.granted(1, 100ms));
+  b->end_session(big);
+  EXPECT_TRUE(p.granted(1));
+  EXPECT_EQ(field(b->render_status(id), "state"), "admitted");
+}
+
+TEST(Attach, WholeNeedCountsAsTheSessionsOwn) {
+  auto b = make_broker();
+  Program a, c;
+  // 100M + 100M declared ephemeral each: as hosted sessions they could share one
+  // 100M lane; attached, each counts 200M and the second must wait.
+  const SessionId ia = attached_session(*b, a, "need persistent=100M ephemeral=100M\n");
+  const SessionId ic = attached_session(*b, c, "need persistent=0 ephemeral=100M\n");
+  EXPECT_EQ(field(b->render_status(ia), "state"), "admitted");
+  EXPECT_EQ(field(b->render_status(ic), "state"), "queued");
+  EXPECT_EQ(field(b->render_status(ia), "lane_size"), "0");
+  b->end_session(ia);
+  const auto end = std::chrono::steady_clock::now() + 2s;
+  while (field(b->render_status(ic), "state") != "admitted" &&
+         std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(2ms);
+  EXPECT_EQ(field(b->render_status(ic), "state"), "admitted");
+}
