@@ -376,3 +376,31 @@ TEST(Attach, WholeNeedCountsAsTheSessionsOwn) {
     std::this_thread::sleep_for(2ms);
   EXPECT_EQ(field(b->render_status(ic), "state"), "admitted");
 }
+
+// The GPU's own figure for the program's memory, from NVML's process list.
+class FakeTelemetry final : public GpuTelemetry {
+ public:
+  GpuTelemetrySnapshot snapshot(std::size_t) const override {
+    GpuTelemetrySnapshot t;
+    t.available = true;
+    t.readings.processes.emplace();
+    t.readings.processes->push_back({getpid(), std::uint64_t{123} << 20});
+    return t;
+  }
+};
+
+TEST(Attach, StatusShowsTheDriversFigureForTheProcess) {
+  {
+    auto b = make_broker();
+    Program p;
+    const SessionId id = attached_session(*b, p);
+    EXPECT_EQ(field(b->render_status(id), "memory_gpu"),
+              "unavailable (sim backend: no driver figure)");
+  }
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  Broker b(std::move(devs), BrokerConfig{}, std::make_unique<FakeTelemetry>());
+  Program p;
+  const SessionId id = attached_session(b, p);
+  EXPECT_EQ(field(b.render_status(id), "memory_gpu"), std::to_string(123u << 20));
+}
