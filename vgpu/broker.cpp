@@ -256,6 +256,7 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
   u.queued -= std::min(u.queued, s.queued_instances);
   const SessionId id = s.id;
   ++stats_.sessions_ended;
+  attached_.erase(id);
   sessions_.erase(id);  // `s` is gone from here on
   if (g) {
     g->sched.leave(id, now());  // frees its persistent buffers, lane and queue slot

@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "sched/gpu_scheduler.hpp"
@@ -316,6 +317,7 @@ class Broker {
   UniqueFd gate_stop_;
   std::thread gate_thread_;
   std::uint64_t gate_ticks_ = 0;
+  std::unordered_set<SessionId> attached_;  // sessions whose gate is served
 };
 
 }  // namespace salus::vgpu

@@ -102,6 +102,7 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
     return fail(e, fmt::format("cannot watch the gate: {}", std::strerror(e)));
   }
   s.gate = std::move(gate);
+  attached_.insert(s.id);
   set_budget(s);
   const std::uint64_t heartbeat = gate_load(G.heartbeat);
   gate_store(G.heartbeat, heartbeat + 1);
@@ -237,6 +238,7 @@ void Broker::detach_gate(Session& s, Deferred& later) {
   }
   s.in_flight = 0;
   gt.exited = true;  // nothing more is read from the gate
+  attached_.erase(s.id);
 }
 
 void Broker::gate_event(std::uint64_t key) {
@@ -273,9 +275,10 @@ void Broker::gate_tick() {
   std::lock_guard lk(mu_);
   ++gate_ticks_;
   const TimeNs t = now();
-  for (auto& [id, sp] : sessions_) {
+  for (SessionId id : attached_) {
+    Session* sp = get(id);
+    if (!sp || !sp->gate || sp->gate->exited) continue;
     Session& s = *sp;
-    if (!s.gate || s.gate->exited) continue;
     AttachedGate& gt = *s.gate;
     salus_gate& G = gt.g();
     std::atomic_ref<std::uint64_t>(G.heartbeat).fetch_add(1, std::memory_order_relaxed);
