@@ -38,6 +38,10 @@ std::string telemetry_lines(const GpuTelemetrySnapshot& t) {
 }  // namespace
 
 std::string Broker::render_status(SessionId id) const {
+  // The driver's own figures (NVML), taken before the lock (telemetry_of).
+  std::vector<GpuTelemetrySnapshot> telemetry;
+  if (telemetry_)
+    for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_of(i));
   std::lock_guard lk(mu_);
   const Session* s = get(id);
   if (!s) return "state: ended\n";
@@ -111,7 +115,57 @@ std::string Broker::render_status(SessionId id) const {
                                      : std::string("-"));
   kv("error",
      s->error ? fmt::format("{} {}", strerrorname_np(s->error), s->error_text) : std::string("-"));
+  kv("kind", s->gate ? "attached" : "hosted");
+  kv("pid", s->gate ? std::to_string(s->gate->pid) : std::string("-"));
+  if (s->gate)
+    render_gate_status(
+        *s, static_cast<std::size_t>(s->gpu) < telemetry.size() ? &telemetry[s->gpu] : nullptr, o);
   return o;
+}
+
+// The driver's figure for process `pid` on GPU `g` (NVML), or why there is none.
+std::string Broker::gpu_memory_of(pid_t pid, const Gpu& g, const GpuTelemetrySnapshot* t) const {
+  if (!t || !t->available) {
+    if (g.device->info().backend == "sim") return "unavailable (sim backend: no driver figure)";
+    return fmt::format("unavailable ({})", t ? t->why_not : std::string("no NVML telemetry"));
+  }
+  if (!t->readings.processes) return "unavailable (NVML gives no process list for this GPU)";
+  for (const auto& p : *t->readings.processes) {
+    if (p.pid != pid) continue;
+    return p.bytes ? std::to_string(*p.bytes)
+                   : std::string("unavailable (the driver does not give the process's memory)");
+  }
+  // NVML lists host pids; salusd in another pid namespace sees other numbers.
+  return fmt::format("0 (NVML lists no compute process {} on the GPU)", pid);
+}
+
+// The attached session's gate, as the program last reported it (salus(5)).
+void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
+                                std::string& o) const {
+  auto kv = [&](std::string_view k, const auto& v) { o += fmt::format("{}: {}\n", k, v); };
+  const AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  const std::uint32_t mark = gate_load(G.marking);
+  kv("gate", gt.exited ? "detached" : "attached");
+  kv("marking", mark == SALUS_MARK_EXPLICIT ? "explicit"
+                : mark == SALUS_MARK_SLICE  ? "slice"
+                                            : "none");
+  kv("iterations_requested", gate_load(G.requested));
+  kv("iterations_granted", gt.granted);
+  kv("iterations_completed", gate_load(G.completed));
+  const std::uint64_t budget = gate_load(G.budget_bytes);
+  kv("memory_budget", budget == UINT64_MAX ? std::string("unlimited") : std::to_string(budget));
+  kv("memory_charged", gate_load(G.charged_bytes));
+  kv("memory_peak", gate_load(G.peak_bytes));
+  const Gpu& g = *gpus_[static_cast<std::size_t>(s.gpu)];
+  kv("memory_gpu", gpu_memory_of(gt.pid, g, t));
+  kv("launches", gate_load(G.launches));
+  kv("gate_waits", gate_load(G.gate_waits));
+  kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(std::min<std::uint64_t>(
+                                               gate_load(G.gate_wait_ns), INT64_MAX)))));
+  kv("oom_refusals", gate_load(G.oom_refusals));
+  kv("yield_requests", gt.yields);
+  kv("quantum_ms", fmt::format("{:.3f}", ms(config_.quantum_ns)));
 }
 
 std::string Broker::render_log(SessionId id) const {
@@ -218,6 +272,7 @@ std::string Broker::render_policy() const {
                                       ? "strict"
                                       : fmt::format("bypass max_bypass={}", opts.max_bypass));
   o += fmt::format("pipeline_depth: {}\n", config_.pipeline_depth);
+  o += fmt::format("quantum_ms: {}\n", config_.quantum_ns / 1'000'000);
   o += "# policies: fifo (arrival order), pack (arrival order, as many lanes as fit),\n"
        "#   srtf (least (iters - done) x mean iteration time first; sessions without iters=\n"
        "#   rank last), fair (equal GPU time per lane by virtual time), priority (larger\n"
@@ -352,6 +407,20 @@ class MetricsText {
       if (const auto& v = telemetry[i].readings.*field)
         o_ += fmt::format("{}{{gpu=\"{}\"}} {}\n", name, i, fmt::format(fmt::runtime(format), *v));
   }
+  // Attached sessions only, labelled with their program's pid: value(gate)
+  // reads what the program reports. Absent when no session is attached.
+  template <class Sessions, class Value>
+  void per_gate(const Sessions& sessions, std::string_view name, std::string_view type,
+                std::string_view help, Value value) {
+    bool any = false;
+    for (const auto& [id, s] : sessions) any = any || s->gate != nullptr;
+    if (!any) return;
+    family(name, type, help);
+    for (const auto& [id, s] : sessions)
+      if (s->gate)
+        o_ += fmt::format("{}{{session=\"{}\",uid=\"{}\",pid=\"{}\"}} {}\n", name, s->dir_name,
+                          s->uid, s->gate->pid, value(s->gate->g()));
+  }
   std::string take() { return std::move(o_); }
 
  private:
@@ -423,6 +492,32 @@ std::string Broker::render_metrics() const {
                   if (s.state == SessionState::queued) waited += now() - s.queued_at;
                   return seconds(waited);
                 });
+  // Attached sessions: what their programs report through the gate.
+  m.per_gate(sessions_, "salus_session_memory_charged_bytes", "gauge",
+             "Attached session: device memory its program holds now.",
+             [](salus_gate& G) { return gate_load(G.charged_bytes); });
+  m.per_gate(sessions_, "salus_session_memory_peak_bytes", "gauge",
+             "Attached session: the most device memory its program held.",
+             [](salus_gate& G) { return gate_load(G.peak_bytes); });
+  m.per_gate(sessions_, "salus_session_memory_budget_bytes", "gauge",
+             "Attached session: device memory its program may hold (-1: unlimited).",
+             [](salus_gate& G) {
+               const std::uint64_t b = gate_load(G.budget_bytes);
+               return b == UINT64_MAX ? std::string("-1") : std::to_string(b);
+             });
+  m.per_gate(sessions_, "salus_session_gate_waits_total", "counter",
+             "Attached session: iteration boundaries that waited for a grant.",
+             [](salus_gate& G) { return gate_load(G.gate_waits); });
+  m.per_gate(sessions_, "salus_session_gate_wait_seconds_total", "counter",
+             "Attached session: time its boundaries waited for grants.", [](salus_gate& G) {
+               return fmt::format("{:.9f}", static_cast<double>(gate_load(G.gate_wait_ns)) / 1e9);
+             });
+  m.per_gate(sessions_, "salus_session_launches_total", "counter",
+             "Attached session: kernel launches its program made.",
+             [](salus_gate& G) { return gate_load(G.launches); });
+  m.per_gate(sessions_, "salus_session_oom_refusals_total", "counter",
+             "Attached session: allocations refused for its budget.",
+             [](salus_gate& G) { return gate_load(G.oom_refusals); });
   m.single("salus_sessions", "gauge", "Live sessions.", sessions_.size());
   m.single("salus_iterations_total", "counter", "Iterations finished on all GPUs.",
            stats_.iterations);
