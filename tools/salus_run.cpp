@@ -44,9 +44,9 @@ using namespace salus::cli;
 using salus::run::RunOptions;
 
 // Status keys of an attached session (salusd's gate mirror; see salus.5 status).
-constexpr const char* kIterKey = "iterations_done";
-constexpr const char* kPeakKey = "peak_bytes";
-constexpr const char* kChargedKey = "charged_bytes";
+constexpr const char* kIterKey = "iterations_completed";
+constexpr const char* kPeakKey = "memory_peak";
+constexpr const char* kChargedKey = "memory_charged";
 constexpr const char* kOomKey = "oom_refusals";
 
 void warn(const std::string& msg) {
@@ -81,7 +81,7 @@ std::optional<std::string> find_shim() {
   }
   const std::string d = exe_dir();
   for (const std::string& c :
-       {d + "/libsalus-shim.so", d + "/../client/libsalus-shim.so", d + "/../shim/libsalus-shim.so",
+       {d + "/libsalus-shim.so", d + "/../client/shim/libsalus-shim.so",
         d + "/../lib/salus/libsalus-shim.so", d + "/../lib/libsalus-shim.so",
         std::string(SALUS_SHIM_INSTALLED)})
     if (exists(c)) return real(c);
@@ -284,13 +284,9 @@ class Measure {
   // Returns the `need` line to write once the first K iterations are measured.
   std::optional<std::string> feed(const KeyValues& st) {
     if (done_) return std::nullopt;
-    if (!st.count(kPeakKey) || !st.count(kIterKey)) {
-      if (!warned_) warn("--measure: salusd shows no peak_bytes in the session's status "
-                         "(is the program attached?); keeping the provisional need");
-      warned_ = true;
-      return std::nullopt;
-    }
+    if (!st.count(kPeakKey) || !st.count(kIterKey)) return std::nullopt;  // not attached yet
     const auto iters = num(st, kIterKey);
+    seen_ = iters;
     if (iters >= 1) persistent_ = std::min(persistent_, num(st, kChargedKey));
     if (iters < o_.measure_iters) return std::nullopt;
     done_ = true;
@@ -300,10 +296,18 @@ class Measure {
                      num(st, kPeakKey), iters, persistent_, p, e));
     return salus::run::need_line(o_, std::to_string(p), std::to_string(e), std::nullopt);
   }
+  // At the program's exit: say so when the measurement never completed.
+  void finish() const {
+    if (!done_)
+      warn(fmt::format("--measure: the program ended after {} of the {} iterations to measure; "
+                       "the provisional need stayed",
+                       seen_, o_.measure_iters));
+  }
 
  private:
   const RunOptions& o_;
-  bool done_ = false, warned_ = false;
+  bool done_ = false;
+  unsigned long long seen_ = 0;
   unsigned long long persistent_ = ~0ULL;
 };
 
@@ -355,6 +359,7 @@ RunResult run_child(const Ctx& ctx, Session& s, const RunOptions& o, ChildEnv en
     ::close(oom_pipe[0]);
   }
   res.rc = exit_status_of(wstatus);
+  if (measure && res.rc == 0) measure->finish();
   return res;
 }
 
@@ -428,6 +433,10 @@ RunResult run_once(const Ctx& ctx, const RunOptions& o, const std::string& need,
 }
 
 int run(const Ctx& ctx, const RunOptions& o) {
+  // Checked before anything is created, for a clear message.
+  std::string version;
+  if (const int err = try_read(ctx.path("version"), version))
+    fail_file(ctx, ctx.path("version"), err);
   ChildEnv env;
   env.mount = ctx.mount;
   if (const auto shim = find_shim()) {
@@ -443,10 +452,6 @@ int run(const Ctx& ctx, const RunOptions& o) {
     env.automark_dir = *d;
   }
   env.python_dir = find_data("python", "salus.py", SALUS_PYTHON_SOURCE).value_or("");
-  // Checked before anything is created, for a clear message.
-  std::string version;
-  if (const int err = try_read(ctx.path("version"), version))
-    fail_file(ctx, ctx.path("version"), err);
   SignalFd sigs({SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT});
   RunResult r = run_once(ctx, o, first_need(ctx, o), env, sigs);
   const bool oom = r.oom_refusals > 0 || r.oom_reported;

@@ -66,10 +66,9 @@ std::optional<std::string> check(RunOptions& o) {
 std::optional<std::string> parse_args(int argc, char** argv, RunOptions& o, std::string& mount) {
   CLI::App app{
       "salus-run: run a program (e.g. a PyTorch script) as a Salus session, scheduled by "
-      "salusd at its iteration boundaries"};
+      "salusd at its iteration boundaries\nUsage: salus-run [OPTIONS] -- PROGRAM [ARGS...]"};
   app.set_version_flag("--version",
                        fmt::format("salus-run {} (api {})", SALUS_VERSION, SALUS_API_VERSION));
-  app.usage("salus-run [OPTIONS] -- PROGRAM [ARGS...]");
   app.prefix_command(true);
   app.add_option("--persistent", o.persistent, "Memory held across iterations, e.g. 512M");
   app.add_option("--ephemeral", o.ephemeral, "Memory used within an iteration, e.g. 1G");
