@@ -10,6 +10,14 @@
 // CUDA_ERROR_ILLEGAL_ADDRESS until cuDevicePrimaryCtxReset.
 //
 // Only for tests: selected with LD_LIBRARY_PATH by tests/gpu/meson.build.
+//
+// For libsalus-shim's tests (tests/gpu/test_shim.cpp) it also has what a
+// program's own CUDA use reaches: the driver entry points at several versions
+// (cuGetProcAddress v1 and v2, cuMemGetInfo v1 and v2), a few exported symbols
+// for dlsym, stream-ordered allocation, VMM handles, managed memory, the other
+// launch calls, and the legacy NULL stream, which salusd must never use and
+// which is therefore emulated only with SALUS_MOCK_LEGACY_STREAM=1 in the
+// environment.
 #include <cuda.h>
 
 #include <algorithm>
@@ -93,7 +101,10 @@ struct State {
   std::map<std::uintptr_t, std::size_t> pinned;
   std::map<std::uintptr_t, std::size_t> registered;  // the caller's memory, page-locked
   std::size_t used = 0;
-  std::vector<MockStream*> streams;  // of the current generation
+  std::vector<MockStream*> streams;                         // of the current generation
+  MockStream* legacy = nullptr;                             // the NULL stream, made on first use
+  std::map<std::uintptr_t, void*> mapped;                   // VMM mappings: address -> MockHandle
+  std::uintptr_t next_va = std::uintptr_t{0x7e0000000000};  // cuMemAddressReserve
 };
 // Never destroyed: detached stream threads may still wait on it at exit.
 State& g = *new State;
@@ -277,8 +288,20 @@ void stream_loop(MockStream* s) {
   }
 }
 
+// Caller holds g.mu.
+MockStream* legacy_stream_locked() {
+  static const bool allowed = std::getenv("SALUS_MOCK_LEGACY_STREAM") != nullptr;
+  if (!allowed) misuse("the NULL stream is not emulated (salusd must use its own streams)");
+  if (g.legacy == nullptr) {
+    g.legacy = keep(new MockStream);
+    g.legacy->gen = g.gen;
+    g.streams.push_back(g.legacy);
+    std::thread(stream_loop, g.legacy).detach();
+  }
+  return g.legacy;
+}
 MockStream* stream_of(CUstream h) {
-  if (h == nullptr) misuse("the NULL stream is not emulated (salusd must use its own streams)");
+  if (h == nullptr || h == CU_STREAM_LEGACY) return legacy_stream_locked();
   auto* s = reinterpret_cast<MockStream*>(h);
   if (s->gen != g.gen) misuse("stream %p used after a context reset", static_cast<void*>(s));
   if (s->destroyed) misuse("stream %p used after cuStreamDestroy", static_cast<void*>(s));
@@ -323,6 +346,8 @@ void destroy_everything_locked(std::unique_lock<std::mutex>& lk) {
     return std::none_of(g.streams.begin(), g.streams.end(), [](MockStream* s) { return s->busy; });
   });
   g.streams.clear();  // threads were detached; objects leak on purpose (stale handles abort)
+  g.legacy = nullptr;
+  g.mapped.clear();
   for (auto& [p, n] : g.device) std::free(reinterpret_cast<void*>(p));
   for (auto& [p, n] : g.pinned) std::free(reinterpret_cast<void*>(p));
   g.device.clear();
@@ -804,13 +829,149 @@ CUresult m_cuLaunchHostFunc(CUstream h, CUhostFn fn, void* user) {
   return CUDA_SUCCESS;
 }
 
+// ---- what a program's own CUDA use reaches (libsalus-shim's tests) ----
+
+CUresult m_cuCtxGetCurrent(CUcontext* c) {
+  *c = t_current;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemGetInfo_v1(unsigned* free, unsigned* total) {
+  ENTER();
+  *free = static_cast<unsigned>(kTotalMemory - g.used);
+  *total = static_cast<unsigned>(kTotalMemory);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemAllocPitch(CUdeviceptr* p, std::size_t* pitch, std::size_t width,
+                           std::size_t height, unsigned elem) {
+  if (elem != 4 && elem != 8 && elem != 16) return CUDA_ERROR_INVALID_VALUE;
+  const std::size_t row = (width + 511) / 512 * 512;  // rows padded to 512 bytes
+  if (CUresult r = m_cuMemAlloc(p, row * height); r != CUDA_SUCCESS) return r;
+  *pitch = row;
+  return CUDA_SUCCESS;
+}
+// Stream-ordered allocation: the memory is taken at once, freed in stream order.
+CUresult m_cuMemAllocAsync(CUdeviceptr* p, std::size_t n, CUstream h) {
+  {
+    ENTER();
+    stream_of(h);
+  }
+  return m_cuMemAlloc(p, n);
+}
+CUresult m_cuMemAllocFromPoolAsync(CUdeviceptr* p, std::size_t n, CUmemoryPool pool, CUstream h) {
+  if (pool == nullptr) misuse("cuMemAllocFromPoolAsync with a null pool");
+  return m_cuMemAllocAsync(p, n, h);
+}
+CUresult m_cuMemFreeAsync(CUdeviceptr p, CUstream h) {
+  ENTER();
+  MockStream* s = stream_of(h);
+  if (g.device.find(p) == g.device.end()) misuse("cuMemFreeAsync of %#llx, not an allocation", p);
+  push(s, [p] {
+    std::lock_guard l(g.mu);
+    auto it = g.device.find(p);
+    g.used -= it->second;
+    std::free(reinterpret_cast<void*>(p));
+    g.device.erase(it);
+  });
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemPoolTrimTo(CUmemoryPool pool, std::size_t) {
+  return pool == nullptr ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+CUresult m_cuMemAllocManaged(CUdeviceptr* p, std::size_t n, unsigned) {
+  return m_cuMemAlloc(p, n);
+}
+// VMM: a physical handle counts in `used` from cuMemCreate until it is released
+// and unmapped everywhere, as on a real GPU.
+struct MockHandle {
+  std::size_t size;
+  int maps = 0;
+  bool released = false;
+};
+CUresult m_cuMemCreate(CUmemGenericAllocationHandle* h, std::size_t n,
+                       const CUmemAllocationProp* prop, unsigned long long flags) {
+  ENTER();
+  if (prop == nullptr || flags != 0 || n == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
+    return CUDA_ERROR_INVALID_DEVICE;
+  if (n > kTotalMemory - g.used) return CUDA_ERROR_OUT_OF_MEMORY;
+  g.used += n;
+  *h = reinterpret_cast<CUmemGenericAllocationHandle>(keep(new MockHandle{n}));
+  return CUDA_SUCCESS;
+}
+void drop_handle_locked(MockHandle* m) {
+  if (m->released && m->maps == 0) g.used -= m->size;
+}
+CUresult m_cuMemRelease(CUmemGenericAllocationHandle h) {
+  ENTER();
+  auto* m = reinterpret_cast<MockHandle*>(h);
+  if (m->released) misuse("cuMemRelease twice");
+  m->released = true;
+  drop_handle_locked(m);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemAddressReserve(CUdeviceptr* p, std::size_t n, std::size_t, CUdeviceptr,
+                               unsigned long long) {
+  ENTER();
+  *p = g.next_va;
+  g.next_va += (n + 0x1fffff) / 0x200000 * 0x200000;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemAddressFree(CUdeviceptr, std::size_t) {
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemMap(CUdeviceptr p, std::size_t n, std::size_t off, CUmemGenericAllocationHandle h,
+                    unsigned long long flags) {
+  ENTER();
+  auto* m = reinterpret_cast<MockHandle*>(h);
+  if (m->released || off != 0 || n != m->size || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  if (!g.mapped.emplace(p, m).second) misuse("cuMemMap over a mapping");
+  ++m->maps;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemUnmap(CUdeviceptr p, std::size_t n) {
+  ENTER();
+  for (auto it = g.mapped.lower_bound(p); it != g.mapped.end() && it->first < p + n;) {
+    auto* m = static_cast<MockHandle*>(it->second);
+    --m->maps;
+    drop_handle_locked(m);
+    it = g.mapped.erase(it);
+  }
+  return CUDA_SUCCESS;
+}
+CUresult m_cuLaunchKernelEx(const CUlaunchConfig* c, CUfunction f, void** params, void** extra) {
+  return m_cuLaunchKernel(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY,
+                          c->blockDimZ, c->sharedMemBytes, c->hStream, params, extra);
+}
+CUresult m_cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                     unsigned bx, unsigned by, unsigned bz, unsigned smem,
+                                     CUstream h, void** params) {
+  return m_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, h, params, nullptr);
+}
+// A graph is not emulated: any non-null handle launches as an empty unit of work.
+CUresult m_cuGraphLaunch(CUgraphExec e, CUstream h) {
+  ENTER();
+  if (e == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  push(stream_of(h), [] {});
+  return CUDA_SUCCESS;
+}
+CUresult m_cuStreamIsCapturing(CUstream h, CUstreamCaptureStatus* st) {
+  ENTER();
+  stream_of(h);
+  *st = CU_STREAM_CAPTURE_STATUS_NONE;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuGetProcAddress_v1(const char* symbol, void** pfn, int version, cuuint64_t flags);
+
 struct Entry {
   const char* name;
   void* fn;
-  int version;  // the version salusd must ask for
+  int version;  // salusd's: the version it must ask for; others: the version it came in
+  bool strict = true;
 };
 #define E(n, v) \
   { #n, reinterpret_cast < void*>(&m_##n), v }
+#define V(n, f, v) \
+  { #n, reinterpret_cast < void*>(&f), v, false }
 const Entry kEntries[] = {
     E(cuGetErrorName, 12000),
     E(cuGetErrorString, 12000),
@@ -856,30 +1017,101 @@ const Entry kEntries[] = {
     E(cuLaunchHostFunc, 12000),
     E(cuFuncGetAttribute, 12000),
     E(cuFuncGetParamInfo, 12040),
+    // libsalus-shim's tests: an entry answers every version from its own up to
+    // the next entry of the same name, as the real driver does.
+    V(cuGetProcAddress, m_cuGetProcAddress_v1, 11030),
+    V(cuGetProcAddress, cuGetProcAddress_v2, 12000),
+    V(cuMemGetInfo, m_cuMemGetInfo_v1, 2000),
+    V(cuCtxGetCurrent, m_cuCtxGetCurrent, 4000),
+    V(cuMemAllocPitch, m_cuMemAllocPitch, 3020),
+    V(cuMemAllocAsync, m_cuMemAllocAsync, 11020),
+    V(cuMemAllocFromPoolAsync, m_cuMemAllocFromPoolAsync, 11020),
+    V(cuMemFreeAsync, m_cuMemFreeAsync, 11020),
+    V(cuMemPoolTrimTo, m_cuMemPoolTrimTo, 11020),
+    V(cuMemAllocManaged, m_cuMemAllocManaged, 6000),
+    V(cuMemCreate, m_cuMemCreate, 10020),
+    V(cuMemRelease, m_cuMemRelease, 10020),
+    V(cuMemAddressReserve, m_cuMemAddressReserve, 10020),
+    V(cuMemAddressFree, m_cuMemAddressFree, 10020),
+    V(cuMemMap, m_cuMemMap, 10020),
+    V(cuMemUnmap, m_cuMemUnmap, 10020),
+    V(cuLaunchKernelEx, m_cuLaunchKernelEx, 11060),
+    V(cuLaunchCooperativeKernel, m_cuLaunchCooperativeKernel, 9000),
+    V(cuGraphLaunch, m_cuGraphLaunch, 10000),
+    V(cuStreamIsCapturing, m_cuStreamIsCapturing, 10000),
 };
 #undef E
+#undef V
+
+// The newest entry of `symbol` at or below `version`, as the driver answers.
+const Entry* lookup(const char* symbol, int version, bool* too_old) {
+  const Entry* best = nullptr;
+  *too_old = false;
+  for (const Entry& e : kEntries) {
+    if (std::strcmp(e.name, symbol) != 0) continue;
+    if (e.version > version) {
+      *too_old = true;
+      continue;
+    }
+    if (best == nullptr || e.version > best->version) best = &e;
+  }
+  if (best != nullptr) *too_old = false;
+  return best;
+}
 
 }  // namespace
 
-// The only symbol salusd takes from dlsym.
+// salusd takes only cuGetProcAddress_v2 from dlsym; libsalus-shim's tests take
+// the others below too.
 extern "C" __attribute__((visibility("default"))) CUresult cuGetProcAddress_v2(
     const char* symbol, void** pfn, int version, cuuint64_t flags,
     CUdriverProcAddressQueryResult* status) {
-  if (flags != CU_GET_PROC_ADDRESS_DEFAULT) misuse("cuGetProcAddress flags %llu", flags);
-  for (const Entry& e : kEntries)
-    if (std::strcmp(e.name, symbol) == 0) {
-      if (version < e.version) {
-        *pfn = nullptr;
-        if (status) *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
-        return CUDA_ERROR_NOT_FOUND;
-      }
-      if (version != e.version)
-        misuse("%s asked for at version %d, not %d", symbol, version, e.version);
-      *pfn = e.fn;
-      if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
-      return CUDA_SUCCESS;
-    }
+  if ((flags & ~cuuint64_t{CU_GET_PROC_ADDRESS_LEGACY_STREAM |
+                           CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM}) != 0)
+    misuse("cuGetProcAddress flags %llu", flags);
+  bool too_old = false;
+  if (const Entry* e = lookup(symbol, version, &too_old)) {
+    if (e->strict && version != e->version)
+      misuse("%s asked for at version %d, not %d", symbol, version, e->version);
+    *pfn = e->fn;
+    if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+    return CUDA_SUCCESS;
+  }
   *pfn = nullptr;
-  if (status) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  if (status)
+    *status =
+        too_old ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
   return CUDA_ERROR_NOT_FOUND;
+}
+
+namespace {
+CUresult m_cuGetProcAddress_v1(const char* symbol, void** pfn, int version, cuuint64_t flags) {
+  return cuGetProcAddress_v2(symbol, pfn, version, flags, nullptr);
+}
+}  // namespace
+
+// A few exported entry points, for a program that takes them with dlsym (or
+// links them) instead of asking cuGetProcAddress.
+#define MOCK_EXPORT extern "C" __attribute__((visibility("default")))
+#undef cuGetProcAddress
+MOCK_EXPORT CUresult cuGetProcAddress(const char* symbol, void** pfn, int version,
+                                      cuuint64_t flags) {
+  return m_cuGetProcAddress_v1(symbol, pfn, version, flags);
+}
+MOCK_EXPORT CUresult cuInit(unsigned flags) {
+  return m_cuInit(flags);
+}
+MOCK_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t n) {
+  return m_cuMemAlloc(p, n);
+}
+MOCK_EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  return m_cuMemFree(p);
+}
+MOCK_EXPORT CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
+  return m_cuMemGetInfo(free, total);
+}
+MOCK_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                    unsigned bx, unsigned by, unsigned bz, unsigned smem,
+                                    CUstream h, void** params, void** extra) {
+  return m_cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, h, params, extra);
 }

@@ -1,0 +1,478 @@
+// What the hooked driver entry points do before they reach libcuda.
+//
+// Memory: every allocation path is charged to the session before the driver
+// sees it and refunded when it is freed, so the session never holds more than
+// its budget (gate->budget_bytes). Charges are tracked by device pointer
+// (cuMemAlloc*, stream-ordered allocations) or by physical handle (cuMemCreate:
+// the charge follows the handle until it is released *and* unmapped, which is
+// when the driver gives the memory back). Managed memory is refused: the driver
+// can place it on any device and evict it at will, so it cannot be held to a
+// budget. The device comes from the allocation itself (prop->location), never
+// from cuCtxGetDevice, which fails on threads without a context.
+//
+// Launches: a relaxed increment of gate->launches and a relaxed load of
+// gate->yield_requested; nothing else on that path.
+#include <cinttypes>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "client/shim/shim.hpp"
+
+#define SALUS_EXPORT __attribute__((visibility("default")))
+
+namespace salus::shim {
+namespace {
+
+std::atomic<std::uint64_t> g_charged{0};
+std::atomic<std::uint64_t> g_peak{0};
+
+// Device pointer -> bytes charged, sharded so that allocating threads rarely
+// meet on one lock. Heap-allocated and never destroyed: hooks may run from
+// other libraries' constructors and destructors.
+struct Shard {
+  std::mutex mu;
+  std::unordered_map<CUdeviceptr, std::uint64_t> bytes;
+};
+constexpr std::size_t kShards = 64;
+Shard* shards() {
+  static Shard* s = new Shard[kShards];
+  return s;
+}
+Shard& shard_of(CUdeviceptr p) {
+  return shards()[(p >> 9) % kShards];  // allocations are at least 512-byte aligned
+}
+
+// VMM: physical handles and where they are mapped.
+struct Handle {
+  std::uint64_t bytes = 0;  // charged (0 for host-located handles)
+  int maps = 0;
+  bool released = false;
+};
+struct Vmm {
+  std::mutex mu;
+  std::unordered_map<CUmemGenericAllocationHandle, Handle> handles;
+  std::map<CUdeviceptr, CUmemGenericAllocationHandle> mappings;
+};
+Vmm& vmm() {
+  static Vmm* v = new Vmm;
+  return *v;
+}
+
+// Mirrors the process's figures into the gate. A thread that stored a value
+// another thread has since changed stores again, so the gate ends up exact.
+void publish() {
+  salus_gate* g = gate();
+  std::uint64_t v;
+  do {
+    v = g_charged.load(std::memory_order_acquire);
+    __atomic_store_n(&g->charged_bytes, v, __ATOMIC_RELAXED);
+  } while (g_charged.load(std::memory_order_acquire) != v);
+  do {
+    v = g_peak.load(std::memory_order_acquire);
+    __atomic_store_n(&g->peak_bytes, v, __ATOMIC_RELAXED);
+  } while (g_peak.load(std::memory_order_acquire) != v);
+}
+
+void refuse(salus_gate* g, std::uint64_t budget, std::uint64_t charged, std::uint64_t n,
+            const char* what) {
+  __atomic_fetch_add(&g->oom_refusals, 1, __ATOMIC_RELAXED);
+  char line[200];
+  std::snprintf(line, sizeof line,
+                "out of memory: budget %" PRIu64 ", charged %" PRIu64 ", request %" PRIu64 " (%s)",
+                budget, charged, n, what);
+  post_note(line);
+}
+
+// Charges n bytes, or refuses (note + oom_refusals) if that would pass the budget.
+bool charge(std::uint64_t n, const char* what) {
+  salus_gate* g = gate();
+  const std::uint64_t budget = __atomic_load_n(&g->budget_bytes, __ATOMIC_ACQUIRE);
+  std::uint64_t cur = g_charged.load(std::memory_order_relaxed);
+  do {
+    if (budget != UINT64_MAX && (n > budget || cur > budget - n)) {
+      refuse(g, budget, cur, n, what);
+      return false;
+    }
+  } while (!g_charged.compare_exchange_weak(cur, cur + n, std::memory_order_acq_rel));
+  std::uint64_t peak = g_peak.load(std::memory_order_relaxed);
+  while (cur + n > peak && !g_peak.compare_exchange_weak(peak, cur + n)) {
+  }
+  publish();
+  return true;
+}
+
+void refund(std::uint64_t n) {
+  if (n == 0) return;
+  g_charged.fetch_sub(n, std::memory_order_acq_rel);
+  publish();
+}
+
+void track(CUdeviceptr p, std::uint64_t n) {
+  Shard& s = shard_of(p);
+  std::lock_guard lk(s.mu);
+  s.bytes[p] = n;
+}
+// The bytes charged for p, forgotten; 0 if p is not ours (e.g. allocated
+// before the shim saw the driver, or through an unhooked newer entry point).
+std::uint64_t untrack(CUdeviceptr p) {
+  Shard& s = shard_of(p);
+  std::lock_guard lk(s.mu);
+  auto it = s.bytes.find(p);
+  if (it == s.bytes.end()) return 0;
+  const std::uint64_t n = it->second;
+  s.bytes.erase(it);
+  return n;
+}
+
+// An allocation of n bytes through `call`: charged first, refunded on failure.
+template <typename Call>
+CUresult charged_alloc(CUdeviceptr* p, std::uint64_t n, const char* what, Call call) {
+  if (!charge(n, what)) return CUDA_ERROR_OUT_OF_MEMORY;
+  const CUresult r = call();
+  if (r != CUDA_SUCCESS || p == nullptr) {
+    refund(n);
+    return r;
+  }
+  track(*p, n);
+  return r;
+}
+
+inline void on_launch(CUstream stream) {
+  salus_gate* g = gate();
+  __atomic_fetch_add(&g->launches, 1, __ATOMIC_RELAXED);
+  if (__builtin_expect(__atomic_load_n(&g->yield_requested, __ATOMIC_RELAXED) != 0, 0))
+    implicit_boundary(stream);
+}
+
+// Drops one mapping of h; refunds h once it is released and mapped nowhere. Caller holds v.mu.
+std::uint64_t unmap_locked(Vmm& v, CUmemGenericAllocationHandle h) {
+  auto it = v.handles.find(h);
+  if (it == v.handles.end()) return 0;
+  if (it->second.maps > 0) --it->second.maps;
+  if (!it->second.released || it->second.maps > 0) return 0;
+  const std::uint64_t n = it->second.bytes;
+  v.handles.erase(it);
+  return n;
+}
+
+}  // namespace
+
+std::uint64_t charged_now() {
+  return g_charged.load(std::memory_order_acquire);
+}
+
+}  // namespace salus::shim
+
+using namespace salus::shim;
+
+// ---- memory ----
+
+extern "C" SALUS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t n) {
+  auto f = real<PFN_cuMemAlloc_v3020>(kMemAlloc);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  return charged_alloc(p, n, "cuMemAlloc", [&] { return f(p, n); });
+}
+
+extern "C" SALUS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr* p, std::size_t* pitch,
+                                                    std::size_t width, std::size_t height,
+                                                    unsigned elem) {
+  auto f = real<PFN_cuMemAllocPitch_v3020>(kMemAllocPitch);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  // The pitch is the driver's choice: charge width*height first, then the padding.
+  const std::uint64_t base = std::uint64_t{width} * height;
+  if (!charge(base, "cuMemAllocPitch")) return CUDA_ERROR_OUT_OF_MEMORY;
+  const CUresult r = f(p, pitch, width, height, elem);
+  if (r != CUDA_SUCCESS) {
+    refund(base);
+    return r;
+  }
+  const std::uint64_t total = std::uint64_t{*pitch} * height;
+  if (total > base && !charge(total - base, "cuMemAllocPitch")) {
+    if (auto fr = real<PFN_cuMemFree_v3020>(kMemFree)) fr(*p);
+    refund(base);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  track(*p, total > base ? total : base);
+  return r;
+}
+
+extern "C" SALUS_EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  auto f = real<PFN_cuMemFree_v3020>(kMemFree);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  const CUresult r = f(p);
+  if (r == CUDA_SUCCESS) refund(untrack(p));
+  return r;
+}
+
+// The session's view: its budget is the card. PyTorch sizes its allocator
+// (and the cudaMallocAsync backend checks free <= total) from this.
+extern "C" SALUS_EXPORT CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t* total) {
+  auto f = real<PFN_cuMemGetInfo_v3020>(kMemGetInfo);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  const CUresult r = f(free, total);
+  const std::uint64_t budget = __atomic_load_n(&gate()->budget_bytes, __ATOMIC_ACQUIRE);
+  if (r != CUDA_SUCCESS || budget == UINT64_MAX || free == nullptr || total == nullptr) return r;
+  const std::uint64_t charged = charged_now();
+  const std::uint64_t left = charged >= budget ? 0 : budget - charged;
+  *total = budget;
+  if (*free > left) *free = left;
+  return r;
+}
+
+namespace {
+template <int Slot>
+CUresult alloc_async(CUdeviceptr* p, std::size_t n, CUstream s) {
+  auto f = real<PFN_cuMemAllocAsync_v11020>(kMemAllocAsync, Slot);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  return charged_alloc(p, n, "cuMemAllocAsync", [&] { return f(p, n, s); });
+}
+template <int Slot>
+CUresult alloc_from_pool_async(CUdeviceptr* p, std::size_t n, CUmemoryPool pool, CUstream s) {
+  auto f = real<PFN_cuMemAllocFromPoolAsync_v11020>(kMemAllocFromPoolAsync, Slot);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  return charged_alloc(p, n, "cuMemAllocFromPoolAsync", [&] { return f(p, n, pool, s); });
+}
+// Refunded when the free is enqueued: the pool may keep the pages reserved
+// (until cuMemPoolTrimTo), but the session no longer holds them, and the
+// driver's own free figure in cuMemGetInfo still bounds what is left.
+template <int Slot>
+CUresult free_async(CUdeviceptr p, CUstream s) {
+  auto f = real<PFN_cuMemFreeAsync_v11020>(kMemFreeAsync, Slot);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  const CUresult r = f(p, s);
+  if (r == CUDA_SUCCESS) refund(untrack(p));
+  return r;
+}
+}  // namespace
+
+extern "C" SALUS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr* p, std::size_t n, CUstream s) {
+  return alloc_async<0>(p, n, s);
+}
+extern "C" SALUS_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr* p, std::size_t n, CUstream s) {
+  return alloc_async<1>(p, n, s);
+}
+extern "C" SALUS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr* p, std::size_t n,
+                                                         CUmemoryPool pool, CUstream s) {
+  return alloc_from_pool_async<0>(p, n, pool, s);
+}
+extern "C" SALUS_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr* p, std::size_t n,
+                                                              CUmemoryPool pool, CUstream s) {
+  return alloc_from_pool_async<1>(p, n, pool, s);
+}
+extern "C" SALUS_EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+  return free_async<0>(p, s);
+}
+extern "C" SALUS_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) {
+  return free_async<1>(p, s);
+}
+
+extern "C" SALUS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* h, std::size_t n,
+                                             const CUmemAllocationProp* prop,
+                                             unsigned long long flags) {
+  auto f = real<PFN_cuMemCreate_v10020>(kMemCreate);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  // Only device-located memory counts against the GPU budget (host VMM does not).
+  const bool on_device = prop != nullptr && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
+  const std::uint64_t bytes = on_device ? n : 0;
+  if (bytes > 0 && !charge(bytes, "cuMemCreate")) return CUDA_ERROR_OUT_OF_MEMORY;
+  const CUresult r = f(h, n, prop, flags);
+  if (r != CUDA_SUCCESS || h == nullptr) {
+    refund(bytes);
+    return r;
+  }
+  Vmm& v = vmm();
+  std::lock_guard lk(v.mu);
+  v.handles[*h] = Handle{bytes};
+  return r;
+}
+
+extern "C" SALUS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+  auto f = real<PFN_cuMemRelease_v10020>(kMemRelease);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  const CUresult r = f(h);
+  if (r != CUDA_SUCCESS) return r;
+  std::uint64_t n = 0;
+  {
+    Vmm& v = vmm();
+    std::lock_guard lk(v.mu);
+    auto it = v.handles.find(h);
+    if (it != v.handles.end()) {
+      it->second.released = true;
+      if (it->second.maps == 0) {
+        n = it->second.bytes;
+        v.handles.erase(it);
+      }
+    }
+  }
+  refund(n);
+  return r;
+}
+
+extern "C" SALUS_EXPORT CUresult cuMemMap(CUdeviceptr p, std::size_t n, std::size_t off,
+                                          CUmemGenericAllocationHandle h,
+                                          unsigned long long flags) {
+  auto f = real<PFN_cuMemMap_v10020>(kMemMap);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  const CUresult r = f(p, n, off, h, flags);
+  if (r != CUDA_SUCCESS) return r;
+  Vmm& v = vmm();
+  std::lock_guard lk(v.mu);
+  auto it = v.handles.find(h);
+  if (it != v.handles.end()) {
+    ++it->second.maps;
+    v.mappings[p] = h;
+  }
+  return r;
+}
+
+extern "C" SALUS_EXPORT CUresult cuMemUnmap(CUdeviceptr p, std::size_t n) {
+  auto f = real<PFN_cuMemUnmap_v10020>(kMemUnmap);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  const CUresult r = f(p, n);
+  if (r != CUDA_SUCCESS) return r;
+  std::uint64_t refunded = 0;
+  {
+    Vmm& v = vmm();
+    std::lock_guard lk(v.mu);
+    for (auto it = v.mappings.lower_bound(p); it != v.mappings.end() && it->first < p + n;) {
+      refunded += unmap_locked(v, it->second);
+      it = v.mappings.erase(it);
+    }
+  }
+  refund(refunded);
+  return r;
+}
+
+extern "C" SALUS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr*, std::size_t n, unsigned) {
+  char line[160];
+  std::snprintf(line, sizeof line,
+                "cuMemAllocManaged of %zu bytes refused: managed memory is not supported under "
+                "salus (it cannot be held to the session's budget)",
+                n);
+  post_note(line);
+  return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+// ---- launches and the async copies and sets (the gate's fallback net) ----
+
+#define SALUS_LAUNCH_HOOK(SYM, SLOT, FN, PFN, PARAMS, ARGS, STREAM) \
+  extern "C" SALUS_EXPORT CUresult SYM PARAMS {                     \
+    on_launch(STREAM);                                              \
+    auto real_fn = real<PFN>(FN, SLOT);                             \
+    if (real_fn == nullptr) return CUDA_ERROR_NOT_INITIALIZED;      \
+    return real_fn ARGS;                                            \
+  }
+#define SALUS_LAUNCH_HOOKS(SYM, FN, PFN, PARAMS, ARGS, STREAM) \
+  SALUS_LAUNCH_HOOK(SYM, 0, FN, PFN, PARAMS, ARGS, STREAM)     \
+  SALUS_LAUNCH_HOOK(SYM##_ptsz, 1, FN, PFN, PARAMS, ARGS, STREAM)
+
+SALUS_LAUNCH_HOOKS(cuLaunchKernel, kLaunchKernel, PFN_cuLaunchKernel_v4000,
+                   (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                    unsigned bz, unsigned smem, CUstream s, void** params, void** extra),
+                   (f, gx, gy, gz, bx, by, bz, smem, s, params, extra), s)
+SALUS_LAUNCH_HOOKS(cuLaunchKernelEx, kLaunchKernelEx, PFN_cuLaunchKernelEx_v11060,
+                   (const CUlaunchConfig* c, CUfunction f, void** params, void** extra),
+                   (c, f, params, extra), c != nullptr ? c->hStream : nullptr)
+SALUS_LAUNCH_HOOKS(cuLaunchCooperativeKernel, kLaunchCooperativeKernel,
+                   PFN_cuLaunchCooperativeKernel_v9000,
+                   (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                    unsigned bz, unsigned smem, CUstream s, void** params),
+                   (f, gx, gy, gz, bx, by, bz, smem, s, params), s)
+SALUS_LAUNCH_HOOKS(cuGraphLaunch, kGraphLaunch, PFN_cuGraphLaunch_v10000,
+                   (CUgraphExec e, CUstream s), (e, s), s)
+SALUS_LAUNCH_HOOKS(cuMemcpyHtoDAsync_v2, kMemcpyHtoDAsync, PFN_cuMemcpyHtoDAsync_v3020,
+                   (CUdeviceptr d, const void* h, std::size_t n, CUstream s), (d, h, n, s), s)
+SALUS_LAUNCH_HOOKS(cuMemcpyDtoHAsync_v2, kMemcpyDtoHAsync, PFN_cuMemcpyDtoHAsync_v3020,
+                   (void* h, CUdeviceptr d, std::size_t n, CUstream s), (h, d, n, s), s)
+SALUS_LAUNCH_HOOKS(cuMemcpyDtoDAsync_v2, kMemcpyDtoDAsync, PFN_cuMemcpyDtoDAsync_v3020,
+                   (CUdeviceptr d, CUdeviceptr src, std::size_t n, CUstream s), (d, src, n, s), s)
+SALUS_LAUNCH_HOOKS(cuMemcpyAsync, kMemcpyAsync, PFN_cuMemcpyAsync_v4000,
+                   (CUdeviceptr d, CUdeviceptr src, std::size_t n, CUstream s), (d, src, n, s), s)
+SALUS_LAUNCH_HOOKS(cuMemsetD8Async, kMemsetD8Async, PFN_cuMemsetD8Async_v3020,
+                   (CUdeviceptr d, unsigned char v, std::size_t n, CUstream s), (d, v, n, s), s)
+SALUS_LAUNCH_HOOKS(cuMemsetD32Async, kMemsetD32Async, PFN_cuMemsetD32Async_v3020,
+                   (CUdeviceptr d, unsigned v, std::size_t n, CUstream s), (d, v, n, s), s)
+
+// ---- the table cuGetProcAddress and dlsym answer from ----
+
+#undef cuGetProcAddress
+extern "C" CUresult cuGetProcAddress(const char*, void**, int, cuuint64_t);  // interpose.cpp
+
+namespace salus::shim {
+namespace {
+
+#define H(x) reinterpret_cast<void*>(&x)
+#define ONE(name, version, fn, hook)         \
+  {                                          \
+    name, version, fn, {H(hook), nullptr}, { \
+#hook, nullptr                         \
+    }                                        \
+  }
+#define TWO(name, version, fn, hook)                \
+  {                                                 \
+    name, version, fn, {H(hook), H(hook##_ptsz)}, { \
+#hook, #hook "_ptsz"                          \
+    }                                               \
+  }
+
+// Sorted by name, then version. Versions below an entry's first one are older
+// signatures (e.g. 32-bit cuMemAlloc before CUDA 3.2) and pass through unhooked.
+const HookEntry kHooks[] = {
+    ONE("cuGetProcAddress", 11030, kGetProcAddress, cuGetProcAddress),
+    ONE("cuGetProcAddress", 12000, kGetProcAddress_v2, cuGetProcAddress_v2),
+    TWO("cuGraphLaunch", 10000, kGraphLaunch, cuGraphLaunch),
+    ONE("cuInit", 2000, kInit, cuInit),
+    TWO("cuLaunchCooperativeKernel", 9000, kLaunchCooperativeKernel, cuLaunchCooperativeKernel),
+    TWO("cuLaunchKernel", 4000, kLaunchKernel, cuLaunchKernel),
+    TWO("cuLaunchKernelEx", 11060, kLaunchKernelEx, cuLaunchKernelEx),
+    ONE("cuMemAlloc", 3020, kMemAlloc, cuMemAlloc_v2),
+    TWO("cuMemAllocAsync", 11020, kMemAllocAsync, cuMemAllocAsync),
+    TWO("cuMemAllocFromPoolAsync", 11020, kMemAllocFromPoolAsync, cuMemAllocFromPoolAsync),
+    ONE("cuMemAllocManaged", 6000, kMemAllocManaged, cuMemAllocManaged),
+    ONE("cuMemAllocPitch", 3020, kMemAllocPitch, cuMemAllocPitch_v2),
+    ONE("cuMemCreate", 10020, kMemCreate, cuMemCreate),
+    ONE("cuMemFree", 3020, kMemFree, cuMemFree_v2),
+    TWO("cuMemFreeAsync", 11020, kMemFreeAsync, cuMemFreeAsync),
+    ONE("cuMemGetInfo", 3020, kMemGetInfo, cuMemGetInfo_v2),
+    ONE("cuMemMap", 10020, kMemMap, cuMemMap),
+    ONE("cuMemRelease", 10020, kMemRelease, cuMemRelease),
+    ONE("cuMemUnmap", 10020, kMemUnmap, cuMemUnmap),
+    TWO("cuMemcpyAsync", 4000, kMemcpyAsync, cuMemcpyAsync),
+    TWO("cuMemcpyDtoDAsync", 3020, kMemcpyDtoDAsync, cuMemcpyDtoDAsync_v2),
+    TWO("cuMemcpyDtoHAsync", 3020, kMemcpyDtoHAsync, cuMemcpyDtoHAsync_v2),
+    TWO("cuMemcpyHtoDAsync", 3020, kMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2),
+    TWO("cuMemsetD32Async", 3020, kMemsetD32Async, cuMemsetD32Async),
+    TWO("cuMemsetD8Async", 3020, kMemsetD8Async, cuMemsetD8Async),
+};
+#undef H
+#undef ONE
+#undef TWO
+
+}  // namespace
+
+const HookEntry* find_hook(const char* name, int version) {
+  const HookEntry* best = nullptr;
+  for (const HookEntry& e : kHooks)
+    if (__builtin_strcmp(e.name, name) == 0 && e.version <= version) best = &e;
+  return best;
+}
+
+const HookEntry* find_hook_by_symbol(const char* symbol, int* slot) {
+  for (const HookEntry& e : kHooks)
+    for (int s = 0; s < kSlots; ++s)
+      if (e.symbol[s] != nullptr && __builtin_strcmp(e.symbol[s], symbol) == 0) {
+        *slot = s;
+        return &e;
+      }
+  return nullptr;
+}
+
+const HookEntry* find_hook_by_fn(Fn f) {
+  for (const HookEntry& e : kHooks)
+    if (e.fn == f) return &e;
+  return nullptr;
+}
+
+}  // namespace salus::shim

@@ -1,0 +1,115 @@
+// libsalus-shim's internals, shared by its three parts:
+//   interpose.cpp    how a program reaches the driver: dlsym, cuGetProcAddress(_v2),
+//                    the exported cu* symbols, and the real libcuda behind them
+//   hooks.cpp        what the hooked entry points do: memory accounting against the
+//                    session's budget, and the launch counter with its yield check
+//   gate_client.cpp  the gate of client/salus_gate.h: attach, iteration boundaries,
+//                    completion of iterations on the GPU, re-attach
+// The shim depends on nothing of salusd's: it is loaded into arbitrary programs.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "client/salus_gate.h"
+
+namespace salus::shim {
+
+// Every hooked driver function, one signature each (a `_v2` and its `_ptsz`
+// twin share an id and differ by slot).
+enum Fn : int {
+  kInit,
+  kGetProcAddress,     // v1 (CUDA 11.3), 4 arguments
+  kGetProcAddress_v2,  // CUDA 12.0, 5 arguments
+  kMemAlloc,
+  kMemAllocPitch,
+  kMemFree,
+  kMemGetInfo,
+  kMemAllocAsync,
+  kMemAllocFromPoolAsync,
+  kMemFreeAsync,
+  kMemCreate,
+  kMemRelease,
+  kMemMap,
+  kMemUnmap,
+  kMemAllocManaged,
+  kLaunchKernel,
+  kLaunchKernelEx,
+  kLaunchCooperativeKernel,
+  kGraphLaunch,
+  kMemcpyHtoDAsync,
+  kMemcpyDtoHAsync,
+  kMemcpyDtoDAsync,
+  kMemcpyAsync,
+  kMemsetD8Async,
+  kMemsetD32Async,
+  kFnCount
+};
+// Slot 0: the legacy-default-stream function; slot 1: its per-thread (_ptsz) twin.
+constexpr int kSlots = 2;
+
+// The real driver function behind each hook, set when the hook is handed out
+// (from the driver's own answer) or on the first direct call (from libcuda's
+// exported symbol). Read with a relaxed load on every call.
+extern std::atomic<void*> g_real[kFnCount][kSlots];
+void* resolve_real(Fn f, int slot);  // slow path: the exported symbol, or null
+
+template <typename F>
+inline F real(Fn f, int slot = 0) {
+  void* p = g_real[f][slot].load(std::memory_order_relaxed);
+  if (__builtin_expect(p == nullptr, 0)) p = resolve_real(f, slot);
+  return reinterpret_cast<F>(p);
+}
+
+// The driver functions the shim calls for itself (events, contexts), resolved
+// once through the real cuGetProcAddress_v2 at CUDA 12.0. `ok` is false without
+// a driver (CPU-only programs): then iterations are timed by wall clock.
+struct Driver {
+  bool ok = false;
+  CUresult (*event_create)(CUevent*, unsigned) = nullptr;
+  CUresult (*event_record)(CUevent, CUstream) = nullptr;
+  CUresult (*event_synchronize)(CUevent) = nullptr;
+  CUresult (*event_elapsed)(float*, CUevent, CUevent) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*stream_is_capturing)(CUstream, CUstreamCaptureStatus*) = nullptr;
+};
+const Driver& driver();
+void* driver_handle();                             // libcuda, dlopened once; null if none
+void* real_dlsym(void* handle, const char* name);  // glibc's dlsym
+
+// One hooked entry point as cuGetProcAddress knows it: `name` answers with this
+// signature for requested versions from `version` up to the next entry of the
+// same name. `symbol` is libcuda's exported name of each slot (null: no _ptsz).
+struct HookEntry {
+  const char* name;
+  int version;
+  Fn fn;
+  void* hook[kSlots];
+  const char* symbol[kSlots];
+};
+const HookEntry* find_hook(const char* name, int version);
+const HookEntry* find_hook_by_symbol(const char* symbol, int* slot);
+const HookEntry* find_hook_by_fn(Fn f);
+
+// ---- gate_client.cpp ----
+
+// The gate the hooks count into: the attached session's shared page, or a
+// private one while not attached (budget unlimited until a first attach).
+// Never null, never unmapped (hooks on other threads may still hold it).
+extern std::atomic<salus_gate*> g_gate;
+inline salus_gate* gate() {
+  return g_gate.load(std::memory_order_acquire);
+}
+void after_cuinit();                      // first successful cuInit: attach
+void implicit_boundary(CUstream stream);  // a launch saw yield_requested
+void post_note(const char* text);         // the note line, note_seq, doorbell
+
+// ---- hooks.cpp ----
+
+std::uint64_t charged_now();  // process-wide bytes charged (for a new gate)
+
+}  // namespace salus::shim

@@ -1,0 +1,614 @@
+// libsalus-shim against the mock driver (mock_libcuda.cpp), with no GPU.
+//
+// The program runs with the shim preloaded (tests/gpu/meson.build), reaches the
+// driver as real programs do (dlopen + dlsym, cuGetProcAddress v1 and v2), and
+// plays salusd itself: its session's ctl is a FIFO, from which FakeSalusd reads
+// the shim's `attach gate=FD bell=FD` line, takes both descriptors out of this
+// process with pidfd_getfd exactly as salusd does, checks the seals, maps the
+// gate and serves it (heartbeat, grants). Suites that need a fresh process
+// (CpuOnly, Lifecycle, Yield) are run by meson one process each.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/salus_gate.h"
+
+namespace {
+
+using namespace std::chrono_literals;
+
+// ---- the fake salusd ----
+
+class FakeSalusd {
+ public:
+  explicit FakeSalusd(const std::string& root) : root_(root) {
+    ::mkdir((root + "/sessions").c_str(), 0700);
+    ::mkdir((root + "/sessions/s1").c_str(), 0700);
+    ctl_ = root + "/sessions/s1/ctl";
+    ::mkfifo(ctl_.c_str(), 0600);
+    ::setenv("SALUS_MOUNT", root.c_str(), 1);
+    ::setenv("SALUS_SESSION", "s1", 1);
+    server_ = std::thread([this] { serve(); });
+  }
+  ~FakeSalusd() {
+    stop_ = true;
+    // Unblock a reader still waiting for a writer.
+    const int fd = ::open(ctl_.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) ::close(fd);
+    server_.join();
+    ::unlink(ctl_.c_str());
+    ::rmdir((root_ + "/sessions/s1").c_str());
+    ::rmdir((root_ + "/sessions").c_str());
+  }
+
+  salus_gate* gate() { return gate_.load(); }
+  int attaches() const { return attaches_.load(); }
+  std::uint64_t bells() const { return bells_.load(); }
+  std::atomic<bool> auto_grant{true};
+  std::atomic<bool> heartbeat{true};
+  std::uint64_t budget = UINT64_MAX;  // given at the next attach
+
+  void grant(std::uint64_t k) {
+    salus_gate* g = gate();
+    __atomic_store_n(&g->granted, k, __ATOMIC_RELEASE);
+    wake(g);
+  }
+  void set_state(std::uint32_t s) {
+    salus_gate* g = gate();
+    __atomic_store_n(&g->state, s, __ATOMIC_RELEASE);
+    wake(g);
+  }
+
+ private:
+  static void wake(salus_gate* g) {
+    __atomic_fetch_add(&g->grant_word, 1, __ATOMIC_RELEASE);
+    ::syscall(SYS_futex, &g->grant_word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  }
+
+  // Takes the gate as salusd does; fails the test on anything salusd refuses.
+  void take(const std::string& line) {
+    int gfd = -1, bfd = -1;
+    ASSERT_EQ(std::sscanf(line.c_str(), "attach gate=%d bell=%d", &gfd, &bfd), 2) << line;
+    const int pidfd = static_cast<int>(::syscall(SYS_pidfd_open, ::getpid(), 0));
+    ASSERT_GE(pidfd, 0) << std::strerror(errno);
+    const int g = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, gfd, 0));
+    const int b = static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, bfd, 0));
+    ::close(pidfd);
+    ASSERT_GE(g, 0) << std::strerror(errno);
+    ASSERT_GE(b, 0) << std::strerror(errno);
+    EXPECT_EQ(::fcntl(g, F_GET_SEALS), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+    struct stat st {};
+    ASSERT_EQ(::fstat(g, &st), 0);
+    ASSERT_EQ(st.st_size, static_cast<off_t>(sizeof(salus_gate)));
+    void* p = ::mmap(nullptr, sizeof(salus_gate), PROT_READ | PROT_WRITE, MAP_SHARED, g, 0);
+    ASSERT_NE(p, MAP_FAILED);
+    ::close(g);
+    auto* gate = static_cast<salus_gate*>(p);
+    EXPECT_EQ(gate->magic, SALUS_GATE_MAGIC);
+    EXPECT_EQ(gate->version, SALUS_GATE_VERSION);
+    EXPECT_EQ(gate->size, sizeof(salus_gate));
+    EXPECT_EQ(gate->pid, ::getpid());
+    EXPECT_EQ(gate->state, SALUS_GATE_ATTACHING);
+    EXPECT_EQ(gate->requested, 1u);
+    gate->budget_bytes = budget;
+    bell_ = b;
+    gate_.store(gate);  // the old gate stays mapped: the test may still read it
+    attaches_.fetch_add(1);
+    set_state(SALUS_GATE_ATTACHED);
+  }
+
+  void serve() {
+    while (!stop_) {
+      const int fd = ::open(ctl_.c_str(), O_RDONLY);
+      if (fd < 0) return;
+      char buf[256];
+      const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+      ::close(fd);
+      if (n > 0 && !stop_) {
+        buf[n] = '\0';
+        take(buf);
+        run_gate();
+      }
+    }
+  }
+
+  // Heartbeat, bell counting and (when auto_grant) granting what is requested,
+  // until the test detaches the gate or stops.
+  void run_gate() {
+    salus_gate* g = gate();
+    while (!stop_ && __atomic_load_n(&g->state, __ATOMIC_ACQUIRE) == SALUS_GATE_ATTACHED) {
+      struct pollfd pfd {
+        bell_, POLLIN, 0
+      };
+      if (::poll(&pfd, 1, 20) == 1) {
+        std::uint64_t v = 0;
+        if (::read(bell_, &v, sizeof v) == sizeof v) bells_.fetch_add(v);
+      }
+      if (heartbeat) __atomic_fetch_add(&g->heartbeat, 1, __ATOMIC_RELEASE);
+      const std::uint64_t want = __atomic_load_n(&g->requested, __ATOMIC_ACQUIRE);
+      if (auto_grant && __atomic_load_n(&g->granted, __ATOMIC_ACQUIRE) < want) {
+        __atomic_store_n(&g->yield_requested, 0u,
+                         __ATOMIC_RELEASE);  // as salusd: a grant ends the slice request
+        grant(want);
+      }
+    }
+    ::close(bell_);
+  }
+
+  std::string root_, ctl_;
+  std::thread server_;
+  std::atomic<bool> stop_{false};
+  std::atomic<salus_gate*> gate_{nullptr};
+  std::atomic<int> attaches_{0};
+  std::atomic<std::uint64_t> bells_{0};
+  int bell_ = -1;
+};
+
+FakeSalusd* salusd = nullptr;
+
+// ---- the driver, as a program reaches it ----
+
+struct Cuda {
+  void* lib = nullptr;
+  PFN_cuGetProcAddress_v12000 gpa = nullptr;
+  template <typename F>
+  F get(const char* name, int version = 12000, cuuint64_t flags = 0) {
+    void* p = nullptr;
+    if (gpa(name, &p, version, flags, nullptr) != CUDA_SUCCESS) return nullptr;
+    return reinterpret_cast<F>(p);
+  }
+};
+Cuda& cuda() {
+  static Cuda c = [] {
+    Cuda r;
+    r.lib = ::dlopen("libcuda.so.1", RTLD_NOW);
+    r.gpa = reinterpret_cast<PFN_cuGetProcAddress_v12000>(::dlsym(r.lib, "cuGetProcAddress_v2"));
+    return r;
+  }();
+  return c;
+}
+
+const char* object_of(const void* p) {
+  Dl_info info{};
+  if (p == nullptr || ::dladdr(p, &info) == 0 || info.dli_fname == nullptr) return "?";
+  return info.dli_fname;
+}
+bool in_shim(const void* p) {
+  return std::strstr(object_of(p), "libsalus-shim") != nullptr;
+}
+
+const char kPtx[] =
+    ".version 8.0\n.target sm_80\n.entry salus_spin ( .param .u64 cycles ) { ret; }\n";
+
+// Driver set-up of every CUDA test: cuInit (the shim attaches here), the
+// primary context current, and the spin kernel.
+struct Gpu {
+  CUfunction spin = nullptr;
+  PFN_cuLaunchKernel_v4000 launch = nullptr;
+};
+Gpu& gpu() {
+  static Gpu g = [] {
+    Gpu r;
+    Cuda& c = cuda();
+    EXPECT_EQ(c.get<PFN_cuInit_v2000>("cuInit")(0), CUDA_SUCCESS);
+    CUcontext ctx = nullptr;
+    EXPECT_EQ(c.get<PFN_cuDevicePrimaryCtxRetain_v7000>("cuDevicePrimaryCtxRetain")(&ctx, 0),
+              CUDA_SUCCESS);
+    EXPECT_EQ(c.get<PFN_cuCtxSetCurrent_v4000>("cuCtxSetCurrent")(ctx), CUDA_SUCCESS);
+    CUmodule mod = nullptr;
+    EXPECT_EQ(
+        c.get<PFN_cuModuleLoadDataEx_v2010>("cuModuleLoadDataEx")(&mod, kPtx, 0, nullptr, nullptr),
+        CUDA_SUCCESS);
+    EXPECT_EQ(
+        c.get<PFN_cuModuleGetFunction_v2000>("cuModuleGetFunction")(&r.spin, mod, "salus_spin"),
+        CUDA_SUCCESS);
+    r.launch = c.get<PFN_cuLaunchKernel_v4000>("cuLaunchKernel");
+    return r;
+  }();
+  return g;
+}
+void bind_context() {  // on a new thread
+  CUcontext ctx = nullptr;
+  cuda().get<PFN_cuDevicePrimaryCtxRetain_v7000>("cuDevicePrimaryCtxRetain")(&ctx, 0);
+  cuda().get<PFN_cuCtxSetCurrent_v4000>("cuCtxSetCurrent")(ctx);
+}
+CUresult spin(std::chrono::microseconds d, CUstream s = nullptr) {
+  unsigned long long cycles = static_cast<unsigned long long>(d.count()) * 1000;
+  void* params[] = {&cycles};
+  return gpu().launch(gpu().spin, 1, 1, 1, 1, 1, 1, 0, s, params, nullptr);
+}
+
+std::uint64_t load(const std::uint64_t& v) {
+  return __atomic_load_n(&v, __ATOMIC_ACQUIRE);
+}
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = 5000ms) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+// The shim's own API, as a program (or ctypes) finds it.
+using StepFn = int (*)();
+StepFn salus_step_fn() {
+  return reinterpret_cast<StepFn>(::dlsym(RTLD_DEFAULT, "salus_step"));
+}
+int shim_step() {
+  return salus_step_fn()();
+}
+int shim_attached() {
+  return reinterpret_cast<int (*)()>(::dlsym(RTLD_DEFAULT, "salus_attached"))();
+}
+std::uint64_t shim_iterations() {
+  return reinterpret_cast<std::uint64_t (*)()>(::dlsym(RTLD_DEFAULT, "salus_iterations"))();
+}
+
+constexpr std::uint64_t kMiB = 1 << 20;
+
+// ---- reaching the driver ----
+
+TEST(Interpose, DlsymOnLibcudaHandsOutTheHooks) {
+  Cuda& c = cuda();
+  ASSERT_NE(c.lib, nullptr) << ::dlerror();
+  void* alloc = ::dlsym(c.lib, "cuMemAlloc_v2");
+  EXPECT_TRUE(in_shim(alloc)) << object_of(alloc);
+  EXPECT_EQ(alloc, ::dlsym(RTLD_DEFAULT, "cuMemAlloc_v2"));
+  EXPECT_TRUE(in_shim(::dlsym(c.lib, "cuLaunchKernel")));
+  EXPECT_TRUE(in_shim(::dlsym(c.lib, "cuGetProcAddress")));
+  EXPECT_TRUE(in_shim(reinterpret_cast<void*>(c.gpa)));
+  // An unknown name still fails as glibc says.
+  EXPECT_EQ(::dlsym(c.lib, "cuNoSuchFunction"), nullptr);
+  EXPECT_NE(::dlerror(), nullptr);
+}
+
+TEST(Interpose, DlsymExistsInBothGlibcVersionsAndKeepsTheCallersRtldNext) {
+  for (const char* v : {"GLIBC_2.2.5", "GLIBC_2.34"}) {
+    void* p = ::dlvsym(RTLD_DEFAULT, "dlsym", v);
+    EXPECT_TRUE(in_shim(p)) << v << ": " << object_of(p);
+  }
+  // RTLD_NEXT is relative to the caller (this program), whose next object is
+  // the shim: only a dlsym that reaches glibc with our return address finds it.
+  EXPECT_TRUE(in_shim(::dlsym(RTLD_NEXT, "salus_iterations")));
+  EXPECT_EQ(::dlsym(RTLD_NEXT, "malloc"), ::dlvsym(RTLD_NEXT, "malloc", "GLIBC_2.2.5"));
+}
+
+TEST(Interpose, GetProcAddressHonoursTheRequestedVersion) {
+  Cuda& c = cuda();
+  // cuGetProcAddress itself: 11030 is the 4-argument v1, 12000 the v2.
+  void* v1 = nullptr;
+  void* v2 = nullptr;
+  ASSERT_EQ(c.gpa("cuGetProcAddress", &v1, 11030, 0, nullptr), CUDA_SUCCESS);
+  ASSERT_EQ(c.gpa("cuGetProcAddress", &v2, 12000, 0, nullptr), CUDA_SUCCESS);
+  EXPECT_EQ(v1, ::dlsym(RTLD_DEFAULT, "cuGetProcAddress"));
+  EXPECT_EQ(v2, ::dlsym(RTLD_DEFAULT, "cuGetProcAddress_v2"));
+  EXPECT_NE(v1, v2);
+  // The v1 hook answers with hooks too.
+  void* alloc = nullptr;
+  ASSERT_EQ(reinterpret_cast<PFN_cuGetProcAddress_v11030>(v1)("cuMemAlloc", &alloc, 12000, 0),
+            CUDA_SUCCESS);
+  EXPECT_EQ(alloc, ::dlsym(RTLD_DEFAULT, "cuMemAlloc_v2"));
+
+  // cuMemGetInfo at 3000 is the 32-bit v1: handed out untouched, never the
+  // size_t hook (which would write past these unsigneds).
+  using MemGetInfoV1 = CUresult (*)(unsigned*, unsigned*);
+  auto info_v1 = c.get<MemGetInfoV1>("cuMemGetInfo", 3000);
+  ASSERT_NE(info_v1, nullptr);
+  EXPECT_FALSE(in_shim(reinterpret_cast<void*>(info_v1)));
+  gpu();
+  struct {
+    unsigned free, total, guard;
+  } v{0, 0, 0xfeedu};
+  ASSERT_EQ(info_v1(&v.free, &v.total), CUDA_SUCCESS);
+  EXPECT_EQ(v.guard, 0xfeedu);
+  EXPECT_TRUE(in_shim(reinterpret_cast<void*>(c.get<void*>("cuMemGetInfo", 12000))));
+
+  // Per-thread default stream: the _ptsz hook.
+  EXPECT_EQ(reinterpret_cast<void*>(c.get<void*>("cuLaunchKernel", 12000,
+                                                 CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)),
+            ::dlsym(RTLD_DEFAULT, "cuLaunchKernel_ptsz"));
+  // A version newer than the shim knows, answered with a function libcuda does
+  // not export under the hook's name: passed through rather than guessed at.
+  EXPECT_FALSE(in_shim(reinterpret_cast<void*>(c.get<void*>("cuMemAllocAsync", 13010))));
+  EXPECT_TRUE(in_shim(reinterpret_cast<void*>(c.get<void*>("cuMemAllocAsync", 12000))));
+  // Not found stays not found.
+  void* none = reinterpret_cast<void*>(1);
+  EXPECT_EQ(c.gpa("cuNoSuchFunction", &none, 12000, 0, nullptr), CUDA_ERROR_NOT_FOUND);
+  EXPECT_EQ(none, nullptr);
+}
+
+// ---- memory ----
+
+TEST(Memory, AttachesAtCuInitAndChargesEveryPath) {
+  gpu();
+  ASSERT_NE(salusd->gate(), nullptr);
+  salus_gate* g = salusd->gate();
+  EXPECT_EQ(g->budget_bytes, 64 * kMiB);
+  Cuda& c = cuda();
+  // Through dlsym, as a program linked by name would.
+  auto alloc = reinterpret_cast<PFN_cuMemAlloc_v3020>(::dlsym(c.lib, "cuMemAlloc_v2"));
+  auto free_ = reinterpret_cast<PFN_cuMemFree_v3020>(::dlsym(c.lib, "cuMemFree_v2"));
+  const std::uint64_t base = load(g->charged_bytes);
+  CUdeviceptr a = 0;
+  ASSERT_EQ(alloc(&a, 4 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base + 4 * kMiB);
+  // Pitch: pitch * height, the driver's padding included.
+  CUdeviceptr b = 0;
+  std::size_t pitch = 0;
+  ASSERT_EQ(c.get<PFN_cuMemAllocPitch_v3020>("cuMemAllocPitch")(&b, &pitch, 1000, 100, 4),
+            CUDA_SUCCESS);
+  EXPECT_EQ(pitch, 1024u);
+  EXPECT_EQ(load(g->charged_bytes), base + 4 * kMiB + 1024 * 100);
+  // Stream-ordered, from the default and from a given pool.
+  CUstream s = nullptr;
+  ASSERT_EQ(c.get<PFN_cuStreamCreate_v2000>("cuStreamCreate")(&s, CU_STREAM_NON_BLOCKING),
+            CUDA_SUCCESS);
+  CUdeviceptr d = 0, e = 0;
+  ASSERT_EQ(c.get<PFN_cuMemAllocAsync_v11020>("cuMemAllocAsync")(&d, kMiB, s), CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemAllocFromPoolAsync_v11020>("cuMemAllocFromPoolAsync")(
+                &e, 2 * kMiB, reinterpret_cast<CUmemoryPool>(1), s),
+            CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base + 7 * kMiB + 1024 * 100);
+  ASSERT_EQ(c.get<PFN_cuMemFreeAsync_v11020>("cuMemFreeAsync")(d, s), CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemFreeAsync_v11020>("cuMemFreeAsync")(e, s), CUDA_SUCCESS);
+  ASSERT_EQ(free_(a), CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemFree_v3020>("cuMemFree")(b), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base);
+  EXPECT_GE(load(g->peak_bytes), base + 7 * kMiB + 1024 * 100);
+  c.get<PFN_cuStreamSynchronize_v2000>("cuStreamSynchronize")(s);
+}
+
+TEST(Memory, VmmHandlesAreChargedUntilReleasedAndUnmapped) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  Cuda& c = cuda();
+  const std::uint64_t base = load(g->charged_bytes);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  CUmemGenericAllocationHandle h{};
+  ASSERT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h, 2 * kMiB, &prop, 0), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base + 2 * kMiB);
+  CUdeviceptr va = 0;
+  ASSERT_EQ(c.get<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve")(&va, 2 * kMiB, 0, 0, 0),
+            CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemMap_v10020>("cuMemMap")(va, 2 * kMiB, 0, h, 0), CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(h), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base + 2 * kMiB) << "still mapped: the driver keeps it";
+  ASSERT_EQ(c.get<PFN_cuMemUnmap_v10020>("cuMemUnmap")(va, 2 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base);
+}
+
+TEST(Memory, PastTheBudgetIsOutOfMemoryWithANote) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  Cuda& c = cuda();
+  auto alloc = c.get<PFN_cuMemAlloc_v3020>("cuMemAlloc");
+  const std::uint64_t base = load(g->charged_bytes);
+  CUdeviceptr a = 0, b = 0;
+  ASSERT_EQ(alloc(&a, 40 * kMiB), CUDA_SUCCESS);
+  const std::uint64_t refusals = load(g->oom_refusals);
+  const std::uint32_t seq = __atomic_load_n(&g->note_seq, __ATOMIC_ACQUIRE);
+  const std::uint64_t bells = salusd->bells();
+  EXPECT_EQ(alloc(&b, 30 * kMiB), CUDA_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(load(g->oom_refusals), refusals + 1);
+  EXPECT_EQ(__atomic_load_n(&g->note_seq, __ATOMIC_ACQUIRE), seq + 1);
+  const std::string want = "out of memory: budget " + std::to_string(64 * kMiB) + ", charged " +
+                           std::to_string(base + 40 * kMiB) + ", request " +
+                           std::to_string(30 * kMiB);
+  EXPECT_EQ(std::string(g->note).rfind(want, 0), 0u) << g->note;
+  EXPECT_TRUE(eventually([&] { return salusd->bells() > bells; }));
+  // cuMemGetInfo: the budget is the card.
+  std::size_t free = 0, total = 0;
+  ASSERT_EQ(c.get<PFN_cuMemGetInfo_v3020>("cuMemGetInfo")(&free, &total), CUDA_SUCCESS);
+  EXPECT_EQ(total, 64 * kMiB);
+  EXPECT_EQ(free, 64 * kMiB - base - 40 * kMiB);
+  // Pitch and VMM are held to it too; managed memory is refused outright.
+  std::size_t pitch = 0;
+  EXPECT_EQ(c.get<PFN_cuMemAllocPitch_v3020>("cuMemAllocPitch")(&b, &pitch, 1 << 20, 30, 4),
+            CUDA_ERROR_OUT_OF_MEMORY);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  CUmemGenericAllocationHandle h{};
+  EXPECT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h, 30 * kMiB, &prop, 0),
+            CUDA_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(c.get<PFN_cuMemAllocManaged_v6000>("cuMemAllocManaged")(&b, kMiB, 1),
+            CUDA_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(std::string(g->note).find("cuMemAllocManaged"), std::string::npos) << g->note;
+  EXPECT_EQ(load(g->charged_bytes), base + 40 * kMiB);
+  ASSERT_EQ(c.get<PFN_cuMemFree_v3020>("cuMemFree")(a), CUDA_SUCCESS);
+  ASSERT_EQ(alloc(&b, 30 * kMiB), CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemFree_v3020>("cuMemFree")(b), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base);
+}
+
+TEST(Memory, ThreadsAllocatingAndLaunchingAgree) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  const std::uint64_t base = load(g->charged_bytes), launches = load(g->launches);
+  constexpr int kThreads = 4, kRounds = 300;
+  std::vector<std::thread> ts;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t)
+    ts.emplace_back([&] {
+      bind_context();
+      auto alloc = cuda().get<PFN_cuMemAlloc_v3020>("cuMemAlloc");
+      auto free_ = cuda().get<PFN_cuMemFree_v3020>("cuMemFree");
+      for (int i = 0; i < kRounds; ++i) {
+        CUdeviceptr p = 0;
+        if (alloc(&p, 4096 * (i % 7 + 1)) != CUDA_SUCCESS) ++failures;
+        if (spin(0us) != CUDA_SUCCESS) ++failures;
+        if (free_(p) != CUDA_SUCCESS) ++failures;
+      }
+    });
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(failures, 0);
+  EXPECT_EQ(load(g->charged_bytes), base);
+  EXPECT_EQ(load(g->launches), launches + kThreads * kRounds);
+}
+
+// ---- the gate ----
+
+TEST(Gate, StepWaitsForTheGrantAndReportsGpuTime) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  StepFn step = salus_step_fn();
+  ASSERT_NE(step, nullptr);
+  salusd->auto_grant = false;
+  ASSERT_TRUE(eventually([&] { return load(g->granted) >= load(g->requested); }));
+  const std::uint64_t k = load(g->requested);  // the iteration running now
+  const std::uint64_t waits = load(g->gate_waits), bells = salusd->bells();
+  const std::uint64_t iters = shim_iterations();
+  // Boundary k ends iteration k and needs the grant of k + 1.
+  ASSERT_EQ(spin(20ms), CUDA_SUCCESS);
+  std::atomic<int> rc{1};
+  std::thread t([&] {
+    bind_context();
+    rc = step();
+  });
+  ASSERT_TRUE(eventually([&] { return load(g->requested) == k + 1; }));
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(rc, 1) << "salus_step returned without a grant";
+  EXPECT_GT(salusd->bells(), bells);
+  salusd->grant(k + 1);
+  t.join();
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(load(g->gate_waits), waits + 1);
+  EXPECT_GE(load(g->gate_wait_ns), 100'000'000u);
+  EXPECT_TRUE(eventually([&] { return load(g->completed) == k; }));
+  // Granted ahead: the next boundary does not wait. Its iteration's GPU time
+  // comes from the two boundary events around a 20 ms kernel.
+  salusd->grant(k + 2);
+  const std::uint64_t gpu_ns = load(g->gpu_ns_total);
+  ASSERT_EQ(spin(20ms), CUDA_SUCCESS);
+  ASSERT_EQ(step(), 0);
+  EXPECT_EQ(load(g->gate_waits), waits + 1);
+  EXPECT_TRUE(eventually([&] { return load(g->completed) == k + 1; }));
+  EXPECT_GE(load(g->gpu_ns_total) - gpu_ns, 15'000'000u);
+  EXPECT_LT(load(g->gpu_ns_total) - gpu_ns, 2'000'000'000u);
+  EXPECT_EQ(shim_iterations(), iters + 2);
+  EXPECT_EQ(g->marking, SALUS_MARK_EXPLICIT);
+  EXPECT_EQ(shim_attached(), 1);
+  salusd->auto_grant = true;
+}
+
+// ---- suites that run in a process of their own ----
+
+TEST(CpuOnly, StepAttachesAndTimesIterationsByWallClock) {
+  // No cuInit in this process: the first salus_step attaches.
+  EXPECT_EQ(shim_attached(), 0);
+  ASSERT_EQ(shim_step(), 0);
+  ASSERT_EQ(salusd->attaches(), 1);
+  salus_gate* g = salusd->gate();
+  EXPECT_EQ(shim_attached(), 1);
+  std::this_thread::sleep_for(30ms);
+  ASSERT_EQ(shim_step(), 0);
+  EXPECT_TRUE(eventually([&] { return load(g->completed) == 1; }));
+  EXPECT_GE(load(g->gpu_ns_total), 30'000'000u);
+  EXPECT_EQ(load(g->requested), 2u);
+  EXPECT_EQ(shim_iterations(), 2u);
+  EXPECT_EQ(::dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD), nullptr)
+      << "a CPU-only program had libcuda loaded";
+}
+
+TEST(Lifecycle, DetachedRunsUngatedThenReattaches) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  ASSERT_EQ(shim_step(), 0);
+  CUdeviceptr p = 0;
+  ASSERT_EQ(cuda().get<PFN_cuMemAlloc_v3020>("cuMemAlloc")(&p, 3 * kMiB), CUDA_SUCCESS);
+  const std::uint64_t launches = load(g->launches);
+  salusd->set_state(SALUS_GATE_DETACHED);
+  EXPECT_EQ(shim_step(), -ENOTCONN);
+  EXPECT_EQ(shim_attached(), 0);
+  ASSERT_EQ(spin(0us), CUDA_SUCCESS);  // ungated, still counted (privately)
+  EXPECT_EQ(shim_step(), -ENOTCONN) << "re-attach is tried at most once a second";
+  EXPECT_EQ(salusd->attaches(), 1);
+  std::this_thread::sleep_for(1100ms);
+  ASSERT_EQ(shim_step(), 0);
+  EXPECT_EQ(salusd->attaches(), 2);
+  salus_gate* g2 = salusd->gate();
+  ASSERT_NE(g2, g);
+  EXPECT_EQ(shim_attached(), 1);
+  EXPECT_EQ(load(g2->charged_bytes), load(g->charged_bytes));
+  EXPECT_GE(load(g2->charged_bytes), 3 * kMiB);
+  EXPECT_EQ(load(g2->launches), launches + 1);
+  EXPECT_EQ(load(g2->requested), 1u);
+  EXPECT_EQ(g2->marking, SALUS_MARK_EXPLICIT);
+  ASSERT_EQ(cuda().get<PFN_cuMemFree_v3020>("cuMemFree")(p), CUDA_SUCCESS);
+  EXPECT_EQ(load(g2->charged_bytes), load(g->charged_bytes) - 3 * kMiB);
+}
+
+TEST(Lifecycle, AStoppedHeartbeatLetsTheProgramRunOn) {
+  gpu();
+  ASSERT_EQ(shim_attached(), 1);
+  salusd->auto_grant = false;
+  salusd->heartbeat = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(shim_step(), -ENOTCONN);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(waited, std::chrono::milliseconds(SALUS_GATE_DEAD_MS));
+  EXPECT_LT(waited, std::chrono::milliseconds(SALUS_GATE_DEAD_MS + 1500));
+  EXPECT_EQ(shim_attached(), 0);
+  ASSERT_EQ(spin(0us), CUDA_SUCCESS);
+}
+
+TEST(Yield, AnUnmarkedProgramComesToASliceBoundaryAtItsNextLaunch) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  ASSERT_EQ(g->marking, SALUS_MARK_NONE);
+  ASSERT_EQ(spin(0us), CUDA_SUCCESS);
+  EXPECT_EQ(shim_iterations(), 0u);
+  __atomic_store_n(&g->yield_requested, 1u, __ATOMIC_RELEASE);
+  ASSERT_EQ(spin(0us), CUDA_SUCCESS);  // the fake salusd grants and clears the request
+  EXPECT_EQ(shim_iterations(), 1u);
+  EXPECT_EQ(g->marking, SALUS_MARK_SLICE);
+  EXPECT_EQ(load(g->requested), 2u);
+  EXPECT_TRUE(eventually([&] { return load(g->completed) == 1; }));
+  // Once the program marks iterations itself, yield requests are ignored.
+  ASSERT_EQ(shim_step(), 0);
+  EXPECT_EQ(g->marking, SALUS_MARK_EXPLICIT);
+  __atomic_store_n(&g->yield_requested, 1u, __ATOMIC_RELEASE);
+  ASSERT_EQ(spin(0us), CUDA_SUCCESS);
+  EXPECT_EQ(shim_iterations(), 2u);
+  __atomic_store_n(&g->yield_requested, 0u, __ATOMIC_RELEASE);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  char root[] = "/tmp/salus-shim-test-XXXXXX";
+  if (::mkdtemp(root) == nullptr) return 1;
+  int rc;
+  {
+    FakeSalusd s(root);
+    s.budget = 64 * kMiB;
+    salusd = &s;
+    rc = RUN_ALL_TESTS();
+    salusd = nullptr;
+  }
+  ::rmdir(root);
+  return rc;
+}
