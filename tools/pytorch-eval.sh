@@ -85,8 +85,9 @@ stop_salusd() {
 }
 
 policy() { echo "$1" >"$work/mnt/policy"; }
-# salus-run with the eval's mount; the need is measured unless given.
-srun() { "$salus_run" --mount "$work/mnt" "$@"; }
+# salus-run with the eval's mount (an array, so that `env` can run it too); the
+# need is measured unless given.
+srun=("$salus_run" --mount "$work/mnt")
 alloc_env() { [ "$1" = expandable ] && echo "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" || echo "PYTORCH_CUDA_ALLOC_CONF="; }
 jget() { $py -c 'import json,sys; d=json.load(open(sys.argv[1])); v=eval(sys.argv[2], {}, {"d": d}); print(v)' "$@"; }
 
@@ -106,7 +107,7 @@ part_compat() {
         local tag=$model-$mode-$ac
         env "$(alloc_env "$ac")" $wl train --model $model --mode $mode "${amp[@]}" "${dev[@]}" \
           --steps $steps --deterministic >"$d/$tag-native.json" || echo "$tag native: FAILED"
-        env "$(alloc_env "$ac")" srun -- $wl train --model $model --mode $mode "${amp[@]}" \
+        env "$(alloc_env "$ac")" "${srun[@]}" -- $wl train --model $model --mode $mode "${amp[@]}" \
           "${dev[@]}" --steps $steps --deterministic >"$d/$tag-salus.json" || echo "$tag salus-run: FAILED"
         $py - "$d/$tag-native.json" "$d/$tag-salus.json" "$tag" <<'EOF'
 import json, sys
@@ -127,7 +128,7 @@ EOF
       done
     done
     $wl infer --model $model "${dev[@]}" --iters 50 --warmup $warm >"$d/$model-infer-native.json"
-    srun -- $wl infer --model $model "${dev[@]}" --iters 50 --warmup $warm >"$d/$model-infer-salus.json"
+    "${srun[@]}" -- $wl infer --model $model "${dev[@]}" --iters 50 --warmup $warm >"$d/$model-infer-salus.json"
     echo "$model inference_mode: native p50 $(jget "$d/$model-infer-native.json" 'round(d["p50_ms"],3)') ms," \
       "salus-run p50 $(jget "$d/$model-infer-salus.json" 'round(d["p50_ms"],3)') ms," \
       "$(jget "$d/$model-infer-salus.json" 'd["session"]["iterations_completed"]') iterations seen by salusd"
@@ -140,7 +141,7 @@ part_throughput() {
   for model in resnet gpt; do
     local amp=(); [ $model = resnet ] && amp=(--amp)
     $wl train --model $model "${amp[@]}" "${dev[@]}" --steps $tput_steps --warmup $warm >"$d/$model-native.json"
-    srun -- $wl train --model $model "${amp[@]}" "${dev[@]}" --steps $tput_steps --warmup $warm >"$d/$model-salus.json"
+    "${srun[@]}" -- $wl train --model $model "${amp[@]}" "${dev[@]}" --steps $tput_steps --warmup $warm >"$d/$model-salus.json"
     local a b
     a=$(jget "$d/$model-native.json" 'd["samples_per_s"]')
     b=$(jget "$d/$model-salus.json" 'd["samples_per_s"]')
@@ -152,7 +153,7 @@ part_fair() {
   local d=$out/fair; mkdir -p "$d"
   policy fair
   for i in 0 1; do
-    srun --gpu 0 --persistent 16G --ephemeral 0 --policy-hint name=fair$i -- $wl train --model gpt "${dev[@]}" --duration $fair_s \
+    "${srun[@]}" --gpu 0 --persistent 16G --ephemeral 0 --policy-hint name=fair$i -- $wl train --model gpt "${dev[@]}" --duration $fair_s \
       --tag fair$i >"$d/salus-$i.json" &
   done
   wait
@@ -176,7 +177,7 @@ part_trace() {
   # time per step and peak memory alone (under salus-run --measure), for the
   # jobs' declared need and the trace given to salus-sim
   policy fifo
-  srun -- $wl train --model gpt "${dev[@]}" --steps $((tput_steps / 3 + 2)) --warmup 2 >"$d/alone.json"
+  "${srun[@]}" -- $wl train --model gpt "${dev[@]}" --steps $((tput_steps / 3 + 2)) --warmup 2 >"$d/alone.json"
   local step_ms need_mb
   step_ms=$(jget "$d/alone.json" 'round(1000 * d["wall_s"] / d["steps"], 3)')
   need_mb=$(jget "$d/alone.json" 'max(64, int(int(d["session"].get("memory_peak") or 0) * 1.1 / 2**20) + 1)')
@@ -195,7 +196,7 @@ part_trace() {
         sleep $((2 * i))
         local s e
         s=$($py -c 'import time; print(time.time())')
-        srun --gpu 0 --iters $((lens[i] * trace_scale)) --persistent ${need_mb}M --ephemeral 0 -- \
+        "${srun[@]}" --gpu 0 --iters $((lens[i] * trace_scale)) --persistent ${need_mb}M --ephemeral 0 -- \
           $wl train --model gpt "${dev[@]}" --steps $((lens[i] * trace_scale)) --tag job$i \
           >"$d/$p-job$i.json"
         e=$($py -c 'import time; print(time.time())')
@@ -219,10 +220,10 @@ part_inference() {
   local d=$out/inference; mkdir -p "$d"
   policy fair
   $wl infer --model resnet "${dev[@]}" --batch 1 --iters $infer_iters --warmup $warm >"$d/alone-native.json"
-  srun --persistent 1G --ephemeral 512M -- $wl infer --model resnet "${dev[@]}" --batch 1 \
+  "${srun[@]}" --persistent 1G --ephemeral 512M -- $wl infer --model resnet "${dev[@]}" --batch 1 \
     --iters $infer_iters --warmup $warm >"$d/alone-salus.json"
   for i in $(seq $infer_n); do
-    srun --gpu 0 --persistent 1G --ephemeral 512M -- $wl infer --model resnet "${dev[@]}" --batch 1 \
+    "${srun[@]}" --gpu 0 --persistent 1G --ephemeral 512M -- $wl infer --model resnet "${dev[@]}" --batch 1 \
       --iters $infer_iters --warmup $warm --tag s$i >"$d/shared-$i.json" &
   done
   wait
