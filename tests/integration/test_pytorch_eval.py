@@ -19,8 +19,8 @@ BUILD = os.path.dirname(os.path.dirname(os.path.abspath(SALUSD)))
 
 def test_script_and_workloads_parse():
     assert subprocess.run(["bash", "-n", SCRIPT]).returncode == 0
-    subprocess.run([sys.executable, "-m", "py_compile", WORKLOADS], check=True,
-                   env={**os.environ, "PYTHONPYCACHEPREFIX": "/dev/null/none"})
+    with open(WORKLOADS) as f:
+        compile(f.read(), WORKLOADS, "exec")  # a SyntaxError fails the test
 
 
 def test_dry_run_compat(tmp_path):
