@@ -80,10 +80,9 @@ std::optional<std::string> find_shim() {
     return real(e);
   }
   const std::string d = exe_dir();
-  for (const std::string& c :
-       {d + "/libsalus-shim.so", d + "/../client/shim/libsalus-shim.so",
-        d + "/../lib/salus/libsalus-shim.so", d + "/../lib/libsalus-shim.so",
-        std::string(SALUS_SHIM_INSTALLED)})
+  for (const std::string& c : {d + "/libsalus-shim.so", d + "/../client/shim/libsalus-shim.so",
+                               d + "/../lib/salus/libsalus-shim.so", d + "/../lib/libsalus-shim.so",
+                               std::string(SALUS_SHIM_INSTALLED)})
     if (exists(c)) return real(c);
   return std::nullopt;
 }
@@ -92,8 +91,8 @@ std::optional<std::string> find_shim() {
 std::optional<std::string> find_data(const std::string& sub, const std::string& file,
                                      const std::string& source_dir) {
   const std::string d = exe_dir();
-  for (const std::string& c : {d + "/../share/salus/" + sub, std::string(SALUS_DATA_INSTALLED) +
-                                                                 "/" + sub, source_dir})
+  for (const std::string& c :
+       {d + "/../share/salus/" + sub, std::string(SALUS_DATA_INSTALLED) + "/" + sub, source_dir})
     if (exists(c + "/" + file)) return real(c);
   return std::nullopt;
 }
@@ -172,8 +171,8 @@ std::optional<KeyValues> wait_admitted(const Ctx& ctx, const Session& s, SignalF
     }
     const auto waited = std::chrono::steady_clock::now() - start;
     if (!told && waited > std::chrono::seconds(1)) {
-      warn(fmt::format("session {} is queued for admission on gpu {} (it waits for memory)",
-                       s.id, get(kv, "gpu")));
+      warn(fmt::format("session {} is queued for admission on gpu {} (it waits for memory)", s.id,
+                       get(kv, "gpu")));
       told = true;
     }
     pollfd p[2] = {{fd, POLLIN, 0}, {sigs.fd(), POLLIN, 0}};
@@ -272,9 +271,9 @@ void prepend_env(const char* name, const std::string& value, char sep) {
 // What salus-run saw of one run of the program.
 struct RunResult {
   int rc = 0;
-  bool signalled_us = false;       // salus-run itself got SIGINT/SIGTERM/...
+  bool signalled_us = false;  // salus-run itself got SIGINT/SIGTERM/...
   unsigned long long oom_refusals = 0;
-  bool oom_reported = false;       // the automark's excepthook saw a CUDA OOM
+  bool oom_reported = false;  // the automark's excepthook saw a CUDA OOM
 };
 
 // The --measure state machine, fed with status snapshots while the program runs.
@@ -291,17 +290,19 @@ class Measure {
     if (iters < o_.measure_iters) return std::nullopt;
     done_ = true;
     const auto [p, e] = salus::run::measured_need(num(st, kPeakKey), persistent_);
-    warn(fmt::format("--measure: peak {} over the first {} iterations, {} held after "
-                     "iteration 1; need persistent={} ephemeral={}",
-                     num(st, kPeakKey), iters, persistent_, p, e));
+    warn(
+        fmt::format("--measure: peak {} over the first {} iterations, {} held after "
+                    "iteration 1; need persistent={} ephemeral={}",
+                    num(st, kPeakKey), iters, persistent_, p, e));
     return salus::run::need_line(o_, std::to_string(p), std::to_string(e), std::nullopt);
   }
   // At the program's exit: say so when the measurement never completed.
   void finish() const {
     if (!done_)
-      warn(fmt::format("--measure: the program ended after {} of the {} iterations to measure; "
-                       "the provisional need stayed",
-                       seen_, o_.measure_iters));
+      warn(
+          fmt::format("--measure: the program ended after {} of the {} iterations to measure; "
+                      "the provisional need stayed",
+                      seen_, o_.measure_iters));
   }
 
  private:
@@ -312,8 +313,7 @@ class Measure {
 };
 
 // Runs the program once in session `s` and waits for it, watching the session.
-RunResult run_child(const Ctx& ctx, Session& s, const RunOptions& o, ChildEnv env,
-                    SignalFd& sigs) {
+RunResult run_child(const Ctx& ctx, Session& s, const RunOptions& o, ChildEnv env, SignalFd& sigs) {
   int oom_pipe[2] = {-1, -1};
   if (o.retry_on_oom && ::pipe2(oom_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
     fail(fmt::format("pipe: {}", std::strerror(errno)));
@@ -368,8 +368,8 @@ RunResult run_child(const Ctx& ctx, Session& s, const RunOptions& o, ChildEnv en
 // The need of the first admission: the declared one, or --measure's provisional
 // one (all the headroom the chosen GPU has now).
 std::string first_need(const Ctx& ctx, const RunOptions& o) {
-  if (!o.measure) return salus::run::need_line(o, o.persistent.value_or("0"),
-                                               o.ephemeral.value_or("0"), o.gpu);
+  if (!o.measure)
+    return salus::run::need_line(o, o.persistent.value_or("0"), o.ephemeral.value_or("0"), o.gpu);
   const auto gpus = read_gpus(ctx);
   const GpuView* best = nullptr;
   for (const auto& g : gpus) {
@@ -377,14 +377,15 @@ std::string first_need(const Ctx& ctx, const RunOptions& o) {
     if (g.draining && !(o.gpu && *o.gpu == g.index)) continue;
     if (!best || g.free > best->free) best = &g;
   }
-  if (!best) fail(fmt::format("--measure: no usable GPU under {}{}", ctx.mount,
-                              o.gpu ? " with --gpu " + *o.gpu : ""));
+  if (!best)
+    fail(fmt::format("--measure: no usable GPU under {}{}", ctx.mount,
+                     o.gpu ? " with --gpu " + *o.gpu : ""));
   const unsigned long long prov = best->free >= (1ULL << 20) ? best->free : best->capacity;
-  warn(fmt::format("--measure: admitting with a provisional need of persistent=0 ephemeral={} "
-                   "({} of gpu {}) until {} iterations are measured",
-                   salus::arena::format_size(prov), best->free >= (1ULL << 20) ? "the headroom"
-                                                                               : "the capacity",
-                   best->index, o.measure_iters));
+  warn(fmt::format(
+      "--measure: admitting with a provisional need of persistent=0 ephemeral={} "
+      "({} of gpu {}) until {} iterations are measured",
+      salus::arena::format_size(prov), best->free >= (1ULL << 20) ? "the headroom" : "the capacity",
+      best->index, o.measure_iters));
   return salus::run::need_line(o, "0", std::to_string(prov), best->index);
 }
 
@@ -457,13 +458,13 @@ int run(const Ctx& ctx, const RunOptions& o) {
   const bool oom = r.oom_refusals > 0 || r.oom_reported;
   if (o.retry_on_oom && r.rc != 0 && !r.signalled_us && oom) {
     const std::string need = exclusive_need(ctx, o);
-    warn(fmt::format("{} exited with status {} after running out of GPU memory ({}); running it "
-                     "once more with a GPU of its own: {}",
-                     o.command[0], r.rc,
-                     r.oom_refusals ? fmt::format("{} allocations refused past its budget",
-                                                  r.oom_refusals)
-                                    : std::string("CUDA out of memory"),
-                     need));
+    warn(fmt::format(
+        "{} exited with status {} after running out of GPU memory ({}); running it "
+        "once more with a GPU of its own: {}",
+        o.command[0], r.rc,
+        r.oom_refusals ? fmt::format("{} allocations refused past its budget", r.oom_refusals)
+                       : std::string("CUDA out of memory"),
+        need));
     RunOptions again = o;
     again.measure = false;
     const bool named = std::any_of(o.hints.begin(), o.hints.end(),

@@ -32,8 +32,7 @@ std::optional<std::string> check_size(const char* flag, const std::optional<std:
 
 // The checks CLI11 cannot express; the first failure's message.
 std::optional<std::string> check(RunOptions& o) {
-  if (o.command.empty())
-    return "no program to run: salus-run [OPTIONS] -- PROGRAM [ARGS...]";
+  if (o.command.empty()) return "no program to run: salus-run [OPTIONS] -- PROGRAM [ARGS...]";
   if (o.command[0].empty()) return "the program's name is empty";
   if (o.measure && (o.persistent || o.ephemeral))
     return "--measure and --persistent/--ephemeral exclude each other: declare the sizes or "
@@ -55,8 +54,7 @@ std::optional<std::string> check(RunOptions& o) {
       return fmt::format("bad --policy-hint '{}': give KEY=VALUE, e.g. name=bert", h);
     const std::string key = h.substr(0, eq);
     for (const char* own : {"persistent", "ephemeral", "iters", "priority", "gpu"})
-      if (key == own)
-        return fmt::format("--policy-hint {}: use --{} for {}=", h, key, key);
+      if (key == own) return fmt::format("--policy-hint {}: use --{} for {}=", h, key, key);
   }
   return std::nullopt;
 }
