@@ -108,7 +108,19 @@ bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
   const SessionId id = q.session;
   SessionState& s = sessions.at(id);
   const Bytes p_new = q.persistent;
-  const LaneDecision d = find_lane(lanes, slack(), p_new, s.e, options.lane_mode);
+  LaneDecision d;
+  if (s.declared.group != 0) {
+    // Join a lane of the group that is large enough; the request adds only p_new.
+    for (const auto& [other, o] : sessions) {
+      if (other == id || !o.admitted || !o.lane || o.declared.group != s.declared.group) continue;
+      const Lane* l = lanes.find(*o.lane);
+      if (l && l->size >= s.e) {
+        d = {LaneStep::join, *o.lane, 0};
+        break;
+      }
+    }
+  }
+  if (d.step == LaneStep::none) d = find_lane(lanes, slack(), p_new, s.e, options.lane_mode);
   if (d.step == LaneStep::none) return false;
   if (d.room > 0) {
     // Opening or growing a lane takes the bytes right above the lane region. Algorithm 1

@@ -25,6 +25,11 @@ using TimeNs = std::int64_t;         // injected clock
 struct Need {
   Bytes persistent = 0;
   Bytes ephemeral = 0;
+  // Non-zero: admission joins the lane of an admitted session of the same group
+  // (when it is large enough) instead of opening a lane. salusd puts every
+  // attached session of a GPU in one group: processes time-slice on a GPU, so
+  // only a shared lane lets the policy, not the driver, decide who runs.
+  std::uint32_t group = 0;
 };
 
 enum class QueueMode : std::uint8_t {

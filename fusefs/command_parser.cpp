@@ -254,6 +254,7 @@ class LineParser {
   bool parse_spin(Command& out);
   bool parse_gemm(Command& out);
   bool parse_priority(Command& out);
+  bool parse_attach(Command& out);
   bool parse_module(Command& out);
   bool parse_launch(Command& out);
   bool parse_launch_arg(std::string_view token, vgpu::LaunchArg& arg);
@@ -294,6 +295,7 @@ bool LineParser::parse(std::optional<Command>& out) {
   if (k == "launch") return parse_launch(cmd);
   if (k == "upload") return parse_transfer(cmd, Dir::upload);
   if (k == "download") return parse_transfer(cmd, Dir::download);
+  if (k == "attach") return parse_attach(cmd);
   return fail(EINVAL, "unknown command '{}'", show(k));
 }
 
@@ -343,6 +345,23 @@ bool LineParser::parse_need(Command& out) {
   }
   if (!opts.has(0)) return fail(EINVAL, "need: missing persistent=");
   if (!opts.has(1)) return fail(EINVAL, "need: missing ephemeral=");
+  return true;
+}
+
+bool LineParser::parse_attach(Command& out) {
+  static constexpr std::array<std::string_view, 2> kKeys = {"gate=", "bell="};
+  auto& cmd = out.emplace<vgpu::AttachCmd>();
+  Options<kKeys.size()> opts{kKeys};
+  for (std::string_view token = next(); !token.empty(); token = next()) {
+    std::size_t i = 0;
+    std::string_view value;
+    if (!option(token, opts, i, value)) return false;
+    std::uint64_t n = 0;
+    if (!unsigned_num(value, kKeys[i], 0, INT32_MAX, n)) return false;
+    (i == 0 ? cmd.gate_fd : cmd.bell_fd) = static_cast<int>(n);
+  }
+  if (!opts.has(0)) return fail(EINVAL, "attach: missing gate=");
+  if (!opts.has(1)) return fail(EINVAL, "attach: missing bell=");
   return true;
 }
 

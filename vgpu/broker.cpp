@@ -93,6 +93,7 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
     Gpu* gp = g.get();
     gp->worker = std::thread([this, gp] { worker_loop(*gp); });
   }
+  start_gate_service();
 }
 
 Broker::~Broker() {
@@ -182,6 +183,7 @@ void Broker::end_session(SessionId id) {
     s->waiters.clear();
     for (auto& w : s->watchers) later.push_back(std::move(w));
     s->watchers.clear();
+    detach_gate(*s, later);
     maybe_finalize(*s, later);
   }
   run_deferred(later);
@@ -274,6 +276,7 @@ void Broker::submit(
   // So are the endpoints of upload and download: a bad one fails the write.
   std::vector<PendingWrite::ModuleFile> module_files;
   std::unordered_map<std::size_t, TransferEndpoint> endpoints;
+  std::unordered_map<std::size_t, PendingWrite::AttachTaken> attach_gates;
   CallerCredentials creds;
   if (write_bytes <= config_.quotas.bytes_per_write) {
     bool captured = false;
@@ -286,6 +289,15 @@ void Broker::submit(
       const Command& cmd = commands[i].command;
       if (const auto* t = std::get_if<TransferCmd>(&cmd)) {
         endpoints.emplace(i, open_transfer_endpoint(who(), *t));
+        continue;
+      }
+      if (const auto* a = std::get_if<AttachCmd>(&cmd)) {
+        // pidfd_getfd and procfs only: nothing the writer can stall.
+        PendingWrite::AttachTaken t;
+        t.gate = std::make_unique<AttachedGate>();
+        t.error = take_gate(caller.pid, a->gate_fd, a->bell_fd, *t.gate, t.why);
+        if (t.error) t.gate.reset();
+        attach_gates.emplace(i, std::move(t));
         continue;
       }
       const auto* m = std::get_if<ModuleCmd>(&cmd);
@@ -316,6 +328,7 @@ void Broker::submit(
       w.commands = std::move(commands);
       w.module_files = std::move(module_files);
       w.transfer_endpoints = std::move(endpoints);
+      w.attach_gates = std::move(attach_gates);
       w.creds = std::move(creds);
       w.caller_admin = caller.admin;
       w.parse_error = std::move(parse_error);
@@ -404,7 +417,8 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
   const bool needs_gpu =
       !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<PriorityCmd>(cmd) &&
       !std::holds_alternative<ResetCmd>(cmd) && !std::holds_alternative<SyncCmd>(cmd) &&
-      !std::holds_alternative<BeginCmd>(cmd) && !s.recording;
+      !std::holds_alternative<BeginCmd>(cmd) && !std::holds_alternative<AttachCmd>(cmd) &&
+      !s.recording;
   if (needs_gpu && s.state == SessionState::queued) {
     suspend = true;
     return 0;
@@ -417,6 +431,12 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
       !std::holds_alternative<PriorityCmd>(cmd))
     return fail(EIO, fmt::format("session failed earlier ({}: {}); write `reset` to continue",
                                  strerrorname_np(s.error), s.error_text));
+  if (s.gate && !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<PriorityCmd>(cmd) &&
+      !std::holds_alternative<ResetCmd>(cmd) && !std::holds_alternative<SyncCmd>(cmd) &&
+      !std::holds_alternative<AttachCmd>(cmd))
+    return fail(EINVAL, fmt::format("this session is attached (pid {}): its work runs in the "
+                                    "program; only need, priority, reset and sync apply",
+                                    s.gate->pid));
 
   return std::visit(
       Overloaded{
@@ -488,6 +508,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           [&](const ModuleCmd& c) { return exec_module(s, c, w, ln); },
           [&](const LaunchCmd&) { return record_op(s, cmd, ln); },
           [&](const TransferCmd& c) { return exec_transfer(s, c, w, ln); },
+          [&](const AttachCmd& c) { return exec_attach(s, c, w, ln, later); },
           [&](const auto&) { return record_op(s, cmd, ln); },
       },
       cmd);
@@ -564,7 +585,7 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
                                     arena::format_size(p), arena::format_size(e), gpu,
                                     arena::format_size(cap)));
   if (c.name && !c.name->empty()) s.need.name = c.name;
-  const arena::Need need{p, e};
+  const arena::Need need = arena_need(s, p, e);
   arena::ArenaError err;
   const bool first = s.gpu < 0;
   if (first) {
@@ -582,6 +603,7 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   s.gpu = gpu;
   s.need.persistent = p;
   s.need.ephemeral = e;
+  set_budget(s);
   if (c.iters) s.need.iters = c.iters;
   if (c.priority) {
     s.priority = *c.priority;
@@ -1127,6 +1149,13 @@ void Broker::sync_lanes(Gpu& g, Deferred& later) {
 void Broker::update_runnable(Gpu& g, Session& s) {
   // A transfer is not lane work: while one waits at the head or is being moved,
   // nothing of the session is dispatched.
+  if (s.gate) {
+    // An attached session wants an iteration when it requested more than granted.
+    const bool wants = !s.gate->exited && gate_load(s.gate->g().requested) > s.gate->granted;
+    g.sched.set_runnable(s.id, wants && !s.dead && s.lane && s.state == SessionState::admitted &&
+                                   !(s.in_flight > 0 && s.in_flight_lane != s.lane));
+    return;
+  }
   const bool runnable = !s.queue.empty() && !s.dead && s.lane && !s.moving && !s.transferring &&
                         !s.queue.front().transfer && (s.state == SessionState::admitted) &&
                         !(s.in_flight > 0 && s.in_flight_lane != s.lane);
@@ -1226,6 +1255,7 @@ void Broker::check_generation(Gpu& g, Deferred& later) {
   for (auto& [id, sp] : sessions_) {
     Session& s = *sp;
     if (s.gpu != static_cast<int>(g.index) || s.dead || s.gpu_generation == gen) continue;
+    if (s.gate) continue;  // its memory lives in the program's own context
     if (s.in_flight > 0) continue;  // its own completion will tell it, and whether it is to blame
     tell_loss(g, s, false, later);
   }
@@ -1299,10 +1329,12 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
   const auto sid = g.sched.pick(lane_id);
   if (!sid) return false;
   Session* s = get(*sid);
+  if (s && s->gate) return grant_one(g, lane_id, lane, *s);
   if (!s || s->queue.empty()) {
     g.sched.set_runnable(*sid, false);
     return false;
   }
+  if (must_drain(lane, *s)) return false;
   WorkItem& item = s->queue.front();
   if (item.transfer || s->transferring) {
     g.sched.set_runnable(*sid, false);
@@ -1566,6 +1598,7 @@ void Broker::shutdown(std::chrono::milliseconds bound) {
   // Transfers were cancelled with their sessions; wait for their chunks in
   // flight (their completions take the broker lock, so not under it).
   for (auto& g : gpus_) g->transfers->stop();
+  stop_gate_service();
   for (auto& g : gpus_) {
     {
       std::lock_guard lk(g->cq_mu);

@@ -61,6 +61,9 @@ struct BrokerConfig {
   Bytes staging_cache = Bytes{64} << 20;
   // Shared-memory segments kept mapped between a session's transfers, per GPU.
   Bytes segment_cache = Bytes{4} << 30;
+  // Attached sessions that mark no iterations are asked to yield (a slice
+  // boundary) after holding their lane this long while another session waits.
+  std::int64_t quantum_ns = 50'000'000;
 };
 
 struct BrokerStats {
@@ -258,6 +261,30 @@ class Broker {
   // lock, never mu_: call it before locking mu_.
   GpuTelemetrySnapshot telemetry_of(std::size_t gpu) const;
   void update_runnable(Gpu& g, Session& s);
+  void render_gate_status(const Session& s, std::string& out) const;
+
+  // Attached sessions (broker_gate.cpp).
+  int exec_attach(Session& s, const AttachCmd& cmd, PendingWrite& w, std::uint32_t line,
+                  Deferred& later);
+  // The arena need of a session: an attached session's whole need is its own
+  // (persistent), in the GPU's shared attached lane.
+  arena::Need arena_need(const Session& s, Bytes persistent, Bytes ephemeral) const;
+  void set_budget(Session& s);
+  // A dispatch of an attached session: a grant through its gate.
+  bool grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s);
+  // Whether the lane holds an iteration of a session other than `id` that a
+  // switch must drain first (either side attached: separate processes).
+  bool must_drain(const Lane& lane, const Session& next) const;
+  // Reads the program's side of the gate: completions, requests, the note.
+  void serve_gate(Gpu& g, Session& s, Deferred& later);
+  void finish_grant(Gpu& g, Session& s, std::int64_t device_ns, bool counts, Deferred& later);
+  // Lets go of the gate: DETACHED, woken, its grants no longer in flight.
+  void detach_gate(Session& s, Deferred& later);
+  void gate_loop();
+  void gate_tick();
+  void gate_event(std::uint64_t data);
+  void start_gate_service();
+  void stop_gate_service();
 
   BrokerConfig config_;
   mutable std::mutex mu_;
@@ -279,6 +306,14 @@ class Broker {
   bool stopped_ = false;
   std::chrono::steady_clock::time_point epoch_;
   std::unique_ptr<GpuTelemetry> telemetry_;  // may be null
+
+  // The gate service: one thread, epoll over every attached session's bell and
+  // pidfd, a timer for heartbeats and slices, and an eventfd to stop it.
+  UniqueFd gate_epoll_;
+  UniqueFd gate_timer_;
+  UniqueFd gate_stop_;
+  std::thread gate_thread_;
+  std::uint64_t gate_ticks_ = 0;
 };
 
 }  // namespace salus::vgpu

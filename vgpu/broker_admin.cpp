@@ -26,6 +26,7 @@ int Broker::set_policy(const std::string& text) {
   if (!kind) return -EINVAL;
   std::optional<Placement> placement;
   std::optional<arena::QueueMode> queue;
+  std::optional<std::int64_t> quantum_ns;
   for (std::size_t i = 1; i < words.size(); ++i) {
     const auto eq = words[i].find('=');
     if (eq == std::string::npos) return -EINVAL;
@@ -40,12 +41,23 @@ int Broker::set_policy(const std::string& text) {
         queue = arena::QueueMode::bounded_bypass;
       else
         return -EINVAL;
+    } else if (key == "quantum_ms") {
+      // The fallback slice of unmarked attached programs: 1 ms .. 1 h.
+      char* end = nullptr;
+      const unsigned long long ms = std::strtoull(value.c_str(), &end, 10);
+      if (value.empty() || *end != '\0' || ms < 1 || ms > 3'600'000) return -EINVAL;
+      quantum_ns = static_cast<std::int64_t>(ms) * 1'000'000;
     } else {
       return -EINVAL;
     }
   }
   std::lock_guard lk(mu_);
   config_.policy = *kind;
+  if (quantum_ns) {
+    config_.quantum_ns = *quantum_ns;
+    for (auto& [id, s] : sessions_)
+      if (s->gate) gate_store(s->gate->g().quantum_ns, static_cast<std::uint64_t>(*quantum_ns));
+  }
   if (placement) config_.placement = *placement;
   for (auto& g : gpus_) {
     g->sched.set_policy(*kind);

@@ -108,7 +108,41 @@ std::string Broker::render_status(SessionId id) const {
   kv("recording", s->recording ? "yes" : "no");
   kv("error",
      s->error ? fmt::format("{} {}", strerrorname_np(s->error), s->error_text) : std::string("-"));
+  kv("kind", s->gate ? "attached" : "hosted");
+  kv("pid", s->gate ? std::to_string(s->gate->pid) : std::string("-"));
+  if (s->gate) render_gate_status(*s, o);
   return o;
+}
+
+// The attached session's gate, as the program last reported it (salus(5)).
+void Broker::render_gate_status(const Session& s, std::string& o) const {
+  auto kv = [&](std::string_view k, const auto& v) { o += fmt::format("{}: {}\n", k, v); };
+  const AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  const std::uint32_t mark = gate_load(G.marking);
+  kv("gate", gt.exited ? "detached" : "attached");
+  kv("marking", mark == SALUS_MARK_EXPLICIT ? "explicit"
+                : mark == SALUS_MARK_SLICE  ? "slice"
+                                            : "none");
+  kv("iterations_requested", gate_load(G.requested));
+  kv("iterations_granted", gt.granted);
+  kv("iterations_completed", gate_load(G.completed));
+  const std::uint64_t budget = gate_load(G.budget_bytes);
+  kv("memory_budget", budget == UINT64_MAX ? std::string("unlimited") : std::to_string(budget));
+  kv("memory_charged", gate_load(G.charged_bytes));
+  kv("memory_peak", gate_load(G.peak_bytes));
+  const Gpu& g = *gpus_[static_cast<std::size_t>(s.gpu)];
+  kv("memory_gpu", g.device->info().backend == "sim"
+                       ? std::string("unavailable (sim backend: no driver figure)")
+                       : std::string("unavailable (NVML per-process memory is not read yet)"));
+  kv("launches", gate_load(G.launches));
+  kv("gate_waits", gate_load(G.gate_waits));
+  kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(
+                                               std::min<std::uint64_t>(gate_load(G.gate_wait_ns),
+                                                                       INT64_MAX)))));
+  kv("oom_refusals", gate_load(G.oom_refusals));
+  kv("yield_requests", gt.yields);
+  kv("quantum_ms", fmt::format("{:.3f}", ms(config_.quantum_ns)));
 }
 
 std::string Broker::render_log(SessionId id) const {
@@ -215,6 +249,7 @@ std::string Broker::render_policy() const {
                                       ? "strict"
                                       : fmt::format("bypass max_bypass={}", opts.max_bypass));
   o += fmt::format("pipeline_depth: {}\n", config_.pipeline_depth);
+  o += fmt::format("quantum_ms: {}\n", config_.quantum_ns / 1'000'000);
   o += "# policies: fifo (arrival order), pack (arrival order, as many lanes as fit),\n"
        "#   srtf (least (iters - done) x mean iteration time first; sessions without iters=\n"
        "#   rank last), fair (equal GPU time per lane by virtual time), priority (larger\n"
@@ -380,6 +415,44 @@ std::string Broker::render_metrics() const {
     o += fmt::format("salus_session_queue_seconds{{session=\"{}\",uid=\"{}\"}} {:.9f}\n",
                      s->dir_name, s->uid, static_cast<double>(waited) / 1e9);
   }
+  // Attached sessions: what their programs report through the gate.
+  auto gate_family = [&](std::string_view name, std::string_view type, std::string_view help,
+                         auto value) {
+    bool any = false;
+    for (const auto& [id, s] : sessions_) any = any || s->gate != nullptr;
+    if (!any) return;
+    family(name, type, help);
+    for (const auto& [id, s] : sessions_)
+      if (s->gate)
+        o += fmt::format("{}{{session=\"{}\",uid=\"{}\",pid=\"{}\"}} {}\n", name, s->dir_name,
+                         s->uid, s->gate->pid, value(s->gate->g()));
+  };
+  gate_family("salus_session_memory_charged_bytes", "gauge",
+              "Attached session: device memory its program holds now.",
+              [](salus_gate& G) { return gate_load(G.charged_bytes); });
+  gate_family("salus_session_memory_peak_bytes", "gauge",
+              "Attached session: the most device memory its program held.",
+              [](salus_gate& G) { return gate_load(G.peak_bytes); });
+  gate_family("salus_session_memory_budget_bytes", "gauge",
+              "Attached session: device memory its program may hold (-1: unlimited).",
+              [](salus_gate& G) {
+                const std::uint64_t b = gate_load(G.budget_bytes);
+                return b == UINT64_MAX ? std::string("-1") : std::to_string(b);
+              });
+  gate_family("salus_session_gate_waits_total", "counter",
+              "Attached session: iteration boundaries that waited for a grant.",
+              [](salus_gate& G) { return gate_load(G.gate_waits); });
+  gate_family("salus_session_gate_wait_seconds_total", "counter",
+              "Attached session: time its boundaries waited for grants.",
+              [](salus_gate& G) {
+                return fmt::format("{:.9f}", static_cast<double>(gate_load(G.gate_wait_ns)) / 1e9);
+              });
+  gate_family("salus_session_launches_total", "counter",
+              "Attached session: kernel launches its program made.",
+              [](salus_gate& G) { return gate_load(G.launches); });
+  gate_family("salus_session_oom_refusals_total", "counter",
+              "Attached session: allocations refused for its budget.",
+              [](salus_gate& G) { return gate_load(G.oom_refusals); });
   family("salus_sessions", "gauge", "Live sessions.");
   o += fmt::format("salus_sessions {}\n", sessions_.size());
   family("salus_iterations_total", "counter", "Iterations finished on all GPUs.");

@@ -119,9 +119,18 @@ struct TransferCmd {
   Bytes length = 0;
 };
 
+// attach gate=FD bell=FD: the writing process hands salusd its gate (a sealed
+// memfd holding struct salus_gate) and its doorbell (an eventfd); the numbers
+// are file descriptors of the writer, taken with pidfd_getfd.
+struct AttachCmd {
+  int gate_fd = -1;
+  int bell_fd = -1;
+};
+
 using Command =
     std::variant<NeedCmd, AllocCmd, FreeCmd, BeginCmd, EndCmd, RunCmd, FillCmd, CopyCmd, SpinCmd,
-                 GemmCmd, SyncCmd, PriorityCmd, ResetCmd, ModuleCmd, LaunchCmd, TransferCmd>;
+                 GemmCmd, SyncCmd, PriorityCmd, ResetCmd, ModuleCmd, LaunchCmd, TransferCmd,
+                 AttachCmd>;
 
 struct CommandLine {
   std::uint32_t line = 0;  // 1-based line number within the write

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "arena/gpu_arena.hpp"
+#include "vgpu/attach_gate.hpp"
 #include "vgpu/command.hpp"
 #include "vgpu/device.hpp"
 #include "vgpu/staging_pool.hpp"
@@ -148,6 +149,14 @@ struct PendingWrite {
   // by the command's index in `commands`.
   std::unordered_map<std::size_t, TransferEndpoint> transfer_endpoints;
   CallerCredentials creds;  // captured with them
+  // attach: the gate taken out of the writer before the broker locks, by the
+  // command's index in `commands` (or why it could not be taken).
+  struct AttachTaken {
+    int error = 0;
+    std::string why;
+    std::unique_ptr<AttachedGate> gate;
+  };
+  std::unordered_map<std::size_t, AttachTaken> attach_gates;
   bool caller_admin = false;
   std::size_t next = 0;
   std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error;
@@ -224,6 +233,10 @@ struct Session {
   std::int64_t iteration_gpu_ns = 0;  // device time of counted iterations
 
   std::map<std::string, LoadedModule> modules;
+
+  // Attached sessions (attach): the program's gate. Its work runs in the
+  // program's own CUDA context; salusd grants iterations through the gate.
+  std::unique_ptr<AttachedGate> gate;
 
   std::deque<LogLine> log;
   std::uint64_t log_lines_total = 0;

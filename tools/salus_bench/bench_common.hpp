@@ -90,5 +90,6 @@ void add_broker_benches(CLI::App& app, Registry& r);
 void add_sched_benches(CLI::App& app, Registry& r);
 void add_gpu_benches(CLI::App& app, Registry& r);
 void add_dataplane_benches(CLI::App& app, Registry& r);
+void add_gate_benches(CLI::App& app, Registry& r);
 
 }  // namespace salus::bench

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   add_sched_benches(app, registry);
   add_gpu_benches(app, registry);
   add_dataplane_benches(app, registry);
+  add_gate_benches(app, registry);
   CLI11_PARSE(app, argc, argv);
   for (auto& [cmd, run] : registry.benches)
     if (*cmd) return run(target);

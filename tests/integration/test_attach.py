@@ -1,0 +1,183 @@
+"""Attached sessions against a real salusd (sim backend): programs made of a
+sealed memfd and an eventfd (client/salus_gate.py) attach through their
+session's ctl and are granted iterations by salusd's policies."""
+import ctypes
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import Session
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "client"))
+import salus_gate  # noqa: E402
+
+PROGRAM = os.path.join(HERE, "gate_program.py")
+
+
+def test_python_mirror_matches_the_header(tmp_path):
+    src = tmp_path / "sizes.c"
+    src.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "client/salus_gate.h"\n'
+                   'int main(void){printf("%zu %zu %zu %zu %zu %zu\\n", sizeof(struct salus_gate),'
+                   ' offsetof(struct salus_gate, granted), offsetof(struct salus_gate, quantum_ns),'
+                   ' offsetof(struct salus_gate, requested), offsetof(struct salus_gate, note),'
+                   ' offsetof(struct salus_gate, reserved2));return 0;}\n')
+    exe = tmp_path / "sizes"
+    cc = subprocess.run(["cc", "-I", os.path.join(HERE, "..", ".."), str(src), "-o", str(exe)],
+                        capture_output=True, text=True)
+    if cc.returncode != 0:
+        pytest.skip("no C compiler: " + cc.stderr[-200:])
+    got = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    S = salus_gate.SalusGate
+    assert [int(x) for x in got] == [salus_gate.SIZE, S.granted.offset, S.quantum_ns.offset,
+                                     S.requested.offset, S.note.offset, S.reserved2.offset]
+
+
+def log_tail(s):
+    return s.read("log").strip().splitlines()[-1]
+
+
+def attach_error(s, line):
+    with pytest.raises(OSError) as e:
+        s.cmd(line)
+    return e.value.errno, log_tail(s)
+
+
+def test_bad_attach_inputs_get_clear_errors(salusd):
+    s = Session(salusd)
+    # Before need: no GPU yet.
+    with salus_gate.Gate() as g:
+        assert attach_error(s, g.attach_line())[0] == errno.ENXIO
+        s.cmd("need persistent=1M ephemeral=1M\n")
+    cases = [
+        (dict(seals=0), errno.EINVAL, "F_SEAL_SHRINK|F_SEAL_GROW"),
+        (dict(size=64, seals=salus_gate.F_SEAL_SHRINK | salus_gate.F_SEAL_GROW), errno.EINVAL,
+         "exactly sizeof"),
+        (dict(header=False), errno.EINVAL, "magic"),
+    ]
+    for kw, err, words in cases:
+        with salus_gate.Gate(**kw) as g:
+            got, line = attach_error(s, g.attach_line())
+            assert got == err and words in line, (kw, line)
+    assert attach_error(s, "attach gate=999 bell=998\n")[0] == errno.EBADF
+    r, w = os.pipe()
+    with salus_gate.Gate() as g:
+        got, line = attach_error(s, f"attach gate={g.fd} bell={r}\n")
+        assert got == errno.EINVAL and "not an eventfd" in line
+        got, line = attach_error(s, f"attach gate={r} bell={g.bell}\n")
+        assert got == errno.EINVAL and "not a memfd" in line
+        with pytest.raises(OSError) as e:
+            s.cmd("attach gate=1\n")
+        assert e.value.errno == errno.EINVAL
+        # The good one attaches; a second attach is EBUSY.
+        s.cmd(g.attach_line())
+        assert g.g.state == salus_gate.ATTACHED
+        st = s.status()
+        assert st["kind"] == "attached" and st["pid"] == str(os.getpid())
+        assert st["memory_budget"] == str(2 << 20)
+        got, line = attach_error(s, g.attach_line())
+        assert got == errno.EBUSY and "already attached" in line
+        got, line = attach_error(s, "begin\nspin 10\nend\n")
+        assert got == errno.EINVAL and "attached" in line
+        os.close(s.fd)  # the session ends: the program is let go
+        deadline = time.time() + 2
+        while g.g.state != salus_gate.DETACHED and time.time() < deadline:
+            time.sleep(0.01)
+        assert g.g.state == salus_gate.DETACHED
+    os.close(r)
+    os.close(w)
+
+
+def run_pair(salusd, policy, a_need, b_need, iters, iter_ms, tmp_path):
+    with open(salusd.path("policy"), "w") as f:
+        f.write(policy + "\n")
+    order = tmp_path / f"order-{policy}"
+    order.write_text("")
+    sessions, progs = [], []
+    try:
+        for name, need, n in (("A", a_need, iters[0]), ("B", b_need, iters[1])):
+            s = Session(salusd)
+            s.cmd(need + "\n")
+            go = tmp_path / f"go-{policy}-{name}"
+            p = subprocess.Popen([sys.executable, PROGRAM, s.file("ctl"), name, str(n),
+                                  str(iter_ms), str(order), str(go)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+            assert p.stdout.readline().strip() == "attached"
+            sessions.append(s)
+            progs.append((p, go))
+        # A starts; B asks once A holds the GPU, so the policy decides every switch.
+        progs[0][1].write_text("")
+        deadline = time.time() + 5
+        while "A1" not in order.read_text():
+            assert time.time() < deadline, "A was never granted"
+            time.sleep(0.001)
+        progs[1][1].write_text("")
+        for p, _ in progs:
+            assert p.stdout.readline().strip() == "done"
+        for s, n in zip(sessions, iters):
+            deadline = time.time() + 5
+            while s.status()["iterations_done"] != str(n):
+                assert time.time() < deadline, s.status()
+                time.sleep(0.01)
+            assert s.status()["kind"] == "attached"
+        got = order.read_text().split()
+        for p, _ in progs:
+            p.stdin.close()
+            assert p.wait(10) == 0
+        return got
+    finally:
+        for p, _ in progs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in sessions:
+            os.close(s.fd)
+
+
+def test_two_programs_interleave_under_fifo_fair_and_srtf(salusd, tmp_path):
+    need = "need persistent=16M ephemeral=16M gpu=0"
+    got = run_pair(salusd, "fifo", need, need, (4, 4), 20, tmp_path)
+    assert got == ["A1", "A2", "A3", "A4", "B1", "B2", "B3", "B4"]
+    got = run_pair(salusd, "fair", need, need, (4, 4), 20, tmp_path)
+    assert got == ["A1", "B1", "A2", "B2", "A3", "B3", "A4", "B4"]
+    got = run_pair(salusd, "srtf", need + " iters=6", need + " iters=2", (6, 2), 10, tmp_path)
+    assert got == ["A1", "B1", "B2", "A2", "A3", "A4", "A5", "A6"]
+
+
+def test_sigkill_of_a_program_ends_its_session_within_a_second(salusd, tmp_path):
+    with open(salusd.path("gpus", "0", "memory")) as f:
+        before = f.read()
+    s = Session(salusd)
+    s.cmd("need persistent=300M ephemeral=100M gpu=0\n")
+    order = tmp_path / "order"
+    order.write_text("")
+    p = subprocess.Popen([sys.executable, PROGRAM, s.file("ctl"), "K", "100000", "5", str(order)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "attached"
+        deadline = time.time() + 5
+        while "K3" not in order.read_text():
+            assert time.time() < deadline
+            time.sleep(0.005)
+        assert s.status()["pid"] == str(p.pid)
+        with open(salusd.path("gpus", "0", "memory")) as f:
+            assert f.read() != before  # its 400M are counted
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        t0 = time.time()
+        while os.path.exists(s.file("status")) and time.time() - t0 < 3:
+            time.sleep(0.01)
+        assert time.time() - t0 < 1.0
+        assert not os.path.exists(s.file("status"))
+        with open(salusd.path("gpus", "0", "memory")) as f:
+            assert f.read() == before  # nothing of it is left
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(s.fd)

@@ -1,0 +1,341 @@
+// Attached sessions through the broker's API: the test process plays the
+// program. It makes a real sealed memfd and eventfd and attaches itself (the
+// caller pid is its own), then drives the gate as libsalus-shim.so would.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <thread>
+
+#include "client/salus_gate.h"
+#include "fusefs/command_parser.hpp"
+#include "vgpu/broker.hpp"
+#include "vgpu/sim/sim_device.hpp"
+
+using namespace salus;
+using namespace salus::vgpu;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::unique_ptr<Broker> make_broker(sched::PolicyKind policy = sched::PolicyKind::fair,
+                                    std::uint32_t depth = 2) {
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  BrokerConfig cfg;
+  cfg.policy = policy;
+  cfg.pipeline_depth = depth;
+  cfg.quantum_ns = 20'000'000;
+  return std::make_unique<Broker>(std::move(devs), cfg);
+}
+
+Caller me() { return Caller{0, 0, getpid(), true}; }
+
+std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text,
+                                const Caller& who = me()) {
+  auto parsed = fusefs::parse_commands(text);
+  std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> perr;
+  if (parsed.error) perr = {parsed.error->line, {parsed.error->error, parsed.error->message}};
+  std::promise<std::pair<int, std::string>> p;
+  auto f = p.get_future();
+  b.submit(id, who, text.size(), std::move(parsed.commands), std::move(perr),
+           [&p](int err, std::string reply) { p.set_value({err, std::move(reply)}); });
+  if (f.wait_for(10s) != std::future_status::ready) return {ETIMEDOUT, {}};
+  return f.get();
+}
+
+std::string field(const std::string& text, const std::string& key) {
+  const auto pos = text.find("\n" + key + ": ");
+  if (pos == std::string::npos) return {};
+  const auto start = pos + key.size() + 3;
+  return text.substr(start, text.find('\n', start) - start);
+}
+
+std::string last_log(Broker& b, SessionId id) {
+  std::string log = b.render_log(id);
+  if (!log.empty() && log.back() == '\n') log.pop_back();
+  return log.substr(log.rfind('\n') + 1);
+}
+
+template <class T>
+T ld(T& f) {
+  return std::atomic_ref<T>(f).load();
+}
+template <class T>
+void st(T& f, T v) {
+  std::atomic_ref<T>(f).store(v);
+}
+
+// The program's side of a gate.
+struct Program {
+  int memfd = -1;
+  int bell = -1;
+  salus_gate* g = nullptr;
+
+  explicit Program(unsigned seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL,
+                   std::size_t size = sizeof(salus_gate)) {
+    memfd = memfd_create("gate", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    EXPECT_GE(memfd, 0);
+    EXPECT_EQ(ftruncate(memfd, static_cast<off_t>(size)), 0);
+    void* p = mmap(nullptr, sizeof(salus_gate), PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+    EXPECT_NE(p, MAP_FAILED);
+    g = static_cast<salus_gate*>(p);
+    if (size >= sizeof(salus_gate)) {
+      g->magic = SALUS_GATE_MAGIC;
+      g->version = SALUS_GATE_VERSION;
+      g->size = sizeof(salus_gate);
+      g->pid = getpid();
+    }
+    if (seals) {
+      EXPECT_EQ(fcntl(memfd, F_ADD_SEALS, seals), 0);
+    }
+    bell = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  }
+  ~Program() {
+    munmap(g, sizeof(salus_gate));
+    close(memfd);
+    close(bell);
+  }
+  std::string attach() const { return fmt::format("attach gate={} bell={}\n", memfd, bell); }
+  void ring() const {
+    const std::uint64_t one = 1;
+    EXPECT_EQ(write(bell, &one, sizeof one), 8);
+  }
+  void request(std::uint64_t k) {
+    st(g->requested, k);
+    ring();
+  }
+  void complete(std::uint64_t k, std::uint64_t ns) {
+    st(g->gpu_ns_total, ld(g->gpu_ns_total) + ns);
+    st(g->completed, k);
+    ring();
+  }
+  // Waits (polling) until granted >= k; false after `limit`.
+  bool granted(std::uint64_t k, std::chrono::milliseconds limit = 2000ms) const {
+    const auto end = std::chrono::steady_clock::now() + limit;
+    while (ld(g->granted) < k) {
+      if (std::chrono::steady_clock::now() > end) return false;
+      std::this_thread::sleep_for(200us);
+    }
+    return true;
+  }
+};
+
+SessionId attached_session(Broker& b, Program& p, const std::string& need =
+                                                      "need persistent=8M ephemeral=8M\n") {
+  const auto id = static_cast<SessionId>(b.create_session(me(), ""));
+  EXPECT_EQ(run(b, id, need + p.attach()).first, 0) << b.render_log(id);
+  return id;
+}
+
+}  // namespace
+
+TEST(Attach, ParsesAndRejectsBadSyntax) {
+  auto r = fusefs::parse_commands("attach gate=3 bell=4\n");
+  ASSERT_FALSE(r.error);
+  const auto& a = std::get<AttachCmd>(r.commands.at(0).command);
+  EXPECT_EQ(a.gate_fd, 3);
+  EXPECT_EQ(a.bell_fd, 4);
+  EXPECT_TRUE(fusefs::parse_commands("attach gate=3\n").error);
+  EXPECT_TRUE(fusefs::parse_commands("attach gate=-1 bell=2\n").error);
+  EXPECT_TRUE(fusefs::parse_commands("attach gate=1 bell=2 x=3\n").error);
+}
+
+TEST(Attach, ValidatesTheGateAndTheBell) {
+  auto b = make_broker();
+  auto expect_fail = [&](const std::string& text, int err, const std::string& words,
+                         const Caller& who = me()) {
+    const auto id = static_cast<SessionId>(b->create_session(me(), ""));
+    EXPECT_EQ(run(*b, id, "need persistent=1M ephemeral=1M\n" + text, who).first, err) << text;
+    EXPECT_NE(last_log(*b, id).find(words), std::string::npos) << last_log(*b, id);
+    b->end_session(id);
+  };
+  Program good;
+  expect_fail(good.attach(), EPERM, "not visible", Caller{0, 0, 0, true});
+  expect_fail("attach gate=999 bell=998\n", EBADF, "no such file descriptor");
+  Program unsealed(0);
+  expect_fail(unsealed.attach(), EINVAL, "F_SEAL_SHRINK|F_SEAL_GROW");
+  Program small(F_SEAL_SHRINK | F_SEAL_GROW, 64);
+  expect_fail(small.attach(), EINVAL, "exactly sizeof");
+  Program bad_magic;
+  bad_magic.g->magic = 42;
+  expect_fail(bad_magic.attach(), EINVAL, "magic");
+  Program bad_version;
+  bad_version.g->version = 99;
+  expect_fail(bad_version.attach(), EINVAL, "version 99");
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  expect_fail(fmt::format("attach gate={} bell={}\n", good.memfd, pipefd[0]), EINVAL,
+              "not an eventfd");
+  expect_fail(fmt::format("attach gate={} bell={}\n", pipefd[0], good.bell), EINVAL,
+              "not a memfd");
+  close(pipefd[0]);
+  close(pipefd[1]);
+  // attach needs a prior need.
+  const auto id = static_cast<SessionId>(b->create_session(me(), ""));
+  EXPECT_EQ(run(*b, id, good.attach()).first, ENXIO);
+  EXPECT_NE(last_log(*b, id).find("declare needs first"), std::string::npos);
+  // A second attach: EBUSY; hosted work on an attached session: EINVAL.
+  EXPECT_EQ(run(*b, id, "need persistent=1M ephemeral=1M\n" + good.attach()).first, 0);
+  EXPECT_EQ(run(*b, id, good.attach()).first, EBUSY);
+  EXPECT_NE(last_log(*b, id).find("already attached"), std::string::npos);
+  EXPECT_EQ(run(*b, id, "alloc a 1M\n").first, EINVAL);
+  EXPECT_NE(last_log(*b, id).find("this session is attached"), std::string::npos);
+}
+
+TEST(Attach, GrantsCompletionsAndStatus) {
+  auto b = make_broker();
+  Program p;
+  const SessionId id = attached_session(*b, p);
+  EXPECT_EQ(ld(p.g->state), SALUS_GATE_ATTACHED);
+  EXPECT_EQ(ld(p.g->budget_bytes), std::uint64_t{16} << 20);
+  EXPECT_EQ(ld(p.g->granted), 0u);
+  p.request(1);
+  ASSERT_TRUE(p.granted(1));
+  p.request(2);
+  ASSERT_TRUE(p.granted(2));
+  p.complete(2, 6'000'000);  // two at once: 3 ms each
+  st(p.g->charged_bytes, std::uint64_t{5} << 20);
+  st(p.g->marking, SALUS_MARK_EXPLICIT);
+  std::snprintf(p.g->note, SALUS_GATE_NOTE_BYTES, "hello\x01world");
+  st(p.g->note_seq, 1u);
+  p.ring();
+  std::string s;
+  for (int i = 0; i < 200 && field(s, "iterations_done") != "2"; ++i) {
+    std::this_thread::sleep_for(5ms);
+    s = b->render_status(id);
+  }
+  EXPECT_EQ(field(s, "kind"), "attached");
+  EXPECT_EQ(field(s, "pid"), std::to_string(getpid()));
+  EXPECT_EQ(field(s, "iterations_done"), "2");
+  EXPECT_EQ(field(s, "gpu_time_ms"), "6.000");
+  EXPECT_EQ(field(s, "mean_iteration_ms"), "3.000");
+  EXPECT_EQ(field(s, "memory_charged"), std::to_string(5u << 20));
+  EXPECT_EQ(field(s, "memory_budget"), std::to_string(16u << 20));
+  EXPECT_EQ(field(s, "marking"), "explicit");
+  EXPECT_EQ(field(s, "in_flight"), "0");
+  EXPECT_NE(b->render_log(id).find("program: hello?world"), std::string::npos);
+  EXPECT_NE(b->render_metrics().find("salus_session_memory_charged_bytes{session=\"" +
+                                     std::to_string(id)),
+            std::string::npos);
+  // A later need updates the budget.
+  EXPECT_EQ(run(*b, id, "need persistent=32M ephemeral=0\n").first, 0);
+  EXPECT_EQ(ld(p.g->budget_bytes), std::uint64_t{32} << 20);
+  // The heartbeat moves; ending the session detaches the program.
+  const auto hb = ld(p.g->heartbeat);
+  std::this_thread::sleep_for(150ms);
+  EXPECT_GT(ld(p.g->heartbeat), hb);
+  const auto word = ld(p.g->grant_word);
+  b->end_session(id);
+  EXPECT_EQ(ld(p.g->state), SALUS_GATE_DETACHED);
+  EXPECT_GT(ld(p.g->grant_word), word);
+}
+
+TEST(Attach, PipelineDepthBoundsGrantsInFlight) {
+  auto b = make_broker(sched::PolicyKind::fair, 2);
+  Program p;
+  attached_session(*b, p);
+  p.request(1);
+  ASSERT_TRUE(p.granted(1));
+  p.request(2);
+  ASSERT_TRUE(p.granted(2));
+  p.request(3);
+  EXPECT_FALSE(p.granted(3, 100ms));  // two in flight: the depth
+  p.complete(1, 1000);
+  EXPECT_TRUE(p.granted(3));
+}
+
+TEST(Attach, SwitchDrainsTheLaneFirstAndFairAlternates) {
+  auto b = make_broker(sched::PolicyKind::fair, 2);
+  Program a, c;
+  const SessionId ia = attached_session(*b, a);
+  const SessionId ic = attached_session(*b, c);
+  // Both in one lane (the GPU's attached lane).
+  EXPECT_EQ(field(b->render_status(ia), "lane"), field(b->render_status(ic), "lane"));
+  a.request(1);
+  ASSERT_TRUE(a.granted(1));
+  c.request(1);
+  // FAIR would pick c now, but a's iteration is in flight in another process.
+  EXPECT_FALSE(c.granted(1, 100ms));
+  a.request(2);
+  a.complete(1, 1'000'000);
+  ASSERT_TRUE(c.granted(1));
+  EXPECT_EQ(ld(a.g->granted), 1u);  // c's turn: a waits for c's iteration to end
+  c.request(2);
+  c.complete(1, 1'000'000);
+  ASSERT_TRUE(a.granted(2));
+  EXPECT_EQ(ld(c.g->granted), 1u);
+}
+
+TEST(Attach, UnmarkedProgramIsAskedToYield) {
+  auto b = make_broker(sched::PolicyKind::fair, 2);
+  Program a, c;
+  const SessionId ia = attached_session(*b, a);
+  attached_session(*b, c);
+  a.request(1);
+  ASSERT_TRUE(a.granted(1));
+  c.request(1);  // waits; a never marks a boundary
+  const auto end = std::chrono::steady_clock::now() + 1s;
+  while (ld(a.g->yield_requested) == 0 && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(2ms);
+  EXPECT_EQ(ld(a.g->yield_requested), 1u);
+  EXPECT_EQ(ld(a.g->quantum_ns), 20'000'000u);
+  EXPECT_EQ(field(b->render_status(ia), "yield_requests"), "1");
+  // The slice boundary: a requests 2 and completes 1; c gets the lane.
+  a.request(2);
+  a.complete(1, 0);
+  ASSERT_TRUE(c.granted(1));
+}
+
+TEST(Attach, ProgramDeathEndsTheSessionWithinASecond) {
+  auto b = make_broker();
+  Program p;  // made before fork: the child has the same fd numbers
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  const auto id = static_cast<SessionId>(b->create_session(me(), ""));
+  const Caller kid{0, 0, child, true};
+  ASSERT_EQ(run(*b, id, "need persistent=64M ephemeral=0\n" + p.attach(), kid).first, 0)
+      << b->render_log(id);
+  EXPECT_EQ(field(b->render_status(id), "pid"), std::to_string(child));
+  p.request(1);
+  ASSERT_TRUE(p.granted(1));
+  const std::string before = b->render_gpu_memory(0);
+  kill(child, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (b->find_session(std::to_string(id)) && std::chrono::steady_clock::now() - t0 < 2s)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  EXPECT_FALSE(b->find_session(std::to_string(id)));
+  EXPECT_EQ(b->render_status(id), "state: ended\n");
+  EXPECT_EQ(ld(p.g->state), SALUS_GATE_DETACHED);
+  int status = 0;
+  waitpid(child, &status, 0);
+  // Its reservation is gone: a new session can take the whole GPU.
+  const auto id2 = static_cast<SessionId>(b->create_session(me(), ""));
+  EXPECT_EQ(run(*b, id2, "need persistent=250M ephemeral=0\n").first, 0);
+  EXPECT_EQ(field(b->render_status(id2), "state"), "admitted") << before;
+}
+
+TEST(Attach, ShutdownDetachesPrograms) {
+  auto b = make_broker();
+  Program p;
+  attached_session(*b, p);
+  p.request(1);
+  ASSERT_TRUE(p.granted(1));
+  b->shutdown(100ms);
+  EXPECT_EQ(ld(p.g->state), SALUS_GATE_DETACHED);
+}

@@ -1,0 +1,79 @@
+// The gate of an attached session as salusd holds it: the program's sealed
+// memfd (mapped shared), its doorbell eventfd and a pidfd of the program, all
+// taken out of the writing process with pidfd_getfd and checked before use.
+// The layout is client/salus_gate.h, the contract with libsalus-shim.so.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "client/salus_gate.h"
+#include "vgpu/unique_fd.hpp"
+
+namespace salus::vgpu {
+
+// A MAP_SHARED mapping of one struct salus_gate; unmapped on destruction.
+class GateMapping {
+ public:
+  GateMapping() = default;
+  GateMapping(salus_gate* g, std::size_t len) : g_(g), len_(len) {}
+  GateMapping(GateMapping&& o) noexcept;
+  GateMapping& operator=(GateMapping&& o) noexcept;
+  GateMapping(const GateMapping&) = delete;
+  GateMapping& operator=(const GateMapping&) = delete;
+  ~GateMapping() { reset(); }
+  salus_gate* get() const { return g_; }
+  void reset();
+
+ private:
+  salus_gate* g_ = nullptr;
+  std::size_t len_ = 0;
+};
+
+// Atomic access to the shared fields (the program writes its side concurrently).
+template <class T>
+T gate_load(T& field) {
+  return std::atomic_ref<T>(field).load(std::memory_order_acquire);
+}
+template <class T>
+void gate_store(T& field, T value) {
+  std::atomic_ref<T>(field).store(value, std::memory_order_release);
+}
+
+struct AttachedGate {
+  pid_t pid = 0;  // the program's thread-group id, in salusd's pid namespace
+  UniqueFd pidfd;
+  UniqueFd memfd;
+  UniqueFd bell;
+  GateMapping map;
+
+  salus_gate& g() const { return *map.get(); }
+  // salusd's side: bump grant_word and wake every waiter (FUTEX_WAKE on the
+  // shared mapping, not FUTEX_PRIVATE: the waiter is another process).
+  void wake() const;
+
+  // salusd's bookkeeping of the gate (under the broker lock).
+  std::uint64_t granted = 0;         // what salusd wrote to `granted`
+  std::uint64_t completed_seen = 0;  // completions already accounted
+  std::uint64_t gpu_ns_seen = 0;     // gpu_ns_total already accounted
+  std::uint32_t note_seq_seen = 0;
+  std::int64_t granted_at = 0;  // broker time of the last grant (the fallback slice)
+  std::uint64_t yields = 0;     // yield requests made
+  bool exited = false;          // the pidfd reported the program's exit
+};
+
+// Takes `gate_fd` and `bell_fd` out of the thread group of thread `tid` and
+// checks them: the gate a regular (memfd) file of exactly sizeof(salus_gate),
+// sealed against shrinking and growing, with a valid header; the bell an
+// eventfd. Maps the gate. Returns 0, or an errno with `why` saying what failed.
+// Does no I/O the program can stall: procfs and pidfd calls only.
+int take_gate(pid_t tid, int gate_fd, int bell_fd, AttachedGate& out, std::string& why);
+
+// The thread-group id of thread `tid` (from /proc/TID/status), or -errno.
+pid_t thread_group_of(pid_t tid);
+
+}  // namespace salus::vgpu

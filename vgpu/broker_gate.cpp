@@ -1,0 +1,345 @@
+// Attached sessions: the `attach` command, grants as dispatches, and the gate
+// service thread (doorbells, program exits, heartbeats and fallback slices).
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "vgpu/broker.hpp"
+#include "vgpu/broker_gpu.hpp"
+
+namespace salus::vgpu {
+
+namespace {
+
+// Every attached session of a GPU is in this arena lane group (gpu_arena.hpp).
+constexpr std::uint32_t kAttachedGroup = 1;
+constexpr std::int64_t kTickNs = 25'000'000;  // heartbeat and slice check period
+constexpr std::uint64_t kStopKey = ~std::uint64_t{0};
+constexpr std::uint64_t kTimerKey = ~std::uint64_t{0} - 1;
+
+// epoll keys: the session id, doubled, plus 1 for its pidfd.
+std::uint64_t bell_key(SessionId id) { return id << 1; }
+std::uint64_t exit_key(SessionId id) { return (id << 1) | 1; }
+
+// The program's note, made safe for a one-line log: bounded, printable ASCII.
+std::string sanitize_note(const salus_gate& g) {
+  std::string out;
+  for (std::size_t i = 0; i < SALUS_GATE_NOTE_BYTES - 1; ++i) {
+    const char c = std::atomic_ref<const char>(g.note[i]).load(std::memory_order_relaxed);
+    if (c == '\0') break;
+    out += (c >= 0x20 && c < 0x7f) ? c : '?';
+  }
+  return out;
+}
+
+}  // namespace
+
+arena::Need Broker::arena_need(const Session& s, Bytes persistent, Bytes ephemeral) const {
+  if (!s.gate) return {persistent, ephemeral};
+  // The program's memory is its own (no lane sharing of physical memory for
+  // attached sessions): its whole need is persistent, and its lane, shared with
+  // the GPU's other attached sessions, holds no ephemeral bytes.
+  return {persistent + ephemeral, 0, kAttachedGroup};
+}
+
+void Broker::set_budget(Session& s) {
+  if (!s.gate) return;
+  const Bytes total = s.need.persistent + s.need.ephemeral;
+  gate_store(s.gate->g().budget_bytes, total == 0 ? UINT64_MAX : std::uint64_t{total});
+  s.gate->wake();
+}
+
+int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::uint32_t ln,
+                        Deferred& later) {
+  auto fail = [&](int err, std::string msg) {
+    log(s, fmt::format("line {}: attach: {}", ln, msg));
+    return err;
+  };
+  if (s.recording) return fail(EINVAL, "not allowed inside begin/end");
+  if (s.gate)
+    return fail(EBUSY, fmt::format("the session is already attached (pid {})", s.gate->pid));
+  if (s.gpu < 0 || s.state == SessionState::idle)
+    return fail(ENXIO, "no GPU yet: declare needs first with `need persistent=SIZE ephemeral=SIZE`");
+  if (!s.queue.empty() || s.in_flight > 0 || s.transferring)
+    return fail(EBUSY, "hosted work of this session is still queued or running; `sync` first");
+  auto taken = w.attach_gates.find(w.next);
+  if (taken == w.attach_gates.end()) return fail(EIO, "internal: the gate was not taken");
+  if (taken->second.error) return fail(taken->second.error, taken->second.why);
+  std::unique_ptr<AttachedGate> gate = std::move(taken->second.gate);
+  Gpu& g = *gpu_of(s);
+  salus_gate& G = gate->g();
+  gate->note_seq_seen = gate_load(G.note_seq);
+  // A program attaching again (salusd restarted) continues its numbering.
+  gate->granted = gate->completed_seen = gate_load(G.completed);
+  gate->gpu_ns_seen = gate_load(G.gpu_ns_total);
+  gate_store(G.granted, gate->granted);
+  gate_store(G.gpu, static_cast<std::uint32_t>(g.index));
+  gate_store(G.quantum_ns, static_cast<std::uint64_t>(config_.quantum_ns));
+  gate_store(G.yield_requested, 0u);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = bell_key(s.id);
+  int rc = ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_ADD, gate->bell.get(), &ev);
+  ev.data.u64 = exit_key(s.id);
+  if (rc == 0) rc = ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_ADD, gate->pidfd.get(), &ev);
+  if (rc != 0) {
+    const int e = errno;
+    ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gate->bell.get(), nullptr);
+    return fail(e, fmt::format("cannot watch the gate: {}", std::strerror(e)));
+  }
+  s.gate = std::move(gate);
+  set_budget(s);
+  const std::uint64_t heartbeat = gate_load(G.heartbeat);
+  gate_store(G.heartbeat, heartbeat + 1);
+  gate_store(G.state, SALUS_GATE_ATTACHED);
+  s.gate->wake();
+  log(s, fmt::format("line {}: attached gate={} bell={} of pid {}: gpu {}, budget {}", ln,
+                     c.gate_fd, c.bell_fd, s.gate->pid, g.index,
+                     s.need.persistent + s.need.ephemeral == 0
+                         ? std::string("unlimited")
+                         : arena::format_size(s.need.persistent + s.need.ephemeral)));
+  // Re-place the need as an attached one (arena_need); admission may wait.
+  const arena::ArenaError err =
+      g.sched.change_need(s.id, arena_need(s, s.need.persistent, s.need.ephemeral), std::nullopt,
+                          now());
+  if (err != arena::ArenaError::ok) {
+    detach_gate(s, later);
+    s.gate.reset();
+    return fail(ENOMEM, fmt::format("rejected by gpu {}: {}", g.index, arena::to_string(err)));
+  }
+  s.lane.reset();
+  if (s.state == SessionState::admitted) {
+    s.state = SessionState::queued;
+    s.queued_at = now();
+  }
+  update_runnable(g, s);
+  handle_admissions(g, later);
+  if (s.state != SessionState::admitted)
+    log(s, fmt::format("line {}: attach: waiting for admission on gpu {}; grants start once "
+                       "admitted",
+                       ln, g.index));
+  return 0;
+}
+
+bool Broker::must_drain(const Lane& lane, const Session& next) const {
+  if (lane.in_flight == 0) return false;
+  for (const Lane::InFlight& f : lane.tokens) {
+    if (f.session == next.id) continue;
+    if (next.gate) return true;
+    const Session* other = get(f.session);
+    if (other && other->gate) return true;
+  }
+  return false;
+}
+
+bool Broker::grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s) {
+  // Separate processes share no stream: a switch drains the lane first.
+  if (must_drain(lane, s)) return false;
+  AttachedGate& gt = *s.gate;
+  if (lane.in_flight == 0) g.sched.arena().begin_iteration(lane_id, s.id, 0);
+  g.sched.iteration_dispatched(s.id);
+  const TimeNs t = now();
+  lane.tokens.push_back(Lane::InFlight{next_token_++, s.id, t});
+  ++lane.in_flight;
+  ++s.in_flight;
+  s.in_flight_lane = lane_id;
+  ++gt.granted;
+  gt.granted_at = t;
+  salus_gate& G = gt.g();
+  gate_store(G.yield_requested, 0u);
+  gate_store(G.granted, gt.granted);
+  gt.wake();
+  update_runnable(g, s);
+  return true;
+}
+
+void Broker::finish_grant(Gpu& g, Session& s, std::int64_t device_ns, bool counts,
+                          Deferred& later) {
+  if (s.in_flight_lane) {
+    auto it = g.lanes.find(*s.in_flight_lane);
+    if (it != g.lanes.end()) {
+      Lane& lane = it->second;
+      for (auto f = lane.tokens.begin(); f != lane.tokens.end(); ++f) {
+        if (f->session != s.id) continue;
+        lane.tokens.erase(f);
+        if (lane.in_flight > 0) --lane.in_flight;
+        if (lane.in_flight == 0) {
+          g.sched.arena().end_iteration(it->first, now());
+          handle_admissions(g, later);
+        }
+        break;
+      }
+    }
+  }
+  if (s.in_flight > 0) --s.in_flight;
+  s.gpu_ns += device_ns;
+  if (counts) {
+    ++s.iterations_done;
+    s.iteration_gpu_ns += device_ns;
+    ++stats_.iterations;
+  }
+  g.sched.iteration_done(s.id, device_ns, counts);
+}
+
+void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
+  AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  // Completions, in order; a program cannot complete what was not granted.
+  const std::uint64_t completed = std::min(gate_load(G.completed), gt.granted);
+  if (completed > gt.completed_seen) {
+    const std::uint64_t n = completed - gt.completed_seen;
+    const std::uint64_t total = gate_load(G.gpu_ns_total);
+    const std::uint64_t delta = total > gt.gpu_ns_seen ? total - gt.gpu_ns_seen : 0;
+    gt.gpu_ns_seen = std::max(gt.gpu_ns_seen, total);
+    gt.completed_seen = completed;
+    // The program reports device time per batch of completions: split evenly.
+    const std::uint64_t each = std::min<std::uint64_t>(delta / n, INT64_MAX / 2);
+    for (std::uint64_t i = 0; i < n && s.in_flight > 0; ++i) {
+      const std::uint64_t ns = i + 1 == n ? std::min<std::uint64_t>(each + delta % n, INT64_MAX / 2)
+                                          : each;
+      finish_grant(g, s, static_cast<std::int64_t>(ns), true, later);
+    }
+  }
+  const std::uint32_t seq = gate_load(G.note_seq);
+  if (seq != gt.note_seq_seen) {
+    gt.note_seq_seen = seq;
+    log(s, "program: " + sanitize_note(G));
+  }
+  check_waiters(s, later);
+  update_runnable(g, s);
+}
+
+void Broker::detach_gate(Session& s, Deferred& later) {
+  if (!s.gate) return;
+  AttachedGate& gt = *s.gate;
+  ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.bell.get(), nullptr);
+  ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.pidfd.get(), nullptr);
+  gate_store(gt.g().state, SALUS_GATE_DETACHED);
+  gt.wake();
+  // Its iterations in flight are the program's own now: the lane is free.
+  if (Gpu* g = gpu_of(s)) {
+    while (s.in_flight > 0) finish_grant(*g, s, 0, false, later);
+    kick(*g);
+  }
+  s.in_flight = 0;
+  gt.exited = true;  // nothing more is read from the gate
+}
+
+void Broker::gate_event(std::uint64_t key) {
+  const SessionId id = key >> 1;
+  const bool exited = key & 1;
+  Deferred later;
+  bool end = false;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (!s || !s->gate || s->gate->exited) return;
+    Gpu* g = gpu_of(*s);
+    if (!g) return;
+    if (!exited) {
+      std::uint64_t rings = 0;
+      while (::read(s->gate->bell.get(), &rings, sizeof rings) > 0) {
+      }
+    }
+    serve_gate(*g, *s, later);
+    if (exited) {
+      log(*s, fmt::format("the program (pid {}) exited; the session ends", s->gate->pid));
+      detach_gate(*s, later);
+      end = !s->dead;
+    } else {
+      // Grant right here rather than through the worker: one thread hop less.
+      dispatch(*g, later);
+    }
+  }
+  run_deferred(later);
+  if (end) end_session(id);
+}
+
+void Broker::gate_tick() {
+  std::lock_guard lk(mu_);
+  ++gate_ticks_;
+  const TimeNs t = now();
+  for (auto& [id, sp] : sessions_) {
+    Session& s = *sp;
+    if (!s.gate || s.gate->exited) continue;
+    AttachedGate& gt = *s.gate;
+    salus_gate& G = gt.g();
+    std::atomic_ref<std::uint64_t>(G.heartbeat).fetch_add(1, std::memory_order_relaxed);
+    // The fallback for unmarked programs: a slice of quantum_ns (wall time: the
+    // device time of a running iteration is not reported before its boundary).
+    if (gate_load(G.marking) == SALUS_MARK_EXPLICIT || s.in_flight == 0 || !s.in_flight_lane)
+      continue;
+    if (gate_load(G.requested) > gt.granted || gate_load(G.yield_requested) != 0) continue;
+    Gpu* g = gpu_of(s);
+    if (!g || g->sched.runnable_in_lane(*s.in_flight_lane) == 0) continue;
+    if (t - gt.granted_at < config_.quantum_ns) continue;
+    gate_store(G.yield_requested, 1u);
+    ++gt.yields;
+  }
+}
+
+void Broker::gate_loop() {
+  epoll_event events[64];
+  for (;;) {
+    const int n = ::epoll_wait(gate_epoll_.get(), events, 64, -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("gate service: epoll_wait: {}", std::strerror(errno));
+      return;
+    }
+    for (int i = 0; i < n; ++i) {
+      const std::uint64_t key = events[i].data.u64;
+      if (key == kStopKey) return;
+      try {
+        if (key == kTimerKey) {
+          std::uint64_t expirations = 0;
+          if (::read(gate_timer_.get(), &expirations, sizeof expirations) < 0) continue;
+          gate_tick();
+        } else {
+          gate_event(key);
+        }
+      } catch (const std::exception& e) {
+        spdlog::error("gate service: {}", e.what());
+      } catch (...) {
+        spdlog::error("gate service: a non-standard exception");
+      }
+    }
+  }
+}
+
+void Broker::start_gate_service() {
+  gate_epoll_.reset(::epoll_create1(EPOLL_CLOEXEC));
+  gate_timer_.reset(::timerfd_create(CLOCK_MONOTONIC, TFD_CLOEXEC | TFD_NONBLOCK));
+  gate_stop_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!gate_epoll_ || !gate_timer_ || !gate_stop_)
+    throw std::runtime_error(fmt::format("gate service: {}", std::strerror(errno)));
+  itimerspec period{};
+  period.it_interval.tv_nsec = kTickNs;
+  period.it_value.tv_nsec = kTickNs;
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kTimerKey;
+  bool ok = ::timerfd_settime(gate_timer_.get(), 0, &period, nullptr) == 0 &&
+            ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_ADD, gate_timer_.get(), &ev) == 0;
+  ev.data.u64 = kStopKey;
+  ok = ok && ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_ADD, gate_stop_.get(), &ev) == 0;
+  if (!ok) throw std::runtime_error(fmt::format("gate service: {}", std::strerror(errno)));
+  gate_thread_ = std::thread([this] { gate_loop(); });
+}
+
+void Broker::stop_gate_service() {
+  if (!gate_thread_.joinable()) return;
+  const std::uint64_t one = 1;
+  if (::write(gate_stop_.get(), &one, sizeof one) < 0)
+    spdlog::error("gate service: cannot signal stop: {}", std::strerror(errno));
+  gate_thread_.join();
+}
+
+}  // namespace salus::vgpu
