@@ -215,9 +215,30 @@ def _excepthook(previous):
     return hook
 
 
+def _attach_now():
+    """Attaches the process to its session before the first iteration.
+
+    The shim attaches lazily, at cuInit or at the first boundary. A program whose
+    first optimizer step comes before any CUDA call (a CPU program, or one that
+    touches CUDA only inside its loop) would otherwise end its first iteration
+    at the boundary that attaches it: work salusd never granted nor counted. One
+    boundary now, while torch is being imported and nothing has run, attaches
+    it; the setup before it is nobody's iteration."""
+    if not os.environ.get("SALUS_SESSION"):
+        return
+    try:
+        lib = ctypes.CDLL(None)
+        if not lib.salus_attached():
+            lib.salus_step()
+    except (AttributeError, OSError):
+        pass
+
+
 def enable(mark=None):
     """Arms automatic marking for when torch is imported. `mark` defaults to the
-    shim's salus_step; without the shim, warns once and does nothing."""
+    shim's salus_step (and then the process attaches when torch is imported);
+    without the shim, warns once and does nothing."""
+    attach = mark is None
     if mark is None:
         mark = shim_marker()
         if mark is None:
@@ -234,6 +255,9 @@ def enable(mark=None):
         except Exception as e:  # never break the program's import of torch
             _warn(f"could not register PyTorch hooks ({type(e).__name__}: {e}); "
                   "iterations are not marked")
+            return
+        if attach:
+            _attach_now()
 
     if "torch" in sys.modules:
         on_torch(sys.modules["torch"])
