@@ -291,7 +291,7 @@ class Measure {
     done_ = true;
     const auto [p, e] = salus::run::measured_need(num(st, kPeakKey), persistent_);
     warn(
-        fmt::format("--measure: peak {} over the first {} iterations, {} held after "
+        fmt::format("--measure: peak {} after {} iterations, {} held after "
                     "iteration 1; need persistent={} ephemeral={}",
                     num(st, kPeakKey), iters, persistent_, p, e));
     return salus::run::need_line(o_, std::to_string(p), std::to_string(e), std::nullopt);

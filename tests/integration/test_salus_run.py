@@ -192,37 +192,35 @@ def test_no_automark_marks_nothing(salusd):
 
 
 def run_pair(d, policy, n, tmp_path):
-    """Two training jobs on GPU 0 under `policy`; salusd's iteration counts of both
-    sampled while they run. Returns the other job's count when the first finished."""
+    """Two training jobs on GPU 0 under `policy`, salusd's view of both sampled
+    while they run: [(done0, done1, both attached and running)], where a job's
+    done keeps its last value once its session is gone."""
     with open(d.path("policy"), "w") as f:
         f.write(policy)
     log, go = tmp_path / f"{policy}.log", tmp_path / f"{policy}.go"
     procs = [subprocess.Popen([SALUS_RUN, "--mount", d.mnt, "--gpu", "0", "--persistent", "1M",
                                "--ephemeral", "1M", "--policy-hint", f"name=job{i}", "--", PY,
-                               JOB, "train", str(n), "--sleep-ms", "5", "--log", str(log),
+                               JOB, "train", str(n), "--sleep-ms", "10", "--log", str(log),
                                "--go", str(go)],
                               env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     try:
         assert wait_until(lambda: log.exists() and log.read_text().count("ready") == 2, 60)
-        ids = {}
-        for sid in sessions(d):
-            st = status(d, sid)
-            ids[st["name"]] = sid
-        go.touch()
-        samples = []
-        while all(p.poll() is None for p in procs):
-            row = []
-            for name in ("job0", "job1"):
-                st = status(d, ids[name]) or {}
-                row.append(int(st.get("iterations_completed", "0").replace("-", "0")))
-            samples.append(row)
+        ids = {status(d, sid)["name"]: sid for sid in sessions(d)}
+        go.touch()  # both import torch now
+        samples, done = [], [0, 0]
+        while any(p.poll() is None for p in procs):
+            st = [status(d, ids[f"job{i}"]) for i in range(2)]
+            for i in range(2):
+                if st[i]:
+                    done[i] = int(st[i].get("iterations_completed", "0"))
+            both = all(s and s.get("kind") == "attached" for s in st) and max(done) < n
+            samples.append((done[0], done[1], both))
             time.sleep(0.005)
         for p in procs:
             out, err = p.communicate(timeout=60)
             assert p.returncode == 0, out + err
-        last = samples[-1]
-        return min(last), samples
+        return samples
     finally:
         for p in procs:
             stop(p)
@@ -231,13 +229,20 @@ def run_pair(d, policy, n, tmp_path):
 @needs_shim
 @needs_torch
 def test_two_jobs_alternate_under_fair_and_not_under_fifo(salusd, tmp_path):
-    n = 40
-    behind, samples = run_pair(salusd, "fair", n, tmp_path)
-    # Under FAIR, when one job is done the other has run a good part of its steps.
-    assert behind >= n // 3, samples[-5:]
-    behind, samples = run_pair(salusd, "fifo", n, tmp_path)
-    # Under FIFO the second job waits for the first to finish: the same measure fails.
-    assert behind < n // 3, samples[-5:]
+    n = 120
+    samples = run_pair(salusd, "fair", n, tmp_path)
+    # While both run (torch's import may take one seconds longer), FAIR gives each
+    # about half of the iterations.
+    overlap = [s for s in samples if s[2]]
+    assert len(overlap) >= 2, samples[::20]
+    progress = [overlap[-1][i] - overlap[0][i] for i in range(2)]
+    assert sum(progress) >= 10 and min(progress) >= 0.3 * sum(progress), (progress, overlap[::20])
+    # FIFO runs the earlier job to its end before the other starts: when the
+    # first finishes, the other has done at most the iteration it attached with.
+    samples = run_pair(salusd, "fifo", n, tmp_path)
+    first_done = next(s for s in samples if max(s[:2]) == n)
+    assert min(first_done[:2]) <= 1, (first_done, samples[::20])
+    assert samples[-1][:2] == (n, n), samples[-1]
 
 
 @needs_shim
@@ -247,7 +252,7 @@ def test_measure_sets_need_from_the_first_iterations(salusd):
                   "--wait-key", "ephemeral=1048576")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "provisional need of persistent=0 ephemeral=" in r.stderr
-    assert "--measure: peak 0 over the first 2 iterations" in r.stderr, r.stderr
+    assert "--measure: peak 0 after " in r.stderr, r.stderr
     # CPU torch charges no device memory: the rule's floor (1 MiB margin) remains.
     assert report(r.stdout)["ephemeral"] == "1048576", r.stdout
 

@@ -9,8 +9,6 @@ import os
 import sys
 import time
 
-import torch
-
 
 def status():
     with open(os.path.join(os.environ["SALUS_SESSION"], "status")) as f:
@@ -40,10 +38,11 @@ def main():
     if args.fail_first_oom and not os.path.exists(args.fail_first_oom):
         open(args.fail_first_oom, "w").close()
         raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (test)")
-    if args.go:
+    if args.go:  # before import torch, which attaches the process to its session
         print(f"ready {os.getpid()}", file=open(args.log, "a"), flush=True)
         while not os.path.exists(args.go):
             time.sleep(0.01)
+    import torch
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     log = open(args.log, "a") if args.log else None
