@@ -31,7 +31,8 @@ def main():
     ap.add_argument("--sleep-ms", type=float, default=0)
     ap.add_argument("--wait-key", default=None)
     ap.add_argument("--log", default=None)
-    ap.add_argument("--go", default=None, help="wait for this file before the loop")
+    ap.add_argument("--go", default=None, help="wait for this file before import torch")
+    ap.add_argument("--stop", default=None, help="with N = 0: train until this file exists")
     ap.add_argument("--fail-first-oom", default=None,
                     help="raise a CUDA OOM unless this file exists (and create it)")
     args = ap.parse_args()
@@ -43,12 +44,16 @@ def main():
         while not os.path.exists(args.go):
             time.sleep(0.01)
     import torch
+    if args.log:
+        print(f"imported {os.getpid()}", file=open(args.log, "a"), flush=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     log = open(args.log, "a") if args.log else None
     if args.mode == "train":
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for i in range(args.n):
+        i = 0
+        while i < args.n or (args.n == 0 and not os.path.exists(args.stop)):
+            i += 1
             opt.zero_grad()
             model(torch.randn(8, 16)).pow(2).mean().backward()
             opt.step()
@@ -60,7 +65,7 @@ def main():
             for i in range(args.n):
                 model(torch.randn(8, 16))
                 time.sleep(args.sleep_ms / 1000)
-    key, value = (args.wait_key or f"iterations_completed={args.n}").split("=", 1)
+    key, value = (args.wait_key or f"iterations_completed={args.n or i}").split("=", 1)
     st = wait_for(key, value)
     for k in ("kind", "marking", "iterations_completed", "iterations_requested", "ephemeral",
               "persistent", "name", "gpu"):
