@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PACKAGES="meson ninja-build g++ pkg-config fuse3 libfuse3-dev liburing-dev libboost-dev
   libgtest-dev libgmock-dev libcli11-dev libfmt-dev libspdlog-dev libtomlplusplus-dev
   libsystemd-dev libbenchmark-dev python3 python3-pytest util-linux procps systemd
-  pandoc man-db"
+  pandoc man-db python3-torch"
 
 install_deps() {
   missing=""
