@@ -1097,7 +1097,7 @@ int Broker::record_launch(Session& s, Iteration& it, const LaunchCmd& c, Op& op,
 
 // ---------------------------------------------------------------- admission
 
-void Broker::handle_admissions(Gpu& g, Deferred& later) {
+void Broker::handle_admissions(Gpu& g, Deferred& later, bool kick_worker) {
   sync_lanes(g, later);
   for (const arena::Admitted& a : g.sched.take_admissions()) {
     Session* s = get(a.session);
@@ -1116,7 +1116,7 @@ void Broker::handle_admissions(Gpu& g, Deferred& later) {
     maybe_start_transfer(*s);
   }
   sync_lanes(g, later);
-  kick(g);
+  if (kick_worker) kick(g);
 }
 
 // Keeps one stream per arena lane: new lanes get a stream now, streams of deleted

@@ -232,7 +232,8 @@ class Broker {
   void pin(Session& s, arena::BufferHandle handle);
   void unpin(Session& s, arena::BufferHandle handle);
   void maybe_finalize(Session& s, Deferred& later);
-  void handle_admissions(Gpu& g, Deferred& later);
+  // kick_worker false: the caller dispatches itself right after (the gate service).
+  void handle_admissions(Gpu& g, Deferred& later, bool kick_worker = true);
   void sync_lanes(Gpu& g, Deferred& later);
 
   // Worker side.

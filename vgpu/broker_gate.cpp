@@ -172,7 +172,8 @@ void Broker::finish_grant(Gpu& g, Session& s, std::int64_t device_ns, bool count
         if (lane.in_flight > 0) --lane.in_flight;
         if (lane.in_flight == 0) {
           g.sched.arena().end_iteration(it->first, now());
-          handle_admissions(g, later);
+          // Every caller dispatches (or kicks the worker) right after.
+          handle_admissions(g, later, false);
         }
         break;
       }

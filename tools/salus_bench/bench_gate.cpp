@@ -54,7 +54,10 @@ void wait_granted(salus_gate& g, std::uint64_t k) {
   }
 }
 
-std::vector<double> gate_through_salusd(const std::string& mnt, int n) {
+// lag 1: at boundary k the program reports iteration k-1 finished (a busy GPU:
+// the next iteration is granted while the last one runs, the pipelined case);
+// lag 0: it reports k itself (the GPU had drained, the lane goes idle and back).
+std::vector<double> gate_through_salusd(const std::string& mnt, int n, std::uint64_t lag) {
   const int memfd = ::memfd_create("salus-gate", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (memfd < 0 || ::ftruncate(memfd, sizeof(salus_gate)) != 0) die("memfd");
   void* p = ::mmap(nullptr, sizeof(salus_gate), PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
@@ -82,9 +85,9 @@ std::vector<double> gate_through_salusd(const std::string& mnt, int n) {
     wait_granted(*g, 1);
     for (std::uint64_t k = 1; k <= static_cast<std::uint64_t>(n + n / 10); ++k) {
       const auto t0 = Clock::now();
-      // Boundary k: iteration k is done, k + 1 is wanted.
+      // Boundary k: iteration k - lag is done, k + 1 is wanted.
       at(g->gpu_ns_total).fetch_add(1000);
-      at(g->completed).store(k);
+      at(g->completed).store(k - lag);
       at(g->requested).store(k + 1);
       ring(bell);
       wait_granted(*g, k + 1);
@@ -168,7 +171,8 @@ std::vector<double> eventfd_futex_pingpong(int n) {
 }
 
 int bench_gate(const std::string& mnt, int n) {
-  const auto gate = gate_through_salusd(mnt, n);
+  const auto gate = gate_through_salusd(mnt, n, 1);
+  const auto drained = gate_through_salusd(mnt, n, 0);
   const auto futex = futex_pingpong(n);
   const auto evfd = eventfd_futex_pingpong(n);
   auto line = [](const char* what, const std::vector<double>& v) {
@@ -176,7 +180,8 @@ int bench_gate(const std::string& mnt, int n) {
                percentile(v, 0.99));
   };
   fmt::print("gate-roundtrip n={}\n", n);
-  line("gate through salusd", gate);
+  line("gate through salusd, pipelined", gate);
+  line("gate through salusd, drained", drained);
   line("futex ping-pong (2 threads)", futex);
   line("eventfd -> epoll, futex back", evfd);
   fmt::print("  ratio to futex ping-pong     p50 {:8.2f}     p99 {:8.2f}\n",
