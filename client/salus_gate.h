@@ -18,7 +18,12 @@
  *      when it exits, the session ends.
  *
  * Iterations are numbered from 1. Iteration k runs from the grant of k to the
- * program's k-th boundary (salus_step()). At boundary k the program:
+ * program's k-th boundary (salus_step()). Iteration 1 is gated like the rest:
+ * the program writes the header with `requested` = 1 and, once the attach
+ * write has succeeded, waits for `granted` >= 1 before its first work (so salusd
+ * must grant 1 to start it). Every attach is a fresh gate, numbered from 1
+ * again (a program that re-attaches after a salusd restart starts over). At
+ * boundary k the program:
  *   - records an end event for k and sets `requested` = k + 1;
  *   - rings the doorbell if `granted` < k + 1, and waits on `grant_word`
  *     (FUTEX_WAIT, shared) until `granted` >= k + 1.
@@ -28,6 +33,11 @@
  * the end of that iteration, exactly as for hosted work: the same
  * GpuScheduler decides, and a lane's pipeline depth bounds
  * `granted - completed`.
+ *
+ * Yield: salusd sets `yield_requested` to make an unmarked program (marking !=
+ * EXPLICIT) come to a boundary (SALUS_MARK_SLICE) at its next launch, and
+ * clears it before it grants that boundary's next iteration; a request left
+ * set makes every launch a boundary.
  *
  * Liveness: salusd bumps `heartbeat` at least every 100 ms while it serves the
  * gate. A program that sees no change for SALUS_GATE_DEAD_MS, or `state` ==

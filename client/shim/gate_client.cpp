@@ -16,7 +16,6 @@
 
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -63,6 +62,21 @@ void ring(int bell) {
   [[maybe_unused]] ssize_t n = ::write(bell, &one, sizeof one);
 }
 
+// A condition variable straight on pthreads: std::condition_variable::wait is
+// a GLIBCXX_3.4.30 symbol, which would keep the shim out of images whose
+// libstdc++ predates GCC 12.
+struct Cond {
+  pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+  void wait(std::unique_lock<std::mutex>& lk) {
+    ::pthread_cond_wait(&cv, lk.mutex()->native_handle());
+  }
+  template <typename Pred>
+  void wait(std::unique_lock<std::mutex>& lk, Pred pred) {
+    while (!pred()) wait(lk);
+  }
+  void notify_all() { ::pthread_cond_broadcast(&cv); }
+};
+
 // An iteration whose end the completion thread waits for, in order.
 struct Pending {
   salus_gate* gate;    // null: not attached at that boundary (only timing continuity)
@@ -83,11 +97,13 @@ struct Client {
   bool attempted = false;        // a first attach was tried
   bool forbidden = false;        // never attach (forked child, or salusd said no for good)
   int memfd = -1;
+  bool ever_attached = false;
+  Clock::time_point attached_at{};  // of the last successful attach
   Clock::time_point last_attempt{};
   int reported_errno = 0;
 
   std::mutex qmu;  // the completion queue and the event pool
-  std::condition_variable qcv;
+  Cond qcv;
   std::deque<Pending> queue;
   std::vector<CUevent> free_events;
   std::size_t events_made = 0;
@@ -188,6 +204,13 @@ void end_iteration(Client& c, salus_gate* g, std::uint64_t iter, CUstream stream
     const bool borrowed =
         p.ctx == nullptr && c.last_ctx != nullptr && d->ctx_set_current(c.last_ctx) == CUDA_SUCCESS;
     if (borrowed) p.ctx = c.last_ctx;
+    // Never record into a CUDA graph being captured (an optimizer hook fires
+    // inside torch.cuda.graph capture too): with a capture under way the event
+    // record would fail and invalidate it. Such a boundary is timed by the clock.
+    CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (p.ctx != nullptr && (d->stream_is_capturing(stream, &capture) != CUDA_SUCCESS ||
+                             capture != CU_STREAM_CAPTURE_STATUS_NONE))
+      p.ctx = nullptr;
     if (p.ctx != nullptr) {
       c.last_ctx = p.ctx;
       p.event = take_event(c);
@@ -200,7 +223,14 @@ void end_iteration(Client& c, salus_gate* g, std::uint64_t iter, CUstream stream
     if (borrowed) d->ctx_set_current(nullptr);
   }
   if (p.event == nullptr && g == nullptr) return;  // nothing to time or report
-  std::lock_guard lk(c.qmu);
+  std::unique_lock lk(c.qmu);
+  if (p.event == nullptr && c.events_made == 0) {
+    // A program without CUDA (so far): its iteration ends here, in order by
+    // construction. Completing it inline saves a thread wake-up per boundary.
+    lk.unlock();
+    complete(p, p.wall_ns);
+    return;
+  }
   c.queue.push_back(p);
   if (!c.thread_started) {
     c.thread_started = true;
@@ -223,6 +253,33 @@ std::string session_dir() {
   if (s.empty() || m.empty()) return {};
   if (s.find('/') != std::string::npos) return s;
   return m + "/sessions/" + s;
+}
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// How long the salusd now serving $SALUS_MOUNT has run (`uptime_s` of its
+// `stats`), or -1 if none answers.
+double salusd_uptime_s() {
+  const int fd = ::open((env("SALUS_MOUNT") + "/stats").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char buf[4096];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return -1;
+  buf[n] = '\0';
+  // A line "uptime_s 12.345" (salus(5), stats).
+  for (const char* p = buf; p != nullptr;) {
+    if (std::strncmp(p, "uptime_s ", 9) == 0) {
+      char* end = nullptr;
+      const double v = std::strtod(p + 9, &end);
+      return end == p + 9 ? -1 : v;
+    }
+    p = std::strchr(p, '\n');
+    if (p != nullptr) ++p;
+  }
+  return -1;
 }
 
 // After salusd restarted, the session is gone: make it again, under the same
@@ -298,8 +355,19 @@ bool try_attach(Client& c, bool reattach) {
   const std::string dir = session_dir();
   if (c.forbidden || dir.empty()) return false;
   int ctl = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
-  if (ctl < 0 && errno == ENOENT && reattach) {
-    recreate_session(dir);
+  if (ctl < 0 && errno == ENOENT && reattach && c.ever_attached) {
+    // A session we were attached to is gone. If the salusd serving the mount
+    // has run since before we attached, the session was ended on purpose
+    // (rmdir, kill): stay ungated. If it started since (a restart), make the
+    // session again. With no salusd answering, try again later. A session the
+    // program never attached to is never made.
+    const double up = salusd_uptime_s();
+    if (up >= 0 && up >= seconds_since(c.attached_at)) {
+      c.forbidden = true;
+      report(c, dir, ENOENT);
+      return false;
+    }
+    if (up >= 0) recreate_session(dir);
     ctl = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
   }
   if (ctl < 0) {
@@ -330,6 +398,8 @@ bool try_attach(Client& c, bool reattach) {
   // so that a late ring never writes into a reused descriptor.
   g_bell.store(bell);
   g_gate.store(g, std::memory_order_release);
+  c.ever_attached = true;
+  c.attached_at = Clock::now();
   c.gate_iter = 0;
   c.reported_errno = 0;
   return wait_grant(c, g, 1);
@@ -394,7 +464,7 @@ bool wait_grant(Client& c, salus_gate* g, std::uint64_t want) {
 
 void set_marking(Client& c, std::uint32_t marking) {
   if (c.marking == SALUS_MARK_EXPLICIT) return;
-  c.marking = marking;
+  __atomic_store_n(&c.marking, marking, __ATOMIC_RELAXED);  // read by launch hooks
   __atomic_store_n(&gate()->marking, marking, __ATOMIC_RELAXED);
 }
 
@@ -450,7 +520,8 @@ void after_cuinit() {
 }
 
 void implicit_boundary(CUstream stream) {
-  if (t_in_boundary || client().marking == SALUS_MARK_EXPLICIT) return;
+  if (t_in_boundary || __atomic_load_n(&client().marking, __ATOMIC_RELAXED) == SALUS_MARK_EXPLICIT)
+    return;
   const Driver& d = driver();
   CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
   if (!d.ok || d.stream_is_capturing(stream, &st) != CUDA_SUCCESS ||

@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <new>
 #include <unordered_map>
 
 #include "client/shim/shim.hpp"
@@ -37,7 +38,11 @@ struct Shard {
 };
 constexpr std::size_t kShards = 64;
 Shard* shards() {
-  static Shard* s = new Shard[kShards];
+  alignas(Shard) static unsigned char storage[sizeof(Shard) * kShards];
+  static Shard* s = [] {
+    for (std::size_t i = 0; i < kShards; ++i) new (storage + i * sizeof(Shard)) Shard;
+    return reinterpret_cast<Shard*>(storage);
+  }();
   return s;
 }
 Shard& shard_of(CUdeviceptr p) {
@@ -476,3 +481,13 @@ const HookEntry* find_hook_by_fn(Fn f) {
 }
 
 }  // namespace salus::shim
+
+// GCC 12's container headers call this GLIBCXX_3.4.29 (GCC 11) function on an
+// impossible allocation size. Defined here (kept local by the version script), so that the shim
+// needs no libstdc++ newer than GCC 7's and loads into older images (Ubuntu 20.04, RHEL 8). The
+// shim is built without exceptions: such a size is a bug, so abort.
+namespace std {
+[[noreturn]] void __throw_bad_array_new_length() {
+  __builtin_trap();
+}
+}  // namespace std

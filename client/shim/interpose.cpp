@@ -17,6 +17,12 @@
 
 #include "client/shim/shim.hpp"
 
+// dlopen and dlvsym at their oldest versions (libdl's GLIBC_2.2.5, which glibc
+// 2.34+ keeps in libc as compat symbols): the shim then loads into images with
+// any glibc from 2.17 on, not only those built with 2.34 or later.
+__asm__(".symver dlopen, dlopen@GLIBC_2.2.5");
+__asm__(".symver dlvsym, dlvsym@GLIBC_2.2.5");
+
 namespace salus::shim {
 
 std::atomic<void*> g_real[kFnCount][kSlots];

@@ -64,7 +64,8 @@ def test_pytorch_example_runs(salusd, tmp_path):
     assert "20 steps on" in out.stdout and "admitted on gpu" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("page", ["salus.5", "salusd.8", "salusctl.1", "salus-run.1"])
+@pytest.mark.parametrize("page", ["salus.5", "salusd.8", "salusctl.1", "salus-run.1",
+                                  "libsalus-shim.3"])
 def test_man_pages_render(page):
     from conftest import SALUSD
     built = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(SALUSD))), "docs", page)
