@@ -121,7 +121,7 @@ void open_session(const Ctx& ctx, Session& s) {
   const ssize_t n = ::read(s.fd, buf, sizeof buf - 1);
   if (n <= 0) fail_file(ctx, clone, n < 0 ? errno : EIO, "reading the session id");
   s.id.assign(buf, static_cast<std::size_t>(n));
-  s.id.erase(s.id.find_first_of("\n"));
+  if (const auto nl = s.id.find('\n'); nl != std::string::npos) s.id.erase(nl);
   s.dir = "sessions/" + s.id;
 }
 
@@ -145,9 +145,9 @@ unsigned long long num(const KeyValues& kv, const char* key) {
 }
 
 // Waits until the session is admitted; returns its status, or nullopt when a
-// signal came (the caller ends the session). Uses poll(2) on status, which
+// signal came (its number in `sig`; the caller ends the session). Uses poll(2) on status, which
 // wakes on every state change without occupying a salusd thread.
-std::optional<KeyValues> wait_admitted(const Ctx& ctx, const Session& s, SignalFd& sigs) {
+std::optional<KeyValues> wait_admitted(const Ctx& ctx, const Session& s, SignalFd& sigs, int& sig) {
   const std::string path = ctx.path(s.dir + "/status");
   const auto start = std::chrono::steady_clock::now();
   bool told = false;
@@ -181,7 +181,10 @@ std::optional<KeyValues> wait_admitted(const Ctx& ctx, const Session& s, SignalF
     if (r < 0 && errno != EINTR) fail(fmt::format("poll: {}", std::strerror(errno)));
     if (p[1].revents) {
       while (auto si = sigs.take())
-        if (si->ssi_signo != SIGCHLD) return std::nullopt;
+        if (si->ssi_signo != SIGCHLD) {
+          sig = static_cast<int>(si->ssi_signo);
+          return std::nullopt;
+        }
     }
   }
 }
@@ -415,10 +418,11 @@ RunResult run_once(const Ctx& ctx, const RunOptions& o, const std::string& need,
   Session s;
   open_session(ctx, s);
   send(ctx, s, need);
-  const auto st = wait_admitted(ctx, s, sigs);
+  int sig = 0;
+  const auto st = wait_admitted(ctx, s, sigs, sig);
   if (!st) {
     RunResult r;
-    r.rc = 130;
+    r.rc = 128 + sig;
     r.signalled_us = true;
     return r;
   }
@@ -492,6 +496,9 @@ int main(int argc, char** argv) {
   } catch (const Failure& e) {
     std::fflush(stdout);
     fmt::print(stderr, "salus-run: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "salus-run: internal error: {}\n", e.what());
     return 1;
   }
 }

@@ -162,6 +162,31 @@ def test_sigterm_to_salus_run_is_forwarded_and_sigkill_of_the_program_ends_the_s
 
 
 @needs_shim
+def test_queued_for_admission_then_interrupted(salusd):
+    with open(salusd.path("gpus", "0", "memory")) as f:
+        cap = dict(l.split(": ", 1) for l in f.read().splitlines())["capacity"]
+    hold = subprocess.Popen([SALUS_RUN, "--mount", salusd.mnt, "--gpu", "0", "--persistent", cap,
+                             "--", "sleep", "60"], env=env())
+    p = None
+    try:
+        assert wait_until(lambda: len(sessions(salusd)) == 1 and children(hold.pid), timeout=10)
+        p = subprocess.Popen([SALUS_RUN, "--mount", salusd.mnt, "--gpu", "0", "--persistent",
+                              "1M", "--", "echo", "ran"], env=env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        assert wait_until(lambda: len(sessions(salusd)) == 2, timeout=10)
+        time.sleep(1.5)  # past the one-second notice
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=10)
+        assert p.returncode == 128 + signal.SIGINT, err
+        assert "is queued for admission on gpu 0" in err and out == ""
+        assert wait_until(lambda: len(sessions(salusd)) == 1, timeout=1)
+    finally:
+        stop(hold)
+        if p:
+            stop(p)
+
+
+@needs_shim
 @needs_torch
 def test_training_loop_reports_its_optimizer_steps(salusd):
     r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, JOB, "train", "12")
