@@ -64,7 +64,10 @@ std::optional<std::string> check(RunOptions& o) {
 std::optional<std::string> parse_args(int argc, char** argv, RunOptions& o, std::string& mount) {
   CLI::App app{
       "salus-run: run a program (e.g. a PyTorch script) as a Salus session, scheduled by "
-      "salusd at its iteration boundaries\nUsage: salus-run [OPTIONS] -- PROGRAM [ARGS...]"};
+      "salusd at its iteration boundaries",
+      "salus-run"};
+  app.footer(
+      "The program and its arguments come after --: salus-run [OPTIONS] -- PROGRAM [ARGS...]");
   app.set_version_flag("--version",
                        fmt::format("salus-run {} (api {})", SALUS_VERSION, SALUS_API_VERSION));
   app.prefix_command(true);
@@ -76,7 +79,8 @@ std::optional<std::string> parse_args(int argc, char** argv, RunOptions& o, std:
   app.add_option("--iters", o.iters, "Total iterations (used by srtf)");
   app.add_option("--priority", o.priority, "Priority (used by the priority policy)");
   app.add_option("--gpu", o.gpu, "GPU index or 'any'");
-  app.add_option("--policy-hint", o.hints, "KEY=VALUE passed on to `need` (e.g. name=bert)");
+  app.add_option("--policy-hint", o.hints, "KEY=VALUE passed on to `need` (e.g. name=bert)")
+      ->allow_extra_args(false);  // one value per --policy-hint, so PROGRAM is never taken
   app.add_flag("--retry-on-oom", o.retry_on_oom,
                "If the program runs out of GPU memory, run it once more with a GPU of its own");
   app.add_flag("--no-automark", o.no_automark,
