@@ -250,6 +250,13 @@ def enable(mark=None):
 
     def on_torch(torch):
         global marker
+        # One process per session marks: the first to import torch. Its children
+        # (DataLoader workers started with spawn, torch.compile's compile workers)
+        # inherit the claim and leave the shim alone.
+        owner = os.environ.get("SALUS_AUTOMARK_OWNER")
+        if owner and owner != str(os.getpid()):
+            return
+        os.environ["SALUS_AUTOMARK_OWNER"] = str(os.getpid())
         try:
             marker = install(torch, mark)
         except Exception as e:  # never break the program's import of torch
