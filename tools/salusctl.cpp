@@ -336,24 +336,25 @@ Table queue_table(const std::vector<GpuView>& gpus, bool exact) {
 // Sessions whose status is not readable (other users') get what metrics has.
 Table session_table(const std::vector<SessionView>& sessions, bool exact,
                     const MetricsBySession& metrics) {
-  Table t({"ID", "NAME", "UID", "STATE", "KIND", "GPU", "LANE", "PRIO", "PERSISTENT", "EPHEMERAL",
-           "DONE", "ITERS", "QUEUED", "MEAN_MS", "GPU_MS", "WAIT_MS", "ERROR"});
+  // KIND sits before ERROR, the one column whose text may hold spaces.
+  Table t({"ID", "NAME", "UID", "STATE", "GPU", "LANE", "PRIO", "PERSISTENT", "EPHEMERAL", "DONE",
+           "ITERS", "QUEUED", "MEAN_MS", "GPU_MS", "WAIT_MS", "KIND", "ERROR"});
   for (const SessionView& s : sessions) {
     if (s.err) {
       const auto m = metrics.find(s.dir);
       const bool have = m != metrics.end();
       t.add({"-", s.dir, have ? m->second.uid : "-", unreadable_state(s.err), "-", "-", "-", "-",
-             "-", "-", have ? fmt::format("{:.0f}", m->second.iterations) : "-", "-", "-", "-",
+             "-", have ? fmt::format("{:.0f}", m->second.iterations) : "-", "-", "-", "-",
              have ? fmt::format("{:.3f}", m->second.gpu_s * 1e3) : "-",
-             have ? fmt::format("{:.3f}", m->second.queue_s * 1e3) : "-", "-"});
+             have ? fmt::format("{:.3f}", m->second.queue_s * 1e3) : "-", "-", "-"});
       continue;
     }
     const KeyValues& k = s.status;
-    t.add({get(k, "id"), s.dir, get(k, "uid"), get(k, "state"), get(k, "kind"), get(k, "gpu"),
-           get(k, "lane"), get(k, "priority"), human_bytes(get(k, "persistent"), exact),
+    t.add({get(k, "id"), s.dir, get(k, "uid"), get(k, "state"), get(k, "gpu"), get(k, "lane"),
+           get(k, "priority"), human_bytes(get(k, "persistent"), exact),
            human_bytes(get(k, "ephemeral"), exact), get(k, "iterations_done"), get(k, "iters"),
            get(k, "iterations_queued"), get(k, "mean_iteration_ms"), get(k, "gpu_time_ms"),
-           get(k, "queue_wait_ms"), get(k, "error")});
+           get(k, "queue_wait_ms"), get(k, "kind"), get(k, "error")});
   }
   return t;
 }
@@ -592,8 +593,8 @@ std::vector<std::string> top_frame(const Ctx& ctx, const TopSample& a, const Top
     per_gpu[r.gpu] += r.dgpu;
     rows.push_back(r);
   }
-  Table t({"ID", "NAME", "UID", "STATE", "KIND", "GPU", "LANE", "ITER/S", "DONE", "QUEUED", "GPU%",
-           "SHARE%", "WAIT_MS"});
+  Table t({"ID", "NAME", "UID", "STATE", "GPU", "LANE", "ITER/S", "DONE", "QUEUED", "GPU%",
+           "SHARE%", "WAIT_MS", "KIND"});
   for (const Row& r : rows) {
     const SessionView& s = *r.s;
     const double total = per_gpu[r.gpu];
@@ -601,18 +602,18 @@ std::vector<std::string> top_frame(const Ctx& ctx, const TopSample& a, const Top
     if (s.err) {
       const auto m = b.metrics.find(s.dir);
       const bool have = m != b.metrics.end();
-      t.add({"-", s.dir, have ? m->second.uid : "-", unreadable_state(s.err), "-", "-", "-",
+      t.add({"-", s.dir, have ? m->second.uid : "-", unreadable_state(s.err), "-", "-",
              fmt::format("{:.1f}", r.iters_per_s),
              have ? fmt::format("{:.0f}", m->second.iterations) : "-", "-",
              fmt::format("{:.1f}", r.gpu_pct), share,
-             have ? fmt::format("{:.3f}", m->second.queue_s * 1e3) : "-"});
+             have ? fmt::format("{:.3f}", m->second.queue_s * 1e3) : "-", "-"});
       continue;
     }
     const KeyValues& k = s.status;
-    t.add({get(k, "id"), s.dir, get(k, "uid"), get(k, "state"), get(k, "kind"), r.gpu,
-           get(k, "lane"), fmt::format("{:.1f}", r.iters_per_s), get(k, "iterations_done"),
+    t.add({get(k, "id"), s.dir, get(k, "uid"), get(k, "state"), r.gpu, get(k, "lane"),
+           fmt::format("{:.1f}", r.iters_per_s), get(k, "iterations_done"),
            get(k, "iterations_queued"), fmt::format("{:.1f}", r.gpu_pct), share,
-           get(k, "queue_wait_ms")});
+           get(k, "queue_wait_ms"), get(k, "kind")});
   }
   if (t.empty()) {
     out.emplace_back("SESSIONS  (none)");

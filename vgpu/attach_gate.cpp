@@ -54,9 +54,10 @@ int take_fd(int pidfd, int n, const char* what, UniqueFd& out, std::string& why)
   if (e == EBADF) {
     why = fmt::format("{}={}: the writing process has no such file descriptor", what, n);
   } else if (e == EPERM) {
-    why = fmt::format("{}={}: salusd may not take file descriptors from the writing process "
-                      "(pidfd_getfd: {}; ptrace access is denied)",
-                      what, n, std::strerror(e));
+    why = fmt::format(
+        "{}={}: salusd may not take file descriptors from the writing process "
+        "(pidfd_getfd: {}; ptrace access is denied)",
+        what, n, std::strerror(e));
   } else {
     why = fmt::format("{}={}: pidfd_getfd: {}", what, n, std::strerror(e));
   }
@@ -85,9 +86,10 @@ int check_gate_file(const UniqueFd& fd, int n, std::string& why) {
   }
   constexpr int kNeeded = F_SEAL_SHRINK | F_SEAL_GROW;
   if ((seals & kNeeded) != kNeeded) {
-    why = fmt::format("gate={} lacks F_SEAL_SHRINK|F_SEAL_GROW (seals {:#x}): the program could "
-                      "resize it under salusd's mapping",
-                      n, seals);
+    why = fmt::format(
+        "gate={} lacks F_SEAL_SHRINK|F_SEAL_GROW (seals {:#x}): the program could "
+        "resize it under salusd's mapping",
+        n, seals);
     return EINVAL;
   }
   if (seals & F_SEAL_WRITE) {
@@ -166,8 +168,9 @@ pid_t thread_group_of(pid_t tid) {
 
 int take_gate(pid_t tid, int gate_fd, int bell_fd, AttachedGate& out, std::string& why) {
   if (tid <= 0) {
-    why = "the writing process is not visible to salusd (pid 0: another pid namespace?); "
-          "attach must be written by the program itself";
+    why =
+        "the writing process is not visible to salusd (pid 0: another pid namespace?); "
+        "attach must be written by the program itself";
     return EPERM;
   }
   const pid_t tgid = thread_group_of(tid);

@@ -431,9 +431,9 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
       !std::holds_alternative<PriorityCmd>(cmd))
     return fail(EIO, fmt::format("session failed earlier ({}: {}); write `reset` to continue",
                                  strerrorname_np(s.error), s.error_text));
-  if (s.gate && !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<PriorityCmd>(cmd) &&
-      !std::holds_alternative<ResetCmd>(cmd) && !std::holds_alternative<SyncCmd>(cmd) &&
-      !std::holds_alternative<AttachCmd>(cmd))
+  if (s.gate && !std::holds_alternative<NeedCmd>(cmd) &&
+      !std::holds_alternative<PriorityCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
+      !std::holds_alternative<SyncCmd>(cmd) && !std::holds_alternative<AttachCmd>(cmd))
     return fail(EINVAL, fmt::format("this session is attached (pid {}): its work runs in the "
                                     "program; only need, priority, reset and sync apply",
                                     s.gate->pid));
@@ -1255,7 +1255,7 @@ void Broker::check_generation(Gpu& g, Deferred& later) {
   for (auto& [id, sp] : sessions_) {
     Session& s = *sp;
     if (s.gpu != static_cast<int>(g.index) || s.dead || s.gpu_generation == gen) continue;
-    if (s.gate) continue;  // its memory lives in the program's own context
+    if (s.gate) continue;           // its memory lives in the program's own context
     if (s.in_flight > 0) continue;  // its own completion will tell it, and whether it is to blame
     tell_loss(g, s, false, later);
   }

@@ -25,8 +25,12 @@ constexpr std::uint64_t kStopKey = ~std::uint64_t{0};
 constexpr std::uint64_t kTimerKey = ~std::uint64_t{0} - 1;
 
 // epoll keys: the session id, doubled, plus 1 for its pidfd.
-std::uint64_t bell_key(SessionId id) { return id << 1; }
-std::uint64_t exit_key(SessionId id) { return (id << 1) | 1; }
+std::uint64_t bell_key(SessionId id) {
+  return id << 1;
+}
+std::uint64_t exit_key(SessionId id) {
+  return (id << 1) | 1;
+}
 
 // The program's note, made safe for a one-line log: bounded, printable ASCII.
 std::string sanitize_note(const salus_gate& g) {
@@ -66,7 +70,8 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   if (s.gate)
     return fail(EBUSY, fmt::format("the session is already attached (pid {})", s.gate->pid));
   if (s.gpu < 0 || s.state == SessionState::idle)
-    return fail(ENXIO, "no GPU yet: declare needs first with `need persistent=SIZE ephemeral=SIZE`");
+    return fail(ENXIO,
+                "no GPU yet: declare needs first with `need persistent=SIZE ephemeral=SIZE`");
   if (!s.queue.empty() || s.in_flight > 0 || s.transferring)
     return fail(EBUSY, "hosted work of this session is still queued or running; `sync` first");
   auto taken = w.attach_gates.find(w.next);
@@ -106,9 +111,8 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
                          ? std::string("unlimited")
                          : arena::format_size(s.need.persistent + s.need.ephemeral)));
   // Re-place the need as an attached one (arena_need); admission may wait.
-  const arena::ArenaError err =
-      g.sched.change_need(s.id, arena_need(s, s.need.persistent, s.need.ephemeral), std::nullopt,
-                          now());
+  const arena::ArenaError err = g.sched.change_need(
+      s.id, arena_need(s, s.need.persistent, s.need.ephemeral), std::nullopt, now());
   if (err != arena::ArenaError::ok) {
     detach_gate(s, later);
     s.gate.reset();
@@ -203,8 +207,8 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
     // The program reports device time per batch of completions: split evenly.
     const std::uint64_t each = std::min<std::uint64_t>(delta / n, INT64_MAX / 2);
     for (std::uint64_t i = 0; i < n && s.in_flight > 0; ++i) {
-      const std::uint64_t ns = i + 1 == n ? std::min<std::uint64_t>(each + delta % n, INT64_MAX / 2)
-                                          : each;
+      const std::uint64_t ns =
+          i + 1 == n ? std::min<std::uint64_t>(each + delta % n, INT64_MAX / 2) : each;
       finish_grant(g, s, static_cast<std::int64_t>(ns), true, later);
     }
   }

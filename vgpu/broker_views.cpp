@@ -137,9 +137,8 @@ void Broker::render_gate_status(const Session& s, std::string& o) const {
                        : std::string("unavailable (NVML per-process memory is not read yet)"));
   kv("launches", gate_load(G.launches));
   kv("gate_waits", gate_load(G.gate_waits));
-  kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(
-                                               std::min<std::uint64_t>(gate_load(G.gate_wait_ns),
-                                                                       INT64_MAX)))));
+  kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(std::min<std::uint64_t>(
+                                               gate_load(G.gate_wait_ns), INT64_MAX)))));
   kv("oom_refusals", gate_load(G.oom_refusals));
   kv("yield_requests", gt.yields);
   kv("quantum_ms", fmt::format("{:.3f}", ms(config_.quantum_ns)));
@@ -443,8 +442,7 @@ std::string Broker::render_metrics() const {
               "Attached session: iteration boundaries that waited for a grant.",
               [](salus_gate& G) { return gate_load(G.gate_waits); });
   gate_family("salus_session_gate_wait_seconds_total", "counter",
-              "Attached session: time its boundaries waited for grants.",
-              [](salus_gate& G) {
+              "Attached session: time its boundaries waited for grants.", [](salus_gate& G) {
                 return fmt::format("{:.9f}", static_cast<double>(gate_load(G.gate_wait_ns)) / 1e9);
               });
   gate_family("salus_session_launches_total", "counter",

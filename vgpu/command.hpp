@@ -127,10 +127,9 @@ struct AttachCmd {
   int bell_fd = -1;
 };
 
-using Command =
-    std::variant<NeedCmd, AllocCmd, FreeCmd, BeginCmd, EndCmd, RunCmd, FillCmd, CopyCmd, SpinCmd,
-                 GemmCmd, SyncCmd, PriorityCmd, ResetCmd, ModuleCmd, LaunchCmd, TransferCmd,
-                 AttachCmd>;
+using Command = std::variant<NeedCmd, AllocCmd, FreeCmd, BeginCmd, EndCmd, RunCmd, FillCmd, CopyCmd,
+                             SpinCmd, GemmCmd, SyncCmd, PriorityCmd, ResetCmd, ModuleCmd, LaunchCmd,
+                             TransferCmd, AttachCmd>;
 
 struct CommandLine {
   std::uint32_t line = 0;  // 1-based line number within the write

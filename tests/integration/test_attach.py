@@ -80,6 +80,17 @@ def test_bad_attach_inputs_get_clear_errors(salusd):
         st = s.status()
         assert st["kind"] == "attached" and st["pid"] == str(os.getpid())
         assert st["memory_budget"] == str(2 << 20)
+        # salusctl shows the kind (and the policy file the fallback slice).
+        from conftest import SALUSD
+        salusctl = os.path.join(os.path.dirname(os.path.abspath(SALUSD)), "salusctl")
+        if os.access(salusctl, os.X_OK):
+            out = subprocess.run([salusctl, "--mount", salusd.mnt, "sessions"], check=True,
+                                 capture_output=True, text=True).stdout
+            header, row = out.splitlines()[0].split(), [
+                l.split() for l in out.splitlines()[1:] if l.split()[:1] == [s.id]][0]
+            assert row[header.index("KIND")] == "attached"
+        with open(salusd.path("policy")) as f:
+            assert "quantum_ms: 50\n" in f.read()
         got, line = attach_error(s, g.attach_line())
         assert got == errno.EBUSY and "already attached" in line
         got, line = attach_error(s, "begin\nspin 10\nend\n")

@@ -39,7 +39,9 @@ std::unique_ptr<Broker> make_broker(sched::PolicyKind policy = sched::PolicyKind
   return std::make_unique<Broker>(std::move(devs), cfg);
 }
 
-Caller me() { return Caller{0, 0, getpid(), true}; }
+Caller me() {
+  return Caller{0, 0, getpid(), true};
+}
 
 std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text,
                                 const Caller& who = me()) {
@@ -49,7 +51,9 @@ std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text
   std::promise<std::pair<int, std::string>> p;
   auto f = p.get_future();
   b.submit(id, who, text.size(), std::move(parsed.commands), std::move(perr),
-           [&p](int err, std::string reply) { p.set_value({err, std::move(reply)}); });
+           [&p](int err, std::string reply) {
+             p.set_value({err, std::move(reply)});
+           });
   if (f.wait_for(10s) != std::future_status::ready) return {ETIMEDOUT, {}};
   return f.get();
 }
@@ -131,8 +135,8 @@ struct Program {
   }
 };
 
-SessionId attached_session(Broker& b, Program& p, const std::string& need =
-                                                      "need persistent=8M ephemeral=8M\n") {
+SessionId attached_session(Broker& b, Program& p,
+                           const std::string& need = "need persistent=8M ephemeral=8M\n") {
   const auto id = static_cast<SessionId>(b.create_session(me(), ""));
   EXPECT_EQ(run(b, id, need + p.attach()).first, 0) << b.render_log(id);
   return id;
@@ -177,8 +181,7 @@ TEST(Attach, ValidatesTheGateAndTheBell) {
   ASSERT_EQ(pipe(pipefd), 0);
   expect_fail(fmt::format("attach gate={} bell={}\n", good.memfd, pipefd[0]), EINVAL,
               "not an eventfd");
-  expect_fail(fmt::format("attach gate={} bell={}\n", pipefd[0], good.bell), EINVAL,
-              "not a memfd");
+  expect_fail(fmt::format("attach gate={} bell={}\n", pipefd[0], good.bell), EINVAL, "not a memfd");
   close(pipefd[0]);
   close(pipefd[1]);
   // attach needs a prior need.
@@ -338,4 +341,38 @@ TEST(Attach, ShutdownDetachesPrograms) {
   ASSERT_TRUE(p.granted(1));
   b->shutdown(100ms);
   EXPECT_EQ(ld(p.g->state), SALUS_GATE_DETACHED);
+}
+
+TEST(Attach, QueuedSessionGetsGrantsOnceAdmitted) {
+  auto b = make_broker();
+  // A hosted session holds most of the GPU; the attached one waits for admission.
+  const auto big = static_cast<SessionId>(b->create_session(me(), ""));
+  ASSERT_EQ(run(*b, big, "need persistent=200M ephemeral=0\n").first, 0);
+  Program p;
+  const SessionId id = attached_session(*b, p, "need persistent=100M ephemeral=0\n");
+  EXPECT_EQ(field(b->render_status(id), "state"), "queued");
+  EXPECT_EQ(ld(p.g->state), SALUS_GATE_ATTACHED);
+  p.request(1);
+  EXPECT_FALSE(p.granted(1, 100ms));
+  b->end_session(big);
+  EXPECT_TRUE(p.granted(1));
+  EXPECT_EQ(field(b->render_status(id), "state"), "admitted");
+}
+
+TEST(Attach, WholeNeedCountsAsTheSessionsOwn) {
+  auto b = make_broker();
+  Program a, c;
+  // 100M + 100M declared ephemeral each: as hosted sessions they could share one
+  // 100M lane; attached, each counts 200M and the second must wait.
+  const SessionId ia = attached_session(*b, a, "need persistent=100M ephemeral=100M\n");
+  const SessionId ic = attached_session(*b, c, "need persistent=0 ephemeral=100M\n");
+  EXPECT_EQ(field(b->render_status(ia), "state"), "admitted");
+  EXPECT_EQ(field(b->render_status(ic), "state"), "queued");
+  EXPECT_EQ(field(b->render_status(ia), "lane_size"), "0");
+  b->end_session(ia);
+  const auto end = std::chrono::steady_clock::now() + 2s;
+  while (field(b->render_status(ic), "state") != "admitted" &&
+         std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(2ms);
+  EXPECT_EQ(field(b->render_status(ic), "state"), "admitted");
 }

@@ -187,10 +187,11 @@ int bench_gate(const std::string& mnt, int n) {
   fmt::print("  ratio to futex ping-pong     p50 {:8.2f}     p99 {:8.2f}\n",
              percentile(gate, 0.5) / percentile(futex, 0.5),
              percentile(gate, 0.99) / percentile(futex, 0.99));
-  fmt::print("  ratio to eventfd+futex       p50 {:8.2f}     p99 {:8.2f}   (target: gate p50 <= "
-             "10 us)\n",
-             percentile(gate, 0.5) / percentile(evfd, 0.5),
-             percentile(gate, 0.99) / percentile(evfd, 0.99));
+  fmt::print(
+      "  ratio to eventfd+futex       p50 {:8.2f}     p99 {:8.2f}   (target: gate p50 <= "
+      "10 us)\n",
+      percentile(gate, 0.5) / percentile(evfd, 0.5),
+      percentile(gate, 0.99) / percentile(evfd, 0.99));
   return 0;
 }
 
