@@ -81,8 +81,8 @@ std::optional<std::string> find_shim() {
   }
   const std::string d = exe_dir();
   for (const std::string& c : {d + "/libsalus-shim.so", d + "/../client/shim/libsalus-shim.so",
-                               d + "/../lib/salus/libsalus-shim.so", d + "/../lib/libsalus-shim.so",
-                               std::string(SALUS_SHIM_INSTALLED)})
+                               d + "/" SALUS_SHIM_FROM_BINDIR, d + "/../lib/salus/libsalus-shim.so",
+                               d + "/../lib/libsalus-shim.so", std::string(SALUS_SHIM_INSTALLED)})
     if (exists(c)) return real(c);
   return std::nullopt;
 }
