@@ -262,7 +262,8 @@ class Broker {
   // lock, never mu_: call it before locking mu_.
   GpuTelemetrySnapshot telemetry_of(std::size_t gpu) const;
   void update_runnable(Gpu& g, Session& s);
-  void render_gate_status(const Session& s, std::string& out) const;
+  void render_gate_status(const Session& s, const GpuTelemetrySnapshot* t, std::string& out) const;
+  std::string gpu_memory_of(pid_t pid, const Gpu& g, const GpuTelemetrySnapshot* t) const;
 
   // Attached sessions (broker_gate.cpp).
   int exec_attach(Session& s, const AttachCmd& cmd, PendingWrite& w, std::uint32_t line,

@@ -81,8 +81,10 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   Gpu& g = *gpu_of(s);
   salus_gate& G = gate->g();
   gate->note_seq_seen = gate_load(G.note_seq);
-  // A program attaching again (salusd restarted) continues its numbering.
-  gate->granted = gate->completed_seen = gate_load(G.completed);
+  // A program attaching again (salusd restarted) continues its numbering:
+  // `granted` never goes down, and what it ran ungated is not accounted.
+  gate->completed_seen = gate_load(G.completed);
+  gate->granted = std::max(gate_load(G.granted), gate->completed_seen);
   gate->gpu_ns_seen = gate_load(G.gpu_ns_total);
   gate_store(G.granted, gate->granted);
   gate_store(G.gpu, static_cast<std::uint32_t>(g.index));

@@ -38,6 +38,10 @@ std::string telemetry_lines(const GpuTelemetrySnapshot& t) {
 }  // namespace
 
 std::string Broker::render_status(SessionId id) const {
+  // The driver's own figures (NVML), taken before the lock (telemetry_of).
+  std::vector<GpuTelemetrySnapshot> telemetry;
+  if (telemetry_)
+    for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_of(i));
   std::lock_guard lk(mu_);
   const Session* s = get(id);
   if (!s) return "state: ended\n";
@@ -110,12 +114,31 @@ std::string Broker::render_status(SessionId id) const {
      s->error ? fmt::format("{} {}", strerrorname_np(s->error), s->error_text) : std::string("-"));
   kv("kind", s->gate ? "attached" : "hosted");
   kv("pid", s->gate ? std::to_string(s->gate->pid) : std::string("-"));
-  if (s->gate) render_gate_status(*s, o);
+  if (s->gate)
+    render_gate_status(
+        *s, static_cast<std::size_t>(s->gpu) < telemetry.size() ? &telemetry[s->gpu] : nullptr, o);
   return o;
 }
 
+// The driver's figure for process `pid` on GPU `g` (NVML), or why there is none.
+std::string Broker::gpu_memory_of(pid_t pid, const Gpu& g, const GpuTelemetrySnapshot* t) const {
+  if (!t || !t->available) {
+    if (g.device->info().backend == "sim") return "unavailable (sim backend: no driver figure)";
+    return fmt::format("unavailable ({})", t ? t->why_not : std::string("no NVML telemetry"));
+  }
+  if (!t->readings.processes) return "unavailable (NVML gives no process list for this GPU)";
+  for (const auto& p : *t->readings.processes) {
+    if (p.pid != pid) continue;
+    return p.bytes ? std::to_string(*p.bytes)
+                   : std::string("unavailable (the driver does not give the process's memory)");
+  }
+  // NVML lists host pids; salusd in another pid namespace sees other numbers.
+  return fmt::format("0 (NVML lists no compute process {} on the GPU)", pid);
+}
+
 // The attached session's gate, as the program last reported it (salus(5)).
-void Broker::render_gate_status(const Session& s, std::string& o) const {
+void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
+                                std::string& o) const {
   auto kv = [&](std::string_view k, const auto& v) { o += fmt::format("{}: {}\n", k, v); };
   const AttachedGate& gt = *s.gate;
   salus_gate& G = gt.g();
@@ -132,9 +155,7 @@ void Broker::render_gate_status(const Session& s, std::string& o) const {
   kv("memory_charged", gate_load(G.charged_bytes));
   kv("memory_peak", gate_load(G.peak_bytes));
   const Gpu& g = *gpus_[static_cast<std::size_t>(s.gpu)];
-  kv("memory_gpu", g.device->info().backend == "sim"
-                       ? std::string("unavailable (sim backend: no driver figure)")
-                       : std::string("unavailable (NVML per-process memory is not read yet)"));
+  kv("memory_gpu", gpu_memory_of(gt.pid, g, t));
   kv("launches", gate_load(G.launches));
   kv("gate_waits", gate_load(G.gate_waits));
   kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(std::min<std::uint64_t>(

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace salus::vgpu {
 
@@ -16,6 +18,14 @@ struct GpuReadings {
   std::optional<double> power_w;        // board power draw
   std::optional<double> energy_j;       // consumed since the driver was loaded
   std::optional<double> temperature_c;  // GPU die
+  // Compute processes on the GPU and the device memory each uses (pids as the
+  // driver sees them: the host's pid namespace). A process whose figure the
+  // driver cannot give has no bytes.
+  struct Process {
+    std::int64_t pid = 0;
+    std::optional<std::uint64_t> bytes;
+  };
+  std::optional<std::vector<Process>> processes;
 };
 
 struct GpuTelemetrySnapshot {

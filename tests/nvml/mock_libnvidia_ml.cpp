@@ -10,6 +10,8 @@
 //   MOCK_NVML_LOST         comma-separated UUIDs whose readings fail with
 //                          NVML_ERROR_GPU_IS_LOST
 //   MOCK_NVML_INIT         an nvmlReturn_t for nvmlInit_v2 to fail with
+//   MOCK_NVML_PROCESSES    comma-separated UUID:PID:BYTES compute processes
+//                          (BYTES "na": NVML_VALUE_NOT_AVAILABLE)
 // GPU k (by NVML index) reads utilization 37+k % (memory 12+k %), power
 // 71234+1000k mW, temperature 40+k C, and energy (k+1)*10^6 mJ plus 500 mJ per
 // call. mock_nvml_calls(NAME) counts calls per entry point, for the tests.
@@ -40,6 +42,12 @@ typedef struct nvmlUtilization_st {
   unsigned int gpu;
   unsigned int memory;
 } nvmlUtilization_t;
+typedef struct nvmlProcessInfo_st {
+  unsigned int pid;
+  unsigned long long usedGpuMemory;
+  unsigned int gpuInstanceId;
+  unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
 typedef enum nvmlTemperatureSensors_enum {
   NVML_TEMPERATURE_GPU = 0,
   NVML_TEMPERATURE_COUNT
@@ -55,6 +63,7 @@ struct MockDevice {
   unsigned index = 0;
   std::set<std::string> unsupported;  // util, power, energy, temperature
   bool lost = false;
+  std::vector<std::pair<unsigned, unsigned long long>> processes;
   unsigned long long energy_calls = 0;
 };
 
@@ -85,6 +94,15 @@ void configure() {
     d.uuid = uuid;
     d.index = static_cast<unsigned>(g_devices.size());
     g_devices.push_back(d);
+  }
+  for (const std::string& entry : split(std::getenv("MOCK_NVML_PROCESSES"))) {
+    const auto b = entry.rfind(':');
+    const auto a = entry.rfind(':', b - 1);
+    const std::string bytes = entry.substr(b + 1);
+    for (MockDevice& d : g_devices)
+      if (d.uuid == entry.substr(0, a))
+        d.processes.emplace_back(static_cast<unsigned>(std::stoul(entry.substr(a + 1, b - a - 1))),
+                                 bytes == "na" ? ~0ull : std::stoull(bytes));
   }
   for (const std::string& pair : split(std::getenv("MOCK_NVML_UNSUPPORTED"))) {
     const auto colon = pair.rfind(':');
@@ -207,6 +225,20 @@ EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device,
   if (auto r = check(__func__, device, temp, "temperature", d); r != NVML_SUCCESS) return r;
   if (sensorType != NVML_TEMPERATURE_GPU) return NVML_ERROR_INVALID_ARGUMENT;
   *temp = 40 + d->index;
+  return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device,
+                                                            unsigned int* infoCount,
+                                                            nvmlProcessInfo_t* infos) {
+  std::lock_guard lk(g_mu);
+  MockDevice* d = nullptr;
+  if (auto r = check(__func__, device, infoCount, "processes", d); r != NVML_SUCCESS) return r;
+  const unsigned room = *infoCount;
+  *infoCount = static_cast<unsigned>(d->processes.size());
+  if (room < d->processes.size()) return static_cast<nvmlReturn_t>(7);  // INSUFFICIENT_SIZE
+  for (std::size_t i = 0; i < d->processes.size(); ++i)
+    infos[i] = {d->processes[i].first, d->processes[i].second, 0, 0};
   return NVML_SUCCESS;
 }
 

@@ -44,8 +44,8 @@ int refs() {
 class Nvml : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (const char* v :
-         {"MOCK_NVML_DEVICES", "MOCK_NVML_UNSUPPORTED", "MOCK_NVML_LOST", "MOCK_NVML_INIT"})
+    for (const char* v : {"MOCK_NVML_DEVICES", "MOCK_NVML_UNSUPPORTED", "MOCK_NVML_LOST",
+                          "MOCK_NVML_INIT", "MOCK_NVML_PROCESSES"})
       ::unsetenv(v);
     // NVML numbers them B, A: the reader must go by UUID, not by position.
     ::setenv("MOCK_NVML_DEVICES", (kB + "," + kA).c_str(), 1);
@@ -192,3 +192,20 @@ TEST_F(Nvml, SamplerWithoutLibraryReportsWhyForEveryGpu) {
 }
 
 }  // namespace
+
+TEST_F(Nvml, ComputeProcessesAndTheirMemory) {
+  ::setenv("MOCK_NVML_PROCESSES", (kA + ":4242:1048576," + kA + ":77:na").c_str(), 1);
+  NvmlReader r({kA, kB});
+  std::string err;
+  const GpuReadings a = r.read(0, err);
+  EXPECT_EQ(err, "");
+  ASSERT_TRUE(a.processes);
+  ASSERT_EQ(a.processes->size(), 2u);
+  EXPECT_EQ((*a.processes)[0].pid, 4242);
+  EXPECT_EQ((*a.processes)[0].bytes, std::optional<std::uint64_t>(1048576));
+  EXPECT_EQ((*a.processes)[1].pid, 77);
+  EXPECT_FALSE((*a.processes)[1].bytes);  // NVML_VALUE_NOT_AVAILABLE
+  const GpuReadings b = r.read(1, err);
+  ASSERT_TRUE(b.processes);
+  EXPECT_TRUE(b.processes->empty());
+}

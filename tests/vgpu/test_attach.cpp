@@ -376,3 +376,53 @@ TEST(Attach, WholeNeedCountsAsTheSessionsOwn) {
     std::this_thread::sleep_for(2ms);
   EXPECT_EQ(field(b->render_status(ic), "state"), "admitted");
 }
+
+// The GPU's own figure for the program's memory, from NVML's process list.
+class FakeTelemetry final : public GpuTelemetry {
+ public:
+  GpuTelemetrySnapshot snapshot(std::size_t) const override {
+    GpuTelemetrySnapshot t;
+    t.available = true;
+    t.readings.processes.emplace();
+    t.readings.processes->push_back({getpid(), std::uint64_t{123} << 20});
+    return t;
+  }
+};
+
+TEST(Attach, StatusShowsTheDriversFigureForTheProcess) {
+  {
+    auto b = make_broker();
+    Program p;
+    const SessionId id = attached_session(*b, p);
+    EXPECT_EQ(field(b->render_status(id), "memory_gpu"),
+              "unavailable (sim backend: no driver figure)");
+  }
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  Broker b(std::move(devs), BrokerConfig{}, std::make_unique<FakeTelemetry>());
+  Program p;
+  const SessionId id = attached_session(b, p);
+  EXPECT_EQ(field(b.render_status(id), "memory_gpu"), std::to_string(123u << 20));
+}
+
+TEST(Attach, AttachingAgainContinuesTheNumbering) {
+  auto b = make_broker();
+  Program p;
+  // As after salusd restarted: the program ran 7 iterations, the 8th is granted.
+  st(p.g->granted, std::uint64_t{8});
+  st(p.g->completed, std::uint64_t{7});
+  st(p.g->requested, std::uint64_t{8});
+  st(p.g->gpu_ns_total, std::uint64_t{5000});
+  const SessionId id = attached_session(*b, p);
+  EXPECT_EQ(ld(p.g->granted), 8u);
+  p.request(9);
+  ASSERT_TRUE(p.granted(9));
+  p.complete(9, 1'000'000);  // 8 ran ungated: only 9 is accounted
+  std::string s;
+  for (int i = 0; i < 200 && field(s, "iterations_done") != "1"; ++i) {
+    std::this_thread::sleep_for(5ms);
+    s = b->render_status(id);
+  }
+  EXPECT_EQ(field(s, "iterations_done"), "1");
+  EXPECT_EQ(field(s, "in_flight"), "0");
+}

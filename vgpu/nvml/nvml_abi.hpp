@@ -9,6 +9,7 @@ namespace salus::vgpu::nvml::abi {
 using Return = int;
 inline constexpr Return kSuccess = 0;                 // NVML_SUCCESS
 inline constexpr Return kErrorNotSupported = 3;       // NVML_ERROR_NOT_SUPPORTED
+inline constexpr Return kErrorInsufficientSize = 7;   // NVML_ERROR_INSUFFICIENT_SIZE
 inline constexpr Return kErrorFunctionNotFound = 13;  // NVML_ERROR_FUNCTION_NOT_FOUND
 
 // nvmlDevice_t: an opaque pointer (typedef struct nvmlDevice_st* nvmlDevice_t).
@@ -22,6 +23,17 @@ struct Utilization {
   unsigned int memory;  // device memory was being read or written
 };
 
+// nvmlProcessInfo_t (the _v3 entry points' layout): one compute process on a
+// GPU and the device memory it uses (kValueNotAvailable when the driver cannot
+// tell, e.g. Windows WDDM or without permission).
+struct ProcessInfo {
+  unsigned int pid;
+  unsigned long long usedGpuMemory;
+  unsigned int gpuInstanceId;
+  unsigned int computeInstanceId;
+};
+inline constexpr unsigned long long kValueNotAvailable = ~0ull;
+
 // nvmlTemperatureSensors_t: NVML_TEMPERATURE_GPU, the die sensor.
 inline constexpr int kTemperatureGpu = 0;
 
@@ -34,5 +46,9 @@ using DeviceGetUtilizationRates = Return (*)(Device device, Utilization* utiliza
 using DeviceGetPowerUsage = Return (*)(Device device, unsigned int* milliwatts);
 using DeviceGetTotalEnergyConsumption = Return (*)(Device device, unsigned long long* millijoules);
 using DeviceGetTemperature = Return (*)(Device device, int sensor, unsigned int* celsius);
+// nvmlDeviceGetComputeRunningProcesses_v3: *count is the room in `infos` on
+// entry and the number of processes on return.
+using DeviceGetComputeRunningProcesses = Return (*)(Device device, unsigned int* count,
+                                                    ProcessInfo* infos);
 
 }  // namespace salus::vgpu::nvml::abi

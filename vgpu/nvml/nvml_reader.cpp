@@ -47,6 +47,8 @@ NvmlReader::NvmlReader(std::vector<std::string> uuids, const std::string& librar
   get_energy_ =
       symbol<abi::DeviceGetTotalEnergyConsumption>(lib, "nvmlDeviceGetTotalEnergyConsumption");
   get_temperature_ = symbol<abi::DeviceGetTemperature>(lib, "nvmlDeviceGetTemperature");
+  get_processes_ =
+      symbol<abi::DeviceGetComputeRunningProcesses>(lib, "nvmlDeviceGetComputeRunningProcesses_v3");
   if (init == nullptr || shutdown_ == nullptr || by_uuid == nullptr) {
     fail_all(fmt::format("{} lacks {}", library,
                          init == nullptr        ? "nvmlInit_v2"
@@ -114,6 +116,7 @@ GpuReadings NvmlReader::read(std::size_t gpu, std::string& error) {
   if (get_power_ == nullptr) e.no_power = true;
   if (get_energy_ == nullptr) e.no_energy = true;
   if (get_temperature_ == nullptr) e.no_temperature = true;
+  if (get_processes_ == nullptr) e.no_processes = true;
 
   abi::Utilization u{};
   if (call("utilization", e.no_util, [&] { return get_utilization_(e.handle, &u); })) {
@@ -130,6 +133,21 @@ GpuReadings NvmlReader::read(std::size_t gpu, std::string& error) {
   if (call("temperature", e.no_temperature,
            [&] { return get_temperature_(e.handle, abi::kTemperatureGpu, &celsius); }))
     out.temperature_c = celsius;
+  // Attached programs' own memory figure (status memory_gpu). More processes
+  // than room is a transient error: the list is left out this time.
+  constexpr unsigned kMaxProcesses = 256;
+  std::vector<abi::ProcessInfo> procs(kMaxProcesses);
+  unsigned count = kMaxProcesses;
+  if (call("processes", e.no_processes,
+           [&] { return get_processes_(e.handle, &count, procs.data()); })) {
+    auto& list = out.processes.emplace();
+    for (unsigned i = 0; i < count && i < kMaxProcesses; ++i) {
+      GpuReadings::Process p;
+      p.pid = procs[i].pid;
+      if (procs[i].usedGpuMemory != abi::kValueNotAvailable) p.bytes = procs[i].usedGpuMemory;
+      list.push_back(p);
+    }
+  }
   return out;
 }
 

@@ -47,6 +47,7 @@ class NvmlReader {
     bool no_power = false;
     bool no_energy = false;
     bool no_temperature = false;
+    bool no_processes = false;
   };
   // nvmlErrorString's text for `r`, or its number when the library has none.
   std::string describe(abi::Return r) const;
@@ -58,6 +59,7 @@ class NvmlReader {
   abi::DeviceGetPowerUsage get_power_ = nullptr;
   abi::DeviceGetTotalEnergyConsumption get_energy_ = nullptr;
   abi::DeviceGetTemperature get_temperature_ = nullptr;
+  abi::DeviceGetComputeRunningProcesses get_processes_ = nullptr;
   std::vector<Entry> gpus_;
 };
 
