@@ -32,19 +32,88 @@ the session's log, where salusd explains what went wrong.
 
 The mount point is $SALUS_MOUNT, else /salus. Session.attach() joins an existing
 session directory, by default $SALUS_SESSION (set by `salusctl run`).
+
+A program run by `salus-run` (an attached session: it keeps its own CUDA context)
+marks its iteration boundaries with step(), or a block per iteration:
+
+    for batch in data:
+        with salus.iteration():                 # or: ...; salus.step()
+            train_step(batch)
+
+Both call salus_step() of libsalus-shim.so, which salus-run preloads; without
+it they warn once and do nothing. salus-run marks PyTorch optimizer steps by
+itself (see salus-run(1)), so most scripts need neither.
 """
 
 import contextlib
+import ctypes
 import errno as _errno
 import os
 import secrets
+import sys
+import threading
 
-__all__ = ["Session", "Segment", "default_mount"]
+__all__ = ["Session", "Segment", "default_mount", "step", "iteration", "attached", "iterations"]
 
 
 def default_mount():
     """$SALUS_MOUNT, else /salus."""
     return os.environ.get("SALUS_MOUNT") or "/salus"
+
+
+_shim_lock = threading.Lock()
+_shim = None  # (salus_step, salus_attached, salus_iterations), or False once found missing
+
+
+def _shim_functions():
+    """The shim's entry points in this process, looked up once; None without it."""
+    global _shim
+    with _shim_lock:
+        if _shim is None:
+            try:
+                lib = ctypes.CDLL(None)
+                fns = (lib.salus_step, lib.salus_attached, lib.salus_iterations)
+            except (AttributeError, OSError):
+                _shim = False
+                print("salus: libsalus-shim.so is not loaded in this process (run it under "
+                      "salus-run); salus.step() does nothing", file=sys.stderr)
+            else:
+                fns[0].restype, fns[1].restype = ctypes.c_int, ctypes.c_int
+                fns[2].restype = ctypes.c_uint64
+                for f in fns:
+                    f.argtypes = []
+                _shim = fns
+        return _shim or None
+
+
+def step():
+    """An iteration boundary: ends the running iteration and returns once salusd
+    grants the next one. Returns 0, or -errno when the program is not attached
+    (it then runs ungated). Without the shim: a warning the first time, then 0."""
+    fns = _shim_functions()
+    return fns[0]() if fns else 0
+
+
+@contextlib.contextmanager
+def iteration():
+    """`with salus.iteration():` makes the block one iteration: a boundary when it
+    ends, also when it raises."""
+    try:
+        yield
+    finally:
+        step()
+
+
+def attached():
+    """True while salusd serves this process's gate."""
+    fns = _shim_functions()
+    return bool(fns and fns[1]())
+
+
+def iterations():
+    """Iteration boundaries passed so far in this process (0 without the shim)."""
+    fns = _shim_functions()
+    return int(fns[2]()) if fns else 0
 
 
 def _size(value):

@@ -477,10 +477,14 @@ int boundary(std::uint32_t marking, CUstream stream) {
   c.boundaries.fetch_add(1, std::memory_order_relaxed);
   salus_gate* g = gate();
   const bool attached = g != &g_local;
+  // Ask for the next iteration before this one can be reported complete (a
+  // program without CUDA completes it inline): salusd must never see the
+  // session between two iterations with nothing requested, or FIFO, SRTF and
+  // PRIORITY hand the lane to another session at every boundary.
+  if (attached) __atomic_store_n(&g->requested, c.gate_iter + 2, __ATOMIC_RELEASE);
   end_iteration(c, attached ? g : nullptr, attached ? ++c.gate_iter : 0, stream);
   bool ok = false;
   if (attached) {
-    __atomic_store_n(&g->requested, c.gate_iter + 1, __ATOMIC_RELEASE);
     ok = wait_grant(c, g, c.gate_iter + 1);
   } else if (!c.attempted || Clock::now() - c.last_attempt >= kReattachEvery) {
     ok = try_attach(c, c.attempted);

@@ -10,10 +10,22 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def sh_blocks(path):
+# README's PyTorch section needs libsalus-shim.so (built where cuda.h is) and
+# python3-torch, so it runs in a test of its own that can skip.
+PYTORCH_SECTION = "## Run your PyTorch job under Salus"
+
+
+def sh_blocks(path, section=None):
+    """The ```sh blocks of a document; with `section`, only that `## ` section's,
+    else all but the PyTorch section's."""
     with open(path) as f:
         text = f.read()
-    return re.findall(r"^```sh\n(.*?)^```", text, flags=re.S | re.M)
+    parts = re.split(r"^(?=## )", text, flags=re.M)
+    if section:
+        parts = [p for p in parts if p.startswith(section)]
+    else:
+        parts = [p for p in parts if not p.startswith(PYTORCH_SECTION)]
+    return re.findall(r"^```sh\n(.*?)^```", "".join(parts), flags=re.S | re.M)
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/salus.5.md"])
@@ -29,7 +41,31 @@ def test_shell_examples_run(salusd, doc):
     assert out.returncode == 0, f"{doc}: exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("page", ["salus.5", "salusd.8", "salusctl.1", "libsalus-shim.3"])
+def test_pytorch_example_runs(salusd, tmp_path):
+    import sys
+    from conftest import SALUSD
+    tools = os.path.dirname(os.path.abspath(SALUSD))
+    shim = os.path.join(os.path.dirname(tools), "client", "shim", "libsalus-shim.so")
+    if not os.path.exists(shim):
+        pytest.skip(f"libsalus-shim.so not built at {shim} (needs cuda.h)")
+    if subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode:
+        pytest.skip("python3-torch is not installed")
+    blocks = sh_blocks(os.path.join(ROOT, "README.md"), PYTORCH_SECTION)
+    assert blocks, "README.md lost its PyTorch example"
+    bindir = tmp_path / "bin"  # salus-run from the build, python3 = the one with torch
+    bindir.mkdir()
+    (bindir / "python3").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": f"{bindir}:{tools}:{os.environ['PATH']}",
+           "SALUS_MOUNT": salusd.mnt}
+    env.pop("LD_PRELOAD", None)
+    out = subprocess.run(["/bin/bash", "-c", "set -e\n" + "\n".join(blocks)], capture_output=True,
+                         text=True, timeout=180, cwd=ROOT, env=env)
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert "20 steps on" in out.stdout and "admitted on gpu" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("page", ["salus.5", "salusd.8", "salusctl.1", "salus-run.1",
+                                  "libsalus-shim.3"])
 def test_man_pages_render(page):
     from conftest import SALUSD
     built = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(SALUSD))), "docs", page)

@@ -1,0 +1,314 @@
+"""salus-run against a real salusd (sim backend) with libsalus-shim.so and
+Debian's CPU torch: the automark's boundaries as salusd counts them, FAIR
+interleaving of two jobs, exit status, signals, --measure, --retry-on-oom, and
+the command line's errors.
+
+The tests that run a program need the shim (built where cuda.h is) and, for
+PyTorch, python3-torch; they skip with the reason otherwise."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SALUSD, children, wait_until
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+TOOLS = os.path.dirname(os.path.abspath(SALUSD))
+SALUS_RUN = os.path.join(TOOLS, "salus-run")
+SHIM = os.path.join(os.path.dirname(TOOLS), "client", "shim", "libsalus-shim.so")
+JOB = os.path.join(HERE, "torch_job.py")
+PY = sys.executable
+
+
+def have_torch():
+    return subprocess.run([PY, "-c", "import torch"], capture_output=True).returncode == 0
+
+
+needs_shim = pytest.mark.skipif(not os.path.exists(SHIM),
+                                reason=f"libsalus-shim.so not built at {SHIM} (needs cuda.h)")
+needs_torch = pytest.mark.skipif(not have_torch(), reason="python3-torch is not installed")
+
+
+def env():
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("LD_PRELOAD", "SALUS_AUTOMARK", "SALUS_SESSION", "SALUS_SHIM")}
+    return e
+
+
+def salus_run(d, *args, timeout=120, **kw):
+    return subprocess.run([SALUS_RUN, "--mount", d.mnt, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env(), **kw)
+
+
+def report(stdout):
+    return dict(l.split(": ", 1) for l in stdout.splitlines() if ": " in l)
+
+
+def sessions(d):
+    return [s for s in os.listdir(d.path("sessions"))]
+
+
+def status(d, sid):
+    try:
+        with open(d.path("sessions", sid, "status")) as f:
+            return dict(l.split(": ", 1) for l in f.read().splitlines() if ": " in l)
+    except OSError:
+        return None
+
+
+def stop(p):
+    """Ends a salus-run we started and its program (SIGTERM is forwarded)."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            for c in children(p.pid):
+                os.kill(c, signal.SIGKILL)
+            p.kill()
+            p.wait()
+
+
+# ---------------------------------------------------------------- the command line
+
+@pytest.mark.parametrize("args, message", [
+    ([], "no program to run"),
+    (["--measure", "--persistent", "1M", "--", "true"], "exclude each other"),
+    (["--persistent", "12X", "--", "true"], "bad size '12X' for --persistent"),
+    (["--ephemeral", "-1", "--", "true"], "bad size '-1' for --ephemeral"),
+    (["--gpu", "first", "--", "true"], "bad --gpu 'first'"),
+    (["--gpu", "1024", "--", "true"], "bad --gpu '1024'"),
+    (["--iters", "0", "--", "true"], "bad --iters 0"),
+    (["--policy-hint", "fast", "--", "true"], "bad --policy-hint 'fast'"),
+    (["--policy-hint", "gpu=1", "--", "true"], "use --gpu for gpu="),
+    (["--frobnicate", "--", "true"], "unknown option '--frobnicate'"),
+    (["--priority", "high", "--", "true"], "--priority"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, message):
+    r = subprocess.run([SALUS_RUN, *args], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r
+    assert r.stderr.startswith("salus-run: ") and message in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_no_salusd_is_a_clear_error(tmp_path):
+    r = subprocess.run([SALUS_RUN, "--mount", str(tmp_path), "--persistent", "1M", "--", "true"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1
+    assert "no salusd is mounted at" in r.stderr, r.stderr
+
+
+def test_help_and_version():
+    assert "PROGRAM" in subprocess.run([SALUS_RUN, "--help"], capture_output=True,
+                                       text=True).stdout
+    r = subprocess.run([SALUS_RUN, "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("salus-run ")
+
+
+# ---------------------------------------------------------------- running programs
+
+@needs_shim
+def test_environment_and_exit_status(salusd):
+    r = salus_run(salusd, "--persistent", "1M", "--ephemeral", "2M", "--", "sh", "-c",
+                  'echo "S=$SALUS_SESSION M=$SALUS_MOUNT V=$CUDA_VISIBLE_DEVICES '
+                  'A=$SALUS_AUTOMARK"; echo "P=$LD_PRELOAD"; echo "Y=$PYTHONPATH"; '
+                  'grep -E "^(state|persistent|ephemeral):" "$SALUS_SESSION/status"; exit 7')
+    assert r.returncode == 7, r.stderr
+    out = r.stdout
+    assert f"M={salusd.mnt} " in out and f"S={salusd.mnt}/sessions/" in out
+    assert "V=GPU-" in out  # the GPU's UUID from gpus/N/info
+    assert "A=1" in out
+    assert f"P={os.path.realpath(SHIM)}" in out
+    assert os.path.join("client", "automark") in out
+    assert "state: admitted" in out and "persistent: 1048576" in out
+    assert "ephemeral: 2097152" in out
+    assert sessions(salusd) == []  # ended with the program
+    r = salus_run(salusd, "--no-automark", "--persistent", "1M", "--ephemeral", "1M", "--",
+                  "sh", "-c", 'echo "A=$SALUS_AUTOMARK"; kill -TERM $$')
+    assert r.returncode == 128 + signal.SIGTERM, r
+    assert "A=\n" in r.stdout
+    r = salus_run(salusd, "--persistent", "1M", "--ephemeral", "1M", "--", "/nonexistent/prog")
+    assert r.returncode == 127 and "/nonexistent/prog" in r.stderr
+
+
+@needs_shim
+def test_sigterm_to_salus_run_is_forwarded_and_sigkill_of_the_program_ends_the_session(salusd):
+    p = subprocess.Popen([SALUS_RUN, "--mount", salusd.mnt, "--persistent", "1M",
+                          "--ephemeral", "1M", "--", "sleep", "60"], env=env(),
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: len(sessions(salusd)) == 1 and children(p.pid), timeout=10)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=10) == 128 + signal.SIGTERM
+        assert wait_until(lambda: sessions(salusd) == [], timeout=1)
+    finally:
+        stop(p)
+    p = subprocess.Popen([SALUS_RUN, "--mount", salusd.mnt, "--persistent", "1M",
+                          "--ephemeral", "1M", "--", "sleep", "60"], env=env())
+    try:
+        assert wait_until(lambda: len(sessions(salusd)) == 1 and children(p.pid), timeout=10)
+        (prog,) = children(p.pid)
+        t0 = time.monotonic()
+        os.kill(prog, signal.SIGKILL)
+        assert wait_until(lambda: sessions(salusd) == [], timeout=1), sessions(salusd)
+        assert time.monotonic() - t0 < 1.0
+        assert p.wait(timeout=10) == 128 + signal.SIGKILL
+    finally:
+        stop(p)
+
+
+@needs_shim
+def test_queued_for_admission_then_interrupted(salusd):
+    with open(salusd.path("gpus", "0", "memory")) as f:
+        cap = dict(l.split(": ", 1) for l in f.read().splitlines())["capacity"]
+    hold = subprocess.Popen([SALUS_RUN, "--mount", salusd.mnt, "--gpu", "0", "--persistent", cap,
+                             "--", "sleep", "60"], env=env())
+    p = None
+    try:
+        assert wait_until(lambda: len(sessions(salusd)) == 1 and children(hold.pid), timeout=10)
+        p = subprocess.Popen([SALUS_RUN, "--mount", salusd.mnt, "--gpu", "0", "--persistent",
+                              "1M", "--", "echo", "ran"], env=env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        assert wait_until(lambda: len(sessions(salusd)) == 2, timeout=10)
+        time.sleep(1.5)  # past the one-second notice
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=10)
+        assert p.returncode == 128 + signal.SIGINT, err
+        assert "is queued for admission on gpu 0" in err and out == ""
+        assert wait_until(lambda: len(sessions(salusd)) == 1, timeout=1)
+    finally:
+        stop(hold)
+        if p:
+            stop(p)
+
+
+@needs_shim
+@needs_torch
+def test_training_loop_reports_its_optimizer_steps(salusd):
+    r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, JOB, "train", "12")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(r.stdout)
+    assert rep["kind"] == "attached", r.stdout + r.stderr
+    assert rep["marking"] == "explicit"
+    assert rep["iterations_completed"] == "12", r.stdout
+    assert "salus automark" not in r.stderr  # no warning: the shim was there
+
+
+@needs_shim
+@needs_torch
+def test_inference_loop_reports_its_forward_calls(salusd):
+    r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, JOB, "infer", "9")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(r.stdout)
+    assert rep["kind"] == "attached" and rep["iterations_completed"] == "9", r.stdout
+
+
+@needs_shim
+@needs_torch
+def test_no_automark_marks_nothing(salusd):
+    r = salus_run(salusd, "--no-automark", "--persistent", "1M", "--ephemeral", "1M", "--", PY,
+                  JOB, "train", "5", "--wait-key", "iterations_completed=0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert report(r.stdout)["iterations_completed"] in ("0", "-"), r.stdout
+
+
+def pair_progress(d, policy, tmp_path):
+    """Two training jobs on GPU 0 under `policy` that step until told to stop; the
+    second starts once the first has run 5 iterations (so arrival order is
+    known). Once the second is in (under FAIR: has imported torch, which attaches
+    it; under FIFO: a second after it started), the iterations salusd counts for
+    each over 2 s. Returns (progress0, progress1, how many had imported torch)."""
+    with open(d.path("policy"), "w") as f:
+        f.write(policy)
+    log, halt = tmp_path / f"{policy}.log", tmp_path / f"{policy}.stop"
+    procs, ids = [], {}
+
+    def start(i):
+        procs.append(subprocess.Popen(
+            [SALUS_RUN, "--mount", d.mnt, "--gpu", "0", "--persistent", "1M", "--ephemeral", "1M",
+             "--policy-hint", f"name=job{i}", "--", PY, JOB, "train", "0", "--sleep-ms", "10",
+             "--log", str(log), "--stop", str(halt)],
+            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        assert wait_until(lambda: len(sessions(d)) == i + 1, 30)
+        ids.update({status(d, sid)["name"]: sid for sid in sessions(d)})
+
+    def done(i):
+        return int((status(d, ids[f"job{i}"]) or {}).get("iterations_completed", "0"))
+
+    try:
+        start(0)
+        assert wait_until(lambda: done(0) >= 5, 60)
+        start(1)
+        if policy == "fifo":
+            time.sleep(1)
+        else:
+            assert wait_until(lambda: log.read_text().count("imported") == 2, 60)
+        imported = log.read_text().count("imported")
+        a = [done(0), done(1)]
+        time.sleep(2)
+        b = [done(0), done(1)]
+        halt.touch()
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, out + err
+        return b[0] - a[0], b[1] - a[1], imported
+    finally:
+        for p in procs:
+            stop(p)
+
+
+@needs_shim
+@needs_torch
+def test_two_jobs_alternate_under_fair_and_not_under_fifo(salusd, tmp_path):
+    # FAIR: once both run, each gets about half of the iterations.
+    p0, p1, imported = pair_progress(salusd, "fair", tmp_path)
+    assert p0 + p1 >= 10 and min(p0, p1) >= 0.3 * (p0 + p1), (p0, p1)
+    # FIFO runs the earlier job alone while it has work: the same measure fails,
+    # and the later one is held in its first grant (inside import torch).
+    p0, p1, imported = pair_progress(salusd, "fifo", tmp_path)
+    assert p0 >= 10 and p1 == 0 and imported == 1, (p0, p1, imported)
+
+
+@needs_shim
+@needs_torch
+def test_measure_sets_need_from_the_first_iterations(salusd):
+    r = salus_run(salusd, "--measure", "--measure-iters", "2", "--", PY, JOB, "train", "8",
+                  "--wait-key", "ephemeral=1048576")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "provisional need of persistent=0 ephemeral=" in r.stderr
+    assert "--measure: peak 0 after " in r.stderr, r.stderr
+    # CPU torch charges no device memory: the rule's floor (1 MiB margin) remains.
+    assert report(r.stdout)["ephemeral"] == "1048576", r.stdout
+
+
+@needs_shim
+@needs_torch
+def test_retry_on_oom_runs_once_more_alone(salusd_factory, tmp_path):
+    d = salusd_factory(gpus=2, sim_memory="1G").start()
+    # another job holds GPU 0, so the retry must go to the empty GPU 1
+    hold = subprocess.Popen([SALUS_RUN, "--mount", d.mnt, "--gpu", "0", "--persistent", "1M",
+                             "--ephemeral", "1M", "--", "sleep", "60"], env=env())
+    try:
+        assert wait_until(lambda: len(sessions(d)) == 1, timeout=10)
+        flag = tmp_path / "failed-once"
+        r = salus_run(d, "--retry-on-oom", "--gpu", "0", "--persistent", "1M", "--ephemeral",
+                      "1M", "--", PY, JOB, "train", "3", "--fail-first-oom", str(flag))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "after running out of GPU memory (CUDA out of memory)" in r.stderr, r.stderr
+        assert "gpu=1" in r.stderr
+        rep = report(r.stdout)
+        assert rep["name"] == "oom-retry" and rep["gpu"] == "1", r.stdout
+        with open(d.path("gpus", "1", "memory")) as f:
+            cap = dict(l.split(": ", 1) for l in f.read().splitlines())["capacity"]
+        assert int(rep["persistent"]) + int(rep["ephemeral"]) == int(cap), r.stdout
+        # without the flag a failing program is not run again
+        flag.unlink()
+        r = salus_run(d, "--gpu", "0", "--persistent", "1M", "--ephemeral", "1M", "--", PY, JOB,
+                      "train", "3", "--fail-first-oom", str(flag))
+        assert r.returncode == 1 and "running it once more" not in r.stderr
+    finally:
+        stop(hold)

@@ -1,0 +1,77 @@
+"""A small PyTorch job for test_salus_run.py: an unmodified training or inference
+loop, then (test-only) a report of what salusd shows for its own session, read
+before it exits (an attached session ends with its program).
+
+    torch_job.py train|infer N [--wait-key KEY=VALUE] [--sleep-ms MS] [--log FILE]
+"""
+import argparse
+import os
+import sys
+import time
+
+
+def status():
+    with open(os.path.join(os.environ["SALUS_SESSION"], "status")) as f:
+        return dict(line.split(": ", 1) for line in f.read().splitlines() if ": " in line)
+
+
+def wait_for(key, value, timeout=10.0):
+    end = time.monotonic() + timeout
+    while True:
+        st = status()
+        if st.get(key) == value or time.monotonic() > end:
+            return st
+        time.sleep(0.02)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["train", "infer"])
+    ap.add_argument("n", type=int)
+    ap.add_argument("--sleep-ms", type=float, default=0)
+    ap.add_argument("--wait-key", default=None)
+    ap.add_argument("--log", default=None)
+    ap.add_argument("--go", default=None, help="wait for this file before import torch")
+    ap.add_argument("--stop", default=None, help="with N = 0: train until this file exists")
+    ap.add_argument("--fail-first-oom", default=None,
+                    help="raise a CUDA OOM unless this file exists (and create it)")
+    args = ap.parse_args()
+    if args.fail_first_oom and not os.path.exists(args.fail_first_oom):
+        open(args.fail_first_oom, "w").close()
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (test)")
+    if args.go:  # before import torch, which attaches the process to its session
+        print(f"ready {os.getpid()}", file=open(args.log, "a"), flush=True)
+        while not os.path.exists(args.go):
+            time.sleep(0.01)
+    import torch
+    if args.log:
+        print(f"imported {os.getpid()}", file=open(args.log, "a"), flush=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    log = open(args.log, "a") if args.log else None
+    if args.mode == "train":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        i = 0
+        while i < args.n or (args.n == 0 and not os.path.exists(args.stop)):
+            i += 1
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            if log:
+                print(f"{os.getpid()} {i}", file=log, flush=True)
+            time.sleep(args.sleep_ms / 1000)
+    else:
+        with torch.inference_mode():
+            for i in range(args.n):
+                model(torch.randn(8, 16))
+                time.sleep(args.sleep_ms / 1000)
+    key, value = (args.wait_key or f"iterations_completed={args.n or i}").split("=", 1)
+    st = wait_for(key, value)
+    for k in ("kind", "marking", "iterations_completed", "iterations_requested", "ephemeral",
+              "persistent", "name", "gpu"):
+        print(f"{k}: {st.get(k, '-')}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

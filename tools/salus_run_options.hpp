@@ -1,0 +1,44 @@
+// salus-run's command line: the options, their checks (every bad argument gets a
+// one-line message and exit status 2 before anything is created), and the
+// `need` lines built from them, including --measure's rule for turning a
+// measured peak into a declaration. Pure functions, unit-tested through the
+// binary (tests/integration/test_salus_run.py).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace salus::run {
+
+struct RunOptions {
+  std::optional<std::string> persistent, ephemeral, gpu;
+  bool measure = false;
+  unsigned long long measure_iters = 3;  // K: iterations measured before `need` is set
+  std::optional<unsigned long long> iters;
+  std::optional<long long> priority;
+  std::vector<std::string> hints;  // --policy-hint KEY=VALUE, appended to `need`
+  bool retry_on_oom = false, no_automark = false, verbose = false;
+  std::vector<std::string> command;
+};
+
+// Parses argv into `o` (and --mount into `mount`). nullopt: go on; "": --help or
+// --version was printed, exit 0; otherwise the one-line error.
+std::optional<std::string> parse_args(int argc, char** argv, RunOptions& o, std::string& mount);
+
+// `need persistent=P ephemeral=E [iters=] [priority=] [gpu=] [hints...]`.
+std::string need_line(const RunOptions& o, const std::string& persistent,
+                      const std::string& ephemeral, const std::optional<std::string>& gpu);
+
+// --measure's rule: from the peak charged over the first K iterations and the
+// least charged seen after iteration 1 (memory held across iterations), the
+// (persistent, ephemeral) to declare. The margin (1/16 of the peak, at least
+// 1 MiB) covers allocator growth after the warm-up; sizes are rounded up to 1 MiB.
+std::pair<unsigned long long, unsigned long long> measured_need(unsigned long long peak,
+                                                                unsigned long long held);
+
+// The mount point without trailing slashes, made absolute from the cwd.
+std::string absolute_mount(std::string mount);
+
+}  // namespace salus::run
