@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "vgpu/command.hpp"
+#include "vgpu/broker/command.hpp"
 
 namespace salus::fusefs {
 

@@ -8,7 +8,7 @@
 #include <optional>
 #include <string>
 
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 
 struct fuse_session;
 

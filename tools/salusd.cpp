@@ -22,11 +22,11 @@
 #include "fusefs/filesystem.hpp"
 #include "salus_config.hpp"
 #include "tools/metrics_http.hpp"
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 #include "vgpu/cuda/cuda_backend.hpp"
 #include "vgpu/executor/remote_device.hpp"
 #include "vgpu/nvml/nvml_sampler.hpp"
-#include "vgpu/session_store.hpp"
+#include "vgpu/store/session_store.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 namespace {

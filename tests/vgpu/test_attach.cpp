@@ -19,7 +19,7 @@
 
 #include "client/salus_gate.h"
 #include "fusefs/command_parser.hpp"
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 using namespace salus;

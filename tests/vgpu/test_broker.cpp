@@ -1,6 +1,6 @@
 // The broker without FUSE: sessions, commands, deferred replies and cleanup,
 // driven through its public API on a small sim device.
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

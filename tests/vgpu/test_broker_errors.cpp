@@ -5,7 +5,7 @@
 
 #include <cerrno>
 
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 using namespace salus;

@@ -1,7 +1,7 @@
 // Opening files as a session's caller: path resolution one step at a time, the
 // symlink rule, file types, permissions of another uid, files created later, and
 // the checks of upload/download endpoints. Cases that switch uid need root.
-#include "vgpu/caller_files.hpp"
+#include "vgpu/caller/caller_files.hpp"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -18,7 +18,7 @@
 #include <fstream>
 #include <string>
 
-#include "vgpu/transfer_endpoint.hpp"
+#include "vgpu/transfer/transfer_endpoint.hpp"
 
 using namespace salus::vgpu;
 namespace fs = std::filesystem;

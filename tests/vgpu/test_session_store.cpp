@@ -1,7 +1,7 @@
 // Named sessions across a restart, without FUSE: session.state's format and
 // parser, and a save by one broker restored by another (sim devices), including
 // a save cut off before its commit and corrupt state set aside.
-#include "vgpu/session_store.hpp"
+#include "vgpu/store/session_store.hpp"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@
 #include <random>
 
 #include "fusefs/command_parser.hpp"
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 using namespace salus;

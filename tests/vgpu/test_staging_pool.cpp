@@ -1,6 +1,6 @@
 // The staging pool: size classes, reuse of returned blocks, the cache bound and
 // the accounting that /salus/stats reports.
-#include "vgpu/staging_pool.hpp"
+#include "vgpu/transfer/staging_pool.hpp"
 
 #include <gtest/gtest.h>
 

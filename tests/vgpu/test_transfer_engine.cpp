@@ -1,7 +1,7 @@
 // The transfer engine on a sim device: uploads and downloads through staging in
 // many chunks, files created when the transfer runs, a source that shrank, a
 // device fault, cancellation and stop, and that staging always goes back.
-#include "vgpu/transfer_engine.hpp"
+#include "vgpu/transfer/transfer_engine.hpp"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

@@ -11,8 +11,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include "vgpu/broker.hpp"
-#include "vgpu/broker_gpu.hpp"
+#include "vgpu/broker/broker.hpp"
+#include "vgpu/broker/broker_gpu.hpp"
 
 namespace salus::vgpu {
 

@@ -1,4 +1,4 @@
-#include "vgpu/transfer_endpoint.hpp"
+#include "vgpu/transfer/transfer_endpoint.hpp"
 
 #include <cerrno>
 #include <limits>

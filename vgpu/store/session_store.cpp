@@ -1,4 +1,4 @@
-#include "vgpu/session_store.hpp"
+#include "vgpu/store/session_store.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -20,7 +20,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 #include "vgpu/unique_fd.hpp"
 
 namespace salus::vgpu {

@@ -1,7 +1,7 @@
 // The broker's side of saving and restoring named sessions across a restart:
 // a snapshot of what session_store.cpp writes down. Kept apart from broker.cpp
 // so that the store reads the broker only through this and the public API.
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 
 namespace salus::vgpu {
 

@@ -12,7 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 
 namespace salus::vgpu {
 

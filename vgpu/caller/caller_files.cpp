@@ -1,4 +1,4 @@
-#include "vgpu/caller_files.hpp"
+#include "vgpu/caller/caller_files.hpp"
 
 #include <fcntl.h>
 #include <linux/magic.h>

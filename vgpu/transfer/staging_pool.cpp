@@ -1,4 +1,4 @@
-#include "vgpu/staging_pool.hpp"
+#include "vgpu/transfer/staging_pool.hpp"
 
 #include <bit>
 

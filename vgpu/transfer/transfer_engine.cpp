@@ -1,4 +1,4 @@
-#include "vgpu/transfer_engine.hpp"
+#include "vgpu/transfer/transfer_engine.hpp"
 
 #include <fcntl.h>
 #include <linux/capability.h>

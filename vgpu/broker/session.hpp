@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "arena/gpu_arena.hpp"
-#include "vgpu/attach_gate.hpp"
-#include "vgpu/command.hpp"
+#include "vgpu/attach/attach_gate.hpp"
+#include "vgpu/broker/command.hpp"
 #include "vgpu/device.hpp"
-#include "vgpu/staging_pool.hpp"
-#include "vgpu/transfer_endpoint.hpp"
+#include "vgpu/transfer/staging_pool.hpp"
+#include "vgpu/transfer/transfer_endpoint.hpp"
 
 namespace salus::vgpu {
 

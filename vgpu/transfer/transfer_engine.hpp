@@ -21,9 +21,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "vgpu/caller_files.hpp"
+#include "vgpu/caller/caller_files.hpp"
 #include "vgpu/device.hpp"
-#include "vgpu/staging_pool.hpp"
+#include "vgpu/transfer/staging_pool.hpp"
 #include "vgpu/unique_fd.hpp"
 
 namespace salus::vgpu {

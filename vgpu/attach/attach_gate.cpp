@@ -1,4 +1,4 @@
-#include "vgpu/attach_gate.hpp"
+#include "vgpu/attach/attach_gate.hpp"
 
 #include <fcntl.h>
 #include <linux/futex.h>

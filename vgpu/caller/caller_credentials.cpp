@@ -1,4 +1,4 @@
-#include "vgpu/caller_credentials.hpp"
+#include "vgpu/caller/caller_credentials.hpp"
 
 #include <fcntl.h>
 #include <linux/capability.h>

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "vgpu/caller_credentials.hpp"
+#include "vgpu/caller/caller_credentials.hpp"
 #include "vgpu/unique_fd.hpp"
 
 namespace salus::vgpu {

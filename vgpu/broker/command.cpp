@@ -1,4 +1,4 @@
-#include "vgpu/command.hpp"
+#include "vgpu/broker/command.hpp"
 
 namespace salus::vgpu {
 

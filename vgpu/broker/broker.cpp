@@ -1,4 +1,4 @@
-#include "vgpu/broker.hpp"
+#include "vgpu/broker/broker.hpp"
 
 #include <cerrno>
 #include <cstring>
@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
-#include "vgpu/broker_gpu.hpp"
-#include "vgpu/caller_files.hpp"
+#include "vgpu/broker/broker_gpu.hpp"
+#include "vgpu/caller/caller_files.hpp"
 
 namespace salus::vgpu {
 

@@ -6,8 +6,8 @@
 
 #include <fmt/format.h>
 
-#include "vgpu/broker.hpp"
-#include "vgpu/broker_gpu.hpp"
+#include "vgpu/broker/broker.hpp"
+#include "vgpu/broker/broker_gpu.hpp"
 
 namespace salus::vgpu {
 

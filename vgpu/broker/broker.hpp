@@ -23,8 +23,8 @@
 #include "sched/placement.hpp"
 #include "vgpu/device.hpp"
 #include "vgpu/gpu_telemetry.hpp"
-#include "vgpu/session.hpp"
-#include "vgpu/transfer_engine.hpp"
+#include "vgpu/broker/session.hpp"
+#include "vgpu/transfer/transfer_engine.hpp"
 
 namespace salus::vgpu {
 
