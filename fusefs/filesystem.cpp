@@ -8,9 +8,11 @@
 
 #include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include <fmt/format.h>

@@ -87,6 +87,7 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
     to.chunk = std::max<Bytes>(config_.transfer_chunk, StagingPool::kMinBlock);
     to.max_active = std::clamp(config_.transfers_active, 1u, TransferEngine::kMaxActive);
     to.segment_cache = config_.segment_cache;
+    to.io = caller_io_.get();
     g->transfers =
         std::make_unique<TransferEngine>(*g->device, *g->staging, to, static_cast<int>(i));
     gpus_.push_back(std::move(g));
