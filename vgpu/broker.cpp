@@ -1709,6 +1709,8 @@ void Broker::shutdown(std::chrono::milliseconds bound) {
     if (std::chrono::steady_clock::now() >= deadline) {
       spdlog::warn("shutdown: iterations still running after {} ms; stopping anyway",
                    bound.count());
+      // Destroying the streams below waits for their work: cut it short.
+      for (auto& g : gpus_) g->device->abort_work();
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));

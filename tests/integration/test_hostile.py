@@ -363,3 +363,18 @@ def test_kill_storm_leaks_nothing(daemon):
             mem = dict(line.split(": ", 1) for line in f.read().splitlines())
         assert mem["persistent_used"] == "0" and mem["ephemeral"] == "0", mem
         assert mem["queued"] == "0" and mem["free"] == mem["capacity"], mem
+
+
+def test_sigterm_is_bounded_by_the_grace_during_a_long_spin(daemon):
+    """issue 17 item 7: an hour-long sim spin no longer holds SIGTERM up past
+    --shutdown-grace-ms (2000 here)."""
+    s = Session(daemon)
+    s.cmd("need persistent=1M ephemeral=1M\nbegin\nspin 3600000000\nend\n")
+    time.sleep(0.3)
+    took = stops_within(daemon, 8)
+    assert took < 5, took
+    assert "stopping anyway" in daemon.daemon_log()
+    try:
+        s.close()
+    except OSError:
+        pass
