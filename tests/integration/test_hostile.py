@@ -335,7 +335,7 @@ def test_kill_storm_leaks_nothing(daemon):
         while len(live) < 12:
             p = subprocess.Popen([sys.executable, "-c", STORM_CLIENT, daemon.mnt,
                                   str(rng.randrange(1 << 30))], stdout=subprocess.DEVNULL)
-            live.append((p, time.time() + rng.uniform(0.05, 0.4)))
+            live.append((p, time.time() + rng.uniform(0.1, 0.6)))
         now = time.time()
         for p, at in list(live):
             if now >= at:
