@@ -855,9 +855,9 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
                  [h, of, size](int err, std::string reply) {
                    unhold(*h);
                    // An interrupted write's caller never reads its reply.
-                   if (err != EINTR) add_reply(*of, err ? fmt::format("error {}\n",
-                                                                     strerrorname_np(err))
-                                                        : std::move(reply));
+                   if (err != EINTR)
+                     add_reply(*of, err ? fmt::format("error {}\n", strerrorname_np(err))
+                                        : std::move(reply));
                    if (err)
                      fuse_reply_err(h->req, err);
                    else

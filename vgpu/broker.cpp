@@ -307,8 +307,8 @@ Broker::OpenedFiles Broker::open_caller_files(const Caller& caller,
 // Every file of the write fails with `err`: no task could be made to open them.
 Broker::OpenedFiles Broker::could_not_open(const std::vector<CommandLine>& commands, int err) {
   OpenedFiles out;
-  const std::string why = fmt::format("salusd could not start a task to open it: {}",
-                                      std::strerror(err));
+  const std::string why =
+      fmt::format("salusd could not start a task to open it: {}", std::strerror(err));
   for (std::size_t i = 0; i < commands.size(); ++i) {
     const Command& cmd = commands[i].command;
     if (std::holds_alternative<TransferCmd>(cmd)) {
@@ -359,13 +359,13 @@ std::uint64_t Broker::submit(
       w.parse_error = std::move(parse_error);
       w.done = std::move(done);
       if (opening) {
-        const int rc = caller_io_->post(
-            caller.uid, [this, id, wid = w.id, caller, cmds = commands](CallerIo::Gate& gate) {
-              OpenedFiles files;
-              if (const int err = CallerIo::isolated([&] { files = open_caller_files(caller, cmds); }))
-                files = could_not_open(cmds, -err);
-              gate.enter([&] { files_opened(id, wid, std::move(files)); });
-            });
+        const int rc = caller_io_->post(caller.uid, [this, id, wid = w.id, caller,
+                                                     cmds = commands](CallerIo::Gate& gate) {
+          OpenedFiles files;
+          if (const int err = CallerIo::isolated([&] { files = open_caller_files(caller, cmds); }))
+            files = could_not_open(cmds, -err);
+          gate.enter([&] { files_opened(id, wid, std::move(files)); });
+        });
         if (rc < 0) {
           log(*s, rc == -EAGAIN ? fmt::format("uid {} has too many writes waiting for their "
                                               "files to open; try again later",

@@ -113,10 +113,11 @@ class Broker {
   // `done` gets 0 or an errno and the reply text; it may run later (deferred).
   // Files the commands name are opened on a CallerIo thread, never on the
   // calling one. Returns a ticket for cancel_request, or 0 if already answered.
-  std::uint64_t submit(SessionId id, const Caller& caller, std::size_t write_bytes,
-              std::vector<CommandLine> commands,
-              std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
-              WriteReply done);
+  std::uint64_t submit(
+      SessionId id, const Caller& caller, std::size_t write_bytes,
+      std::vector<CommandLine> commands,
+      std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
+      WriteReply done);
   // poll(2) support for status: a counter that moves whenever the status may
   // have changed, and a one-shot callback for when it moves past `seen`:
   // changed(true) then, or at once if it has. One watch per `key` (an open

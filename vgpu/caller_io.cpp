@@ -109,8 +109,8 @@ void thread_loop(const std::shared_ptr<State>& st) {
     }
     if (st->closed) break;
     ++st->idle;
-    const bool woke = st->work.wait_for(lk, st->opt.idle,
-                                        [&] { return st->closed || st->eligible() > 0; });
+    const bool woke =
+        st->work.wait_for(lk, st->opt.idle, [&] { return st->closed || st->eligible() > 0; });
     --st->idle;
     if (!woke) break;  // idle for long enough
   }

@@ -32,9 +32,9 @@ namespace salus::vgpu {
 class CallerIo {
  public:
   struct Options {
-    unsigned per_uid = 4;                // jobs of one uid running at once
-    unsigned queued_per_uid = 4096;      // jobs of one uid waiting; more are refused
-    unsigned max_threads = 256;          // all uids together
+    unsigned per_uid = 4;                  // jobs of one uid running at once
+    unsigned queued_per_uid = 4096;        // jobs of one uid waiting; more are refused
+    unsigned max_threads = 256;            // all uids together
     std::chrono::milliseconds idle{5000};  // an idle thread leaves after this
   };
   struct Stats {

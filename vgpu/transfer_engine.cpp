@@ -350,8 +350,8 @@ void TransferEngine::start(std::shared_ptr<TransferJob> job) {
   if (a.job->file.exists() || a.job->cancel.load()) {
     a.fd = std::make_shared<UniqueFd>(::fcntl(a.job->file.fd.get(), F_DUPFD_CLOEXEC, 0));
     if (!*a.fd && a.job->file.exists())
-      fail(a, EMFILE, fmt::format("{}: no file descriptor left: {}", a.job->shown,
-                                  std::strerror(errno)));
+      fail(a, EMFILE,
+           fmt::format("{}: no file descriptor left: {}", a.job->shown, std::strerror(errno)));
     return;
   }
   // A download's file is created when it starts, as the caller, by CallerIo.

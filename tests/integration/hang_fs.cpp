@@ -20,7 +20,7 @@
 constexpr fuse_ino_t kFileIno = 2;
 constexpr off_t kFileSize = 64 << 20;
 
-static void fill(fuse_ino_t ino, struct stat *st) {
+static void fill(fuse_ino_t ino, struct stat* st) {
   memset(st, 0, sizeof *st);
   st->st_ino = ino;
   if (ino == FUSE_ROOT_ID) {
@@ -33,7 +33,7 @@ static void fill(fuse_ino_t ino, struct stat *st) {
   }
 }
 
-static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
+static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   if (parent != FUSE_ROOT_ID || strcmp(name, "file") != 0) return; /* never answered */
   struct fuse_entry_param e;
   memset(&e, 0, sizeof e);
@@ -42,14 +42,14 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
   fuse_reply_entry(req, &e);
 }
 
-static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   (void)fi;
   struct stat st;
   fill(ino, &st);
   fuse_reply_attr(req, &st, 0);
 }
 
-static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   if (ino != kFileIno) {
     fuse_reply_err(req, EISDIR);
     return;
@@ -59,11 +59,11 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
 }
 
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
-                    struct fuse_file_info *fi) {
+                    struct fuse_file_info* fi) {
   (void)req, (void)ino, (void)size, (void)off, (void)fi; /* never answered */
 }
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   if (argc != 2) {
     fprintf(stderr, "usage: %s MOUNTPOINT\n", argv[0]);
     return 2;
@@ -76,9 +76,9 @@ int main(int argc, char **argv) {
   ops.read = op_read;
   static char opt[] = "-o";
   static char opts[] = "allow_other,fsname=hang_fs,subtype=hang_fs";
-  char *fargv[] = {argv[0], opt, opts, nullptr};
+  char* fargv[] = {argv[0], opt, opts, nullptr};
   struct fuse_args args = FUSE_ARGS_INIT(3, fargv);
-  struct fuse_session *se = fuse_session_new(&args, &ops, sizeof ops, nullptr);
+  struct fuse_session* se = fuse_session_new(&args, &ops, sizeof ops, nullptr);
   if (!se) return 1;
   if (fuse_session_mount(se, argv[1]) != 0) return 1;
   printf("mounted\n");

@@ -72,8 +72,8 @@ class TransferEngineTest : public ::testing::Test {
     fs::remove_all(shm_dir_);
   }
   // Files go through staging unless `view`: the path every backend but sim takes.
-  void make_engine(Bytes chunk = 64 * kKiB, unsigned active = 2,
-                   Bytes segment_cache = 64 * kMiB, bool view = false) {
+  void make_engine(Bytes chunk = 64 * kKiB, unsigned active = 2, Bytes segment_cache = 64 * kMiB,
+                   bool view = false) {
     TransferEngine::Options o{chunk, active};
     o.segment_cache = segment_cache;
     o.device_view = view;
