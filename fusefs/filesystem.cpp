@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <future>
@@ -81,7 +82,25 @@ struct OpenFile {
   bool clone = false;
   SessionId session = 0;
   std::uint64_t version = 0;  // status: the session's status version at open
+  std::uint64_t dropped = 0;  // replies dropped unread (see add_reply)
 };
+
+// Replies a client never reads must not pile up without bound: past this many
+// bytes the oldest are dropped, and the next read starts with "dropped N".
+constexpr std::size_t kMaxUnreadReplies = 64 * 1024;
+
+void add_reply(OpenFile& of, const std::string& text) {
+  std::lock_guard lk(of.mu);
+  of.replies += text;
+  if (of.replies.size() <= kMaxUnreadReplies) return;
+  std::size_t cut = 0;
+  while (of.replies.size() - cut > kMaxUnreadReplies) {
+    const std::size_t nl = of.replies.find('\n', cut);
+    cut = nl == std::string::npos ? of.replies.size() : nl + 1;
+    ++of.dropped;
+  }
+  of.replies.erase(0, cut);
+}
 
 struct DirHandle {
   struct Entry {
@@ -94,6 +113,110 @@ struct DirHandle {
 
 Filesystem* fs_of(fuse_req_t req) {
   return static_cast<Filesystem*>(fuse_req_userdata(req));
+}
+
+// ---------------------------------------------------------------- held requests
+
+// A request salusd holds while the broker works on it (a `wait` read, a write
+// waiting for its files, its turn, admission or `sync`). When its caller is
+// interrupted (FUSE_INTERRUPT: a signal; a SIGKILL sends one too) the broker is
+// asked to cancel it, and answers it with EINTR if that is safe. The broker
+// answers every request exactly once; this only makes sure that libfuse never
+// calls the interrupt hook after the answer, when the request is gone.
+struct Held {
+  fuse_req_t req = nullptr;
+  std::uint64_t key = 0;
+  pid_t pid = 0;
+  std::mutex mu;
+  bool interrupted = false;
+  SessionId session = 0;
+  std::uint64_t ticket = 0;
+};
+
+std::mutex g_held_mu;
+std::unordered_map<std::uint64_t, std::shared_ptr<Held>> g_held;
+std::uint64_t g_held_next = 1;
+// The request whose interrupt hook this thread is running: libfuse holds that
+// request's lock around the hook, so answering it must not take the lock again.
+thread_local fuse_req_t t_interrupting = nullptr;
+
+// Whether thread `tid` is being killed: SIGKILL pending (the kernel adds it to
+// every thread of a process on a fatal signal), or already gone.
+bool caller_dying(pid_t tid) {
+  if (tid <= 0) return false;  // outside our pid namespace: cannot tell
+  std::ifstream in(fmt::format("/proc/{}/status", tid));
+  if (!in) return true;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("SigPnd:", 0) != 0 && line.rfind("ShdPnd:", 0) != 0) continue;
+    const unsigned long long mask = std::strtoull(line.c_str() + 7, nullptr, 16);
+    if (mask & (1ull << (SIGKILL - 1))) return true;
+  }
+  return false;
+}
+
+void on_interrupt(fuse_req_t req, void* data) {
+  std::shared_ptr<Held> h;
+  {
+    std::lock_guard lk(g_held_mu);
+    auto it = g_held.find(reinterpret_cast<std::uintptr_t>(data));
+    if (it == g_held.end()) return;
+    h = it->second;
+  }
+  bool ready = false;
+  {
+    std::lock_guard lk(h->mu);
+    h->interrupted = true;
+    ready = h->ticket != 0;
+  }
+  if (!ready) return;  // held_as() cancels it once it has the ticket
+  t_interrupting = req;
+  try {
+    fs_of(req)->broker().cancel_request(h->session, h->ticket, caller_dying(h->pid));
+  } catch (const std::exception& e) {
+    spdlog::error("interrupt: {}", e.what());
+  }
+  t_interrupting = nullptr;
+}
+
+// Registers `req` as held, before the broker sees it. If its caller was
+// interrupted already, the hook runs at once and is remembered.
+std::shared_ptr<Held> hold(fuse_req_t req) {
+  auto h = std::make_shared<Held>();
+  h->req = req;
+  h->pid = fuse_req_ctx(req)->pid;
+  {
+    std::lock_guard lk(g_held_mu);
+    h->key = g_held_next++;
+    g_held.emplace(h->key, h);
+  }
+  fuse_req_interrupt_func(req, on_interrupt, reinterpret_cast<void*>(h->key));
+  return h;
+}
+
+// The broker's ticket for the held request (0: answered already). An
+// interrupt that came before it is acted on now.
+void held_as(Filesystem& fs, const std::shared_ptr<Held>& h, SessionId session,
+             std::uint64_t ticket) {
+  bool interrupted = false;
+  {
+    std::lock_guard lk(h->mu);
+    h->session = session;
+    h->ticket = ticket;
+    interrupted = h->interrupted;
+  }
+  if (interrupted && ticket) fs.broker().cancel_request(session, ticket, caller_dying(h->pid));
+}
+
+// Before the answer: no interrupt hook may run for the request after it.
+void unhold(Held& h) {
+  {
+    std::lock_guard lk(g_held_mu);
+    g_held.erase(h.key);
+  }
+  // Waits for a hook running on another thread (libfuse runs it under the
+  // request's lock); on this thread, inside the hook, the lock is held already.
+  if (t_interrupting != h.req) fuse_req_interrupt_func(h.req, nullptr, nullptr);
 }
 
 std::shared_ptr<OpenFile>& open_of(fuse_file_info* fi) {
@@ -797,6 +920,10 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
       (in.kind == Kind::top_file && static_cast<TopFile>(in.sub) == TopFile::ctl);
   if (command_file) {
     std::lock_guard lk(of->mu);
+    if (of->dropped) {
+      of->replies.insert(0, fmt::format("dropped {}\n", of->dropped));
+      of->dropped = 0;
+    }
     const std::size_t n = std::min(size, of->replies.size());
     fuse_reply_buf(req, of->replies.data(), n);
     of->replies.erase(0, n);
@@ -810,16 +937,20 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
         return;
       }
     }
-    fs.broker().wait(of->session, [req, of, size](int err, std::string text) {
-      if (err) {
-        fuse_reply_err(req, err);
-        return;
-      }
-      std::lock_guard lk(of->mu);
-      of->answered = true;
-      of->content = std::move(text);
-      reply_slice(req, of->content, size, 0);
-    });
+    auto h = hold(req);
+    const std::uint64_t ticket =
+        fs.broker().wait(of->session, [h, of, size](int err, std::string text) {
+          unhold(*h);
+          if (err) {
+            fuse_reply_err(h->req, err);
+            return;
+          }
+          std::lock_guard lk(of->mu);
+          of->answered = true;
+          of->content = std::move(text);
+          reply_slice(h->req, of->content, size, 0);
+        });
+    held_as(fs, h, of->session, ticket);
     return;
   }
   if (in.kind == Kind::mem_file) {
@@ -872,10 +1003,7 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
       rc = b.admin_command(std::string(text.substr(start, nl - start)), reply);
       start = nl + 1;
     }
-    {
-      std::lock_guard lk(of->mu);
-      of->replies += rc ? fmt::format("error {}\n", strerrorname_np(-rc)) : reply;
-    }
+    add_reply(*of, rc ? fmt::format("error {}\n", strerrorname_np(-rc)) : reply);
     if (rc)
       fuse_reply_err(req, -rc);
     else
@@ -888,17 +1016,21 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
     ParseResult parsed = parse_commands(text);
     std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> perr;
     if (parsed.error) perr = {parsed.error->line, {parsed.error->error, parsed.error->message}};
-    b.submit(of->session, caller, size, std::move(parsed.commands), std::move(perr),
-             [req, of, size](int err, std::string reply) {
-               {
-                 std::lock_guard lk(of->mu);
-                 of->replies += err ? fmt::format("error {}\n", strerrorname_np(err)) : reply;
-               }
-               if (err)
-                 fuse_reply_err(req, err);
-               else
-                 fuse_reply_write(req, size);
-             });
+    auto h = hold(req);
+    const std::uint64_t ticket =
+        b.submit(of->session, caller, size, std::move(parsed.commands), std::move(perr),
+                 [h, of, size](int err, std::string reply) {
+                   unhold(*h);
+                   // An interrupted write's caller never reads its reply.
+                   if (err != EINTR)
+                     add_reply(*of, err ? fmt::format("error {}\n", strerrorname_np(err))
+                                        : std::move(reply));
+                   if (err)
+                     fuse_reply_err(h->req, err);
+                   else
+                     fuse_reply_write(h->req, size);
+                 });
+    held_as(fs, h, of->session, ticket);
     return;
   }
   if (in.kind == Kind::mem_file) {
@@ -965,10 +1097,13 @@ void op_poll(fuse_req_t req, fuse_ino_t, fuse_file_info* fi, fuse_pollhandle* ph
     if (changed) {
       fuse_pollhandle_destroy(ph);
     } else {
-      fs.broker().watch(of->session, of->version, [ph] {
-        fuse_lowlevel_notify_poll(ph);
-        fuse_pollhandle_destroy(ph);
-      });
+      // One watch per open file: the kernel hands a new poll handle to every
+      // poll(2), and the newest replaces the one before.
+      fs.broker().watch(of->session, of->version, reinterpret_cast<std::uintptr_t>(of.get()),
+                        [ph](bool fire) {
+                          if (fire) fuse_lowlevel_notify_poll(ph);
+                          fuse_pollhandle_destroy(ph);
+                        });
     }
   }
   fuse_reply_poll(req, changed ? POLLIN : 0);
@@ -979,6 +1114,9 @@ void op_release(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
   auto* holder = reinterpret_cast<std::shared_ptr<OpenFile>*>(fi->fh);
   // The last close of a clone file ends its session and frees everything.
   if ((*holder)->clone) fs.broker().end_session((*holder)->session);
+  const Inode in = (*holder)->ino;
+  if (in.kind == Kind::session_file && static_cast<SessionFile>(in.sub) == SessionFile::status)
+    fs.broker().unwatch((*holder)->session, reinterpret_cast<std::uintptr_t>(holder->get()));
   delete holder;
   fuse_reply_err(req, 0);
 }

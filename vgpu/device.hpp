@@ -160,6 +160,11 @@ class Device {
   // backend that forwards requests elsewhere (process isolation) may then hold
   // notifies back until end_batch and send the burst at once; others ignore it.
   // Pairs may nest. Nothing else changes: every call still means what it says.
+  // Cuts running and queued work short, as soon as the backend can: salusd is
+  // stopping and its grace is over, so nothing waits for results any more.
+  // The default does nothing (work then ends when it ends).
+  virtual void abort_work() {}
+
   virtual void begin_batch() {}
   virtual void end_batch() {}
 

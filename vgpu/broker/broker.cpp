@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -74,6 +75,7 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
       epoch_(std::chrono::steady_clock::now()),
       telemetry_(std::move(telemetry)) {
   if (config_.pipeline_depth == 0) config_.pipeline_depth = 1;
+  caller_io_ = std::make_unique<CallerIo>(config_.caller_io);
   for (std::size_t i = 0; i < devices.size(); ++i) {
     auto g = std::make_unique<Gpu>(i, std::move(devices[i]), config_.policy, config_.arena);
     g->sink = std::make_unique<Sink>(*g);
@@ -83,6 +85,7 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
     to.chunk = std::max<Bytes>(config_.transfer_chunk, StagingPool::kMinBlock);
     to.max_active = std::clamp(config_.transfers_active, 1u, TransferEngine::kMaxActive);
     to.segment_cache = config_.segment_cache;
+    to.io = caller_io_.get();
     g->transfers =
         std::make_unique<TransferEngine>(*g->device, *g->staging, to, static_cast<int>(i));
     gpus_.push_back(std::move(g));
@@ -179,7 +182,7 @@ void Broker::end_session(SessionId id) {
       later.push_back([done] { done(ECANCELED, {}); });
     }
     s->waiters.clear();
-    for (auto& w : s->watchers) later.push_back(std::move(w));
+    for (auto& [key, w] : s->watchers) later.push_back([w = std::move(w)] { w(true); });
     s->watchers.clear();
     detach_gate(*s, later);
     maybe_finalize(*s, later);
@@ -266,46 +269,87 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
 
 // ---------------------------------------------------------------- commands
 
-void Broker::submit(
+namespace {
+
+bool names_caller_files(const std::vector<CommandLine>& commands) {
+  for (const CommandLine& c : commands)
+    if (std::holds_alternative<TransferCmd>(c.command) ||
+        std::holds_alternative<ModuleCmd>(c.command))
+      return true;
+  return false;
+}
+
+}  // namespace
+
+// Opens the write's endpoints and reads its module files, as the caller. Runs
+// on a CallerIo thread: it may block for as long as the caller's filesystem
+// does, and costs only that caller's slots.
+Broker::OpenedFiles Broker::open_caller_files(const Caller& caller,
+                                              const std::vector<CommandLine>& commands) {
+  OpenedFiles out;
+  out.creds = CallerCredentials::capture({caller.uid, caller.gid, caller.pid});
+  for (std::size_t i = 0; i < commands.size(); ++i) {
+    const Command& cmd = commands[i].command;
+    if (const auto* t = std::get_if<TransferCmd>(&cmd)) {
+      out.endpoints.emplace(i, open_transfer_endpoint(out.creds, *t));
+      continue;
+    }
+    const auto* m = std::get_if<ModuleCmd>(&cmd);
+    if (!m) continue;
+    PendingWrite::ModuleFile f;
+    f.path = m->path;
+    const int rc = read_file_as_caller(out.creds, m->path, kMaxModuleBytes, f.image, f.why);
+    f.error = rc < 0 ? -rc : 0;
+    out.module_files.push_back(std::move(f));
+  }
+  return out;
+}
+
+// Every file of the write fails with `err`: no task could be made to open them.
+Broker::OpenedFiles Broker::could_not_open(const std::vector<CommandLine>& commands, int err) {
+  OpenedFiles out;
+  const std::string why =
+      fmt::format("salusd could not start a task to open it: {}", std::strerror(err));
+  for (std::size_t i = 0; i < commands.size(); ++i) {
+    const Command& cmd = commands[i].command;
+    if (std::holds_alternative<TransferCmd>(cmd)) {
+      TransferEndpoint ep;
+      ep.error = EAGAIN;
+      ep.why = why;
+      out.endpoints.emplace(i, std::move(ep));
+    } else if (const auto* m = std::get_if<ModuleCmd>(&cmd)) {
+      PendingWrite::ModuleFile f;
+      f.path = m->path;
+      f.error = EAGAIN;
+      f.why = why;
+      out.module_files.push_back(std::move(f));
+    }
+  }
+  return out;
+}
+
+std::uint64_t Broker::submit(
     SessionId id, const Caller& caller, std::size_t write_bytes, std::vector<CommandLine> commands,
     std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
     WriteReply done) {
   Deferred later;
-  // Module files are read here, as the caller and without the broker lock.
-  // So are the endpoints of upload and download: a bad one fails the write.
-  std::vector<PendingWrite::ModuleFile> module_files;
-  std::unordered_map<std::size_t, TransferEndpoint> endpoints;
+  std::uint64_t ticket = 0;
+  // Files the write names are opened off this (FUSE) thread, as the caller; the
+  // write waits in the session's queue meanwhile, holding no thread.
+  const bool opening =
+      write_bytes <= config_.quotas.bytes_per_write && names_caller_files(commands);
+  // attach takes the program's fds with pidfd_getfd and reads procfs only:
+  // nothing the writer can stall, so it is done here, before the broker lock.
   std::unordered_map<std::size_t, PendingWrite::AttachTaken> attach_gates;
-  CallerCredentials creds;
   if (write_bytes <= config_.quotas.bytes_per_write) {
-    bool captured = false;
-    auto who = [&]() -> const CallerCredentials& {
-      if (!captured) creds = CallerCredentials::capture({caller.uid, caller.gid, caller.pid});
-      captured = true;
-      return creds;
-    };
     for (std::size_t i = 0; i < commands.size(); ++i) {
-      const Command& cmd = commands[i].command;
-      if (const auto* t = std::get_if<TransferCmd>(&cmd)) {
-        endpoints.emplace(i, open_transfer_endpoint(who(), *t));
-        continue;
-      }
-      if (const auto* a = std::get_if<AttachCmd>(&cmd)) {
-        // pidfd_getfd and procfs only: nothing the writer can stall.
-        PendingWrite::AttachTaken t;
-        t.gate = std::make_unique<AttachedGate>();
-        t.error = take_gate(caller.pid, a->gate_fd, a->bell_fd, *t.gate, t.why);
-        if (t.error) t.gate.reset();
-        attach_gates.emplace(i, std::move(t));
-        continue;
-      }
-      const auto* m = std::get_if<ModuleCmd>(&cmd);
-      if (!m) continue;
-      PendingWrite::ModuleFile f;
-      f.path = m->path;
-      const int rc = read_file_as_caller(who(), m->path, kMaxModuleBytes, f.image, f.why);
-      f.error = rc < 0 ? -rc : 0;
-      module_files.push_back(std::move(f));
+      const auto* at = std::get_if<AttachCmd>(&commands[i].command);
+      if (!at) continue;
+      PendingWrite::AttachTaken taken;
+      taken.gate = std::make_unique<AttachedGate>();
+      taken.error = take_gate(caller.pid, at->gate_fd, at->bell_fd, *taken.gate, taken.why);
+      if (taken.error) taken.gate.reset();
+      attach_gates.emplace(i, std::move(taken));
     }
   }
   {
@@ -324,21 +368,101 @@ void Broker::submit(
       later.push_back([done] { done(EMSGSIZE, {}); });
     } else {
       PendingWrite w;
-      w.commands = std::move(commands);
-      w.module_files = std::move(module_files);
-      w.transfer_endpoints = std::move(endpoints);
+      w.id = ticket = next_ticket_++;
+      w.opening = opening;
       w.attach_gates = std::move(attach_gates);
-      w.creds = std::move(creds);
+      w.number = ++s->writes_received;
       w.caller_admin = caller.admin;
       w.parse_error = std::move(parse_error);
       w.done = std::move(done);
-      w.number = ++s->writes_received;
-      s->writes.push_back(std::move(w));
-      // Writes run strictly in order: only the oldest suspended one may proceed.
-      if (s->writes.size() == 1) resume_writes(*s, later);
+      if (opening) {
+        const int rc = caller_io_->post(caller.uid, [this, id, wid = w.id, caller,
+                                                     cmds = commands](CallerIo::Gate& gate) {
+          OpenedFiles files;
+          if (const int err = CallerIo::isolated([&] { files = open_caller_files(caller, cmds); }))
+            files = could_not_open(cmds, -err);
+          gate.enter([&] { files_opened(id, wid, std::move(files)); });
+        });
+        if (rc < 0) {
+          log(*s, rc == -EAGAIN ? fmt::format("uid {} has too many writes waiting for their "
+                                              "files to open; try again later",
+                                              caller.uid)
+                                : std::string("salusd is shutting down; no new work is accepted"));
+          if (rc == -EAGAIN) ++stats_.quota_rejections;
+          ++stats_.command_errors;
+          later.push_back([done = std::move(w.done), rc] { done(-rc, {}); });
+          ticket = 0;
+        }
+      }
+      if (ticket) {
+        w.commands = std::move(commands);
+        s->writes.push_back(std::move(w));
+        // Writes run strictly in order: only the oldest suspended one may proceed.
+        if (s->writes.size() == 1) resume_writes(*s, later);
+      }
     }
   }
   run_deferred(later);
+  return ticket;
+}
+
+void Broker::files_opened(SessionId id, std::uint64_t write_id, OpenedFiles files) {
+  Deferred later;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (!s || s->dead) return;  // the write was answered when the session ended
+    for (PendingWrite& w : s->writes) {
+      if (w.id != write_id) continue;
+      w.opening = false;
+      w.module_files = std::move(files.module_files);
+      w.transfer_endpoints = std::move(files.endpoints);
+      w.creds = std::move(files.creds);
+      if (&w == &s->writes.front()) resume_writes(*s, later);
+      break;
+    }
+    // Not found: the write was interrupted; its files close with `files`.
+  }
+  run_deferred(later);
+}
+
+bool Broker::cancel_request(SessionId id, std::uint64_t ticket, bool caller_dying) {
+  Deferred later;
+  bool cancelled = false;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (!s || !ticket) return false;
+    for (auto it = s->waiters.begin(); it != s->waiters.end(); ++it) {
+      if (it->id != ticket) continue;
+      auto done = std::move(it->done);
+      s->waiters.erase(it);
+      later.push_back([done] { done(EINTR, {}); });
+      cancelled = true;
+      break;
+    }
+    for (auto it = s->writes.begin(); !cancelled && it != s->writes.end(); ++it) {
+      if (it->id != ticket) continue;
+      // A write some of whose lines ran cannot be undone: answering EINTR would
+      // make a caller that retries run those lines twice. It is dropped only
+      // when its caller is dying and will never see the answer.
+      const bool started = it->next > 0 || it->syncing;
+      if (started && !caller_dying) break;
+      if (started && it->began_recording && s->recording) s->recording.reset();
+      log(*s, fmt::format("a write was interrupted{}; {}",
+                          caller_dying ? " (its caller is being killed)" : "",
+                          started ? "its remaining lines are dropped" : "none of it ran"));
+      auto done = std::move(it->done);
+      const bool front = it == s->writes.begin();
+      s->writes.erase(it);
+      later.push_back([done] { done(EINTR, {}); });
+      cancelled = true;
+      if (front && !s->writes.empty()) resume_writes(*s, later);
+      break;
+    }
+  }
+  run_deferred(later);
+  return cancelled;
 }
 
 void Broker::resume_writes(Session& s, Deferred& later) {
@@ -356,6 +480,7 @@ void Broker::resume_writes(Session& s, Deferred& later) {
 
 // Runs the write's remaining lines; false if it must wait (admission or sync).
 bool Broker::run_write(Session& s, PendingWrite& w, Deferred& later) {
+  if (w.opening) return false;  // files_opened resumes it
   auto finish = [&](int err) {
     if (err && s.recording && w.began_recording) {
       // Half an iteration from a failed write would poison the next `begin`.
@@ -926,36 +1051,65 @@ std::uint64_t Broker::status_version(SessionId id) const {
   return s ? s->version : 0;
 }
 
-void Broker::watch(SessionId id, std::uint64_t seen, std::function<void()> changed) {
+void Broker::watch(SessionId id, std::uint64_t seen, std::uint64_t key,
+                   std::function<void(bool fire)> changed) {
+  std::function<void(bool)> replaced;
   {
     std::lock_guard lk(mu_);
     Session* s = get(id);
     if (s && !s->dead && s->version == seen) {
-      s->watchers.push_back(std::move(changed));
-      return;
+      for (auto& [k, w] : s->watchers) {
+        if (k != key) continue;
+        replaced = std::exchange(w, std::move(changed));
+        break;
+      }
+      if (!replaced) s->watchers.emplace_back(key, std::move(changed));
     }
   }
-  changed();  // already changed (or gone)
+  if (replaced) {
+    replaced(false);
+    return;
+  }
+  if (changed) changed(true);  // already changed (or gone)
 }
 
-void Broker::wait(SessionId id, std::function<void(int err, std::string text)> done) {
+void Broker::unwatch(SessionId id, std::uint64_t key) {
+  std::function<void(bool)> dropped;
+  {
+    std::lock_guard lk(mu_);
+    Session* s = get(id);
+    if (!s) return;
+    for (auto it = s->watchers.begin(); it != s->watchers.end(); ++it) {
+      if (it->first != key) continue;
+      dropped = std::move(it->second);
+      s->watchers.erase(it);
+      break;
+    }
+  }
+  if (dropped) dropped(false);
+}
+
+std::uint64_t Broker::wait(SessionId id, std::function<void(int err, std::string text)> done) {
   Deferred later;
+  std::uint64_t ticket = 0;
   {
     std::lock_guard lk(mu_);
     Session* s = get(id);
     if (!s || s->dead) {
       later.push_back([done] { done(ENOENT, {}); });
     } else {
-      s->waiters.push_back(Waiter{s->submitted_seq, std::move(done)});
+      ticket = next_ticket_++;
+      s->waiters.push_back(Waiter{s->submitted_seq, std::move(done), ticket});
       check_waiters(*s, later);
     }
   }
   run_deferred(later);
+  return ticket;
 }
 
 void Broker::check_waiters(Session& s, Deferred& later) {
   ++s.version;
-  for (auto& w : s.watchers) later.push_back(std::move(w));
+  for (auto& [key, w] : s.watchers) later.push_back([w = std::move(w)] { w(true); });
   s.watchers.clear();
   const bool drained = s.queue.empty() && s.dispatched.empty() && s.in_flight == 0;
   if (s.waiters.empty()) {
@@ -1598,6 +1752,8 @@ void Broker::shutdown(std::chrono::milliseconds bound) {
     if (std::chrono::steady_clock::now() >= deadline) {
       spdlog::warn("shutdown: iterations still running after {} ms; stopping anyway",
                    bound.count());
+      // Destroying the streams below waits for their work: cut it short.
+      for (auto& g : gpus_) g->device->abort_work();
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -1614,7 +1770,7 @@ void Broker::shutdown(std::chrono::milliseconds bound) {
     g->cq_cv.notify_one();
     if (g->worker.joinable()) g->worker.join();
   }
-  std::lock_guard lk(mu_);
+  std::unique_lock lk(mu_);
   for (auto& g : gpus_) {
     for (auto& [id, lane] : g->lanes) g->device->destroy_stream(lane.stream);
     if (g->move_stream) g->device->destroy_stream(*g->move_stream);
@@ -1622,6 +1778,9 @@ void Broker::shutdown(std::chrono::milliseconds bound) {
     g->lanes.clear();
   }
   stopped_ = true;
+  lk.unlock();
+  // Jobs stuck in a caller's filesystem are abandoned, never waited for.
+  caller_io_->close();
 }
 
 }  // namespace salus::vgpu

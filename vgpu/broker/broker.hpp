@@ -21,6 +21,7 @@
 
 #include "sched/gpu_scheduler.hpp"
 #include "sched/placement.hpp"
+#include "vgpu/caller/caller_io.hpp"
 #include "vgpu/device.hpp"
 #include "vgpu/gpu_telemetry.hpp"
 #include "vgpu/broker/session.hpp"
@@ -65,6 +66,8 @@ struct BrokerConfig {
   // Attached sessions that mark no iterations are asked to yield (a slice
   // boundary) after holding their lane this long while another session waits.
   std::int64_t quantum_ns = 50'000'000;
+  // Threads that open, read and write what callers name (see caller_io.hpp).
+  CallerIo::Options caller_io;
 };
 
 struct BrokerStats {
@@ -112,16 +115,33 @@ class Broker {
   // Runs `commands` in order. `parse_error` (line, errno, message) is the first
   // line that failed to parse: earlier lines run, then the write fails with it.
   // `done` gets 0 or an errno and the reply text; it may run later (deferred).
-  void submit(SessionId id, const Caller& caller, std::size_t write_bytes,
-              std::vector<CommandLine> commands,
-              std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
-              WriteReply done);
+  // Files the commands name are opened on a CallerIo thread, never on the
+  // calling one. Returns a ticket for cancel_request, or 0 if already answered.
+  std::uint64_t submit(
+      SessionId id, const Caller& caller, std::size_t write_bytes,
+      std::vector<CommandLine> commands,
+      std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> parse_error,
+      WriteReply done);
   // poll(2) support for status: a counter that moves whenever the status may
-  // have changed, and a one-shot callback for when it moves past `seen`.
+  // have changed, and a one-shot callback for when it moves past `seen`:
+  // changed(true) then, or at once if it has. One watch per `key` (an open
+  // file): a new one replaces the old, which gets changed(false), so a client
+  // polling in a loop holds one watch, not one per poll.
   std::uint64_t status_version(SessionId id) const;
-  void watch(SessionId id, std::uint64_t seen, std::function<void()> changed);
+  void watch(SessionId id, std::uint64_t seen, std::uint64_t key,
+             std::function<void(bool fire)> changed);
+  // Drops `key`'s watch, if any (changed(false)): its file was closed.
+  void unwatch(SessionId id, std::uint64_t key);
   // Completes when all work submitted so far has finished: "done <n>" or an errno.
-  void wait(SessionId id, std::function<void(int err, std::string text)> done);
+  // Returns a ticket for cancel_request (0 if answered already).
+  std::uint64_t wait(SessionId id, std::function<void(int err, std::string text)> done);
+  // The caller of a held request was interrupted (FUSE_INTERRUPT): answers it
+  // with EINTR and forgets it, if that is safe. A `wait`, or a write none of
+  // whose lines ran yet (waiting for its files, its turn or admission), always
+  // goes; a write some of whose lines ran goes only if `caller_dying` (they
+  // cannot be undone, and a caller that retries would run them twice).
+  // Returns whether the request was answered.
+  bool cancel_request(SessionId id, std::uint64_t ticket, bool caller_dying);
 
   // ---- buffers as files ----
   struct BufferView {
@@ -238,6 +258,18 @@ class Broker {
   // before the copy is queued (-errno when unusable).
   int buffer_gpu(SessionId id, std::uint32_t bid);
 
+  // What a write names, opened as the caller (on a CallerIo thread).
+  struct OpenedFiles {
+    std::vector<PendingWrite::ModuleFile> module_files;
+    std::unordered_map<std::size_t, TransferEndpoint> endpoints;
+    CallerCredentials creds;
+  };
+  static OpenedFiles open_caller_files(const Caller& caller,
+                                       const std::vector<CommandLine>& commands);
+  static OpenedFiles could_not_open(const std::vector<CommandLine>& commands, int err);
+  // Hands them to the write waiting for them and resumes it (if still there).
+  void files_opened(SessionId id, std::uint64_t write_id, OpenedFiles files);
+
   // Data plane (broker_transfers.cpp).
   int exec_transfer(Session& s, const TransferCmd& cmd, PendingWrite& w, std::uint32_t line);
   // Hands the session's next transfer to its GPU's engine once everything
@@ -311,6 +343,8 @@ class Broker {
 
   BrokerConfig config_;
   mutable std::mutex mu_;
+  // Declared before gpus_: their transfer engines post file I/O to it.
+  std::unique_ptr<CallerIo> caller_io_;
   std::vector<std::unique_ptr<Gpu>> gpus_;
   std::unordered_map<SessionId, std::unique_ptr<Session>> sessions_;
   std::unordered_map<std::string, SessionId> by_name_;
@@ -323,6 +357,7 @@ class Broker {
   std::unordered_map<uid_t, UidUsage> usage_;
   SessionId next_id_ = 1;
   std::uint64_t next_token_ = 1;
+  std::uint64_t next_ticket_ = 1;  // held writes and waits, for cancel_request
   std::size_t rr_next_ = 0;
   BrokerStats stats_;
   std::atomic<bool> stopping_{false};

@@ -341,6 +341,13 @@ std::string Broker::render_stats() const {
   kv("shm_segment_bytes", ts.segment_bytes);
   kv("staging_bytes_in_use", ss.in_use);
   kv("staging_bytes_cached", ss.cached);
+  std::size_t watchers = 0;
+  for (const auto& [id, s] : sessions_) watchers += s->watchers.size();
+  kv("poll_watchers", watchers);
+  const CallerIo::Stats io = caller_io_->stats();
+  kv("caller_io_threads", io.threads);
+  kv("caller_io_busy", io.busy);
+  kv("caller_io_queued", io.queued);
   kv("decisions", decisions);
   kv("decisions_per_s", fmt::format("{:.1f}", up > 0 ? static_cast<double>(decisions) / up : 0.0));
   kv("switches", switches);

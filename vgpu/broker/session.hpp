@@ -139,8 +139,11 @@ struct LogLine {
 using WriteReply = std::function<void(int err, std::string reply)>;
 
 struct PendingWrite {
+  std::uint64_t id = 0;  // the ticket of Broker::cancel_request
+  // Its files are being opened on a CallerIo thread: it waits, holding no thread.
+  bool opening = false;
   std::vector<CommandLine> commands;
-  // Module files, read with the caller's credentials before the broker locks.
+  // Module files, read with the caller's credentials off the broker lock.
   struct ModuleFile {
     std::string path;
     int error = 0;
@@ -148,7 +151,7 @@ struct PendingWrite {
     std::vector<std::uint8_t> image;
   };
   std::vector<ModuleFile> module_files;
-  // upload/download endpoints, opened as the caller before the broker locks,
+  // upload/download endpoints, opened as the caller off the broker lock,
   // by the command's index in `commands`.
   std::unordered_map<std::size_t, TransferEndpoint> transfer_endpoints;
   CallerCredentials creds;  // captured with them
@@ -174,6 +177,7 @@ struct PendingWrite {
 struct Waiter {
   std::uint64_t target_seq;
   std::function<void(int err, std::string text)> done;
+  std::uint64_t id = 0;  // the ticket of Broker::cancel_request
 };
 
 struct Session {
@@ -219,7 +223,9 @@ struct Session {
   std::vector<Waiter> waiters;
   // poll(2) on status: bumped whenever the status may have changed.
   std::uint64_t version = 0;
-  std::vector<std::function<void()>> watchers;
+  // At most one per key (an open file): a new poll replaces its file's watch.
+  // Called with true when the status changed, false when dropped unfired.
+  std::vector<std::pair<std::uint64_t, std::function<void(bool fire)>>> watchers;
 
   // Failure latch: set by a failed item; cleared by `reset` or `need`.
   int error = 0;

@@ -14,6 +14,7 @@ RealTimeContention::Span RealTimeContention::run_kernel(std::int64_t alone_ns, d
   std::unique_lock lock(mu_);
   const sched::TimeNs t = now();
   Span span{std::min(ready_at, t), t};
+  if (aborted_) return span;
   alone_ns = std::max<std::int64_t>(alone_ns, 0);
   if (span.start < t) {
     // The model clamps util the same way when the kernel starts.
@@ -32,6 +33,11 @@ RealTimeContention::Span RealTimeContention::run_kernel(std::int64_t alone_ns, d
     // Whoever advances the model reaps every finished kernel, ours or not; the
     // owners notice by their id no longer running.
     const sched::TimeNs at = now();
+    if (aborted_) {
+      model_.cancel(id, at);
+      span.finish = std::max(span.start, at);
+      return span;
+    }
     if (!model_.advance(at).empty()) changed_.notify_all();
     if (!model_.running(id)) {
       // It ended at the last prediction, unless that was made before a change of rate.
@@ -43,6 +49,14 @@ RealTimeContention::Span RealTimeContention::run_kernel(std::int64_t alone_ns, d
     span.finish = *finish;
     changed_.wait_until(lock, epoch_ + std::chrono::nanoseconds(*finish));
   }
+}
+
+void RealTimeContention::abort() {
+  {
+    std::lock_guard lock(mu_);
+    aborted_ = true;
+  }
+  changed_.notify_all();
 }
 
 }  // namespace salus::vgpu::sim

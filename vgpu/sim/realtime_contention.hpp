@@ -39,6 +39,10 @@ class RealTimeContention {
   // its device time.
   Span run_kernel(std::int64_t alone_ns, double util, sched::TimeNs ready_at = kNow);
 
+  // Ends every kernel now and every later one at once (salusd is stopping and
+  // its grace is over): a spin of an hour must not hold the shutdown up.
+  void abort();
+
   // Nanoseconds since construction: the model's time axis.
   sched::TimeNs now() const;
 
@@ -48,6 +52,7 @@ class RealTimeContention {
   // every kernel's rate and so its predicted finish.
   std::condition_variable changed_;
   sched::ContentionModel model_;
+  bool aborted_ = false;
   const Clock::time_point epoch_;
 };
 

@@ -50,6 +50,8 @@ class SimDevice final : public Device {
             unsigned width) override;
   void copy(StreamId stream, DevOffset dst, DevOffset src, Bytes length) override;
   void spin(StreamId stream, std::uint64_t usec, double util) override;
+  // Spins running or queued end at once.
+  void abort_work() override { contention_.abort(); }
   void gemm(StreamId stream, std::uint32_t m, std::uint32_t n, std::uint32_t k, DevOffset a,
             DevOffset b, DevOffset c) override;
   void copy_to_host(StreamId stream, void* host, DevOffset src, Bytes length) override;

@@ -1,5 +1,8 @@
 #include "vgpu/transfer/transfer_endpoint.hpp"
 
+#include <linux/magic.h>
+#include <sys/vfs.h>
+
 #include <cerrno>
 #include <limits>
 
@@ -41,6 +44,14 @@ TransferEndpoint open_transfer_endpoint(const CallerCredentials& who, const Tran
       return fail(ENOENT, fmt::format("{}: no such segment ({} in the caller's mount namespace)",
                                       ep.shown, path));
     if (rc < 0) return fail(-rc, fmt::format("{}: {}", ep.shown, why));
+    // Segments are mapped and copied from by the engine and the device, where
+    // a page fault must never wait for a filesystem: only memory will do
+    // (a bind mount over /dev/shm in the caller's namespace could be anything).
+    struct statfs fs {};
+    if (::fstatfs(ep.file.fd.get(), &fs) != 0 ||
+        (fs.f_type != TMPFS_MAGIC && fs.f_type != HUGETLBFS_MAGIC))
+      return fail(EINVAL, fmt::format("{}: {} is not on tmpfs; a segment must be shared memory",
+                                      ep.shown, path));
     if (ep.file.st.st_uid != who.uid)
       return fail(EACCES, fmt::format("{}: the segment belongs to uid {}; a session uses only "
                                       "segments of its caller (uid {})",

@@ -1,11 +1,8 @@
 #include "vgpu/transfer/transfer_engine.hpp"
 
 #include <fcntl.h>
-#include <linux/capability.h>
-#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,11 +16,47 @@
 
 namespace salus::vgpu {
 
-namespace {
+// One read or write of a slot's chunk, run by CallerIo. It touches the slot's
+// memory only under `mu` and only while not `abandoned`: a cancelled transfer
+// abandons its requests and reuses their memory at once, whether or not the
+// syscall ever returns.
+struct TransferEngine::FileIo {
+  std::mutex mu;
+  bool abandoned = false;  // set by the engine thread only
+  char* mem = nullptr;     // upload: where the bytes go; download: where they come from
+  Bytes length = 0;
+  off_t offset = 0;
+  bool upload = true;
+  std::shared_ptr<UniqueFd> fd;
+  Slot* slot = nullptr;  // the engine's; valid while not abandoned
+};
 
-constexpr std::uint64_t kWakeTag = 1;    // the poll of the eventfd
-constexpr std::uint64_t kCancelTag = 2;  // IORING_OP_ASYNC_CANCEL requests
-constexpr unsigned kRingEntries = 64;
+// A download's missing file, created as the caller by CallerIo.
+struct TransferEngine::Create {
+  bool abandoned = false;  // engine thread only
+  CallerFile file;
+  CallerCredentials who;
+  std::string shown;
+  std::string why;
+  Active* active = nullptr;  // valid while not abandoned
+};
+
+// Results from CallerIo jobs, run on the engine thread (never if it is gone).
+struct TransferEngine::Mailbox {
+  std::mutex mu;
+  std::vector<std::function<void()>> done;
+  UniqueFd wake{::eventfd(0, EFD_CLOEXEC)};
+  void post(std::function<void()> fn) {
+    {
+      std::lock_guard lk(mu);
+      done.push_back(std::move(fn));
+    }
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const auto n = ::write(wake.get(), &one, sizeof one);
+  }
+};
+
+namespace {
 
 // A file's ctime as one number, to compare a segment's now with when it was mapped.
 std::int64_t ctime_ns(const struct stat& st) {
@@ -36,23 +69,22 @@ std::int64_t now_ns() {
       .count();
 }
 
-// Writes made for a caller must obey the caller's disk quota and leave the
-// filesystem's root-reserved blocks alone, which CAP_SYS_RESOURCE would bypass.
-// Capabilities are per thread, and io_uring's workers are clones of this one.
-void drop_sys_resource() {
-  __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
-  __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
-  if (::syscall(SYS_capget, &hdr, data) != 0) return;
-  data[CAP_TO_INDEX(CAP_SYS_RESOURCE)].effective &= ~CAP_TO_MASK(CAP_SYS_RESOURCE);
-  ::syscall(SYS_capset, &hdr, data);
-}
+// The bytes go through a buffer of the request's own, a piece at a time, so
+// that a syscall that returns after its transfer was abandoned writes only
+// there (and reads nothing that is no longer the transfer's).
+constexpr Bytes kPiece = Bytes{1} << 20;
 
 }  // namespace
 
 TransferEngine::TransferEngine(Device& device, StagingPool& staging, Options options, int gpu_index)
-    : device_(device), staging_(staging), options_(options), gpu_(gpu_index) {
+    : device_(device),
+      staging_(staging),
+      options_(options),
+      gpu_(gpu_index),
+      own_io_(options.io ? nullptr : std::make_unique<CallerIo>(CallerIo::Options{})),
+      io_(options.io ? *options.io : *own_io_),
+      mailbox_(std::make_shared<Mailbox>()) {
   for (auto& s : streams_) s.store(-1);
-  wake_fd_ = ::eventfd(0, EFD_CLOEXEC);
   thread_ = std::thread([this] { run(); });
 }
 
@@ -64,13 +96,11 @@ TransferEngine::~TransferEngine() {
   }
   wake();
   if (thread_.joinable()) thread_.join();
-  if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 void TransferEngine::wake() {
   const std::uint64_t one = 1;
-  if (wake_fd_ < 0) return;
-  [[maybe_unused]] const auto n = ::write(wake_fd_, &one, sizeof one);
+  [[maybe_unused]] const auto n = ::write(mailbox_->wake.get(), &one, sizeof one);
 }
 
 void TransferEngine::submit(std::shared_ptr<TransferJob> job) {
@@ -126,43 +156,13 @@ TransferEngine::Stats TransferEngine::stats() const {
 
 // ---------------------------------------------------------------- engine thread
 
-io_uring_sqe* TransferEngine::sqe() {
-  io_uring_sqe* e = io_uring_get_sqe(&ring_);
-  if (!e) {
-    io_uring_submit(&ring_);
-    e = io_uring_get_sqe(&ring_);
-  }
-  return e;  // never null: the ring has room for every slot, cancel and wake-up
-}
-
-void TransferEngine::arm_wakeup() {
-  io_uring_sqe* e = sqe();
-  // A poll, not a read: a read of an empty eventfd would be handed to an io-wq
-  // worker, one more thread hop on every chunk's device completion.
-  io_uring_prep_poll_add(e, wake_fd_, POLLIN);
-  io_uring_sqe_set_data64(e, kWakeTag);
-}
-
 void TransferEngine::run() {
-  drop_sys_resource();
-  if (!options_.io_uring) {
-    spdlog::debug("gpu {}: transfers use pread/pwrite", gpu_);
-  } else if (const int rc = io_uring_queue_init(kRingEntries, &ring_, 0); rc < 0) {
-    // Docker's default seccomp profile, for one, refuses io_uring.
-    spdlog::warn("gpu {}: io_uring is unavailable ({}); transfers use pread/pwrite", gpu_,
-                 std::strerror(-rc));
-  } else {
-    ring_ok_ = true;
-    arm_wakeup();
-  }
-  std::vector<std::pair<Slot*, int>> file_done;
   for (;;) {
     try {
-      if (!step(file_done)) break;
+      if (!step()) break;
     } catch (const std::exception& e) {
       // Nothing may take salusd down; the transfers at fault are the ones to go.
       spdlog::error("gpu {}: transfer engine: {}", gpu_, e.what());
-      file_done.clear();  // handled in part; never twice
       for (Active& a : active_)
         fail(a, EIO, fmt::format("{}: internal error: {}", a.job->shown, e.what()));
     }
@@ -172,13 +172,32 @@ void TransferEngine::run() {
     const std::int64_t id = s.exchange(-1);
     if (id >= 0) device_.destroy_stream(static_cast<StreamId>(id));
   }
-  if (ring_ok_) io_uring_queue_exit(&ring_);
+}
+
+// Starts waiting jobs in order while there is room: max_active in all, and
+// beyond that one for a uid with nothing moving (see Options::max_active).
+void TransferEngine::start_waiting() {
+  const unsigned cap = std::min(options_.max_active, kMaxActive);
+  for (auto it = waiting_.begin(); it != waiting_.end() && active_.size() < kMaxActive;) {
+    const uid_t uid = (*it)->who.uid;
+    const auto mine = static_cast<unsigned>(std::count_if(
+        active_.begin(), active_.end(), [&](const Active& a) { return a.job->who.uid == uid; }));
+    const bool room = active_.size() < cap ? mine < cap : mine == 0;
+    if (!room) {
+      ++it;
+      continue;
+    }
+    auto job = std::move(*it);
+    it = waiting_.erase(it);
+    start(std::move(job));
+  }
 }
 
 // One turn of the engine loop; false once it is time to stop.
-bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
+bool TransferEngine::step() {
   std::vector<DeviceDone> device_done;
   std::vector<std::uint64_t> forgotten;
+  std::vector<std::function<void()>> io_done;
   bool stopping = false;
   {
     std::lock_guard lk(mu_);
@@ -189,6 +208,10 @@ bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
     stopping = stopping_;
     if (quit_ && active_.empty() && waiting_.empty()) return false;
   }
+  {
+    std::lock_guard lk(mailbox_->mu);
+    io_done.swap(mailbox_->done);
+  }
   if (!forgotten.empty()) {
     for (Segment& seg : segments_)
       if (std::find(forgotten.begin(), forgotten.end(), seg.session) != forgotten.end())
@@ -196,17 +219,14 @@ bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
     drop_segments(false);
   }
   for (const DeviceDone& d : device_done) on_device_done(d);
-  // on_file_done may issue the next pread/pwrite, which lands in sync_done_.
+  for (auto& fn : io_done) fn();
+  // on_file_done may fail to post the next request, which lands in sync_done_.
   for (auto& [slot, res] : std::exchange(sync_done_, {})) on_file_done(*slot, res);
   if (stopping) {
     for (Active& a : active_) a.job->cancel.store(true);
     for (auto& j : waiting_) j->cancel.store(true);
   }
-  while (!waiting_.empty() && active_.size() < std::min(options_.max_active, kMaxActive)) {
-    auto job = std::move(waiting_.front());
-    waiting_.pop_front();
-    start(std::move(job));
-  }
+  start_waiting();
   for (Active& a : active_) pump(a);
   for (auto it = active_.begin(); it != active_.end();) {
     if (!over(*it)) {
@@ -217,6 +237,7 @@ bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
     if (a.segment) {
       // The pages were the file's when the copies began; if the file shrank
       // meanwhile, some of them were zeros (see HostRegions) or went nowhere.
+      // (Segments are on tmpfs, so fstat never waits.)
       struct stat now {};
       const Bytes end = a.job->file_offset + a.job->length;
       if (!a.error && a.finished == a.job->length && ::fstat(a.job->file.fd.get(), &now) == 0 &&
@@ -250,7 +271,7 @@ bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
                           a.job->length);
     }
     stream_busy_[a.stream_index] = false;
-    a.job->file = CallerFile{};  // closes it
+    a.job->file = CallerFile{};  // closes it (requests abandoned in flight hold a dup)
     finished_.emplace_back(std::move(a.job), std::move(r));
     it = active_.erase(it);  // its staging blocks go back to the pool
   }
@@ -291,31 +312,8 @@ bool TransferEngine::step(std::vector<std::pair<Slot*, int>>& file_done) {
     if (quit_ && idle_) return true;  // ends at the next step
   }
   if (!sync_done_.empty() || (freed && !waiting_.empty())) return true;
-  if (ring_ok_) {
-    io_uring_submit_and_wait(&ring_, 1);
-    io_uring_cqe* cqe;
-    unsigned head;
-    unsigned seen = 0;
-    bool rearm = false;
-    io_uring_for_each_cqe(&ring_, head, cqe) {
-      ++seen;
-      const std::uint64_t tag = cqe->user_data;
-      if (tag == kWakeTag)
-        rearm = true;
-      else if (tag != kCancelTag)
-        file_done.emplace_back(reinterpret_cast<Slot*>(tag), cqe->res);
-    }
-    io_uring_cq_advance(&ring_, seen);
-    if (rearm) {
-      [[maybe_unused]] const auto n = ::read(wake_fd_, &wake_value_, sizeof wake_value_);
-      arm_wakeup();
-    }
-    for (auto& [slot, res] : file_done) on_file_done(*slot, res);
-    file_done.clear();
-  } else {
-    std::uint64_t v;
-    [[maybe_unused]] const auto n = ::read(wake_fd_, &v, sizeof v);
-  }
+  std::uint64_t v;
+  [[maybe_unused]] const auto n = ::read(mailbox_->wake.get(), &v, sizeof v);
   return true;
 }
 
@@ -349,14 +347,47 @@ void TransferEngine::start(std::shared_ptr<TransferJob> job) {
   }
   if (!a.segment && options_.device_view)
     a.view = device_.host_view(a.job->device_offset, a.job->length);
-  if (!a.job->upload && !a.job->file.exists() && !a.job->cancel.load()) {
-    std::string why;
-    if (const int rc = create_caller_file(a.job->who, a.job->file, a.job->shown, why))
-      return fail(a, -rc, std::move(why));
+  if (a.job->file.exists() || a.job->cancel.load()) {
+    a.fd = std::make_shared<UniqueFd>(::fcntl(a.job->file.fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!*a.fd && a.job->file.exists())
+      fail(a, EMFILE,
+           fmt::format("{}: no file descriptor left: {}", a.job->shown, std::strerror(errno)));
+    return;
   }
+  // A download's file is created when it starts, as the caller, by CallerIo.
+  auto c = std::make_shared<Create>();
+  c->file = std::move(a.job->file);
+  c->who = a.job->who;
+  c->shown = a.job->shown;
+  c->active = &a;
+  a.create = c;
+  const int rc = io_.post(c->who.uid, [this, c, mb = mailbox_](CallerIo::Gate&) {
+    int res = 0;
+    if (const int err = CallerIo::isolated(
+            [&] { res = create_caller_file(c->who, c->file, c->shown, c->why); }))
+      res = err;
+    mb->post([this, c, res] { created(*c, res); });
+  });
+  if (rc < 0) created(*c, rc);
+}
+
+void TransferEngine::created(Create& c, int rc) {
+  if (c.abandoned) return;  // cancelled meanwhile; the file goes with `c`
+  Active& a = *c.active;
+  auto keep = std::move(a.create);  // `c` lives until this returns
+  if (rc < 0) {
+    if (c.why.empty()) c.why = fmt::format("{}: {}", c.shown, std::strerror(-rc));
+    return fail(a, -rc, std::move(c.why));
+  }
+  a.job->file = std::move(c.file);
+  a.fd = std::make_shared<UniqueFd>(::fcntl(a.job->file.fd.get(), F_DUPFD_CLOEXEC, 0));
+  if (!*a.fd)
+    fail(a, EMFILE,
+         fmt::format("{}: no file descriptor left: {}", a.job->shown, std::strerror(errno)));
 }
 
 bool TransferEngine::over(const Active& a) const {
+  if (a.create) return false;
   for (const Slot& s : a.slots)
     if (s.state != Slot::State::idle) return false;
   return a.error || a.cancelled || a.finished == a.job->length;
@@ -368,20 +399,29 @@ void TransferEngine::fail(Active& a, int err, std::string why) {
   a.why = std::move(why);
 }
 
+// The slot's read or write may never return: it is left to finish (or not)
+// on its own, with no access to the slot's memory from now on.
+void TransferEngine::abandon(Slot& s) {
+  if (s.io) {
+    std::lock_guard lk(s.io->mu);
+    s.io->abandoned = true;
+  }
+  s.io.reset();
+  s.state = Slot::State::idle;
+}
+
 void TransferEngine::pump(Active& a) {
   if (a.job->cancel.load() && !a.cancelled) {
     a.cancelled = true;
-    // Reads of a stuck filesystem should not hold the session up.
-    if (ring_ok_)
-      for (Slot& s : a.slots)
-        if (s.state == Slot::State::file && !s.cancel_sent) {
-          io_uring_sqe* e = sqe();
-          io_uring_prep_cancel64(e, reinterpret_cast<std::uint64_t>(&s), 0);
-          io_uring_sqe_set_data64(e, kCancelTag);
-          s.cancel_sent = true;
-        }
+    // A stuck file must not hold the session (or salusd's shutdown) up.
+    for (Slot& s : a.slots)
+      if (s.state == Slot::State::file) abandon(s);
+    if (a.create) {
+      a.create->abandoned = true;
+      a.create.reset();
+    }
   }
-  if (a.error || a.cancelled) return;
+  if (a.error || a.cancelled || a.create) return;
   const Bytes length = a.job->length;
   if (a.segment || a.view) {
     // No staging: a segment's pages to or from the device, or a file to or from
@@ -393,7 +433,6 @@ void TransferEngine::pump(Active& a) {
       s.offset = a.next;
       s.length = std::min(chunk, length - a.next);
       s.done = 0;
-      s.cancel_sent = false;
       a.next += s.length;
       if (a.segment)
         device_copy(s);
@@ -414,7 +453,6 @@ void TransferEngine::pump(Active& a) {
     s.offset = a.next;
     s.length = std::min({options_.chunk, length - a.next, s.block.capacity()});
     s.done = 0;
-    s.cancel_sent = false;
     a.next += s.length;
     if (a.job->upload)
       file_io(s);
@@ -423,24 +461,62 @@ void TransferEngine::pump(Active& a) {
   }
 }
 
-void TransferEngine::file_io(Slot& s) {
-  const TransferJob& job = *s.owner->job;
-  const int fd = job.file.fd.get();
-  const auto off = static_cast<off_t>(job.file_offset + s.offset + s.done);
-  char* p = (s.owner->view ? s.owner->view + s.offset : s.block.data()) + s.done;
-  const auto n = static_cast<std::size_t>(s.length - s.done);
-  s.state = Slot::State::file;
-  if (ring_ok_) {
-    io_uring_sqe* e = sqe();
-    if (job.upload)
-      io_uring_prep_read(e, fd, p, static_cast<unsigned>(n), static_cast<__u64>(off));
-    else
-      io_uring_prep_write(e, fd, p, static_cast<unsigned>(n), static_cast<__u64>(off));
-    io_uring_sqe_set_data64(e, reinterpret_cast<std::uint64_t>(&s));
-    return;
+int TransferEngine::run_file_io(FileIo& io) {
+  {
+    std::lock_guard lk(io.mu);
+    if (io.abandoned) return -ECANCELED;
   }
-  const ssize_t r = job.upload ? ::pread(fd, p, n, off) : ::pwrite(fd, p, n, off);
-  sync_done_.emplace_back(&s, r < 0 ? -errno : static_cast<int>(r));
+  std::unique_ptr<char[]> bounce(new (std::nothrow) char[std::min(io.length, kPiece)]);
+  if (!bounce) return -ENOMEM;
+  const int fd = io.fd->get();
+  Bytes done = 0;
+  while (done < io.length) {
+    const auto n = static_cast<std::size_t>(std::min(kPiece, io.length - done));
+    const auto at = static_cast<off_t>(io.offset + static_cast<off_t>(done));
+    ssize_t r;
+    if (io.upload) {
+      r = ::pread(fd, bounce.get(), n, at);
+      if (r > 0) {
+        std::lock_guard lk(io.mu);
+        if (io.abandoned) return -ECANCELED;
+        std::memcpy(io.mem + done, bounce.get(), static_cast<std::size_t>(r));
+      }
+    } else {
+      {
+        std::lock_guard lk(io.mu);
+        if (io.abandoned) return -ECANCELED;
+        std::memcpy(bounce.get(), io.mem + done, n);
+      }
+      r = ::pwrite(fd, bounce.get(), n, at);
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return done ? static_cast<int>(done) : -errno;
+    done += static_cast<Bytes>(r);
+    if (static_cast<std::size_t>(r) < n) break;  // end of file, or a short write
+  }
+  return static_cast<int>(done);
+}
+
+void TransferEngine::file_io(Slot& s) {
+  const Active& a = *s.owner;
+  const TransferJob& job = *a.job;
+  auto io = std::make_shared<FileIo>();
+  io->mem = (a.view ? a.view + s.offset : s.block.data()) + s.done;
+  io->length = s.length - s.done;
+  io->offset = static_cast<off_t>(job.file_offset + s.offset + s.done);
+  io->upload = job.upload;
+  io->fd = a.fd;
+  io->slot = &s;
+  s.io = io;
+  s.state = Slot::State::file;
+  const int rc = io_.post(job.who.uid, [this, io, mb = mailbox_](CallerIo::Gate&) {
+    int res = 0;
+    if (const int err = CallerIo::isolated([&] { res = run_file_io(*io); })) res = err;
+    mb->post([this, io, res] {
+      if (!io->abandoned) on_file_done(*io->slot, res);
+    });
+  });
+  if (rc < 0) sync_done_.emplace_back(&s, rc);
 }
 
 void TransferEngine::device_copy(Slot& s) {
@@ -475,6 +551,7 @@ void TransferEngine::on_file_done(Slot& s, int res) {
   const TransferJob& job = *a.job;
   const Bytes at = job.file_offset + s.offset + s.done;
   const bool stop = a.error || a.cancelled;
+  s.io.reset();
   if ((res == -EINTR || res == -EAGAIN) && !stop) return file_io(s);
   if (res < 0) {
     s.state = Slot::State::idle;
@@ -486,16 +563,16 @@ void TransferEngine::on_file_done(Slot& s, int res) {
   if (res == 0) {
     s.state = Slot::State::idle;
     if (stop) return;
-    // With reads of later chunks in flight, this one may be past the new end:
-    // report where the file ends now.
-    struct stat now {};
-    const Bytes ended = job.upload && ::fstat(job.file.fd.get(), &now) == 0
-                            ? std::min(at, static_cast<Bytes>(now.st_size))
-                            : at;
+    // No fstat to say where it ends now (that could wait on the file's
+    // filesystem, here on the engine thread): an earlier chunk still being
+    // read finds the end, or this one is where it is.
+    a.eof = std::min(a.eof, at);
+    for (const Slot& o : a.slots)
+      if (&o != &s && o.state == Slot::State::file && o.offset < s.offset) return;
     return fail(a, EIO,
                 job.upload ? fmt::format("{}: ended at byte {}, short of the {} bytes asked; it "
                                          "shrank after the command was accepted",
-                                         job.shown, ended, job.file_offset + job.length)
+                                         job.shown, a.eof, job.file_offset + job.length)
                            : fmt::format("{}: writing at byte {} made no progress", job.shown, at));
   }
   s.done += static_cast<Bytes>(res);

@@ -1,11 +1,11 @@
-// Moves the bytes of `upload` and `download`: one thread per GPU drives io_uring
-// reads and writes of the caller's files and segments, and device copies on
-// streams of its own. Each transfer goes in chunks through two staging blocks,
-// so that the file side of one chunk overlaps the device side of the other.
-// Neither a FUSE thread nor the broker lock ever waits for a transfer.
+// Moves the bytes of `upload` and `download`: one thread per GPU drives device
+// copies on streams of its own, and hands every read and write of a caller's
+// file to CallerIo (per-uid threads; see caller_io.hpp), so that a file that
+// never answers stalls only its own transfer. Each transfer goes in chunks
+// through two staging blocks, so that the file side of one chunk overlaps the
+// device side of the other. Neither a FUSE thread nor the broker lock ever
+// waits for a transfer, and the engine thread never waits for a file.
 #pragma once
-
-#include <liburing.h>
 
 #include <array>
 #include <atomic>
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "vgpu/caller/caller_files.hpp"
+#include "vgpu/caller/caller_io.hpp"
 #include "vgpu/device.hpp"
 #include "vgpu/transfer/staging_pool.hpp"
 #include "vgpu/unique_fd.hpp"
@@ -59,10 +60,12 @@ class TransferEngine {
  public:
   struct Options {
     Bytes chunk = Bytes{16} << 20;  // bytes per staging block
-    unsigned max_active = 4;        // transfers moving at once; more wait in order
-    // false: pread/pwrite on the engine thread, what it does anyway where
-    // io_uring is unavailable (kept selectable so that path is tested).
-    bool io_uring = true;
+    // Transfers moving at once; more wait in order. A uid with nothing moving
+    // may start one beyond it (up to kMaxActive), so that transfers stuck on
+    // one user's files never hold up everyone else's.
+    unsigned max_active = 4;
+    // Where file reads and writes run; null: a CallerIo of the engine's own.
+    CallerIo* io = nullptr;
     // Shared-memory segments stay mapped (on cuda, pinned) between transfers,
     // up to this many bytes per GPU; a segment beyond it is mapped for its
     // transfer alone.
@@ -86,16 +89,16 @@ class TransferEngine {
   };
   static constexpr unsigned kMaxActive = 16;
 
-  // Starts the thread. If io_uring cannot be set up, every job fails with the
-  // reason (see error()).
+  // Starts the thread.
   TransferEngine(Device& device, StagingPool& staging, Options options, int gpu_index);
   ~TransferEngine();  // stop()
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;
 
   void submit(std::shared_ptr<TransferJob> job);
-  // Stops a job soon: no new chunk starts, the ones in flight finish, their
-  // staging returns to the pool, and done() gets ECANCELED.
+  // Stops a job soon: no new chunk starts, device copies in flight finish,
+  // file reads and writes in flight are abandoned (they can no longer touch
+  // its memory), its staging returns to the pool, and done() gets ECANCELED.
   void cancel(const std::shared_ptr<TransferJob>& job);
   // The session is gone: its segments are unmapped once no transfer uses them.
   void forget_session(std::uint64_t session);
@@ -107,11 +110,13 @@ class TransferEngine {
   void on_device_complete(StreamId stream, std::uint64_t token, int status, std::int64_t device_ns);
 
   Stats stats() const;
-  const std::string& error() const { return error_; }
   const Options& options() const { return options_; }
 
  private:
   struct Active;
+  struct FileIo;
+  struct Create;
+  struct Mailbox;
   // A caller's segment mapped into the device for direct copies.
   struct Segment {
     std::uint64_t session = 0;
@@ -135,7 +140,7 @@ class TransferEngine {
     Bytes offset = 0;  // within the transfer
     Bytes length = 0;
     Bytes done = 0;  // file bytes of this chunk done so far
-    bool cancel_sent = false;
+    std::shared_ptr<FileIo> io;  // its read or write with CallerIo, while state == file
   };
   struct Active {
     std::shared_ptr<TransferJob> job;
@@ -150,6 +155,9 @@ class TransferEngine {
     std::int64_t started_ns = 0;
     Segment* segment = nullptr;  // direct: copies from/to its pages, no staging
     char* view = nullptr;        // device memory in reach: file I/O straight into it
+    std::shared_ptr<UniqueFd> fd;    // the file, for its reads and writes in flight
+    std::shared_ptr<Create> create;  // a download's missing file, being created
+    Bytes eof = ~Bytes{0};           // the lowest file offset a read found the end at
   };
   struct DeviceDone {
     std::uint64_t token;
@@ -158,17 +166,20 @@ class TransferEngine {
   };
 
   void run();
-  bool step(std::vector<std::pair<Slot*, int>>& file_done);
+  bool step();
   void wake();
+  void start_waiting();
   void start(std::shared_ptr<TransferJob> job);
   void pump(Active& a);
   void file_io(Slot& s);
+  void abandon(Slot& s);
+  static int run_file_io(FileIo& io);
+  void created(Create& c, int rc);
   void device_copy(Slot& s);
   void on_file_done(Slot& s, int res);
   void on_device_done(const DeviceDone& d);
   void fail(Active& a, int err, std::string why);
   bool over(const Active& a) const;
-  io_uring_sqe* sqe();
   Segment* acquire_segment(const TransferJob& job);
   void release_segment(Segment* seg);
   // Unmaps idle segments that are transient, changed, unlinked, or (everything)
@@ -176,13 +187,16 @@ class TransferEngine {
   void drop_segments(bool everything);
   Bytes cached_segment_bytes() const;
   void publish_segment_stats();
-  void arm_wakeup();
 
   Device& device_;
   StagingPool& staging_;
   const Options options_;
   const int gpu_;
-  std::string error_;
+  std::unique_ptr<CallerIo> own_io_;  // when options_.io is null
+  CallerIo& io_;
+  // Where CallerIo hands results back; shared with its jobs, which can outlive
+  // the engine (a read that never returns).
+  std::shared_ptr<Mailbox> mailbox_;
 
   // Shared with other threads.
   mutable std::mutex mu_;
@@ -195,19 +209,15 @@ class TransferEngine {
   bool quit_ = false;                     // the destructor: leave the loop once idle
   Stats stats_;
   std::array<std::atomic<std::int64_t>, kMaxActive> streams_;  // StreamId or -1
-  int wake_fd_ = -1;
 
   // The engine thread's own.
-  io_uring ring_{};
-  bool ring_ok_ = false;
-  std::uint64_t wake_value_ = 0;
   std::deque<std::shared_ptr<TransferJob>> waiting_;
   std::list<Active> active_;
   std::array<bool, kMaxActive> stream_busy_{};
   std::unordered_map<std::uint64_t, Slot*> tokens_;
   std::uint64_t next_token_ = 1;
   std::vector<std::pair<std::shared_ptr<TransferJob>, TransferResult>> finished_;
-  std::vector<std::pair<Slot*, int>> sync_done_;  // pread/pwrite results without a ring
+  std::vector<std::pair<Slot*, int>> sync_done_;  // file I/O that failed before it was posted
   std::list<Segment> segments_;
   std::uint64_t use_clock_ = 0;
 

@@ -1,0 +1,380 @@
+"""Hostile callers: one user must never stall, starve or outlive salusd's limits.
+
+A filesystem that never answers (hang_fs: a FUSE mount of this test's own, the
+stand-in for a dead NFS hard mount), callers killed in the middle of a command,
+clients that poll or write without ever reading. Each case checks that other
+users keep being served, that salusd still stops on SIGTERM within its grace,
+and that nothing is leaked.
+"""
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from conftest import Salusd, Session, alive, is_mounted
+
+HANG_FS = os.environ.get("SALUS_TEST_HANG_FS",
+                         os.path.join(os.environ.get("BUILD_ROOT", "build"), "tests", "integration",
+                                      "hang_fs"))
+NOBODY = 65534
+KILL_STORM = int(os.environ.get("SALUS_TEST_KILL_STORM", "300"))
+
+
+class HangFs:
+    """hang_fs mounted on a fresh directory; stop() kills it, which fails every
+    request it left unanswered (ENOTCONN), and unmounts."""
+
+    def __init__(self):
+        if not os.path.exists(HANG_FS):
+            pytest.skip(f"{HANG_FS} is not built")
+        self.tmp = tempfile.mkdtemp(prefix="salus-hangfs-")
+        os.chmod(self.tmp, 0o755)
+        self.mnt = os.path.join(self.tmp, "mnt")
+        os.mkdir(self.mnt)
+        self.proc = subprocess.Popen([HANG_FS, self.mnt], stdout=subprocess.PIPE)
+        assert self.proc.stdout.readline().strip() == b"mounted"
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if is_mounted(self.mnt):
+            subprocess.run(["fusermount3", "-u", "-z", self.mnt], check=False)
+        if os.path.isdir(self.tmp):
+            os.rmdir(self.mnt)
+            os.rmdir(self.tmp)
+
+
+@pytest.fixture
+def hang_fs():
+    fs = HangFs()
+    yield fs
+    fs.stop()
+
+
+@pytest.fixture
+def daemon():
+    # --shutdown-grace-ms 2000: SIGTERM must be done in about that.
+    d = Salusd(extra_args=["--shutdown-grace-ms", "2000"]).start()
+    yield d
+    d.stop()
+
+
+# A client of its own (as nobody, or root): opens a session, runs `setup`, says
+# "ready", then writes `hang` (which may never return), then says "done ERR".
+CLIENT = r"""
+import os, sys
+mnt, setup, hang = sys.argv[1], sys.argv[2], sys.argv[3]
+fd = os.open(mnt + "/clone", os.O_RDWR)
+sid = os.read(fd, 64).decode().strip()
+if setup:
+    os.write(fd, setup.encode())
+print("ready", sid, flush=True)
+try:
+    os.write(fd, hang.encode())
+    print("done 0", flush=True)
+except OSError as e:
+    print("done", e.errno, flush=True)
+"""
+
+
+def ready(p, timeout=5):
+    """The client's "ready SID" line; fails the test if salusd did not let it
+    get that far in time."""
+    if not select.select([p.stdout], [], [], timeout)[0]:
+        p.kill()
+        pytest.fail("a new client could not open a session and run its setup in time")
+    line = p.stdout.readline().split()
+    assert line and line[0] == "ready", line
+    p.sid = line[1]
+    return p
+
+
+def client(d, setup, hang, user=None):
+    p = subprocess.Popen([sys.executable, "-c", CLIENT, d.mnt, setup, hang],
+                         stdout=subprocess.PIPE, user=user, text=True)
+    return ready(p)
+
+
+def run(args, timeout, user=None):
+    """A command that must answer within `timeout` s: (rc, stdout), or None if it hung."""
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, user=user)
+        return out.returncode, out.stdout
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def stats(d):
+    r = run(["cat", d.path("stats")], 5)
+    assert r is not None, "cat stats hung"
+    return dict(line.split(" ", 1) for line in r[1].splitlines())
+
+
+def others_still_served(d, budget=5):
+    """stats, ls sessions, and another user's session (need, alloc, fill, wait,
+    upload of a regular file) all answer within `budget` s."""
+    assert run(["cat", d.path("stats")], budget) is not None, "cat stats hung"
+    assert run(["ls", d.path("sessions")], budget) is not None, "ls sessions hung"
+    with tempfile.NamedTemporaryFile(dir="/tmp") as src:
+        src.write(os.urandom(1 << 20))
+        src.flush()
+        os.chmod(src.name, 0o644)
+        script = ("import os,sys\n"
+                  f"fd=os.open('{d.mnt}/clone',os.O_RDWR); sid=os.read(fd,64).decode().strip()\n"
+                  "os.write(fd,b'need persistent=2M ephemeral=0 gpu=0\\nalloc w 1M\\nfill w 7\\n')\n"
+                  f"os.write(fd,b'upload w file:{src.name} 1M\\nsync\\n')\n"
+                  f"print(open('{d.mnt}/sessions/'+sid+'/wait').read().strip())\n")
+        t0 = time.time()
+        r = run([sys.executable, "-c", script], budget, user=1000)
+        assert r is not None, "another user's session (need, alloc, fill, upload, wait) hung"
+        assert r[0] == 0 and r[1].startswith("done"), r
+        return time.time() - t0
+
+
+def stops_within(d, seconds):
+    t0 = time.time()
+    d.proc.send_signal(signal.SIGTERM)
+    try:
+        rc = d.proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"salusd did not stop within {seconds} s of SIGTERM")
+    assert rc == 0, d.daemon_log()
+    return time.time() - t0
+
+
+def kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def test_a_filesystem_that_never_answers_costs_only_its_caller(daemon, hang_fs):
+    """issue 17 item 1: twenty uploads from nobody naming a path on a filesystem
+    that never answers its lookup. Other users, stats and ls keep answering, and
+    SIGTERM stops salusd within its grace."""
+    procs = []
+    try:
+        for _ in range(20):
+            procs.append(client(daemon, "need persistent=1M ephemeral=0\nalloc w 1M\n",
+                                f"upload w file:{hang_fs.mnt}/x/y 1M\n", user=NOBODY))
+            time.sleep(0.02)
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in procs), "an upload returned: the open did not hang"
+        others_still_served(daemon)
+        st = stats(daemon)
+        assert int(st["caller_io_busy"]) <= 4, st  # one uid's bound
+        assert stops_within(daemon, 6) < 6
+        # Their writes were answered (ECANCELED) when salusd stopped.
+        for p in procs:
+            assert p.stdout.readline().split()[:1] == ["done"]
+    finally:
+        hang_fs.stop()  # first: it answers (ENOTCONN) whatever is stuck in it
+        kill_all(procs)
+
+
+def test_a_file_whose_reads_never_answer_costs_only_its_caller(daemon, hang_fs):
+    """issue 17 item 2: nobody's upload from a file whose reads never return.
+    Another user's 1 MiB upload on the same GPU still finishes at once, and
+    ending the hung session frees its transfer."""
+    procs = []
+    try:
+        for _ in range(6):
+            procs.append(client(daemon, "need persistent=1M ephemeral=0 gpu=0\nalloc w 1M\n",
+                                f"upload w file:{hang_fs.mnt}/file 1M\nsync\n", user=NOBODY))
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in procs)
+        took = others_still_served(daemon)
+        assert took < 5, took
+        kill_all(procs)
+        deadline = time.time() + 3
+        while time.time() < deadline and int(stats(daemon)["sessions"]) > 0:
+            time.sleep(0.05)
+        st = stats(daemon)
+        assert st["sessions"] == "0" and st["transfers_active"] == "0", st
+        assert stops_within(daemon, 6) < 6
+    finally:
+        hang_fs.stop()
+        kill_all(procs)
+
+
+def test_polling_status_holds_one_watch_per_open_file(daemon):
+    """issue 17 item 3: every poll(2) of an unchanged status used to add a
+    watcher until the status changed; now each open file holds one."""
+    s = Session(daemon)
+    s.cmd("need persistent=1M ephemeral=0\n")
+    fds = [os.open(s.file("status"), os.O_RDONLY) for _ in range(4)]
+    try:
+        p = select.poll()
+        for fd in fds:
+            p.register(fd, select.POLLIN)
+        for _ in range(2000):
+            p.poll(0)
+        assert int(stats(daemon)["poll_watchers"]) <= len(fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert int(stats(daemon)["poll_watchers"]) == 0  # closing drops them
+    s.close()
+
+
+def wait_gone(d, sid, seconds):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if not os.path.exists(d.path("sessions", sid)):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("setup,hang", [
+    # a `wait` read behind a long iteration
+    ("need persistent=1M ephemeral=1M\nbegin\nspin 30000000\nend\n", None),
+    # a write in `sync` behind it (some of its lines ran)
+    ("need persistent=1M ephemeral=1M\n", "begin\nspin 30000000\nend\nsync\n"),
+    # a write waiting for admission: the GPU is full
+    ("need persistent=900M ephemeral=0 gpu=0\n", "alloc w 1M\n"),
+])
+def test_a_killed_waiter_goes_at_once(daemon, setup, hang):
+    """issue 17 item 8: a client blocked in wait, sync or an admission wait is
+    SIGKILLed: it is gone, and its session ended, within 1 s."""
+    blocker = None
+    if "900M" in setup:
+        blocker = Session(daemon)
+        blocker.cmd("need persistent=900M ephemeral=0 gpu=0\n")
+        setup = "need persistent=200M ephemeral=0 gpu=0\n"
+    if hang is None:
+        script = CLIENT.replace("os.write(fd, hang.encode())",
+                                "open(mnt + '/sessions/' + sid + '/wait').read()")
+        p = ready(subprocess.Popen([sys.executable, "-c", script, daemon.mnt, setup, ""],
+                                   stdout=subprocess.PIPE, text=True))
+    else:
+        p = client(daemon, setup, hang)
+    time.sleep(0.3)
+    assert p.poll() is None, "the client was not blocked"
+    t0 = time.time()
+    p.kill()
+    try:
+        p.wait(1)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the SIGKILLed client is still there after 1 s (stuck in salusd)")
+    assert wait_gone(daemon, p.sid, 1.0 - (time.time() - t0) + 0.05), "its session outlived it"
+    if blocker:
+        blocker.close()
+
+
+def test_unread_replies_are_bounded(daemon):
+    """issue 17 item 9: replies never read are capped per open file; the next
+    read says how many were dropped."""
+    s = Session(daemon)
+    for _ in range(20000):
+        try:
+            s.cmd("fill nothing 1\n")
+        except OSError:
+            pass
+    text = os.read(s.fd, 1 << 20).decode()
+    first, _, rest = text.partition("\n")
+    assert first.startswith("dropped "), first
+    assert len(text) <= 70 * 1024
+    assert rest.splitlines()[-1] == "error ENXIO"
+    s.close()
+
+
+def test_link_fails_as_documented(daemon):
+    """issue 17 item 9: link gives what salus(5) says."""
+    s = Session(daemon)
+    with pytest.raises(OSError) as e:
+        os.link(s.file("status"), s.file("status2"))
+    import errno
+    assert e.value.errno == errno.EPERM
+    s.close()
+
+
+STORM_CLIENT = r"""
+import os, random, sys
+mnt, seed = sys.argv[1], int(sys.argv[2])
+rng = random.Random(seed)
+fd = os.open(mnt + "/clone", os.O_RDWR)
+sid = os.read(fd, 64).decode().strip()
+print(sid, flush=True)
+cmds = ["need persistent=4M ephemeral=2M\n", "alloc a 1M\n", "fill a 3\n",
+        "begin\nspin %d\nend x3\n" % rng.randint(100, 50000), "sync\n",
+        "upload a file:/etc/hostname 1\n", "download a file:/dev/null 1\n",
+        "free a\n", "alloc b 2M\n"]
+while True:
+    try:
+        os.write(fd, rng.choice(cmds).encode())
+    except OSError:
+        pass
+    if rng.random() < 0.2:
+        open(mnt + "/sessions/" + sid + "/wait").read()
+"""
+
+
+def test_kill_storm_leaks_nothing(daemon):
+    """Clients SIGKILLed at random moments in the middle of commands: salusd
+    stays up, and once they are gone no session, buffer, lane or transfer is
+    left."""
+    rng = random.Random(17)
+    live = []
+    t_end = time.time() + 40
+    killed = 0
+    while killed < KILL_STORM and time.time() < t_end:
+        while len(live) < 12:
+            p = subprocess.Popen([sys.executable, "-c", STORM_CLIENT, daemon.mnt,
+                                  str(rng.randrange(1 << 30))], stdout=subprocess.DEVNULL)
+            live.append((p, time.time() + rng.uniform(0.1, 0.6)))
+        now = time.time()
+        for p, at in list(live):
+            if now >= at:
+                p.kill()
+                live.remove((p, at))
+                killed += 1
+                p.wait(5)
+        time.sleep(0.01)
+    kill_all([p for p, _ in live])
+    assert daemon.proc.poll() is None, "salusd died"
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        st = stats(daemon)
+        if st["sessions"] == "0" and st["lanes"] == "0" and st["transfers_active"] == "0":
+            break
+        time.sleep(0.1)
+    st = stats(daemon)
+    assert st["sessions"] == "0" and st["lanes"] == "0", st
+    assert st["transfers_active"] == "0" and st["transfers_waiting"] == "0", st
+    assert st["poll_watchers"] == "0", st
+    assert st["staging_bytes_in_use"] == "0", st
+    assert killed >= min(KILL_STORM, 100), killed
+    for g in os.listdir(daemon.path("gpus")):
+        with open(daemon.path("gpus", g, "memory")) as f:
+            mem = dict(line.split(": ", 1) for line in f.read().splitlines())
+        assert mem["persistent_used"] == "0" and mem["ephemeral"] == "0", mem
+        assert mem["queued"] == "0" and mem["free"] == mem["capacity"], mem
+
+
+def test_sigterm_is_bounded_by_the_grace_during_a_long_spin(daemon):
+    """issue 17 item 7: an hour-long sim spin no longer holds SIGTERM up past
+    --shutdown-grace-ms (2000 here)."""
+    s = Session(daemon)
+    s.cmd("need persistent=1M ephemeral=1M\nbegin\nspin 3600000000\nend\n")
+    time.sleep(0.3)
+    took = stops_within(daemon, 8)
+    assert took < 5, took
+    assert "stopping anyway" in daemon.daemon_log()
+    try:
+        s.close()
+    except OSError:
+        pass
