@@ -67,6 +67,8 @@ constexpr double kMiB = 1048576.0;
 // Jobs longer than this (alone) would push the nanosecond clock toward overflow once
 // stretched by contention and queueing.
 constexpr double kMaxJobNs = 1e17;
+// Below 2^63 ns with room for the events that round up past a kernel's end.
+constexpr double kMaxClockNs = 9e18;
 // A run that alternates sessions keeps one piece per turn; this bounds its memory.
 constexpr std::uint64_t kMaxRunIterations = std::uint64_t{1} << 20;
 
@@ -227,6 +229,13 @@ class Engine {
 
   SimConfig cfg_;
   LaneModel lanes_;
+  double total_alone_ = 0;  // alone-equivalent ns of the whole trace
+  double work_done_ = 0;    // alone-equivalent ns credited so far
+  std::size_t jobs_done_ = 0;
+  void report(TimeNs t) {
+    cfg_.progress(
+        SimProgress{t, work_done_, total_alone_, jobs_done_, jobs_.size(), counters_.events});
+  }
   Bytes usable_ = 0;
   std::vector<Job> jobs_;
   std::vector<Gpu> gpus_;
@@ -245,6 +254,8 @@ class Engine {
 
 void Engine::load(const std::vector<TraceJob>& trace) {
   jobs_.resize(trace.size());
+  long double total_alone = 0;
+  TimeNs last_arrival = 0;
   const Bytes half = arena::align_up(usable_ / 2 + 1);
   for (std::size_t i = 0; i < trace.size(); ++i) {
     const TraceJob& t = trace[i];
@@ -259,11 +270,16 @@ void Engine::load(const std::vector<TraceJob>& trace) {
     j.persistent = static_cast<Bytes>(std::llround(t.persistent_mb * kMiB));
     j.ephemeral = static_cast<Bytes>(std::llround(t.ephemeral_mb * kMiB));
     j.iter_ns = std::max<TimeNs>(1, std::llround(t.iter_ms * 1e6)) + cfg_.iteration_overhead_ns;
-    j.arrival = std::llround(t.arrival_s * 1e9);
+    if (!(t.arrival_s >= 0 && t.arrival_s <= 1e9))
+      throw SimError(fmt::format("{}: arrival {} s is outside [0, 1e9]", where, t.arrival_s));
+    j.arrival = t.arrival_ns >= 0 ? t.arrival_ns : std::llround(t.arrival_s * 1e9);
     j.util = t.util;
-    if (static_cast<double>(t.iters) * static_cast<double>(j.iter_ns) > kMaxJobNs)
+    const long double alone = static_cast<long double>(t.iters) * j.iter_ns;
+    if (alone > kMaxJobNs)
       throw SimError(fmt::format("{}: {} iterations of {} ms are too long to simulate", where,
                                  t.iters, t.iter_ms));
+    total_alone += alone;
+    last_arrival = std::max(last_arrival, j.arrival);
     // The arena's own too_large test, so that no job can stall the simulation.
     const Bytes p = arena::align_up(j.persistent), e = arena::align_up(j.ephemeral);
     if (p > usable_ || e > usable_ - p)
@@ -280,6 +296,18 @@ void Engine::load(const std::vector<TraceJob>& trace) {
       j.declared.ephemeral = std::max(j.ephemeral, std::min(half, usable_ - p));
     }
   }
+  // While any job waits, some kernel runs and does at least one alone-nanosecond of work
+  // per nanosecond, so every job ends by the last arrival plus all the work; twice the
+  // work covers the nanosecond rounding of each kernel. Each job alone may be in range
+  // while their sum runs the 64-bit clock past 2^63 ns (292 years).
+  if (static_cast<long double>(last_arrival) + 2 * total_alone > kMaxClockNs)
+    throw SimError(fmt::format(
+        "the trace's jobs add up to {:.3g} s of GPU time alone; with the last arrival at {:.3g} "
+        "s that could run the simulator's nanosecond clock past {:.3g} s (2^63 ns). Split the "
+        "trace or shorten its jobs",
+        static_cast<double>(total_alone / 1e9), static_cast<double>(last_arrival) / 1e9,
+        kMaxClockNs / 1e9));
+  total_alone_ = static_cast<double>(total_alone);
   order_.resize(jobs_.size());
   for (std::size_t i = 0; i < order_.size(); ++i) order_[i] = i;
   std::stable_sort(order_.begin(), order_.end(), [this](std::size_t a, std::size_t b) {
@@ -495,8 +523,11 @@ void Engine::replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
       if (i < r.planned) {
         while (seg + 1 < r.segments.size() && r.segments[seg + 1].progress <= cum) ++seg;
         const Segment& s = r.segments[seg];
-        const double at = static_cast<double>(s.t) + (cum - s.progress) / s.rate;
-        ti = std::clamp<TimeNs>(static_cast<TimeNs>(at + 0.5), prev, end);
+        // Relative to the run's start: absolute times near 2^53 ns (104 days) have no
+        // room for the half that rounds, and the boundaries would then depend on where
+        // the trace's clock starts (FAIR's forecast of the turns relies on them).
+        const double at = static_cast<double>(s.t - r.t0) + (cum - s.progress) / s.rate;
+        ti = std::clamp<TimeNs>(r.t0 + static_cast<TimeNs>(at + 0.5), prev, end);
       }
       if (i > 1) {
         const std::optional<SessionId> chosen =
@@ -522,6 +553,7 @@ void Engine::replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
         if (s.t > piece_start && s.t < prev) record_work(j, s.t, j.work + (s.progress - cum_start));
     }
     j.work += static_cast<double>(pc.count) * static_cast<double>(pc.iter_ns);
+    work_done_ += static_cast<double>(pc.count) * static_cast<double>(pc.iter_ns);
     if (cfg_.track_work) record_work(j, prev, j.work);
   }
   counters_.iterations += r.planned;
@@ -552,6 +584,7 @@ void Engine::boundary(std::uint32_t g, LaneId lane, TimeNs t) {
     // iteration, as salusd's sessions end when their client closes them. So the
     // decisions of this boundary are made before the job's memory is released.
     j.finish = t;
+    ++jobs_done_;
     gpu.sched.set_runnable(j.id, false);
     leaving_.emplace_back(g, j.id);
   }
@@ -796,6 +829,8 @@ SimResult Engine::run() {
     if (have_arrival) t = jobs_[order_[pos]].arrival;
     if (!heap_.empty()) t = std::min(t, heap_.top().t);
     ++counters_.events;
+    if (cfg_.progress && counters_.events % std::max<std::uint64_t>(cfg_.progress_every, 1) == 0)
+      report(t);
     // Within an instant: arrivals first, so that a boundary at the same time sees them.
     for (; pos < order_.size() && jobs_[order_[pos]].arrival == t; ++pos) {
       Job& j = jobs_[order_[pos]];
