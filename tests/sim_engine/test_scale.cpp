@@ -166,3 +166,35 @@ TEST(SimScale, ByteOrderMarkAndSubNanosecondIterations) {
   }
   EXPECT_EQ(sc::parse_trace_text("a,0,m,1,1,0.000001,5,0.5\n")[0].iter_ms, 1e-6);
 }
+
+TEST(SimScale, ALongRunCostsItsEventsNotItsIterations) {
+  // Issue 19: a job of 1e12 iterations of 100 ns ran for hours, one scheduler call per
+  // iteration. With a rival arriving mid-way and leaving again, every policy must finish
+  // in well under a second and account every iteration. (FAIR alternates the two jobs
+  // every iteration while both run: those turns are real decisions, hence a short rival.)
+  std::vector<sc::TraceJob> t(2);
+  t[0].name = "long";
+  t[0].model = "m";
+  t[0].persistent_mb = 100;
+  t[0].ephemeral_mb = 500;
+  t[0].iter_ms = 1e-4;
+  t[0].iters = 1'000'000'000'000;
+  t[0].util = 0.6;
+  t[1] = t[0];
+  t[1].name = "short";
+  t[1].arrival_s = 1000;
+  t[1].iters = 5'000;
+  for (PolicyKind p : {PolicyKind::fifo, PolicyKind::srtf, PolicyKind::pack, PolicyKind::fair,
+                       PolicyKind::priority}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const sc::SimResult r = sim(t, p);
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(wall, 2.0) << sc::to_string(p);
+    EXPECT_EQ(r.counters.iterations, t[0].iters + t[1].iters) << sc::to_string(p);
+    EXPECT_LT(r.counters.kernels, 100u) << sc::to_string(p);
+    // Never faster than its work alone.
+    EXPECT_GE(r.jobs[0].finish, 100'000'000'000'000) << sc::to_string(p);
+    EXPECT_GE(r.jobs[1].jct(), 500'000) << sc::to_string(p);
+  }
+}
