@@ -97,6 +97,14 @@ expect_exit 0 "$gen" --jobs 300 --seed 1 --interarrival 0 --workloads superres_1
   --duration-mean 60 --duration-sigma 1 --prefix hp -o "$tmp/hp.csv"
 cmp -s "$tmp/hp.csv" "$src/traces/hyperparam-300.csv" || fail "hyperparam-300.csv differs from the generator's output"
 expect_exit 2 "$gen" --workloads resnet51
+# Shapes: defaults for the docs/benchmarks.md traces; explicit options win.
+expect_exit 0 "$gen" --shape burst --jobs 20 --seed 7 -o "$tmp/burst.csv"
+[ "$(wc -l <"$tmp/burst.csv")" = 21 ] || fail "burst rows"
+[ "$(awk -F, 'NR>1 && $2!=0' "$tmp/burst.csv" | wc -l)" = 0 ] || fail "burst arrivals not all at 0"
+expect_exit 0 "$gen" --shape cluster --jobs 200 --seed 7 -o "$tmp/cluster.csv"
+[ "$(awk -F, 'END{print ($2 > 20000)}' "$tmp/cluster.csv")" = 1 ] || fail "cluster arrivals not spread"
+expect_exit 0 "$sim" --trace "$tmp/cluster.csv" --gpus 2 --policy all
+expect_exit 2 "$gen" --shape philly
 expect_exit 2 "$gen" --arrivals 0,x
 expect_exit 0 "$gen" --list
 [ "$(wc -l <"$tmp/out")" = 46 ] || fail "--list shows 45 workloads"
