@@ -1,6 +1,7 @@
 #include "sched/gpu_scheduler.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 namespace salus::sched {
 
@@ -122,15 +123,39 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
     if (prev != sessions_.end() && prev->second.runnable) ++stats_.preemptions;
   }
   q.last = chosen;
-  if (policy_ == PolicyKind::fair) q.vclock = std::max(q.vclock, q.runnable.begin()->first.primary);
+  if (policy_ == PolicyKind::fair) q.vclock = std::max(q.vclock, sessions_.at(chosen).in.vtime);
   return chosen;
+}
+
+std::int64_t GpuScheduler::charge_estimate(const RankInputs& in) {
+  return std::max<std::int64_t>(1, std::llround(in.mean_iter_ns));
+}
+
+void GpuScheduler::iterations_repeated(SessionId id, std::uint64_t count, std::int64_t device_ns,
+                                       std::int64_t last_ns) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || count == 0) return;
+  SessionSched& s = it->second;
+  // Each round: pick (the same session: no switch), charge, done. The charges cancel.
+  stats_.decisions += count;
+  s.gpu_ns += device_ns;
+  s.in.done += count;
+  s.in.measured_ns += device_ns;
+  s.in.mean_iter_ns = static_cast<double>(s.in.measured_ns) / static_cast<double>(s.in.done);
+  s.in.vtime += device_ns;
+  if (s.lane && policy_ == PolicyKind::fair) {
+    // The last pick put it in service at its virtual time before its last iteration.
+    auto lq = lanes_.find(*s.lane);
+    if (lq != lanes_.end()) lq->second.vclock = std::max(lq->second.vclock, s.in.vtime - last_ns);
+  }
+  if (policy_ == PolicyKind::fair || policy_ == PolicyKind::srtf) rerank(s);
 }
 
 void GpuScheduler::iteration_dispatched(SessionId id) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
-  const double estimate = std::max(s.in.mean_iter_ns, 1.0);
+  const std::int64_t estimate = charge_estimate(s.in);
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
   if (s.in_flight++ == 0) in_flight_.push_back(id);
@@ -141,7 +166,7 @@ void GpuScheduler::iteration_cycle(SessionId id, std::int64_t device_ns) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
-  const double estimate = std::max(s.in.mean_iter_ns, 1.0);
+  const std::int64_t estimate = charge_estimate(s.in);
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
   account_done(s, device_ns, true);  // dispatched and done at once: in_flight stays
@@ -159,12 +184,12 @@ void GpuScheduler::account_done(SessionSched& s, std::int64_t device_ns, bool it
   s.gpu_ns += device_ns;
   if (iteration) {
     s.in.done += 1;
-    const double n = static_cast<double>(s.in.done);
-    s.in.mean_iter_ns += (static_cast<double>(device_ns) - s.in.mean_iter_ns) / n;
+    s.in.measured_ns += device_ns;
+    s.in.mean_iter_ns = static_cast<double>(s.in.measured_ns) / static_cast<double>(s.in.done);
   }
   // Weight 1: equal shares. A 1 ns floor keeps empty iterations from being free.
-  const double actual = static_cast<double>(std::max<std::int64_t>(device_ns, 1));
-  double charged = 0.0;
+  const std::int64_t actual = std::max<std::int64_t>(device_ns, 1);
+  std::int64_t charged = 0;
   if (!s.charged.empty()) {
     charged = s.charged.front();
     s.charged.pop_front();

@@ -24,10 +24,10 @@ struct SessionSched {
   RankInputs in;
   std::optional<LaneId> lane;
   bool runnable = false;
-  std::uint32_t in_flight = 0;  // iterations dispatched and not yet done
-  std::int64_t gpu_ns = 0;      // device time of finished iterations
-  std::deque<double> charged;   // FAIR: estimates charged for iterations in flight
-  RankKey key;                  // valid while runnable
+  std::uint32_t in_flight = 0;       // iterations dispatched and not yet done
+  std::int64_t gpu_ns = 0;           // device time of finished iterations
+  std::deque<std::int64_t> charged;  // FAIR: estimates charged for iterations in flight
+  RankKey key;                       // valid while runnable
 };
 
 struct SchedStats {
@@ -77,6 +77,14 @@ class GpuScheduler {
   // the same state as the two calls, for salus-sim's replay of a coalesced run,
   // where nothing looks at the ranking in between.
   void iteration_cycle(SessionId id, std::int64_t device_ns);
+  // `count` more iterations of the session its lane last picked, each picked again at the
+  // boundary before it, together `device_ns` of device time (each at least 1 ns), the
+  // last of them `last_ns`: the state `count` iteration_cycle calls with their picks
+  // leave, in O(1). For salus-sim's coalesced runs, whose forecast guarantees the picks.
+  void iterations_repeated(SessionId id, std::uint64_t count, std::int64_t device_ns,
+                           std::int64_t last_ns);
+  // What FAIR charges at dispatch: the measured mean, rounded, at least 1 ns.
+  static std::int64_t charge_estimate(const RankInputs& in);
 
   const SessionSched* find(SessionId id) const;
   const SchedStats& stats() const { return stats_; }
@@ -87,7 +95,7 @@ class GpuScheduler {
   struct LaneQueue {
     RankSet runnable;
     std::optional<SessionId> last;
-    double vclock = 0.0;  // FAIR: virtual time of the session last put in service
+    std::int64_t vclock = 0;  // FAIR: virtual time of the session last put in service
   };
   void account_done(SessionSched& s, std::int64_t device_ns, bool iteration);
   void unlink(SessionSched& s);

@@ -50,7 +50,7 @@ RankKey rank(PolicyKind kind, const RankInputs& in) {
     case PolicyKind::srtf:
       return {remaining_ns(in), in.arrival};
     case PolicyKind::fair:
-      return {in.vtime, in.arrival};
+      return {static_cast<double>(in.vtime), in.arrival};
     case PolicyKind::priority:
       return {-static_cast<double>(in.priority), in.arrival};
   }

@@ -23,8 +23,11 @@ struct RankInputs {
   std::int32_t priority = 0;           // larger runs first
   std::optional<std::uint64_t> iters;  // declared total iterations
   std::uint64_t done = 0;              // iterations finished
-  double mean_iter_ns = 0.0;           // measured mean device time per iteration
-  double vtime = 0.0;                  // FAIR virtual time (ns of GPU time / weight)
+  // Integers, so that n iterations accounted at once (salus-sim's coalesced runs) leave
+  // exactly the state n accounted one by one leave: sums of doubles depend on the order.
+  std::int64_t measured_ns = 0;  // device time of the finished iterations, summed
+  double mean_iter_ns = 0.0;     // measured_ns / done, kept in step with them
+  std::int64_t vtime = 0;        // FAIR virtual time (ns of GPU time / weight)
 };
 
 struct RankKey {

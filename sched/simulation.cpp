@@ -67,6 +67,8 @@ constexpr double kMiB = 1048576.0;
 // Jobs longer than this (alone) would push the nanosecond clock toward overflow once
 // stretched by contention and queueing.
 constexpr double kMaxJobNs = 1e17;
+// Below 2^63 ns with room for the events that round up past a kernel's end.
+constexpr double kMaxClockNs = 9e18;
 // A run that alternates sessions keeps one piece per turn; this bounds its memory.
 constexpr std::uint64_t kMaxRunIterations = std::uint64_t{1} << 20;
 
@@ -89,10 +91,9 @@ struct Job {
   std::int64_t device_ns = 0;
   double work = 0.0;  // alone-equivalent ns done so far
   // Scratch for forecast_turns(): iterations planned for it in the run being planned,
-  // and its done count and mean as the scheduler will have them.
+  // and its virtual time at the end of its latest turn there.
   std::uint64_t forecast = 0;
-  std::uint64_t forecast_done = 0;
-  double forecast_mean = 0.0;
+  std::int64_t forecast_vt = 0;
   std::uint64_t left() const { return spec->iters - done; }
 };
 
@@ -227,6 +228,13 @@ class Engine {
 
   SimConfig cfg_;
   LaneModel lanes_;
+  double total_alone_ = 0;  // alone-equivalent ns of the whole trace
+  double work_done_ = 0;    // alone-equivalent ns credited so far
+  std::size_t jobs_done_ = 0;
+  void report(TimeNs t) {
+    cfg_.progress(
+        SimProgress{t, work_done_, total_alone_, jobs_done_, jobs_.size(), counters_.events});
+  }
   Bytes usable_ = 0;
   std::vector<Job> jobs_;
   std::vector<Gpu> gpus_;
@@ -245,6 +253,8 @@ class Engine {
 
 void Engine::load(const std::vector<TraceJob>& trace) {
   jobs_.resize(trace.size());
+  long double total_alone = 0;
+  TimeNs last_arrival = 0;
   const Bytes half = arena::align_up(usable_ / 2 + 1);
   for (std::size_t i = 0; i < trace.size(); ++i) {
     const TraceJob& t = trace[i];
@@ -259,11 +269,16 @@ void Engine::load(const std::vector<TraceJob>& trace) {
     j.persistent = static_cast<Bytes>(std::llround(t.persistent_mb * kMiB));
     j.ephemeral = static_cast<Bytes>(std::llround(t.ephemeral_mb * kMiB));
     j.iter_ns = std::max<TimeNs>(1, std::llround(t.iter_ms * 1e6)) + cfg_.iteration_overhead_ns;
-    j.arrival = std::llround(t.arrival_s * 1e9);
+    if (!(t.arrival_s >= 0 && t.arrival_s <= 1e9))
+      throw SimError(fmt::format("{}: arrival {} s is outside [0, 1e9]", where, t.arrival_s));
+    j.arrival = t.arrival_ns >= 0 ? t.arrival_ns : std::llround(t.arrival_s * 1e9);
     j.util = t.util;
-    if (static_cast<double>(t.iters) * static_cast<double>(j.iter_ns) > kMaxJobNs)
+    const long double alone = static_cast<long double>(t.iters) * j.iter_ns;
+    if (alone > kMaxJobNs)
       throw SimError(fmt::format("{}: {} iterations of {} ms are too long to simulate", where,
                                  t.iters, t.iter_ms));
+    total_alone += alone;
+    last_arrival = std::max(last_arrival, j.arrival);
     // The arena's own too_large test, so that no job can stall the simulation.
     const Bytes p = arena::align_up(j.persistent), e = arena::align_up(j.ephemeral);
     if (p > usable_ || e > usable_ - p)
@@ -280,6 +295,18 @@ void Engine::load(const std::vector<TraceJob>& trace) {
       j.declared.ephemeral = std::max(j.ephemeral, std::min(half, usable_ - p));
     }
   }
+  // While any job waits, some kernel runs and does at least one alone-nanosecond of work
+  // per nanosecond, so every job ends by the last arrival plus all the work; twice the
+  // work covers the nanosecond rounding of each kernel. Each job alone may be in range
+  // while their sum runs the 64-bit clock past 2^63 ns (292 years).
+  if (static_cast<long double>(last_arrival) + 2 * total_alone > kMaxClockNs)
+    throw SimError(fmt::format(
+        "the trace's jobs add up to {:.3g} s of GPU time alone; with the last arrival at {:.3g} "
+        "s that could run the simulator's nanosecond clock past {:.3g} s (2^63 ns). Split the "
+        "trace or shorten its jobs",
+        static_cast<double>(total_alone / 1e9), static_cast<double>(last_arrival) / 1e9,
+        kMaxClockNs / 1e9));
+  total_alone_ = static_cast<double>(total_alone);
   order_.resize(jobs_.size());
   for (std::size_t i = 0; i < order_.size(); ++i) order_[i] = i;
   std::stable_sort(order_.begin(), order_.end(), [this](std::size_t a, std::size_t b) {
@@ -476,43 +503,67 @@ void Engine::record_work(const Job& j, TimeNs t, double work) {
 }
 
 // Feeds the scheduler the calls salusd would have made at each iteration boundary inside
-// the run: iteration_done with the measured time, then the next pick. The picks must
-// choose the session the run planned; that is what made the run coalescable.
+// the run: iteration_done with the measured time, then the next pick. The first
+// iteration of each piece is replayed call by call, its pick checked against the plan;
+// the rest of the piece picks the same session at every boundary, and the scheduler
+// takes them at once (GpuScheduler::iterations_repeated), so a run costs O(pieces).
 void Engine::replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
   TimeNs prev = r.t0;
   std::size_t seg = 0;
+  // The boundary after `cum` alone-equivalent ns of the run, the index-th iteration's end.
+  // Relative to the run's start: absolute times near 2^53 ns (104 days) have no room for
+  // the half that rounds, and the boundaries would then depend on where the trace's
+  // clock starts (FAIR's forecast of the turns relies on them).
+  auto boundary_at = [&](double cum, std::uint64_t index) {
+    if (index >= r.planned) return end;
+    while (seg + 1 < r.segments.size() && r.segments[seg + 1].progress <= cum) ++seg;
+    const Segment& s = r.segments[seg];
+    const double at = static_cast<double>(s.t - r.t0) + (cum - s.progress) / s.rate;
+    return std::clamp<TimeNs>(r.t0 + static_cast<TimeNs>(at + 0.5), prev, end);
+  };
+  const TimeNs o = cfg_.iteration_overhead_ns;
   double cum = 0.0;
   std::uint64_t i = 0;
   for (const Piece& pc : r.pieces) {
+    if (pc.count == 0) continue;
     Job& j = job_of(pc.session);
     const TimeNs piece_start = prev;
     const double cum_start = cum;
+    const double iter = static_cast<double>(pc.iter_ns);
     if (j.start < 0) j.start = piece_start;
-    for (std::uint64_t c = 0; c < pc.count; ++c) {
+    ++i;
+    cum += iter;
+    TimeNs ti = boundary_at(cum, i);
+    TimeNs measured = device_time(ti - prev);
+    if (i > 1) {
+      const std::optional<SessionId> chosen =
+          gpu.sched.lane_may_dispatch(lane) ? gpu.sched.pick(lane) : std::nullopt;
+      if (!chosen || *chosen != pc.session)
+        throw std::logic_error(
+            fmt::format("salus-sim: coalesced run of job {} diverged from per-iteration scheduling",
+                        j.spec->name));
+      gpu.sched.iteration_cycle(pc.session, measured);
+    } else {
+      gpu.sched.iteration_done(pc.session, measured);  // dispatched at the run's start
+    }
+    j.device_ns += measured;
+    prev = ti;
+    if (const std::uint64_t rest = pc.count - 1; rest > 0) {
+      // Every span is at least the iteration's alone time (rates are at most 1), so the
+      // overhead never clamps a measured time and the sum telescopes.
+      const TimeNs first = prev;
+      i += rest - 1;
+      cum = cum_start + static_cast<double>(pc.count - 1) * iter;
+      const TimeNs before_last = boundary_at(cum, i);
+      prev = before_last;
       ++i;
-      cum += static_cast<double>(pc.iter_ns);
-      TimeNs ti = end;
-      if (i < r.planned) {
-        while (seg + 1 < r.segments.size() && r.segments[seg + 1].progress <= cum) ++seg;
-        const Segment& s = r.segments[seg];
-        const double at = static_cast<double>(s.t) + (cum - s.progress) / s.rate;
-        ti = std::clamp<TimeNs>(static_cast<TimeNs>(at + 0.5), prev, end);
-      }
-      if (i > 1) {
-        const std::optional<SessionId> chosen =
-            gpu.sched.lane_may_dispatch(lane) ? gpu.sched.pick(lane) : std::nullopt;
-        if (!chosen || *chosen != pc.session)
-          throw std::logic_error(fmt::format(
-              "salus-sim: coalesced run of job {} diverged from per-iteration scheduling",
-              j.spec->name));
-      }
-      const TimeNs measured = device_time(ti - prev);
-      if (i > 1) {
-        gpu.sched.iteration_cycle(pc.session, measured);
-      } else {
-        gpu.sched.iteration_done(pc.session, measured);  // dispatched at the run's start
-      }
-      j.device_ns += measured;
+      cum += iter;
+      ti = boundary_at(cum, i);
+      const TimeNs total =
+          std::max<TimeNs>(static_cast<TimeNs>(rest), (ti - first) - static_cast<TimeNs>(rest) * o);
+      measured = device_time(ti - before_last);
+      gpu.sched.iterations_repeated(pc.session, rest, total, measured);
+      j.device_ns += total;
       prev = ti;
     }
     j.done += pc.count;
@@ -521,7 +572,8 @@ void Engine::replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
       for (const Segment& s : r.segments)
         if (s.t > piece_start && s.t < prev) record_work(j, s.t, j.work + (s.progress - cum_start));
     }
-    j.work += static_cast<double>(pc.count) * static_cast<double>(pc.iter_ns);
+    j.work += static_cast<double>(pc.count) * iter;
+    work_done_ += static_cast<double>(pc.count) * iter;
     if (cfg_.track_work) record_work(j, prev, j.work);
   }
   counters_.iterations += r.planned;
@@ -552,6 +604,7 @@ void Engine::boundary(std::uint32_t g, LaneId lane, TimeNs t) {
     // iteration, as salusd's sessions end when their client closes them. So the
     // decisions of this boundary are made before the job's memory is released.
     j.finish = t;
+    ++jobs_done_;
     gpu.sched.set_runnable(j.id, false);
     leaving_.emplace_back(g, j.id);
   }
@@ -613,89 +666,126 @@ void Engine::plan(Gpu& gpu, LaneState& ls) {
 // measured mean drifts toward the current (contention-stretched) iteration time, and
 // FAIR's virtual time grows by that time. Forecast the key at each boundary at the
 // current rate and stop at the first boundary where the best rival could win; the pick
-// there is a real one. close_instant() cuts the run if the rate changes.
+// there is a real one. close_instant() cuts the run if the rate changes. The scheduler
+// keeps integer sums, so the key after k iterations has a closed form and the first
+// boundary where the rival could win is found in O(1), not by stepping through them.
 std::uint64_t Engine::forecast_one(Gpu& gpu, const LaneState& ls, const Job& j, TimeNs t0) {
   const RankKey& rival = ls.waiting.begin()->first;
   const bool fair = gpu.sched.policy() == PolicyKind::fair;
   const SessionSched* self = gpu.sched.find(j.id);
-  // The session's inputs include the estimate FAIR charged when its iteration was
+  const RankInputs& in = self->in;
+  // FAIR's virtual time includes the estimate charged when the first iteration was
   // dispatched; iteration_done swaps it for the measured time.
-  RankInputs in = self->in;
-  double charged = self->charged.empty() ? 0.0 : self->charged.back();
+  const double v0 =
+      static_cast<double>(in.vtime - (self->charged.empty() ? 0 : self->charged.back()));
   const double span = static_cast<double>(j.iter_ns) * gpu.model.slowdown();
   const double d = std::max(1.0, span - static_cast<double>(cfg_.iteration_overhead_ns));
   // Margin for the nanosecond rounding of the measured times that replay() feeds.
   const double margin = std::max(1e3, std::abs(rival.primary) * 1e-6);
-  const std::uint64_t left = j.left();
+  const double c = rival.primary - margin;  // the key must stay below this
+  const double left = static_cast<double>(j.left());
+  const double done = static_cast<double>(in.done);
+  const double sum = static_cast<double>(in.measured_ns);
+  // The key at the boundary after k iterations of this run, as the scheduler will rank it.
+  auto key = [&](double k) {
+    return fair ? v0 + k * d : (left - k) * ((sum + k * d) / (done + k));
+  };
+  // The run ends at the first boundary past the next arrival, or with the job.
   const double until = static_cast<double>(horizon() - t0);
-  double elapsed = span;
-  std::uint64_t k = 1;
-  while (k < left && elapsed < until) {
-    // Mirrors GpuScheduler::iteration_done, then iteration_dispatched for the next
-    // iteration; replay() checks that the forecast held.
-    in.done += 1;
-    in.mean_iter_ns += (d - in.mean_iter_ns) / static_cast<double>(in.done);
-    in.vtime += std::max(d, 1.0) - charged;
-    const double key = fair ? in.vtime : remaining_ns(in);
-    if (key + margin >= rival.primary) break;
-    ++k;
-    elapsed += span;
-    charged = std::max(in.mean_iter_ns, 1.0);
-    in.vtime += charged;
+  double cap = std::min(left, std::max(1.0, std::ceil(until / span)));
+  if (!(cap < 1e18)) cap = 1e18;
+  double k = 1;
+  if (key(1) < c) {
+    if (fair) {
+      k = std::ceil((c - v0) / d);
+    } else {
+      // (left - k)(sum + k d) >= c (done + k): a concave quadratic in k; the first whole k
+      // at or past its smaller root, if any lies within the run.
+      const double qa = -d, qb = left * d - sum - c, qc = left * sum - c * done;
+      const double disc = qb * qb - 4 * qa * qc;
+      if (disc < 0) {
+        k = cap;
+      } else {
+        const double r1 = (-qb + std::sqrt(disc)) / (2 * qa);
+        const double r2 = (-qb - std::sqrt(disc)) / (2 * qa);
+        k = std::max(r1, r2) < 1 ? cap : std::ceil(std::min(r1, r2));
+      }
+    }
+    k = std::clamp(k, 1.0, cap);
+    // The root is computed in floating point: settle on the exact first boundary.
+    while (k > 1 && key(k - 1) >= c) --k;
+    for (int step = 0; k < cap && key(k) < c && step < 4; ++step) ++k;
+    if (key(k) < c) k = cap;
   }
-  return k;
+  return static_cast<std::uint64_t>(std::clamp(k, 1.0, cap));
 }
 
 // FAIR on a GPU where this lane's kernel is the only one: every iteration takes exactly
 // its alone time, so the turns the lane's sessions will take are known in advance, down
 // to the tie-breaks: follow them until a job would finish. Utils do not matter while the
-// kernel runs alone; close_instant() cuts the run once another kernel starts.
+// kernel runs alone; close_instant() cuts the run once another kernel starts. A turn is
+// followed in O(1): its session runs until its virtual time passes the best rival's.
 void Engine::forecast_turns(Gpu& gpu, LaneState& ls) {
   Run& r = ls.run;
   turns_.assign(ls.waiting.begin(), ls.waiting.end());  // sorted, hence a valid min-heap
   const auto later = [](const Keyed& a, const Keyed& b) { return b < a; };
   SessionId cur = r.pieces.front().session;
   const SessionSched* first = gpu.sched.find(cur);
-  // The running session's virtual time includes the estimate charged at its dispatch.
-  RankKey key = first->key;
-  double charged = first->charged.empty() ? 0.0 : first->charged.back();
-  job_of(cur).forecast_done = first->in.done;
-  job_of(cur).forecast_mean = first->in.mean_iter_ns;
+  // At a boundary the running session's virtual time is the one at its dispatch (without
+  // the estimate charged then) plus the measured times: the charges cancel.
+  std::int64_t vt = first->in.vtime - (first->charged.empty() ? 0 : first->charged.back());
+  std::uint64_t tie = first->key.tiebreak;
   std::uint64_t total = 0;
   const double until = static_cast<double>(horizon() - r.t0);
   double elapsed = 0.0;
+  r.pieces.front().count = 0;
   for (;;) {
     Job& j = job_of(cur);
-    ++r.pieces.back().count;
-    ++j.forecast;
-    ++total;
-    // Mirrors GpuScheduler::iteration_done and, for the next turn, iteration_dispatched,
-    // operation for operation so that ties come out the same; replay() checks the turns.
-    const double d = static_cast<double>(device_time(j.iter_ns));
-    j.forecast_done += 1;
-    j.forecast_mean += (d - j.forecast_mean) / static_cast<double>(j.forecast_done);
-    key.primary += d - charged;
-    elapsed += static_cast<double>(j.iter_ns);
-    if (j.forecast >= j.left() || total >= kMaxRunIterations || elapsed >= until) break;
-    if (!turns_.empty() && turns_.front() < Keyed{key, cur}) {
-      std::pop_heap(turns_.begin(), turns_.end(), later);
-      const Keyed next = turns_.back();
-      turns_.back() = {key, cur};
-      std::push_heap(turns_.begin(), turns_.end(), later);
-      cur = next.second;
-      key = next.first;
-      Job& n = job_of(cur);
-      if (n.forecast == 0) {  // its first turn in this run
-        r.stale.push_back(next);
-        n.forecast_done = gpu.sched.find(cur)->in.done;
-        n.forecast_mean = gpu.sched.find(cur)->in.mean_iter_ns;
+    const std::int64_t d = std::max<TimeNs>(device_time(j.iter_ns), 1);
+    const double iter = static_cast<double>(j.iter_ns);
+    // Turns this session keeps: up to a limit, or until the best rival ranks first.
+    std::uint64_t m = std::min(j.left() - j.forecast, kMaxRunIterations - total);
+    const double m_until = std::max(1.0, std::ceil((until - elapsed) / iter));
+    if (m_until < static_cast<double>(m)) m = static_cast<std::uint64_t>(m_until);
+    bool switched = false;
+    if (!turns_.empty()) {
+      const Keyed& best = turns_.front();
+      const auto rival_first = [&](std::uint64_t n) {
+        return best <
+               Keyed{RankKey{static_cast<double>(vt + static_cast<std::int64_t>(n) * d), tie}, cur};
+      };
+      const double gap = best.first.primary - static_cast<double>(vt);
+      std::uint64_t n = gap <= 0 ? 1 : static_cast<std::uint64_t>(std::max(1.0, gap / d));
+      while (n > 1 && rival_first(n - 1)) --n;
+      while (n < m && !rival_first(n)) ++n;
+      if (n <= m && rival_first(n)) {
+        m = n;
+        switched = true;
       }
-      r.pieces.push_back({cur, 0, n.iter_ns});
     }
-    charged = std::max(job_of(cur).forecast_mean, 1.0);
-    key.primary += charged;
+    r.pieces.back().count += m;
+    j.forecast += m;
+    total += m;
+    vt += static_cast<std::int64_t>(m) * d;
+    elapsed += static_cast<double>(m) * iter;
+    if (j.forecast >= j.left() || total >= kMaxRunIterations || elapsed >= until || !switched)
+      break;
+    std::pop_heap(turns_.begin(), turns_.end(), later);
+    const Keyed next = turns_.back();
+    turns_.back() = {RankKey{static_cast<double>(vt), tie}, cur};
+    std::push_heap(turns_.begin(), turns_.end(), later);
+    j.forecast_vt = vt;
+    cur = next.second;
+    tie = next.first.tiebreak;
+    // A session that already took a turn in this run comes back with the time it left with.
+    if (job_of(cur).forecast == 0) {
+      r.stale.push_back(next);
+      vt = gpu.sched.find(cur)->in.vtime;
+    } else {
+      vt = job_of(cur).forecast_vt;
+    }
+    r.pieces.push_back({cur, 0, job_of(cur).iter_ns});
   }
-  r.pieces.front().count -= 1;  // the first piece started with its one iteration counted
   double alone = 0.0;
   for (const Piece& pc : r.pieces) {
     alone += static_cast<double>(pc.count) * static_cast<double>(pc.iter_ns);
@@ -796,6 +886,8 @@ SimResult Engine::run() {
     if (have_arrival) t = jobs_[order_[pos]].arrival;
     if (!heap_.empty()) t = std::min(t, heap_.top().t);
     ++counters_.events;
+    if (cfg_.progress && counters_.events % std::max<std::uint64_t>(cfg_.progress_every, 1) == 0)
+      report(t);
     // Within an instant: arrivals first, so that a boundary at the same time sees them.
     for (; pos < order_.size() && jobs_[order_[pos]].arrival == t; ++pos) {
       Job& j = jobs_[order_[pos]];

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -27,6 +28,17 @@ enum class LaneModel : std::uint8_t {
 std::string_view to_string(LaneModel m);
 std::optional<LaneModel> lane_model_from_string(std::string_view name);
 
+// Where a simulation stands, for a progress line: what is done of the whole trace's
+// work (alone-equivalent ns, credited as runs end) and of its jobs.
+struct SimProgress {
+  arena::TimeNs now = 0;  // virtual time
+  double work_done_ns = 0;
+  double work_total_ns = 0;
+  std::size_t jobs_done = 0;
+  std::size_t jobs_total = 0;
+  std::uint64_t events = 0;
+};
+
 struct SimConfig {
   PolicyKind policy = PolicyKind::fifo;
   std::uint32_t gpus = 1;
@@ -45,6 +57,10 @@ struct SimConfig {
   // scheduler is told (SRTF's mean, FAIR's charge) leaves it out, as salusd measures
   // device time only. 0: an ideal broker (the paper's tables).
   arena::TimeNs iteration_overhead_ns = 0;
+  // Called every `progress_every` events (and once at the end) when set. The engine
+  // keeps no clock; the caller decides what to print and when.
+  std::function<void(const SimProgress&)> progress;
+  std::uint64_t progress_every = 1024;
 };
 
 struct JobResult {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <istream>
 #include <limits>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <unordered_set>
@@ -70,6 +71,34 @@ Int integer(std::string_view text, std::size_t line, std::string_view column) {
   return v;
 }
 
+// Seconds written as plain decimals ("8842326.112") to exact nanoseconds, rounding half
+// up past the ninth decimal; nullopt for other spellings (exponents), which the caller
+// converts through the double.
+std::optional<std::int64_t> exact_ns(std::string_view text) {
+  std::int64_t whole = 0, frac = 0;
+  std::size_t i = 0, digits = 0;
+  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i, ++digits) {
+    if (whole > 2'000'000'000) return std::nullopt;
+    whole = whole * 10 + (text[i] - '0');
+  }
+  int scale = 0;
+  bool round_up = false;
+  if (i < text.size() && text[i] == '.') {
+    for (++i; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i, ++digits) {
+      if (scale < 9) {
+        frac = frac * 10 + (text[i] - '0');
+        ++scale;
+      } else if (scale == 9) {
+        round_up = text[i] >= '5';
+        ++scale;
+      }
+    }
+  }
+  if (i != text.size() || digits == 0) return std::nullopt;
+  for (; scale < 9; ++scale) frac *= 10;
+  return whole * 1'000'000'000 + frac + (round_up ? 1 : 0);
+}
+
 bool is_comment_or_blank(std::string_view line) {
   line = trim(line);
   return line.empty() || line.front() == '#';
@@ -99,6 +128,7 @@ TraceJob parse_trace_line(std::string_view line, std::size_t line_no) {
   j.name = std::string(f[0]);
   j.arrival_s = number(f[1], line_no, "arrival_s");
   if (j.arrival_s < 0) fail(line_no, fmt::format("arrival_s {} is negative", f[1]));
+  if (j.arrival_s <= 1e9) j.arrival_ns = exact_ns(f[1]).value_or(std::llround(j.arrival_s * 1e9));
   if (f[2].empty()) fail(line_no, "model is empty");
   j.model = std::string(f[2]);
   j.persistent_mb = number(f[3], line_no, "persistent_mb");
@@ -107,6 +137,10 @@ TraceJob parse_trace_line(std::string_view line, std::size_t line_no) {
   if (j.ephemeral_mb < 0) fail(line_no, fmt::format("ephemeral_mb {} is negative", f[4]));
   j.iter_ms = number(f[5], line_no, "iter_ms");
   if (j.iter_ms <= 0) fail(line_no, fmt::format("iter_ms {} must be positive", f[5]));
+  // The simulator's clock ticks in nanoseconds; a shorter iteration would be rounded up.
+  if (j.iter_ms < 1e-6)
+    fail(line_no,
+         fmt::format("iter_ms {} is below 1 ns (0.000001 ms), the simulator's resolution", f[5]));
   // Past ~292 years of virtual time the nanosecond clock would overflow.
   if (j.iter_ms > 1e9) fail(line_no, fmt::format("iter_ms {} is unreasonably large", f[5]));
   if (j.arrival_s > 1e9) fail(line_no, fmt::format("arrival_s {} is unreasonably large", f[1]));
@@ -127,6 +161,8 @@ std::vector<TraceJob> parse_trace(std::istream& in) {
   bool first = true;
   while (std::getline(in, line)) {
     ++line_no;
+    // Spreadsheet exports often start with a UTF-8 byte-order mark.
+    if (line_no == 1 && line.starts_with("\xEF\xBB\xBF")) line.erase(0, 3);
     if (is_comment_or_blank(line)) continue;
     if (first) {
       first = false;

@@ -25,6 +25,10 @@ struct TraceJob {
   double util = 1.0;        // fraction of the GPU one iteration occupies, in (0, 1]
   std::int32_t priority = 0;
   std::size_t line = 0;  // 1-based line in the source, 0 when built in code
+  // The arrival in nanoseconds, parsed exactly from the decimal text (-1: not parsed,
+  // use arrival_s). A double holds seconds like 8842326.112 only to a few nanoseconds,
+  // which would make a simulation depend on where the trace's clock starts.
+  std::int64_t arrival_ns = -1;
 };
 
 inline constexpr std::string_view kTraceHeader =
@@ -39,10 +43,10 @@ class TraceError : public std::runtime_error {
   std::size_t line_;
 };
 
-// Parses a whole trace. Blank lines and lines starting with '#' are skipped; the first
-// other line may be a header (its first field is "job"). Throws TraceError naming the
-// line and the field on any malformed or out-of-range value, a duplicate job name, or
-// an empty trace. Jobs come back in file order.
+// Parses a whole trace. A UTF-8 byte-order mark before the first line is skipped. Blank lines and
+// lines starting with '#' are skipped; the first other line may be a header (its first field is
+// "job"). Throws TraceError naming the line and the field on any malformed or out-of-range value, a
+// duplicate job name, or an empty trace. Jobs come back in file order.
 std::vector<TraceJob> parse_trace(std::istream& in);
 std::vector<TraceJob> parse_trace_text(std::string_view text);
 

@@ -1,10 +1,14 @@
 // salus-sim: replays a job trace through Salus's real scheduler, arena and contention
 // model in virtual time and prints makespan, queueing and completion-time statistics.
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -20,9 +24,11 @@ namespace {
 using salus::sched::PolicyKind;
 namespace sc = salus::sched;
 
-// Exit codes: 2 for anything wrong with the input (trace, flags), 1 for I/O failures.
+// Exit codes: 2 for anything wrong with the input (trace, flags), 1 for I/O failures,
+// 3 for an internal error (a bug, or out of memory): never an abort.
 constexpr int kInputError = 2;
 constexpr int kIoError = 1;
+constexpr int kInternalError = 3;
 
 struct Options {
   std::string trace;
@@ -38,6 +44,52 @@ struct Options {
   double iteration_overhead_us = 0;
   bool no_coalesce = false;
   bool stats = false;
+  bool progress = false;
+};
+
+std::string duration(double s) {
+  if (s < 120) return fmt::format("{:.1f} s", s);
+  if (s < 7200) return fmt::format("{:.1f} min", s / 60);
+  if (s < 2 * 86400) return fmt::format("{:.1f} h", s / 3600);
+  return fmt::format("{:.1f} d", s / 86400);
+}
+
+// The progress line on stderr: on a terminal one line rewritten in place, otherwise one
+// line per interval. The time left extrapolates the wall time per unit of work done.
+class ProgressLine {
+ public:
+  ProgressLine(std::string policy, bool tty)
+      : policy_(std::move(policy)), tty_(tty), start_(std::chrono::steady_clock::now()) {}
+  void update(const salus::sched::SimProgress& p, bool final = false) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!final && printed_ && now - last_ < std::chrono::milliseconds(tty_ ? 200 : 1000)) return;
+    last_ = now;
+    printed_ = true;
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const double f = p.work_total_ns > 0 ? std::min(1.0, p.work_done_ns / p.work_total_ns) : 0.0;
+    std::string left = "time left unknown";
+    if (final) {
+      left = "done";
+    } else if (f > 0) {
+      left = fmt::format("about {} left", duration(elapsed * (1 - f) / f));
+    }
+    const std::string line = fmt::format(
+        "salus-sim: {}: {:.1f}% of the work, {}/{} jobs done, virtual time {}, {} elapsed, {}",
+        policy_, 100 * f, p.jobs_done, p.jobs_total, duration(static_cast<double>(p.now) / 1e9),
+        duration(elapsed), left);
+    if (tty_) {
+      std::fprintf(stderr, "\r%s\x1b[K%s", line.c_str(), final ? "\n" : "");
+    } else {
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
+    std::fflush(stderr);
+  }
+
+ private:
+  std::string policy_;
+  bool tty_;
+  std::chrono::steady_clock::time_point start_, last_;
+  bool printed_ = false;
 };
 
 std::string seconds(salus::arena::TimeNs ns) {
@@ -50,7 +102,7 @@ const std::vector<PolicyKind> kAll{PolicyKind::fifo, PolicyKind::srtf, PolicyKin
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   Options o;
   CLI::App app{
       "Replays a job trace (CSV: job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,"
@@ -96,6 +148,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-coalesce", o.no_coalesce,
                "simulate every iteration as its own event (slower; same decisions)");
   app.add_flag("--stats", o.stats, "print event counts and wall time per policy to stderr");
+  app.add_flag("--progress", o.progress,
+               "print a progress line with an estimate of the time left to stderr (the default "
+               "when stderr is a terminal)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -174,11 +229,24 @@ int main(int argc, char** argv) {
     sc::SimConfig cfg = base;
     cfg.policy = policy;
     const auto t0 = std::chrono::steady_clock::now();
+    std::optional<ProgressLine> line;
+    if (o.progress || isatty(STDERR_FILENO)) {
+      line.emplace(std::string(sc::to_string(policy)), isatty(STDERR_FILENO) != 0);
+      cfg.progress = [&line](const sc::SimProgress& p) { line->update(p); };
+    }
     sc::SimResult res;
     try {
       res = sc::simulate(trace, cfg);
     } catch (const sc::SimError& e) {
+      if (line && isatty(STDERR_FILENO)) std::fputc('\n', stderr);
       return usage(fmt::format("{}:{}", o.trace, e.what()));
+    }
+    if (line) {
+      sc::SimProgress p;
+      p.work_done_ns = p.work_total_ns = 1;
+      p.jobs_done = p.jobs_total = res.jobs.size();
+      for (const sc::JobResult& j : res.jobs) p.now = std::max(p.now, j.finish);
+      line->update(p, true);
     }
     const double wall =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -247,4 +315,19 @@ int main(int argc, char** argv) {
     return kIoError;
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  // Whatever goes wrong inside, the user gets a message and an exit status, not an abort.
+  try {
+    return run(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "salus-sim: out of memory\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "salus-sim: internal error (please report it with the trace): %s\n",
+                 e.what());
+  } catch (...) {
+    std::fprintf(stderr, "salus-sim: internal error (please report it with the trace)\n");
+  }
+  return kInternalError;
 }

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   std::uint64_t iters = 0;
   double util = 0;
   bool list = false;
+  std::string shape;
   CLI::App app{"Writes a salus-sim trace drawn from the Salus workload mix", "salus-trace-gen"};
   app.add_option("--jobs", c.jobs, "number of jobs")
       ->capture_default_str()
@@ -51,6 +52,12 @@ int main(int argc, char** argv) {
   app.add_option("--prefix", c.prefix, "job name prefix")->capture_default_str();
   app.add_option("-o,--out", out_path, "output file (default: stdout)");
   app.add_flag("--list", list, "print the workload table and exit");
+  app.add_option("--shape", shape,
+                 "defaults for a trace of a known shape (explicit options win): 'cluster' is "
+                 "15,264 jobs over ~70 days with Philly-like heavy-tailed durations (mean "
+                 "50 min, up to 30 days), 'burst' is 100,000 short jobs all at t=0 "
+                 "(docs/benchmarks.md runs both)")
+      ->check(CLI::IsMember({"cluster", "burst"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -65,6 +72,20 @@ int main(int argc, char** argv) {
       std::cout << fmt::format("{} {} {} {} {}\n", w.name(), w.persistent_mb, w.peak_mb, w.iter_ms,
                                w.util);
     return 0;
+  }
+  // A shape sets what the user did not.
+  auto unset = [&app](const char* name) { return app.count(name) == 0; };
+  if (shape == "cluster") {
+    if (unset("--jobs")) c.jobs = 15264;
+    if (unset("--interarrival")) c.mean_interarrival_s = 400;
+    if (unset("--duration-mean")) c.duration_mean_s = 3000;
+    if (unset("--duration-sigma")) c.duration_sigma = 2;
+    if (unset("--duration-max")) c.max_duration_s = 30 * 86400.0;
+  } else if (shape == "burst") {
+    if (unset("--jobs")) c.jobs = 100000;
+    if (unset("--interarrival")) c.mean_interarrival_s = 0;
+    if (unset("--duration-mean")) c.duration_mean_s = 60;
+    if (unset("--duration-sigma")) c.duration_sigma = 1;
   }
   if (iters > 0) c.iters = iters;
   if (util > 0) c.util = util;

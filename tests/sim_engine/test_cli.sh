@@ -69,6 +69,25 @@ expect_exit 2 "$sim" --trace "$tmp/good.csv" --gpu-memory lots
 expect_exit 2 "$sim" --trace "$tmp/good.csv" --share-out "$tmp/x.csv"
 expect_exit 2 "$sim"
 
+# Issue 19: the four jobs whose FAIR run aborted at 9e6 s; a byte-order mark; progress.
+cat >"$tmp/four.csv" <<'EOF'
+job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util,priority
+a,8842326.112,resnet50_25,230,2770,135,22869,0.850,0
+b,8844106.082,seq2seq_small,40,460,20,123563,0.300,0
+c,8845238.790,seq2seq_large,300,3200,150,14268,0.850,0
+d,8847342.392,vae_64,15,10,4,7108,0.100,0
+EOF
+expect_exit 0 "$sim" --trace "$tmp/four.csv" --policy fair
+[ "$(awk '$1=="fair"{print $2}' "$tmp/out")" = "7727.207" ] || fail "four-job fair: $(cat "$tmp/out")"
+printf '\xef\xbb\xbf' | cat - "$tmp/good.csv" >"$tmp/bom.csv"
+expect_exit 0 "$sim" --trace "$tmp/bom.csv" --policy fifo --progress
+grep -q "^salus-sim: fifo: 100.0% of the work, 2/2 jobs done, .*, done$" "$tmp/err" || fail "progress line: $(cat "$tmp/err")"
+expect_exit 0 "$sim" --trace "$tmp/good.csv" --policy fifo
+[ ! -s "$tmp/err" ] || fail "progress without --progress on a pipe: $(cat "$tmp/err")"
+printf 'a,0,m,1,1,0.0000001,5,0.5\n' >"$tmp/subns.csv"
+expect_exit 2 "$sim" --trace "$tmp/subns.csv" --policy fifo
+grep -q "line 1: iter_ms 0.0000001 is below 1 ns" "$tmp/err" || fail "sub-ns message: $(cat "$tmp/err")"
+
 # The documented commands regenerate the shipped traces byte for byte.
 expect_exit 0 "$gen" --arrivals 0,15,30 --workloads inception3_50 --iters 900 --prefix fair -o "$tmp/f3.csv"
 cmp -s "$tmp/f3.csv" "$src/traces/fair-3.csv" || fail "fair-3.csv differs from the generator's output"
@@ -78,6 +97,14 @@ expect_exit 0 "$gen" --jobs 300 --seed 1 --interarrival 0 --workloads superres_1
   --duration-mean 60 --duration-sigma 1 --prefix hp -o "$tmp/hp.csv"
 cmp -s "$tmp/hp.csv" "$src/traces/hyperparam-300.csv" || fail "hyperparam-300.csv differs from the generator's output"
 expect_exit 2 "$gen" --workloads resnet51
+# Shapes: defaults for the docs/benchmarks.md traces; explicit options win.
+expect_exit 0 "$gen" --shape burst --jobs 20 --seed 7 -o "$tmp/burst.csv"
+[ "$(wc -l <"$tmp/burst.csv")" = 21 ] || fail "burst rows"
+[ "$(awk -F, 'NR>1 && $2!=0' "$tmp/burst.csv" | wc -l)" = 0 ] || fail "burst arrivals not all at 0"
+expect_exit 0 "$gen" --shape cluster --jobs 200 --seed 7 -o "$tmp/cluster.csv"
+[ "$(awk -F, 'END{print ($2 > 20000)}' "$tmp/cluster.csv")" = 1 ] || fail "cluster arrivals not spread"
+expect_exit 0 "$sim" --trace "$tmp/cluster.csv" --gpus 2 --policy all
+expect_exit 2 "$gen" --shape philly
 expect_exit 2 "$gen" --arrivals 0,x
 expect_exit 0 "$gen" --list
 [ "$(wc -l <"$tmp/out")" = 46 ] || fail "--list shows 45 workloads"

@@ -68,7 +68,7 @@ std::string Broker::render_status(SessionId id) const {
     if (const auto* ss = g.sched.find(s->id)) {
       switch (g.sched.policy()) {
         case sched::PolicyKind::fair:
-          rank = fmt::format("vtime={:.0f}ns", ss->in.vtime);
+          rank = fmt::format("vtime={}ns", ss->in.vtime);
           break;
         case sched::PolicyKind::srtf: {
           const double r = sched::remaining_ns(ss->in);
