@@ -28,6 +28,8 @@
 
 namespace salus::vgpu {
 
+class MpsControl;
+
 struct Caller {
   uid_t uid = 0;
   gid_t gid = 0;
@@ -65,6 +67,9 @@ struct BrokerConfig {
   // Attached sessions that mark no iterations are asked to yield (a slice
   // boundary) after holding their lane this long while another session waits.
   std::int64_t quantum_ns = 50'000'000;
+  // Per GPU, the MPS control daemon salusd runs for it (--mps), or null; owned
+  // by salusd's main and outliving the broker. Shown in gpus/N/info.
+  std::vector<const MpsControl*> mps;
 };
 
 struct BrokerStats {
@@ -310,6 +315,7 @@ class Broker {
   void stop_gate_service();
 
   BrokerConfig config_;
+  std::string mps_lines(std::size_t gpu) const;
   mutable std::mutex mu_;
   std::vector<std::unique_ptr<Gpu>> gpus_;
   std::unordered_map<SessionId, std::unique_ptr<Session>> sessions_;
