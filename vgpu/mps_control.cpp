@@ -53,8 +53,15 @@ pid_t read_pid(const std::string& pipe_dir) {
   return static_cast<pid_t>(pid);
 }
 
+// A killed daemon stays a zombie until its new parent (init or a subreaper)
+// reaps it: that counts as gone.
 bool pid_alive(pid_t pid) {
-  return pid > 1 && (::kill(pid, 0) == 0 || errno == EPERM);
+  if (pid <= 1 || (::kill(pid, 0) != 0 && errno != EPERM)) return false;
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string stat;
+  std::getline(in, stat);
+  const auto paren = stat.rfind(") ");
+  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] != 'Z';
 }
 
 struct Outcome {
