@@ -235,8 +235,9 @@ void add_flags(CLI::App& flags, Settings& s) {
                   "GPUs (indices, comma-separated, or all) on which salusd runs an MPS control "
                   "daemon so that attached sessions run concurrently (cuda backend)")
       ->delimiter(',');
-  flags.add_option("--mps-dir", s.mps_dir,
-                   "Where the MPS pipe and log directories go, one per GPU (default /run/salus/mps)");
+  flags.add_option(
+      "--mps-dir", s.mps_dir,
+      "Where the MPS pipe and log directories go, one per GPU (default /run/salus/mps)");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -357,9 +358,10 @@ using MpsDaemons = std::vector<std::unique_ptr<salus::vgpu::MpsControl>>;
 bool start_mps(const Settings& s, const Devices& d, MpsDaemons& out, std::string& why) {
   if (s.mps.empty()) return true;
   if (d.backend != "cuda") {
-    why = fmt::format("--mps needs the cuda backend (MPS shares a real GPU between processes); "
-                      "this salusd runs the {} backend",
-                      d.backend);
+    why = fmt::format(
+        "--mps needs the cuda backend (MPS shares a real GPU between processes); "
+        "this salusd runs the {} backend",
+        d.backend);
     return false;
   }
   out.resize(d.list.size());
