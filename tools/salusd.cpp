@@ -377,7 +377,8 @@ bool start_mps(const Settings& s, const Devices& d, MpsDaemons& out, std::string
         why = fmt::format("--mps: gpu {}: {}", i, why);
         return false;
       }
-      spdlog::info("gpu {}: MPS control daemon (pid {}) serving {}", i, out[i]->pid(),
+      spdlog::info("gpu {}: MPS control daemon (pid {}{}) serving {}", i, out[i]->pid(),
+                   out[i]->adopted() ? ", left by an earlier salusd, taken over" : "",
                    out[i]->pipe_directory());
     }
     if (g != "all" && std::stoul(g) >= d.list.size()) {

@@ -152,12 +152,20 @@ std::string trimmed(std::string s) {
 std::unique_ptr<MpsControl> MpsControl::start(const MpsOptions& o, std::string& why) {
   const std::string pipe_dir = o.dir + "/pipe", log_dir = o.dir + "/log";
   if (!make_dirs(pipe_dir, why) || !make_dirs(log_dir, why)) return nullptr;
+  const auto deadline = Clock::now() + o.ready_bound;
+  // A daemon left in this (salusd-owned) directory by a salusd that was killed
+  // is taken over, so that the programs using its server survive the restart.
   if (const pid_t old = read_pid(pipe_dir); pid_alive(old)) {
-    why = fmt::format("an MPS control daemon (pid {}) already serves {}; stop it first", old,
-                      pipe_dir);
+    const Outcome q = run_control(o, pipe_dir, log_dir, {}, "get_server_list\n", o.ready_bound);
+    if (q.rc == 0) {
+      std::unique_ptr<MpsControl> c(new MpsControl(o, pipe_dir, log_dir, old));
+      c->adopted_ = true;
+      return c;
+    }
+    why = fmt::format("an MPS control daemon (pid {}) holds {} but does not answer ({}); stop it",
+                      old, pipe_dir, trimmed(q.output));
     return nullptr;
   }
-  const auto deadline = Clock::now() + o.ready_bound;
   const Outcome d = run_control(o, pipe_dir, log_dir, {"-d"}, "", o.ready_bound);
   if (d.rc != 0) {
     why =

@@ -28,7 +28,8 @@ struct MpsOptions {
 class MpsControl {
  public:
   // Starts the daemon and waits (up to ready_bound) until its control pipe
-  // answers get_server_list. Null with `why` when it does not.
+  // answers get_server_list, or takes over one that already answers there.
+  // Null with `why` when neither.
   static std::unique_ptr<MpsControl> start(const MpsOptions& o, std::string& why);
   // stop(), bounded.
   ~MpsControl();
@@ -42,6 +43,9 @@ class MpsControl {
   // Whether the daemon still runs; false after stop() or when it crashed.
   bool alive() const;
   pid_t pid() const { return pid_; }
+  // Whether start() found this daemon already running in its directory (left
+  // by a salusd that was killed) and took it over instead of starting one.
+  bool adopted() const { return adopted_; }
   const std::string& pipe_directory() const { return pipe_dir_; }
   const std::string& log_directory() const { return log_dir_; }
 
@@ -53,6 +57,7 @@ class MpsControl {
   std::string pipe_dir_, log_dir_;
   pid_t pid_ = -1;
   bool stopped_ = false;
+  bool adopted_ = false;
 };
 
 }  // namespace salus::vgpu

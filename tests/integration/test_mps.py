@@ -60,10 +60,10 @@ class MpsSalusd(Salusd):
     the MPS directories live outside the daemon's temp dir, so that tests can
     read them after stop(); cleanup() removes them."""
 
-    def __init__(self, mode="", extra_args=()):
+    def __init__(self, mode="", extra_args=(), keep=None):
         super().__init__(["--gpu-isolation", "process", "--cuda-memory-fraction", "0.2",
                           *extra_args], backend="cuda")
-        self.keep = tempfile.mkdtemp(prefix="salus-test-mps-")
+        self.keep = keep or tempfile.mkdtemp(prefix="salus-test-mps-")
         os.chmod(self.keep, 0o755)
         self.mps_dir = os.path.join(self.keep, "mps")
         self.log_path = os.path.join(self.keep, "salusd.log")
@@ -197,3 +197,26 @@ def test_a_daemon_that_does_not_come_up_stops_salusd_with_the_reason(mode, messa
         assert pid is None or not running(pid)  # never left behind
     finally:
         d.cleanup()
+
+
+@needs_mock
+def test_a_daemon_left_by_a_killed_salusd_is_taken_over():
+    first = MpsSalusd()
+    second = None
+    try:
+        first.start(timeout=60)
+        pid = daemon_pid(first.mps_dir)
+        first.proc.kill()  # no clean stop: the control daemon stays
+        first.proc.wait()
+        assert running(pid)
+        second = MpsSalusd(keep=first.keep)
+        second.start(timeout=60)
+        assert info(second)["mps"] == "on" and daemon_pid(second.mps_dir) == pid
+        assert not any(c["argv"] == ["-d"] for c in calls(second.mps_dir)[1:])  # not started again
+        assert "taken over" in second.daemon_log()
+        assert second.stop() == 0
+        assert not running(pid)
+    finally:
+        if second:
+            second.stop()
+        first.cleanup()
