@@ -117,6 +117,10 @@ Outcome run_control(const MpsOptions& o, const std::string& pipe_dir, const std:
   for (;;) {
     const pid_t w = ::waitpid(pid, &status, WNOHANG);
     if (w == pid) break;
+    if (w < 0 && errno != EINTR) {  // reaped elsewhere: its status is lost
+      out.output += fmt::format("(lost its status: {})", std::strerror(errno));
+      return out;
+    }
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) {
