@@ -233,10 +233,38 @@ std::string visible_device(const Ctx& ctx, const std::string& gpu) {
   return gpu;
 }
 
+// On a GPU where salusd runs MPS (gpus/N/info `mps: on`), the program joins that
+// server: its pipe directory, and as a backstop to the shim's accounting a
+// device memory limit of the session's budget (persistent + ephemeral, in MiB
+// rounded up; device 0 is the one GPU the program sees). Nothing otherwise.
+void mps_env(const Ctx& ctx, const std::string& gpu, const KeyValues& status, const RunOptions& o,
+             std::string& pipe, std::string& limit, std::string& threads) {
+  std::string info;
+  if (try_read(ctx.path("gpus/" + gpu + "/info"), info) != 0) return;
+  const KeyValues ki = parse_kv(info, ": ");
+  const std::string mps = get(ki, "mps", "off");
+  if (mps == "down") {
+    warn(fmt::format("gpu {}: salusd's MPS control daemon is gone; running without MPS", gpu));
+    return;
+  }
+  if (mps != "on") {
+    if (o.mps_threads) warn(fmt::format("gpu {} runs no MPS server: --mps-threads ignored", gpu));
+    return;
+  }
+  pipe = get(ki, "mps_pipe_directory", "");
+  if (pipe.empty() || pipe == "-") return;
+  const unsigned long long budget = num(status, "persistent") + num(status, "ephemeral");
+  limit = fmt::format("0={}M", std::max(1ull, (budget + (1ull << 20) - 1) >> 20));
+  if (o.mps_threads) threads = std::to_string(*o.mps_threads);
+}
+
 // ---------------------------------------------------------------- the child
 
 struct ChildEnv {
   std::string session, mount, shim, visible, automark_dir, python_dir;
+  // Set on a GPU where salusd runs MPS (empty otherwise): the server's pipe
+  // directory, the memory limit (the session's budget), the SM share.
+  std::string mps_pipe, mps_memory_limit, mps_threads;
   bool automark = false;
   int oom_fd = -1;  // write end of the OOM report pipe, or -1
 };
@@ -260,6 +288,12 @@ void prepend_env(const char* name, const std::string& value, char sep) {
     ::setenv("SALUS_AUTOMARK", "1", 1);
   } else {
     ::unsetenv("SALUS_AUTOMARK");
+  }
+  if (!e.mps_pipe.empty()) {
+    ::setenv("CUDA_MPS_PIPE_DIRECTORY", e.mps_pipe.c_str(), 1);
+    ::setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", e.mps_memory_limit.c_str(), 1);
+    if (!e.mps_threads.empty())
+      ::setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", e.mps_threads.c_str(), 1);
   }
   if (e.oom_fd >= 0) ::setenv("SALUS_RUN_OOM_FD", std::to_string(e.oom_fd).c_str(), 1);
   std::vector<char*> argv;
@@ -432,6 +466,7 @@ RunResult run_once(const Ctx& ctx, const RunOptions& o, const std::string& need,
   ChildEnv env = base;
   env.session = ctx.path(s.dir);
   env.visible = visible_device(ctx, get(*st, "gpu"));
+  mps_env(ctx, get(*st, "gpu"), *st, o, env.mps_pipe, env.mps_memory_limit, env.mps_threads);
   RunResult r = run_child(ctx, s, o, env, sigs);
   if (o.verbose) warn(fmt::format("{} exited with status {}", o.command[0], r.rc));
   return r;

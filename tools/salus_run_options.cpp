@@ -79,6 +79,10 @@ std::optional<std::string> parse_args(int argc, char** argv, RunOptions& o, std:
   app.add_option("--iters", o.iters, "Total iterations (used by srtf)");
   app.add_option("--priority", o.priority, "Priority (used by the priority policy)");
   app.add_option("--gpu", o.gpu, "GPU index or 'any'");
+  app.add_option("--mps-threads", o.mps_threads,
+                 "On an MPS GPU, the share of its SMs the program may use (1-100, "
+                 "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)")
+      ->check(CLI::Range(1u, 100u));
   app.add_option("--policy-hint", o.hints, "KEY=VALUE passed on to `need` (e.g. name=bert)")
       ->allow_extra_args(false);  // one value per --policy-hint, so PROGRAM is never taken
   app.add_flag("--retry-on-oom", o.retry_on_oom,

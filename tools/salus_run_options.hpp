@@ -18,6 +18,8 @@ struct RunOptions {
   unsigned long long measure_iters = 3;  // K: iterations measured before `need` is set
   std::optional<unsigned long long> iters;
   std::optional<long long> priority;
+  // On a GPU where salusd runs MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1-100).
+  std::optional<unsigned> mps_threads;
   std::vector<std::string> hints;  // --policy-hint KEY=VALUE, appended to `need`
   bool retry_on_oom = false, no_automark = false, verbose = false;
   std::vector<std::string> command;

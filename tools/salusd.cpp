@@ -25,6 +25,7 @@
 #include "vgpu/broker/broker.hpp"
 #include "vgpu/cuda/cuda_backend.hpp"
 #include "vgpu/executor/remote_device.hpp"
+#include "vgpu/mps/mps_control.hpp"
 #include "vgpu/nvml/nvml_sampler.hpp"
 #include "vgpu/store/session_store.hpp"
 #include "vgpu/sim/sim_device.hpp"
@@ -57,11 +58,34 @@ struct Settings {
   // Named sessions are saved here on a clean stop and restored at start; empty:
   // neither.
   std::string state_dir = "/var/lib/salus";
+  // GPU indices (or "all") that get an MPS control daemon of salusd's own, and
+  // where their pipe and log directories go (cuda backend only).
+  std::vector<std::string> mps;
+  std::string mps_dir = "/run/salus/mps";
 };
 
 int fail(const std::string& why) {
   std::fprintf(stderr, "salusd: %s\n", why.c_str());
   return 1;
+}
+
+// `mps = [0, 2]` or `mps = "all"`.
+std::optional<std::string> load_mps(const toml::table& t, Settings& s) {
+  const toml::node* n = t.get("mps");
+  if (!n) return std::nullopt;
+  s.mps.clear();
+  if (auto v = n->value<std::string>()) {
+    s.mps.push_back(*v);
+  } else if (const toml::array* a = n->as_array()) {
+    for (const auto& e : *a) {
+      const auto i = e.value<std::int64_t>();
+      if (!i) return std::string("mps: expected GPU indices, e.g. mps = [0, 1], or \"all\"");
+      s.mps.push_back(std::to_string(*i));
+    }
+  } else {
+    return std::string("mps: expected a list of GPU indices or \"all\"");
+  }
+  return std::nullopt;
 }
 
 // Reads the config file into `s`; flags given on the command line win later.
@@ -82,6 +106,8 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   s.shutdown_grace_ms = t["shutdown_grace_ms"].value_or(s.shutdown_grace_ms);
   s.metrics_listen = t["metrics_listen"].value_or(s.metrics_listen);
   s.state_dir = t["state_dir"].value_or(s.state_dir);
+  if (auto err = load_mps(t, s)) return fmt::format("config {}: {}", path, *err);
+  s.mps_dir = t["mps_dir"].value_or(s.mps_dir);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.gpu_isolation = t["gpu_isolation"].value_or(s.gpu_isolation);
@@ -139,6 +165,11 @@ std::optional<std::string> validate(const Settings& s) {
     return std::string("quotas.transfers_per_uid must be at least 1");
   if (s.mount.empty() || s.mount[0] != '/')
     return fmt::format("mount '{}' must be an absolute path", s.mount);
+  for (const auto& g : s.mps)
+    if (g != "all" && (g.empty() || g.size() > 4 || g.find_first_not_of("0123456789") != g.npos))
+      return fmt::format("mps '{}': expected GPU indices (e.g. 0,1) or all", g);
+  if (!s.mps.empty() && (s.mps_dir.empty() || s.mps_dir[0] != '/'))
+    return fmt::format("mps_dir '{}' must be an absolute path", s.mps_dir);
   std::string why;
   if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, why))
     return fmt::format("metrics_listen {}", why);
@@ -199,6 +230,14 @@ void add_flags(CLI::App& flags, Settings& s) {
                   "process: each GPU in its own executor process, restarted when a kernel "
                   "poisons its context (default for cuda); thread: inside salusd (default for sim)")
       ->check(CLI::IsMember({"auto", "process", "thread"}));
+  flags
+      .add_option("--mps", s.mps,
+                  "GPUs (indices, comma-separated, or all) on which salusd runs an MPS control "
+                  "daemon so that attached sessions run concurrently (cuda backend)")
+      ->delimiter(',');
+  flags.add_option(
+      "--mps-dir", s.mps_dir,
+      "Where the MPS pipe and log directories go, one per GPU (default /run/salus/mps)");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -310,6 +349,58 @@ std::unique_ptr<salus::vgpu::GpuTelemetry> start_telemetry(const Devices& d) {
   return sampler;
 }
 
+using MpsDaemons = std::vector<std::unique_ptr<salus::vgpu::MpsControl>>;
+
+// One MPS control daemon per GPU named by --mps, started before the mount and
+// stopped after the broker (never from a FUSE thread). Returns false with `why`
+// when one cannot be had: salusd then refuses to start rather than serve those
+// GPUs time-sliced while the operator asked for MPS.
+bool start_mps(const Settings& s, const Devices& d, MpsDaemons& out, std::string& why) {
+  if (s.mps.empty()) return true;
+  if (d.backend != "cuda") {
+    why = fmt::format(
+        "--mps needs the cuda backend (MPS shares a real GPU between processes); "
+        "this salusd runs the {} backend",
+        d.backend);
+    return false;
+  }
+  out.resize(d.list.size());
+  for (const auto& g : s.mps) {
+    for (std::size_t i = 0; i < d.list.size(); ++i) {
+      if (g != "all" && g != std::to_string(i)) continue;
+      if (out[i]) continue;
+      salus::vgpu::MpsOptions o;
+      o.dir = fmt::format("{}/{}", s.mps_dir, i);
+      o.visible = d.list[i]->info().uuid.empty() ? std::to_string(i) : d.list[i]->info().uuid;
+      out[i] = salus::vgpu::MpsControl::start(o, why);
+      if (!out[i]) {
+        why = fmt::format("--mps: gpu {}: {}", i, why);
+        return false;
+      }
+      spdlog::info("gpu {}: MPS control daemon (pid {}{}) serving {}", i, out[i]->pid(),
+                   out[i]->adopted() ? ", left by an earlier salusd, taken over" : "",
+                   out[i]->pipe_directory());
+    }
+    if (g != "all" && std::stoul(g) >= d.list.size()) {
+      why = fmt::format("--mps {}: no such GPU (salusd has {})", g, d.list.size());
+      return false;
+    }
+  }
+  return true;
+}
+
+void stop_mps(MpsDaemons& daemons) {
+  for (std::size_t i = 0; i < daemons.size(); ++i) {
+    if (!daemons[i]) continue;
+    const bool was_alive = daemons[i]->alive();
+    const std::string what = daemons[i]->stop();
+    if (was_alive)
+      spdlog::info("gpu {}: {}", i, what);
+    else
+      spdlog::warn("gpu {}: {}", i, what);
+  }
+}
+
 salus::vgpu::BrokerConfig broker_config(const Settings& s) {
   salus::vgpu::BrokerConfig bc;
   bc.policy = *salus::sched::policy_from_string(s.policy);
@@ -371,12 +462,17 @@ int main(int argc, char** argv) {
 
   Devices devices;
   if (std::string why; !open_devices(s, *sim_memory, devices, why)) return fail(why);
+  // Declared before the broker: stopped after it (and on every early return).
+  MpsDaemons mps;
+  if (std::string why; !start_mps(s, devices, mps, why)) return fail(why);
   auto telemetry = start_telemetry(devices);
   const std::string backend = devices.backend;
   const bool isolated =
       s.gpu_isolation == "process" || (s.gpu_isolation == "auto" && backend == "cuda");
   raise_fd_limit();
-  salus::vgpu::Broker broker(std::move(devices.list), broker_config(s), std::move(telemetry));
+  auto bc = broker_config(s);
+  for (const auto& m : mps) bc.mps.push_back(m.get());
+  salus::vgpu::Broker broker(std::move(devices.list), std::move(bc), std::move(telemetry));
 
   // Before the mount, so that a port in use stops salusd before anything is
   // served. Declared after the broker: destroyed, and so stopped, before it.
@@ -421,6 +517,7 @@ int main(int argc, char** argv) {
                s.shutdown_grace_ms);
   broker.shutdown(std::chrono::milliseconds(s.shutdown_grace_ms));
   fs.unmount();
+  stop_mps(mps);
   spdlog::info("stopped; {} unmounted", fo.mountpoint);
   return rc;
 }

@@ -29,6 +29,8 @@
 
 namespace salus::vgpu {
 
+class MpsControl;
+
 struct Caller {
   uid_t uid = 0;
   gid_t gid = 0;
@@ -68,6 +70,9 @@ struct BrokerConfig {
   std::int64_t quantum_ns = 50'000'000;
   // Threads that open, read and write what callers name (see caller_io.hpp).
   CallerIo::Options caller_io;
+  // Per GPU, the MPS control daemon salusd runs for it (--mps), or null; owned
+  // by salusd's main and outliving the broker. Shown in gpus/N/info.
+  std::vector<const MpsControl*> mps;
 };
 
 struct BrokerStats {
@@ -342,6 +347,7 @@ class Broker {
   void stop_gate_service();
 
   BrokerConfig config_;
+  std::string mps_lines(std::size_t gpu) const;
   mutable std::mutex mu_;
   // Declared before gpus_: their transfer engines post file I/O to it.
   std::unique_ptr<CallerIo> caller_io_;

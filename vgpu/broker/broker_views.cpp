@@ -7,6 +7,7 @@
 #include "salus_config.hpp"
 #include "vgpu/broker/broker.hpp"
 #include "vgpu/broker/broker_gpu.hpp"
+#include "vgpu/mps/mps_control.hpp"
 
 namespace salus::vgpu {
 
@@ -186,6 +187,16 @@ GpuTelemetrySnapshot Broker::telemetry_of(std::size_t gpu) const {
   return none;
 }
 
+// `mps: on|off|down` and the pipe directory attached programs must use
+// (CUDA_MPS_PIPE_DIRECTORY; salus-run sets it). down: salusd started the
+// daemon but it is gone, so new programs would fail to start on this GPU.
+std::string Broker::mps_lines(std::size_t gi) const {
+  const MpsControl* m = gi < config_.mps.size() ? config_.mps[gi] : nullptr;
+  if (!m) return "mps: off\nmps_pipe_directory: -\n";
+  return fmt::format("mps: {}\nmps_pipe_directory: {}\n", m->alive() ? "on" : "down",
+                     m->pipe_directory());
+}
+
 std::string Broker::render_gpu_info(std::size_t gi) const {
   // gpus_ never changes size after construction; the snapshot is taken before
   // mu_ so the two locks are never held together.
@@ -208,7 +219,7 @@ std::string Broker::render_gpu_info(std::size_t gi) const {
              h.isolation, h.executor_pid > 0 ? std::to_string(h.executor_pid) : std::string("-"),
              h.usable ? std::string("ok") : "out-of-service: " + h.unusable_why, h.restarts,
              or_dash(h.last_restart), or_dash(h.last_fault)) +
-         nvml;
+         mps_lines(gi) + nvml;
 }
 
 std::string Broker::render_gpu_summary(std::size_t gi) const {
