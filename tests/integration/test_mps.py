@@ -220,3 +220,20 @@ def test_a_daemon_left_by_a_killed_salusd_is_taken_over():
         if second:
             second.stop()
         first.cleanup()
+
+
+def test_directories_it_did_not_make_keep_their_mode(tmp_path):
+    """salusd makes --mps-dir and its parents 0755 where it makes them, but never
+    changes a parent that was already there (it once made /tmp 0755)."""
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, 0o1777)
+    (parent / "keep").mkdir()
+    d = MpsSalusd(keep=str(parent / "keep"))
+    try:
+        d.start()
+        assert os.stat(parent).st_mode & 0o7777 == 0o1777
+        assert os.stat(os.path.join(d.mps_dir, "0", "pipe")).st_mode & 0o777 == 0o755
+    finally:
+        d.stop()
+        d.cleanup()

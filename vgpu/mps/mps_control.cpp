@@ -30,19 +30,23 @@ using Clock = std::chrono::steady_clock;
 // used by the tests does the same.
 constexpr const char* kPidFile = "nvidia-cuda-mps-control.pid";
 
-bool make_dir(const std::string& path, std::string& why) {
-  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
+// Makes `path`. Its mode becomes 0755 whatever the umask (clients of other
+// uids must reach the pipe) where salusd made it, and for the leaf always; a
+// parent that already existed (/run, /tmp, ...) is never touched.
+bool make_dir(const std::string& path, bool leaf, std::string& why) {
+  const bool made = ::mkdir(path.c_str(), 0755) == 0;
+  if (!made && errno != EEXIST) {
     why = fmt::format("cannot create {}: {}", path, std::strerror(errno));
     return false;
   }
-  // 0755 whatever the umask: clients of other uids must reach the pipe.
-  ::chmod(path.c_str(), 0755);
+  if (made || leaf) ::chmod(path.c_str(), 0755);
   return true;
 }
 
 bool make_dirs(const std::string& path, std::string& why) {
   for (std::size_t i = 1; i <= path.size(); ++i)
-    if ((i == path.size() || path[i] == '/') && !make_dir(path.substr(0, i), why)) return false;
+    if ((i == path.size() || path[i] == '/') && !make_dir(path.substr(0, i), i == path.size(), why))
+      return false;
   return true;
 }
 
