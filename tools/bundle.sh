@@ -10,10 +10,10 @@ out=${2:?usage: tools/bundle.sh BUILD_DIR OUT_DIR}
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib" "$out/data"
 for f in tools/salusd tools/salusctl tools/salus-bench tools/salus-sim tools/salus-trace-gen \
-         tests/gpu/test_cuda_device tests/gpu/test_cuda_driver tests/gpu/test_nvml_gpu; do
+         tests/vgpu/cuda/test_cuda_device tests/vgpu/cuda/test_cuda_driver tests/vgpu/cuda/test_nvml_gpu; do
   [ -x "$build/$f" ] && cp "$build/$f" "$out/bin/"
 done
-for f in tests/gpu/test_kernels.fatbin tests/gpu/test_kernels.ptx tools/salus_bench_kernels.ptx; do
+for f in tests/vgpu/cuda/test_kernels.fatbin tests/vgpu/cuda/test_kernels.ptx tools/salus_bench_kernels.ptx; do
   [ -f "$build/$f" ] && cp "$build/$f" "$out/data/"
 done
 cp "$(command -v fusermount3)" "$out/bin/"

@@ -88,7 +88,7 @@ def test_spin_keeps_the_gpu_busy_for_its_length(gpu_salusd):
 @pytest.fixture
 def ptx():
     if not PTX or not os.path.exists(PTX):
-        pytest.skip("tests/gpu/test_kernels.ptx was not built (nvcc absent at build time)")
+        pytest.skip("tests/vgpu/cuda/test_kernels.ptx was not built (nvcc absent at build time)")
     return PTX
 
 

@@ -2,7 +2,7 @@
 environment salus-run gives a program on an MPS GPU.
 
 These tests do NOT run MPS. There is no GPU here: salusd runs the cuda backend
-against the mock libcuda (tests/gpu/mock_libcuda.cpp) and finds a stand-in
+against the mock libcuda (tests/vgpu/cuda/mock_libcuda.cpp) and finds a stand-in
 nvidia-cuda-mps-control (mps_control_standin.py) first on PATH. What they check
 is salusd's own process management: the daemon is started with -d, its GPU's
 UUID and its own pipe/log directories; salusd waits until its control pipe

@@ -9,9 +9,9 @@
 // and a store outside every allocation makes the context sticky-faulted with
 // CUDA_ERROR_ILLEGAL_ADDRESS until cuDevicePrimaryCtxReset.
 //
-// Only for tests: selected with LD_LIBRARY_PATH by tests/gpu/meson.build.
+// Only for tests: selected with LD_LIBRARY_PATH by tests/vgpu/cuda/meson.build.
 //
-// For libsalus-shim's tests (tests/gpu/test_shim.cpp) it also has what a
+// For libsalus-shim's tests (tests/vgpu/cuda/test_shim.cpp) it also has what a
 // program's own CUDA use reaches: the driver entry points at several versions
 // (cuGetProcAddress v1 and v2, cuMemGetInfo v1 and v2), a few exported symbols
 // for dlsym, stream-ordered allocation, VMM handles, managed memory, the other

@@ -16,7 +16,7 @@
 // 71234+1000k mW, temperature 40+k C, and energy (k+1)*10^6 mJ plus 500 mJ per
 // call. mock_nvml_calls(NAME) counts calls per entry point, for the tests.
 //
-// Only for tests: selected with LD_LIBRARY_PATH by tests/nvml/meson.build.
+// Only for tests: selected with LD_LIBRARY_PATH by tests/vgpu/nvml/meson.build.
 #include <cstdio>
 #include <cstdlib>
 #include <map>

@@ -1,6 +1,6 @@
 // libsalus-shim against the mock driver (mock_libcuda.cpp), with no GPU.
 //
-// The program runs with the shim preloaded (tests/gpu/meson.build), reaches the
+// The program runs with the shim preloaded (tests/vgpu/cuda/meson.build), reaches the
 // driver as real programs do (dlopen + dlsym, cuGetProcAddress v1 and v2), and
 // plays salusd itself: its session's ctl is a FIFO, from which FakeSalusd reads
 // the shim's `attach gate=FD bell=FD` line, takes both descriptors out of this
