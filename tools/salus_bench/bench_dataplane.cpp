@@ -1,6 +1,6 @@
 // salus-bench dataplane: bandwidth of the three data paths into and out of one
 // buffer (mem/ files, upload/download through shared memory, and through files
-// with io_uring), each next to a baseline measured in the same run on the same
+// on the caller-I/O threads), each next to a baseline measured in the same run on the same
 // machine: a plain memcpy (sim) or cuMemcpyHtoD/DtoH from pinned memory (cuda)
 // for shared memory, a plain sequential read()/write() of the same file for files.
 #include <fcntl.h>
@@ -258,7 +258,7 @@ int bench_dataplane(Target& t, const Options& o) {
     row(o.backend == "sim" ? "baseline: memcpy out" : "baseline: DtoH, pinned", shm_down.base_gbps);
   row("shm download", shm_down.path_gbps, vs(shm_down, base_name, ""));
 
-  // Files through io_uring, against plain read()/write() of the same files.
+  // Files through the caller-I/O threads, against plain read()/write() of the same files.
   const auto fup = cmd(fmt::format("upload w file:{} {}\nsync\n", file, n));
   const auto fdown = cmd(fmt::format("download w file:{} {}\nsync\n", out_file, n));
   const Pair file_up = measure(
@@ -270,9 +270,9 @@ int bench_dataplane(Target& t, const Options& o) {
   const Pair tmpfs =
       measure(n, o.repeat, nullptr, [&] { plain_io(seg_path, n, true, host.p, true); });
   row("baseline: read() into memory", file_up.base_gbps);
-  row("file upload (io_uring)", file_up.path_gbps, vs(file_up, "read()", " (target >= 0.80)"));
+  row("file upload", file_up.path_gbps, vs(file_up, "read()", " (target >= 0.80)"));
   row("baseline: write() from memory", file_down.base_gbps);
-  row("file download (io_uring)", file_down.path_gbps, vs(file_down, "write()", ""));
+  row("file download", file_down.path_gbps, vs(file_down, "write()", ""));
   row("(read() into one cached 8M block)", cached.path_gbps);
   row("(read() of the shm segment, tmpfs)", tmpfs.path_gbps);
 
@@ -289,7 +289,7 @@ int bench_dataplane(Target& t, const Options& o) {
 
 void add_dataplane_benches(CLI::App& app, Registry& r) {
   auto* cmd = app.add_subcommand(
-      "dataplane", "Bandwidth of mem/, shm and io_uring file transfers against baselines");
+      "dataplane", "Bandwidth of mem/, shm and file transfers against baselines");
   auto o = std::make_shared<Options>();
   cmd->add_option("--size", o->size, "Buffer size (default 1G)");
   cmd->add_option("--backend", o->backend, "sim or cuda (default sim)")
