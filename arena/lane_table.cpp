@@ -54,13 +54,21 @@ bool LaneTable::remove_member(LaneId lane, SessionId session) {
   if (m == l.members.end()) return false;
   unindex(l);
   l.members.erase(m);
-  Bytes largest = 0;
-  for (const LaneMember& x : l.members) largest = std::max(largest, x.ephemeral);
-  total_ -= l.size - largest;
-  l.size = largest;
+  resize(l);
   index(l);
   dirty_ = true;
   return true;
+}
+
+void LaneTable::resize(Lane& l) {
+  Bytes size = 0;
+  for (const LaneMember& x : l.members) size = std::max(size, x.ephemeral);
+  // The iteration in flight uses the lane's bytes until its boundary, whoever is still a
+  // member: while it runs the lane does not shrink, so the lane sum of the safety
+  // condition counts those bytes and the lanes opened above it find their place free.
+  if (l.busy) size = std::max(size, l.held);
+  total_ = total_ - l.size + size;
+  l.size = size;
 }
 
 const Lane* LaneTable::best_match(Bytes e) const {
@@ -100,6 +108,9 @@ bool LaneTable::end(LaneId lane) {
   l.busy = false;
   l.running.reset();
   l.used = 0;
+  unindex(l);
+  resize(l);  // members that left while it ran give their bytes back now
+  index(l);
   dirty_ = true;
   return true;
 }
