@@ -275,7 +275,8 @@ std::string GpuArena::Impl::check() const {
         return fmt::format("lane {}: member {} is stale", id, m.session);
       largest = std::max(largest, m.ephemeral);
     }
-    const Bytes want = l.busy ? std::max(largest, l.held) : largest;
+    if (!l.busy && l.kept != 0) return fmt::format("lane {}: idle but keeps bytes", id);
+    const Bytes want = l.busy ? std::max(largest, l.kept) : largest;
     if (l.size != want)
       return fmt::format("lane {}: size {} but largest E {} (held {}, busy {})", id, l.size,
                          largest, l.held, l.busy);
@@ -382,7 +383,7 @@ ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now) {
     m.reserved -= s.reserved() - s.used;
     if (const Lane* l = m.lanes.find(*s.lane); l && l->busy)
       m.draining.emplace_back(*s.lane, session);
-    m.lanes.remove_member(*s.lane, session);
+    m.lanes.remove_member(*s.lane, session, true);
     s.lane.reset();
     s.admitted = false;
     m.queue.push(session, s.arrival, now, 0, 0);

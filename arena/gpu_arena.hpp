@@ -164,9 +164,9 @@ class GpuArena {
   // New need for a queued or admitted session. An admitted session keeps its
   // persistent buffers, leaves its lane, and is re-queued at its original
   // arrival position (re-admission). Runs assignment. If its lane is busy, the session
-  // waits on its own drain until that lane's boundary: the lane keeps its bytes (see
-  // LaneTable), so others are placed above it, and the queue passes over the session
-  // without charging it bypasses while it is refused (others do not delay it then); it may
+  // waits on its own drain until that lane's boundary: the lane keeps its size until
+  // then (LaneTable::remove_member), so others are placed above it, and the queue passes over the
+  // session without charging it bypasses while it is refused (others do not delay it then); it may
   // still be admitted to another lane at once if there is room. session_idle plans no
   // moves of its buffers until the drain.
   ArenaError change_need(SessionId session, Need need, TimeNs now);

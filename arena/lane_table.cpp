@@ -45,7 +45,7 @@ void LaneTable::grow(LaneId lane, SessionId session, Bytes ephemeral) {
   join(lane, session, ephemeral);
 }
 
-bool LaneTable::remove_member(LaneId lane, SessionId session) {
+bool LaneTable::remove_member(LaneId lane, SessionId session, bool keep_until_boundary) {
   auto it = lanes_.find(lane);
   if (it == lanes_.end()) return false;
   Lane& l = it->second;
@@ -54,6 +54,8 @@ bool LaneTable::remove_member(LaneId lane, SessionId session) {
   if (m == l.members.end()) return false;
   unindex(l);
   l.members.erase(m);
+  // Its size as counted now, never more: the lane sum must not grow without admission.
+  if (keep_until_boundary && l.busy) l.kept = std::max(l.kept, l.size);
   resize(l);
   index(l);
   dirty_ = true;
@@ -63,10 +65,10 @@ bool LaneTable::remove_member(LaneId lane, SessionId session) {
 void LaneTable::resize(Lane& l) {
   Bytes size = 0;
   for (const LaneMember& x : l.members) size = std::max(size, x.ephemeral);
-  // The iteration in flight uses the lane's bytes until its boundary, whoever is still a
-  // member: while it runs the lane does not shrink, so the lane sum of the safety
-  // condition counts those bytes and the lanes opened above it find their place free.
-  if (l.busy) size = std::max(size, l.held);
+  // Work of a member that left by a need change may still run in the lane until its
+  // boundary: the lane keeps those bytes until then, so the lane sum of the safety
+  // condition counts them and lanes opened meanwhile go above, into free space.
+  if (l.busy) size = std::max(size, l.kept);
   total_ = total_ - l.size + size;
   l.size = size;
 }
@@ -108,6 +110,7 @@ bool LaneTable::end(LaneId lane) {
   l.busy = false;
   l.running.reset();
   l.used = 0;
+  l.kept = 0;
   unindex(l);
   resize(l);  // members that left while it ran give their bytes back now
   index(l);

@@ -22,7 +22,7 @@ struct LaneMember {
 
 struct Lane {
   LaneId id = 0;
-  // Max ephemeral of the members (0 once empty); while busy, at least what it holds.
+  // Max ephemeral of the members (0 once empty); while busy, at least `kept`.
   Bytes size = 0;
   std::vector<LaneMember> members;  // admission order
   // Physical state. `held` bytes at `offset` belong to the lane; they differ from
@@ -32,6 +32,9 @@ struct Lane {
   Bytes target = 0;                  // where the compact layout puts it
   std::optional<Bytes> last_offset;  // where it last sat, to count moves
   bool busy = false;
+  // What a busy lane keeps until its boundary for members that left it by a need
+  // change (their work may still run in it); 0 when idle.
+  Bytes kept = 0;
   std::optional<SessionId> running;
   Bytes used = 0;
 
@@ -49,9 +52,10 @@ class LaneTable {
   // so every lane above it shifts up.
   void grow(LaneId lane, SessionId session, Bytes ephemeral);
   // Drops a member; the lane shrinks to its remaining largest need (0 when empty; an
-  // empty lane is deleted by settle once it is idle), a busy lane only at its boundary
+  // empty lane is deleted by settle once it is idle). With keep_until_boundary (the
+  // member's own work may still run there), a busy lane shrinks only at its boundary
   // (end). False if it was not a member.
-  bool remove_member(LaneId lane, SessionId session);
+  bool remove_member(LaneId lane, SessionId session, bool keep_until_boundary = false);
 
   // Algorithm 1, step 2: the smallest lane with size >= e; ties go to the lane with fewer
   // members, then the lower id. Lanes without members are never offered.
