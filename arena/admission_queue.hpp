@@ -53,7 +53,16 @@ class AdmissionQueue {
   // and stops as soon as a refused request has been passed max_bypass times. Returns the
   // number admitted.
   template <typename TryAdmit>
-  std::size_t admit(QueueMode mode, std::uint32_t max_bypass, TryAdmit&& try_admit);
+  std::size_t admit(QueueMode mode, std::uint32_t max_bypass, TryAdmit&& try_admit) {
+    return admit(mode, max_bypass, try_admit, [](const QueuedRequest&) { return false; });
+  }
+  // As above, but a refused request for which `passable` is true (it cannot be admitted
+  // whatever the others do, e.g. it waits on its own work to drain) is passed over in
+  // either mode without counting a bypass on it: others admitted meanwhile do not delay
+  // it, so they must not use up its starvation bound either.
+  template <typename TryAdmit, typename Passable>
+  std::size_t admit(QueueMode mode, std::uint32_t max_bypass, TryAdmit&& try_admit,
+                    Passable&& passable);
 
   template <typename F>
   void for_each(F&& f) const {
@@ -70,8 +79,9 @@ class AdmissionQueue {
   std::vector<QueuedRequest*> refused_;  // scratch for admit, kept to avoid allocating
 };
 
-template <typename TryAdmit>
-std::size_t AdmissionQueue::admit(QueueMode mode, std::uint32_t max_bypass, TryAdmit&& try_admit) {
+template <typename TryAdmit, typename Passable>
+std::size_t AdmissionQueue::admit(QueueMode mode, std::uint32_t max_bypass, TryAdmit&& try_admit,
+                                  Passable&& passable) {
   const std::uint32_t cap = mode == QueueMode::strict_fifo ? 0 : max_bypass;
   std::size_t admitted = 0;
   refused_.clear();
@@ -88,6 +98,8 @@ std::size_t AdmissionQueue::admit(QueueMode mode, std::uint32_t max_bypass, TryA
       uncount(q);
       it = entries_.erase(it);
       if (capped) break;
+    } else if (passable(static_cast<const QueuedRequest&>(q))) {
+      ++it;
     } else {
       if (q.bypassed >= cap) break;  // nothing behind it may pass it again
       refused_.push_back(&q);

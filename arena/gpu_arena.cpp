@@ -73,6 +73,9 @@ struct GpuArena::Impl {
   std::unordered_map<SessionId, SessionState> sessions;
   std::uint64_t next_arrival = 0;
   Bytes reserved = 0;  // sum of SessionState::reserved()
+  // (lane, session): the session left the lane by a need change while the lane was busy,
+  // so its work may still be in flight there until that lane's boundary. Usually empty.
+  std::vector<std::pair<LaneId, SessionId>> draining;
   std::vector<Admitted> admissions;
   ArenaStats stats;
   mutable std::uint64_t verify_calls = 0;  // for verify()'s sampling
@@ -80,6 +83,7 @@ struct GpuArena::Impl {
   Bytes slack() const { return usable - reserved - lanes.total(); }
   bool too_large(const Need& need, Bytes used) const;
   bool try_admit(const QueuedRequest& q);
+  bool waits_on_own_drain(const QueuedRequest& q) const;
   bool may_admit() const;
   bool settle_lanes();
   void reconcile(bool assign);
@@ -158,6 +162,14 @@ bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
   return true;
 }
 
+// A re-queued session whose old lane is still busy holds that lane's bytes itself; while
+// that lasts its refusal is its own doing, not something the sessions behind it cause.
+bool GpuArena::Impl::waits_on_own_drain(const QueuedRequest& q) const {
+  for (const auto& [lane, session] : draining)
+    if (session == q.session) return true;
+  return false;
+}
+
 // True when bytes were given back, i.e. room may have appeared for the queue.
 bool GpuArena::Impl::settle_lanes() {
   const LaneTable::SettleResult r = lanes.settle(space);
@@ -169,9 +181,10 @@ bool GpuArena::Impl::settle_lanes() {
 void GpuArena::Impl::reconcile(bool assign) {
   bool run = settle_lanes() || assign;
   while (run && may_admit()) {
-    const std::size_t admitted =
-        queue.admit(options.queue_mode, options.max_bypass,
-                    [this](const QueuedRequest& q) { return try_admit(q); });
+    const std::size_t admitted = queue.admit(
+        options.queue_mode, options.max_bypass,
+        [this](const QueuedRequest& q) { return try_admit(q); },
+        [this](const QueuedRequest& q) { return waits_on_own_drain(q); });
     // Admissions only take room, so another pass is useful only if placing the new lanes
     // moved others (a grown lane shifts the lanes above it).
     run = admitted > 0 && settle_lanes();
@@ -271,8 +284,11 @@ std::string GpuArena::Impl::check() const {
         return fmt::format("lane {}: member {} is stale", id, m.session);
       largest = std::max(largest, m.ephemeral);
     }
-    if (l.size != largest)
-      return fmt::format("lane {}: size {} but largest E {}", id, l.size, largest);
+    if (!l.busy && l.kept != 0) return fmt::format("lane {}: idle but keeps bytes", id);
+    const Bytes want = l.busy ? std::max(largest, l.kept) : largest;
+    if (l.size != want)
+      return fmt::format("lane {}: size {} but largest E {} (held {}, busy {})", id, l.size,
+                         largest, l.held, l.busy);
     if (l.target != total)
       return fmt::format("lane {}: target {} but layout says {}", id, l.target, total);
     total += l.size;
@@ -374,7 +390,9 @@ ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now) {
   if (m.too_large(need, s.used)) return ArenaError::too_large;
   if (s.admitted) {
     m.reserved -= s.reserved() - s.used;
-    m.lanes.remove_member(*s.lane, session);
+    if (const Lane* l = m.lanes.find(*s.lane); l && l->busy)
+      m.draining.emplace_back(*s.lane, session);
+    m.lanes.remove_member(*s.lane, session, true);
     s.lane.reset();
     s.admitted = false;
     m.queue.push(session, s.arrival, now, 0, 0);
@@ -395,6 +413,7 @@ void GpuArena::leave(SessionId session, TimeNs /*now*/) {
   m.reserved -= s.reserved();
   if (s.lane) m.lanes.remove_member(*s.lane, session);
   m.queue.remove(session);
+  std::erase_if(m.draining, [session](const auto& d) { return d.second == session; });
   if (m.heap.release_all(m.space, session) > 0) m.lanes.mark_dirty();
   m.sessions.erase(it);
   m.reconcile(true);
@@ -426,7 +445,13 @@ void GpuArena::begin_iteration(LaneId lane, SessionId session, Bytes ephemeral_u
 }
 
 void GpuArena::end_iteration(LaneId lane, TimeNs /*now*/) {
-  if (impl_->lanes.end(lane)) impl_->reconcile(false);
+  Impl& m = *impl_;
+  if (!m.lanes.end(lane)) return;
+  // Sessions that left this lane while it ran have drained: they count in the queue again,
+  // and a pass must offer them what they waited for.
+  const bool drained =
+      std::erase_if(m.draining, [lane](const auto& d) { return d.first == lane; }) > 0;
+  m.reconcile(drained);
 }
 
 AllocResult GpuArena::alloc_persistent(SessionId session, Bytes size) {
@@ -479,6 +504,8 @@ std::vector<PersistentMove> GpuArena::session_idle(SessionId session) {
   if (const Lane* l = it->second.lane ? m.lanes.find(*it->second.lane) : nullptr;
       l && l->busy && l->running == session)
     return {};  // not idle after all: its iteration is in flight
+  for (const auto& [lane, s] : m.draining)
+    if (s == session) return {};  // its work may still run in the lane it left
   std::vector<PersistentMove> moves = m.heap.plan_moves(m.space, session, m.lanes.total());
   m.verify();
   return moves;

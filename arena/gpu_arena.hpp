@@ -163,7 +163,12 @@ class GpuArena {
   ArenaError request(SessionId session, Need need, TimeNs now);
   // New need for a queued or admitted session. An admitted session keeps its
   // persistent buffers, leaves its lane, and is re-queued at its original
-  // arrival position (re-admission). Runs assignment.
+  // arrival position (re-admission). Runs assignment. If its lane is busy, the session
+  // waits on its own drain until that lane's boundary: the lane keeps its size until
+  // then (LaneTable::remove_member), so others are placed above it, and the queue passes over the
+  // session without charging it bypasses while it is refused (others do not delay it then); it may
+  // still be admitted to another lane at once if there is room. session_idle plans no
+  // moves of its buffers until the drain.
   ArenaError change_need(SessionId session, Need need, TimeNs now);
   // The session is gone: its persistent buffers are freed, its lane reference is
   // dropped (an empty lane is deleted), its queue slot is removed. Runs assignment.
@@ -215,8 +220,9 @@ class GpuArena {
   // Empty when every invariant holds; otherwise a description of the first
   // violation. Checked after every operation in debug builds.
   std::string check_invariants() const;
-  // Every physically held range, in offset order. A busy lane that shrank keeps holding
-  // its old extent until its boundary, so this can differ from lanes().
+  // Every physically held range, in offset order. A busy lane keeps holding its extent
+  // until its boundary (one that grew meanwhile waits to move), so this can differ from
+  // lanes().
   std::vector<PhysicalRegion> physical_regions() const;
 
  private:

@@ -45,7 +45,7 @@ void LaneTable::grow(LaneId lane, SessionId session, Bytes ephemeral) {
   join(lane, session, ephemeral);
 }
 
-bool LaneTable::remove_member(LaneId lane, SessionId session) {
+bool LaneTable::remove_member(LaneId lane, SessionId session, bool keep_until_boundary) {
   auto it = lanes_.find(lane);
   if (it == lanes_.end()) return false;
   Lane& l = it->second;
@@ -54,13 +54,23 @@ bool LaneTable::remove_member(LaneId lane, SessionId session) {
   if (m == l.members.end()) return false;
   unindex(l);
   l.members.erase(m);
-  Bytes largest = 0;
-  for (const LaneMember& x : l.members) largest = std::max(largest, x.ephemeral);
-  total_ -= l.size - largest;
-  l.size = largest;
+  // Its size as counted now, never more: the lane sum must not grow without admission.
+  if (keep_until_boundary && l.busy) l.kept = std::max(l.kept, l.size);
+  resize(l);
   index(l);
   dirty_ = true;
   return true;
+}
+
+void LaneTable::resize(Lane& l) {
+  Bytes size = 0;
+  for (const LaneMember& x : l.members) size = std::max(size, x.ephemeral);
+  // Work of a member that left by a need change may still run in the lane until its
+  // boundary: the lane keeps those bytes until then, so the lane sum of the safety
+  // condition counts them and lanes opened meanwhile go above, into free space.
+  if (l.busy) size = std::max(size, l.kept);
+  total_ = total_ - l.size + size;
+  l.size = size;
 }
 
 const Lane* LaneTable::best_match(Bytes e) const {
@@ -100,6 +110,10 @@ bool LaneTable::end(LaneId lane) {
   l.busy = false;
   l.running.reset();
   l.used = 0;
+  l.kept = 0;
+  unindex(l);
+  resize(l);  // members that left while it ran give their bytes back now
+  index(l);
   dirty_ = true;
   return true;
 }

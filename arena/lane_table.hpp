@@ -22,7 +22,8 @@ struct LaneMember {
 
 struct Lane {
   LaneId id = 0;
-  Bytes size = 0;                   // max ephemeral of the members; 0 once empty
+  // Max ephemeral of the members (0 once empty); while busy, at least `kept`.
+  Bytes size = 0;
   std::vector<LaneMember> members;  // admission order
   // Physical state. `held` bytes at `offset` belong to the lane; they differ from
   // [target, target + size) only while a busy lane waits for its boundary.
@@ -31,6 +32,9 @@ struct Lane {
   Bytes target = 0;                  // where the compact layout puts it
   std::optional<Bytes> last_offset;  // where it last sat, to count moves
   bool busy = false;
+  // What a busy lane keeps until its boundary for members that left it by a need
+  // change (their work may still run in it); 0 when idle.
+  Bytes kept = 0;
   std::optional<SessionId> running;
   Bytes used = 0;
 
@@ -48,8 +52,10 @@ class LaneTable {
   // so every lane above it shifts up.
   void grow(LaneId lane, SessionId session, Bytes ephemeral);
   // Drops a member; the lane shrinks to its remaining largest need (0 when empty; an
-  // empty lane is deleted by settle once it is idle). False if it was not a member.
-  bool remove_member(LaneId lane, SessionId session);
+  // empty lane is deleted by settle once it is idle). With keep_until_boundary (the
+  // member's own work may still run there), a busy lane shrinks only at its boundary
+  // (end). False if it was not a member.
+  bool remove_member(LaneId lane, SessionId session, bool keep_until_boundary = false);
 
   // Algorithm 1, step 2: the smallest lane with size >= e; ties go to the lane with fewer
   // members, then the lower id. Lanes without members are never offered.
@@ -90,6 +96,7 @@ class LaneTable {
   static Key key(const Lane& l) { return {l.size, l.members.size(), l.id}; }
   void unindex(const Lane& l);
   void index(const Lane& l);
+  void resize(Lane& l);  // size and total_ after the members or the busy state changed
 
   std::map<LaneId, Lane> lanes_;
   std::set<Key> index_;  // lanes with members

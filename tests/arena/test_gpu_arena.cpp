@@ -441,5 +441,44 @@ TEST(GpuArena, ErrorNamesAreStable) {
   EXPECT_STREQ(to_string(ArenaError::no_memory), "no_memory");
 }
 
+// Issue 17 item 4: a session that sends `need` again while its iteration runs must not
+// hold up the admission of others while that iteration drains.
+TEST(GpuArena, ReNeedDuringAnIterationDoesNotBlockOthers) {
+  GpuArena a(256 * M);
+  const auto l1 = admit(a, 1, 0, 1 * M);
+  ASSERT_TRUE(l1);
+  a.begin_iteration(*l1, 1, 1 * M);
+  EXPECT_EQ(a.change_need(1, {0, 1 * M}, 0), ArenaError::ok);
+  for (SessionId s = 2; s < 40; ++s) {
+    EXPECT_TRUE(admit(a, s, 0, 1 * M).has_value()) << "session " << s;
+    EXPECT_CLEAN(a);
+  }
+  a.end_iteration(*l1, 1);
+  EXPECT_TRUE(a.placement(1)->admitted);
+  EXPECT_CLEAN(a);
+}
+
+// The same when the new need cannot be placed beside the lane its iteration still holds:
+// while it waits on its own drain it is passed over without using up the bypass bound,
+// and once drained it is admitted before the newcomers that arrive after that.
+TEST(GpuArena, ReNeedWaitingOnItsOwnDrainIsNotAHeadOthersWaitBehind) {
+  for (QueueMode mode : {QueueMode::bounded_bypass, QueueMode::strict_fifo}) {
+    GpuArena a(256 * M, {mode, 2, LaneMode::lane_per_session});
+    const auto l1 = admit(a, 1, 0, 200 * M);
+    ASSERT_TRUE(l1);
+    a.begin_iteration(*l1, 1, 1 * M);
+    EXPECT_EQ(a.change_need(1, {0, 200 * M}, 0), ArenaError::ok);
+    EXPECT_FALSE(a.placement(1)->admitted);
+    for (SessionId s = 2; s < 20; ++s) {
+      EXPECT_TRUE(admit(a, s, 0, 1 * M).has_value()) << "session " << s;
+      EXPECT_CLEAN(a);
+    }
+    for (SessionId s = 2; s < 20; ++s) a.leave(s, 0);
+    a.end_iteration(*l1, 1);
+    EXPECT_TRUE(a.placement(1)->admitted);
+    EXPECT_CLEAN(a);
+  }
+}
+
 }  // namespace
 }  // namespace salus::arena

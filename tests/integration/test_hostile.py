@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import Salusd, Session, alive, is_mounted
+from conftest import Salusd, Session, alive, is_mounted, wait_until
 
 HANG_FS = os.environ.get("SALUS_TEST_HANG_FS",
                          os.path.join(os.environ.get("BUILD_ROOT", "build"), "tests", "integration",
@@ -378,3 +378,33 @@ def test_sigterm_is_bounded_by_the_grace_during_a_long_spin(daemon):
         s.close()
     except OSError:
         pass
+
+
+def test_need_again_during_a_long_iteration_blocks_nobody(salusd_factory):
+    """Issue 17 item 4: a session that re-sends `need` while its long iteration runs
+    must not hold up the admission of new sessions on that GPU until the spin ends."""
+    d = salusd_factory(sim_memory="256M", gpus=1).start()
+    a = Session(d)
+    others = []
+    try:
+        a.cmd("need persistent=0 ephemeral=1M\nbegin\nspin 3000000\nend\n")
+        assert wait_until(lambda: a.status().get("in_flight") == "1", 5), a.read("log")
+        t0 = time.monotonic()
+        a.cmd("need persistent=0 ephemeral=1M\n")
+        # More newcomers than the queue's bypass bound (16), each must get in at once.
+        for _ in range(20):
+            b = Session(d)
+            others.append(b)
+            b.cmd("need persistent=0 ephemeral=1M\n")
+            assert wait_until(lambda: b.status()["state"] == "admitted", 1.0), (
+                b.read("log"), a.status())
+        assert time.monotonic() - t0 < 2.0  # well before A's 3 s spin ends
+        assert a.status().get("in_flight") == "1"  # A's spin was still running
+        # A itself is re-admitted and its work finishes.
+        a.cmd("begin\nspin 1\nend\n")
+        assert a.wait() == "done 2\n", a.read("log")
+        assert a.status()["state"] == "admitted"
+    finally:
+        for b in others:
+            b.close()
+        a.close()
