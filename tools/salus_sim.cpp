@@ -102,13 +102,10 @@ const std::vector<PolicyKind> kAll{PolicyKind::fifo, PolicyKind::srtf, PolicyKin
 
 }  // namespace
 
-static int run(int argc, char** argv) {
-  Options o;
-  CLI::App app{
-      "Replays a job trace (CSV: job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,"
-      "util[,priority]) through Salus's scheduler in virtual time and prints, per policy: "
-      "policy makespan_s avg_queue_s avg_jct_s p95_jct_s",
-      "salus-sim"};
+namespace {
+
+// Every command-line option, into `o`.
+void add_flags(CLI::App& app, Options& o) {
   app.add_option("--trace", o.trace, "trace CSV file")->required();
   app.add_option("--policy", o.policy,
                  "fifo, pack, srtf, fair, priority, or all (fifo srtf pack fair)")
@@ -151,21 +148,16 @@ static int run(int argc, char** argv) {
   app.add_flag("--progress", o.progress,
                "print a progress line with an estimate of the time left to stderr (the default "
                "when stderr is a terminal)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return kInputError;
-  }
+}
 
-  auto usage = [](const std::string& why) {
-    std::fprintf(stderr, "salus-sim: %s\n", why.c_str());
-    return kInputError;
-  };
+int usage(const std::string& why) {
+  std::fprintf(stderr, "salus-sim: %s\n", why.c_str());
+  return kInputError;
+}
 
-  std::vector<PolicyKind> policies;
+// The policies to run and the configuration they share, from the options: 0, or
+// the exit status after a message.
+int make_config(const Options& o, std::vector<PolicyKind>& policies, sc::SimConfig& base) {
   if (o.policy == "all") {
     policies = kAll;
   } else if (auto p = sc::policy_from_string(o.policy)) {
@@ -174,7 +166,6 @@ static int run(int argc, char** argv) {
     return usage(
         fmt::format("unknown policy '{}' (fifo, pack, srtf, fair, priority, all)", o.policy));
   }
-  sc::SimConfig base;
   base.gpus = o.gpus;
   const auto memory = salus::arena::parse_size(o.gpu_memory);
   if (!memory || *memory < salus::arena::kAlignment)
@@ -195,18 +186,11 @@ static int run(int argc, char** argv) {
     return usage("--share-out needs --share-window");
   base.track_work = o.share_window_s > 0;
 
-  std::vector<sc::TraceJob> trace;
-  {
-    std::ifstream in(o.trace);
-    if (!in) return usage(fmt::format("cannot open trace '{}'", o.trace));
-    try {
-      trace = sc::parse_trace(in);
-    } catch (const sc::TraceError& e) {
-      return usage(fmt::format("{}:{}", o.trace, e.what()));
-    }
-  }
+  return 0;
+}
 
-  std::ofstream jobs_out, share_out;
+// Opens --jobs-out and --share-out with their headers: 0, or the exit status.
+int open_outputs(const Options& o, std::ofstream& jobs_out, std::ofstream& share_out) {
   if (!o.jobs_out.empty()) {
     jobs_out.open(o.jobs_out);
     if (!jobs_out) {
@@ -223,6 +207,95 @@ static int run(int argc, char** argv) {
     }
     share_out << "policy,window_start_s,window_end_s,job,work_s,share\n";
   }
+
+  return 0;
+}
+
+void print_stats(PolicyKind policy, const sc::SimResult& res, double wall) {
+  const sc::SimCounters& c = res.counters;
+  std::fprintf(
+      stderr,
+      "salus-sim: %s: lanes %s, placement %s, %zu jobs, %llu iterations, %llu kernels, "
+      "%llu events, %llu decisions, %llu preemptions, max %llu lanes, %.3f s wall\n",
+      std::string(sc::to_string(policy)).c_str(), std::string(sc::to_string(res.lanes)).c_str(),
+      std::string(sc::to_string(res.config.placement)).c_str(), res.jobs.size(),
+      static_cast<unsigned long long>(c.iterations), static_cast<unsigned long long>(c.kernels),
+      static_cast<unsigned long long>(c.events), static_cast<unsigned long long>(c.decisions),
+      static_cast<unsigned long long>(c.preemptions), static_cast<unsigned long long>(c.max_lanes),
+      wall);
+}
+
+// --share-window: each job's share of GPU work per window, summarised on
+// stderr and written to --share-out.
+void report_shares(const Options& o, PolicyKind policy, const std::vector<sc::TraceJob>& trace,
+                   const sc::SimResult& res, std::ofstream& share_out) {
+  const auto window = static_cast<salus::arena::TimeNs>(o.share_window_s * 1e9);
+  const auto step = static_cast<salus::arena::TimeNs>(
+      (o.share_step_s > 0 ? o.share_step_s : o.share_window_s / 10) * 1e9);
+  const std::vector<sc::ShareWindow> windows =
+      sc::share_windows(res, window, std::max<salus::arena::TimeNs>(step, 1));
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo;
+  for (const sc::ShareWindow& w : windows) {
+    for (std::size_t i = 0; i < w.share.size(); ++i) {
+      lo = std::min(lo, w.share[i]);
+      hi = std::max(hi, w.share[i]);
+      if (share_out.is_open())
+        share_out << fmt::format("{},{},{},{},{:.6f},{:.6f}\n", sc::to_string(policy),
+                                 seconds(w.begin), seconds(w.end), trace[i].name, w.work[i] / 1e9,
+                                 w.share[i]);
+    }
+  }
+  if (windows.empty())
+    std::fprintf(
+        stderr,
+        "salus-sim: %s: no %.3f s window fits between the last arrival and the first finish\n",
+        std::string(sc::to_string(policy)).c_str(), o.share_window_s);
+  else
+    std::fprintf(
+        stderr,
+        "salus-sim: %s: %zu windows of %.3f s from %.3f s: job shares between %.4f and %.4f "
+        "(equal share %.4f)\n",
+        std::string(sc::to_string(policy)).c_str(), windows.size(), o.share_window_s,
+        static_cast<double>(windows.front().begin) / 1e9, lo, hi,
+        1.0 / static_cast<double>(trace.size()));
+}
+
+}  // namespace
+
+static int run(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "Replays a job trace (CSV: job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,"
+      "util[,priority]) through Salus's scheduler in virtual time and prints, per policy: "
+      "policy makespan_s avg_queue_s avg_jct_s p95_jct_s",
+      "salus-sim"};
+  add_flags(app, o);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return kInputError;
+  }
+
+  std::vector<PolicyKind> policies;
+  sc::SimConfig base;
+  if (const int rc = make_config(o, policies, base)) return rc;
+
+  std::vector<sc::TraceJob> trace;
+  {
+    std::ifstream in(o.trace);
+    if (!in) return usage(fmt::format("cannot open trace '{}'", o.trace));
+    try {
+      trace = sc::parse_trace(in);
+    } catch (const sc::TraceError& e) {
+      return usage(fmt::format("{}:{}", o.trace, e.what()));
+    }
+  }
+
+  std::ofstream jobs_out, share_out;
+  if (const int rc = open_outputs(o, jobs_out, share_out)) return rc;
 
   std::cout << "policy makespan_s avg_queue_s avg_jct_s p95_jct_s\n";
   for (PolicyKind policy : policies) {
@@ -254,19 +327,7 @@ static int run(int argc, char** argv) {
     std::cout << fmt::format("{} {:.3f} {:.3f} {:.3f} {:.3f}\n", sc::to_string(policy),
                              s.makespan_s, s.avg_queue_s, s.avg_jct_s, s.p95_jct_s)
               << std::flush;
-    if (o.stats) {
-      const sc::SimCounters& c = res.counters;
-      std::fprintf(
-          stderr,
-          "salus-sim: %s: lanes %s, placement %s, %zu jobs, %llu iterations, %llu kernels, "
-          "%llu events, %llu decisions, %llu preemptions, max %llu lanes, %.3f s wall\n",
-          std::string(sc::to_string(policy)).c_str(), std::string(sc::to_string(res.lanes)).c_str(),
-          std::string(sc::to_string(res.config.placement)).c_str(), res.jobs.size(),
-          static_cast<unsigned long long>(c.iterations), static_cast<unsigned long long>(c.kernels),
-          static_cast<unsigned long long>(c.events), static_cast<unsigned long long>(c.decisions),
-          static_cast<unsigned long long>(c.preemptions),
-          static_cast<unsigned long long>(c.max_lanes), wall);
-    }
+    if (o.stats) print_stats(policy, res, wall);
     if (jobs_out.is_open()) {
       for (const sc::JobResult& j : res.jobs)
         jobs_out << fmt::format("{},{},{},{},{},{},{},{},{},{}\n", trace[j.index].name,
@@ -274,37 +335,7 @@ static int run(int argc, char** argv) {
                                 seconds(j.finish), seconds(j.jct()), seconds(j.queue()), j.gpu,
                                 j.lane, seconds(j.admit));
     }
-    if (base.track_work) {
-      const auto window = static_cast<salus::arena::TimeNs>(o.share_window_s * 1e9);
-      const auto step = static_cast<salus::arena::TimeNs>(
-          (o.share_step_s > 0 ? o.share_step_s : o.share_window_s / 10) * 1e9);
-      const std::vector<sc::ShareWindow> windows =
-          sc::share_windows(res, window, std::max<salus::arena::TimeNs>(step, 1));
-      double lo = std::numeric_limits<double>::infinity(), hi = -lo;
-      for (const sc::ShareWindow& w : windows) {
-        for (std::size_t i = 0; i < w.share.size(); ++i) {
-          lo = std::min(lo, w.share[i]);
-          hi = std::max(hi, w.share[i]);
-          if (share_out.is_open())
-            share_out << fmt::format("{},{},{},{},{:.6f},{:.6f}\n", sc::to_string(policy),
-                                     seconds(w.begin), seconds(w.end), trace[i].name,
-                                     w.work[i] / 1e9, w.share[i]);
-        }
-      }
-      if (windows.empty())
-        std::fprintf(
-            stderr,
-            "salus-sim: %s: no %.3f s window fits between the last arrival and the first finish\n",
-            std::string(sc::to_string(policy)).c_str(), o.share_window_s);
-      else
-        std::fprintf(
-            stderr,
-            "salus-sim: %s: %zu windows of %.3f s from %.3f s: job shares between %.4f and %.4f "
-            "(equal share %.4f)\n",
-            std::string(sc::to_string(policy)).c_str(), windows.size(), o.share_window_s,
-            static_cast<double>(windows.front().begin) / 1e9, lo, hi,
-            1.0 / static_cast<double>(trace.size()));
-    }
+    if (base.track_work) report_shares(o, policy, trace, res, share_out);
   }
   if (jobs_out.is_open() && !jobs_out.flush()) {
     std::fprintf(stderr, "salus-sim: writing '%s' failed\n", o.jobs_out.c_str());
