@@ -408,3 +408,21 @@ def test_need_again_during_a_long_iteration_blocks_nobody(salusd_factory):
         for b in others:
             b.close()
         a.close()
+
+
+def test_sigterm_is_bounded_with_process_isolation_too():
+    """issue 17 item 7 on the other isolation mode: the spin runs in an executor
+    process, which salusd must not wait for past --shutdown-grace-ms."""
+    d = Salusd(extra_args=["--shutdown-grace-ms", "2000", "--gpu-isolation", "process"]).start()
+    try:
+        s = Session(d)
+        s.cmd("need persistent=1M ephemeral=1M\nbegin\nspin 3600000000\nend\n")
+        time.sleep(0.3)
+        took = stops_within(d, 12)
+        assert took < 6, took
+        try:
+            s.close()
+        except OSError:
+            pass
+    finally:
+        d.stop()

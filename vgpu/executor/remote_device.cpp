@@ -139,6 +139,16 @@ RemoteDevice::~RemoteDevice() {
   // The module and region fds, the staging mapping and the fds close with the members.
 }
 
+void RemoteDevice::abort_work() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;  // no restart: the I/O thread takes its stopping path
+    if (child_.pid > 0) ::kill(child_.pid, SIGKILL);
+  }
+  cv_.notify_all();
+  wake();
+}
+
 void RemoteDevice::wake() {
   const std::uint64_t one = 1;
   [[maybe_unused]] const ssize_t n = ::write(wake_fd_.get(), &one, sizeof one);

@@ -67,6 +67,9 @@ class RemoteDevice final : public Device {
 
   const DeviceInfo& info() const override { return info_; }
   void set_sink(CompletionSink* sink) override;
+  // Shutdown past its grace: the executor is killed, so its queued and running
+  // work (a sim spin, a long kernel) ends now, failed with ECANCELED.
+  void abort_work() override;
 
   StreamId create_stream() override;
   // Waits until the executor has drained the stream and its completions went
