@@ -546,6 +546,20 @@ void TransferEngine::device_copy(Slot& s) {
   }
 }
 
+// A read found the file's end before the transfer's (it shrank after the command
+// was accepted). No fstat says where it ends now (that could wait on the file's
+// filesystem, here on the engine thread), so the transfer fails once no chunk
+// before that end is still being read: one of them may find the end earlier.
+void TransferEngine::fail_at_eof_when_known(Active& a) {
+  for (const Slot& o : a.slots)
+    if (o.state == Slot::State::file && o.offset < a.eof) return;
+  const TransferJob& job = *a.job;
+  fail(a, EIO,
+       fmt::format("{}: ended at byte {}, short of the {} bytes asked; it shrank after the "
+                   "command was accepted",
+                   job.shown, a.eof, job.file_offset + job.length));
+}
+
 void TransferEngine::on_file_done(Slot& s, int res) {
   Active& a = *s.owner;
   const TransferJob& job = *a.job;
@@ -567,13 +581,9 @@ void TransferEngine::on_file_done(Slot& s, int res) {
     // filesystem, here on the engine thread): an earlier chunk still being
     // read finds the end, or this one is where it is.
     a.eof = std::min(a.eof, at);
-    for (const Slot& o : a.slots)
-      if (&o != &s && o.state == Slot::State::file && o.offset < s.offset) return;
-    return fail(a, EIO,
-                job.upload ? fmt::format("{}: ended at byte {}, short of the {} bytes asked; it "
-                                         "shrank after the command was accepted",
-                                         job.shown, a.eof, job.file_offset + job.length)
-                           : fmt::format("{}: writing at byte {} made no progress", job.shown, at));
+    if (!job.upload)
+      return fail(a, EIO, fmt::format("{}: writing at byte {} made no progress", job.shown, at));
+    return fail_at_eof_when_known(a);
   }
   s.done += static_cast<Bytes>(res);
   if (stop) {
@@ -581,6 +591,11 @@ void TransferEngine::on_file_done(Slot& s, int res) {
     return;
   }
   if (s.done < s.length) return file_io(s);  // a short read or write: the rest
+  // A read that found the end earlier waits for the chunks before it; this was one.
+  if (a.eof != ~Bytes{0}) {
+    s.state = Slot::State::idle;
+    return fail_at_eof_when_known(a);
+  }
   if (job.upload && !a.view) return device_copy(s);
   s.state = Slot::State::idle;
   a.finished += s.length;

@@ -176,6 +176,7 @@ class TransferEngine {
   static int run_file_io(FileIo& io);
   void created(Create& c, int rc);
   void device_copy(Slot& s);
+  void fail_at_eof_when_known(Active& a);
   void on_file_done(Slot& s, int res);
   void on_device_done(const DeviceDone& d);
   void fail(Active& a, int err, std::string why);
