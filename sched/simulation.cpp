@@ -186,6 +186,13 @@ class Engine {
     gpus_.reserve(cfg_.gpus);
     for (std::uint32_t g = 0; g < cfg_.gpus; ++g)
       gpus_.emplace_back(cfg_.gpu_memory, cfg_.policy, opts);
+    views_.resize(cfg_.gpus);
+    if (cfg_.risk.enabled) {
+      if (!(cfg_.risk.window_s >= 1 && cfg_.risk.window_s <= 3600))
+        throw SimError("the risk window must be between 1 and 3600 s");
+      const auto keep = static_cast<TimeNs>(std::llround((cfg_.risk.window_s + 1) * 1e9));
+      for (Gpu& gpu : gpus_) gpu.model.track_activity(keep);
+    }
     usable_ = cfg_.gpu_memory & ~(arena::kAlignment - 1);
     load(trace);
   }
@@ -194,7 +201,7 @@ class Engine {
 
  private:
   void load(const std::vector<TraceJob>& trace);
-  std::uint32_t choose_gpu();
+  std::optional<std::uint32_t> choose_gpu(const Job& j, TimeNs t);
   void place_waiting(TimeNs t);
   void submit(std::uint32_t g, Job& j, TimeNs t);
   void handle_admissions(std::uint32_t g, TimeNs t);
@@ -246,7 +253,9 @@ class Engine {
   // Jobs whose last iteration ended this instant; they leave after its decisions.
   std::vector<std::pair<std::uint32_t, SessionId>> leaving_;
   std::vector<Keyed> turns_;  // scratch heap for forecast_turns()
-  std::uint64_t rr_next_ = 0;
+  std::size_t rr_next_ = 0;
+  std::vector<GpuView> views_;   // scratch for choose_gpu()
+  std::vector<double> samples_;  // scratch for the risk filter
   SimCounters counters_;
   std::vector<WorkTimeline> work_;
 };
@@ -317,40 +326,41 @@ void Engine::load(const std::vector<TraceJob>& trace) {
 
 // ---------------------------------------------------------------- placement
 
-std::uint32_t Engine::choose_gpu() {
-  const std::uint32_t n = cfg_.gpus;
-  if (cfg_.placement == Placement::rr) return static_cast<std::uint32_t>(rr_next_++ % n);
-  // Free memory by the arena's accounting, less what already waits for admission there.
-  auto available = [this](std::uint32_t g) {
+// The shared placement rule (sched/placement.hpp) over this instant's view of each GPU:
+// the arena's free memory less what waits there, the summed util of the jobs placed
+// there (lug), and, with the risk filter, CARMA's score of the compute activity the
+// contention model recorded over the window, one sample a second.
+std::optional<std::uint32_t> Engine::choose_gpu(const Job& j, TimeNs t) {
+  // rr and exclusive ignore the filter (placement.hpp): no need to score.
+  const bool risk = cfg_.risk.enabled &&
+                    (cfg_.placement == Placement::magm || cfg_.placement == Placement::lug);
+  const auto window = static_cast<std::size_t>(std::max(1.0, std::round(cfg_.risk.window_s)));
+  for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
     const Gpu& gpu = gpus_[g];
-    return static_cast<std::int64_t>(gpu.sched.arena().memory().free) - gpu.waiting_bytes;
-  };
-  std::uint32_t best = 0;
-  std::int64_t best_avail = available(0);
-  for (std::uint32_t g = 1; g < n; ++g) {
-    const std::int64_t avail = available(g);
-    bool better = false;
-    if (cfg_.placement == Placement::lug) {
-      const double a = gpus_[g].placed_util, b = gpus_[best].placed_util;
-      better = a < b - 1e-12 || (std::abs(a - b) <= 1e-12 && avail > best_avail);
-    } else {
-      better = avail > best_avail;
-    }
-    if (better) {
-      best = g;
-      best_avail = avail;
+    GpuView& v = views_[g];
+    v.capacity = usable_;
+    v.available = static_cast<std::int64_t>(gpu.sched.arena().memory().free) - gpu.waiting_bytes;
+    v.load = gpu.placed_util;
+    v.placed = gpu.placed_jobs;
+    v.sm_activity.reset();
+    if (risk && gpu.model.activity()) {
+      gpu.model.activity()->samples(t, 1'000'000'000, window, samples_);
+      v.sm_activity = risk_score(samples_);
     }
   }
-  return best;
+  const std::uint64_t need = j.declared.persistent + j.declared.ephemeral;
+  const PlacementChoice c =
+      sched::choose_gpu(views_, need, PlacementOptions{cfg_.placement, cfg_.risk}, rr_next_);
+  rr_next_ = c.next_rr;
+  if (c.risky) ++counters_.risky_skips;
+  return c.gpu;
 }
 
 void Engine::place_waiting(TimeNs t) {
   while (!cluster_queue_.empty()) {
-    std::optional<std::uint32_t> idle;
-    for (std::uint32_t g = 0; g < cfg_.gpus && !idle; ++g)
-      if (gpus_[g].placed_jobs == 0) idle = g;
-    if (!idle) return;
     Job& j = jobs_[cluster_queue_.front()];
+    const std::optional<std::uint32_t> idle = choose_gpu(j, t);  // exclusive: an idle GPU
+    if (!idle) return;
     cluster_queue_.pop_front();
     submit(*idle, j, t);
   }
@@ -894,7 +904,11 @@ SimResult Engine::run() {
       if (cfg_.placement == Placement::exclusive) {
         cluster_queue_.push_back(j.index);
       } else {
-        submit(choose_gpu(), j, t);
+        // Every job fits an empty GPU (load() checked), and only exclusive leaves GPUs
+        // out; with the risk filter, a GPU is still taken when all are risky.
+        const std::optional<std::uint32_t> g = choose_gpu(j, t);
+        if (!g) throw std::logic_error("placement found no GPU for a job that fits one");
+        submit(*g, j, t);
       }
     }
     while (!heap_.empty() && heap_.top().t == t) {

@@ -42,6 +42,7 @@ struct Settings {
   std::string sim_memory = "16G";
   std::string policy = "fair";
   std::string placement = "magm";
+  salus::sched::RiskFilter risk;  // CARMA's filter for magm and lug (NVML, cuda backend)
   std::string admin_group;
   std::string log_level = "info";
   std::string config;
@@ -100,6 +101,10 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   s.backend = t["backend"].value_or(s.backend);
   s.policy = t["policy"].value_or(s.policy);
   s.placement = t["placement"].value_or(s.placement);
+  s.risk.enabled = t["risk"]["filter"].value_or(s.risk.enabled);
+  s.risk.max_sm = t["risk"]["max_sm"].value_or(s.risk.max_sm);
+  s.risk.max_mem = t["risk"]["max_mem"].value_or(s.risk.max_mem);
+  s.risk.window_s = t["risk"]["window_s"].value_or(s.risk.window_s);
   s.admin_group = t["admin_group"].value_or(s.admin_group);
   s.log_level = t["log_level"].value_or(s.log_level);
   s.pipeline_depth = t["pipeline_depth"].value_or(s.pipeline_depth);
@@ -139,6 +144,11 @@ std::optional<std::string> validate(const Settings& s) {
     return fmt::format("policy '{}': expected fifo, pack, srtf, fair or priority", s.policy);
   if (!salus::sched::placement_from_string(s.placement))
     return fmt::format("placement '{}': expected magm, lug, rr or exclusive", s.placement);
+  if (!(s.risk.max_sm >= 0 && s.risk.max_sm <= 1) || !(s.risk.max_mem >= 0 && s.risk.max_mem <= 1))
+    return fmt::format("risk max_sm {} / max_mem {}: expected 0 to 1", s.risk.max_sm,
+                       s.risk.max_mem);
+  if (!(s.risk.window_s >= 1 && s.risk.window_s <= 3600))
+    return fmt::format("risk window_s {}: expected 1 to 3600", s.risk.window_s);
   if (!one_of(s.log_level, {"trace", "debug", "info", "warn", "error"}))
     return fmt::format("log_level '{}': expected trace, debug, info, warn or error", s.log_level);
   if (s.sim_gpus < 1 || s.sim_gpus > 64)
@@ -193,6 +203,11 @@ void add_flags(CLI::App& flags, Settings& s) {
       ->check(CLI::IsMember({"fifo", "pack", "srtf", "fair", "priority"}));
   flags.add_option("--placement", s.placement, "magm, lug, rr or exclusive (for gpu=any)")
       ->check(CLI::IsMember({"magm", "lug", "rr", "exclusive"}));
+  flags.add_flag("--risk-filter", s.risk.enabled,
+                 "magm and lug skip GPUs that NVML shows busy (CARMA's risk filter)");
+  flags.add_option("--risk-max-sm", s.risk.max_sm, "risk threshold on SM activity, 0 to 1");
+  flags.add_option("--risk-max-mem", s.risk.max_mem, "risk threshold on memory activity, 0 to 1");
+  flags.add_option("--risk-window-s", s.risk.window_s, "risk window in seconds (1 to 3600)");
   flags.add_option("--admin-group", s.admin_group, "Group whose members may use the admin files");
   flags.add_option("--log-level", s.log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
@@ -334,11 +349,13 @@ bool open_devices(const Settings& s, salus::arena::Bytes sim_memory, Devices& d,
 
 // NVML readings for the cuda backend's GPUs, found by UUID. Optional: without
 // libnvidia-ml.so.1 gpus/N/info says why and the metrics leave them out.
-std::unique_ptr<salus::vgpu::GpuTelemetry> start_telemetry(const Devices& d) {
+// One sample a second; the risk filter scores the last `window` of them.
+std::unique_ptr<salus::vgpu::GpuTelemetry> start_telemetry(const Devices& d, std::size_t window) {
   if (d.backend != "cuda") return nullptr;
   std::vector<std::string> uuids;
   for (const auto& dev : d.list) uuids.push_back(dev->info().uuid);
-  auto sampler = std::make_unique<salus::vgpu::nvml::NvmlSampler>(std::move(uuids));
+  auto sampler = std::make_unique<salus::vgpu::nvml::NvmlSampler>(
+      std::move(uuids), std::chrono::seconds(1), salus::vgpu::nvml::NvmlReader::kLibrary, window);
   for (std::size_t i = 0; i < d.list.size(); ++i) {
     const auto t = sampler->snapshot(i);
     if (t.available)
@@ -405,6 +422,7 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s) {
   salus::vgpu::BrokerConfig bc;
   bc.policy = *salus::sched::policy_from_string(s.policy);
   bc.placement = *salus::sched::placement_from_string(s.placement);
+  bc.risk = s.risk;
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
   bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
@@ -465,7 +483,7 @@ int main(int argc, char** argv) {
   // Declared before the broker: stopped after it (and on every early return).
   MpsDaemons mps;
   if (std::string why; !start_mps(s, devices, mps, why)) return fail(why);
-  auto telemetry = start_telemetry(devices);
+  auto telemetry = start_telemetry(devices, static_cast<std::size_t>(std::lround(s.risk.window_s)));
   const std::string backend = devices.backend;
   const bool isolated =
       s.gpu_isolation == "process" || (s.gpu_isolation == "auto" && backend == "cuda");

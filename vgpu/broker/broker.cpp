@@ -659,45 +659,8 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
                                         gpus_.size(), gpus_.size() == 1 ? "" : "s"));
       gpu = *c.gpu;
     } else {
-      gpu = -1;
-      double best = -1.0;
-      for (std::size_t i = 0; i < gpus_.size(); ++i) {
-        const Gpu& g = *gpus_[i];
-        if (g.draining) continue;
-        const auto m = g.sched.arena().memory();
-        if (p + e > m.capacity) continue;
-        double score = 0.0;
-        switch (config_.placement) {
-          case Placement::magm:
-            score = static_cast<double>(m.free);
-            break;
-          case Placement::lug:
-            score = 1.0 - static_cast<double>(g.device->busy_ns()) /
-                              static_cast<double>(std::max<TimeNs>(now(), 1));
-            break;
-          case Placement::rr:
-            score =
-                static_cast<double>((i + gpus_.size() - rr_next_ % gpus_.size()) % gpus_.size()) *
-                -1.0;
-            break;
-          case Placement::exclusive:
-            score = g.placed == 0 ? 1.0 : -0.5;
-            if (g.placed != 0) continue;
-            break;
-        }
-        if (score > best) {
-          best = score;
-          gpu = static_cast<int>(i);
-        }
-      }
-      if (gpu < 0) {
-        return fail(ENOMEM, fmt::format("persistent={} + ephemeral={} fits no GPU{}",
-                                        arena::format_size(p), arena::format_size(e),
-                                        config_.placement == Placement::exclusive
-                                            ? " with no other session (placement exclusive)"
-                                            : ""));
-      }
-      ++rr_next_;
+      gpu = place_any(s, p, e, ln);
+      if (gpu < 0) return -gpu;
     }
   } else if (c.gpu && *c.gpu != kAnyGpu && *c.gpu != s.gpu) {
     return fail(
@@ -754,6 +717,54 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
         fmt::format("line {}: queued on gpu {} at position {}: waiting for memory", ln, gpu, pos));
   }
   return 0;
+}
+
+// `need gpu=any`: the shared placement rule (sched/placement.hpp) over each GPU's state
+// now. MAGM's figure is the arena's free memory less what already waits there, the
+// same as salus-sim's (docs/design.md). Returns the GPU, or -errno after logging why.
+int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
+  const Bytes need = p + e;
+  views_.resize(gpus_.size());
+  const bool risk = config_.risk.enabled && telemetry_ &&
+                    (config_.placement == Placement::magm || config_.placement == Placement::lug);
+  for (std::size_t i = 0; i < gpus_.size(); ++i) {
+    const Gpu& g = *gpus_[i];
+    sched::GpuView& v = views_[i];
+    const auto m = g.sched.arena().memory();
+    std::int64_t waiting = 0;
+    if (m.queued > 0)
+      for (const auto& q : g.sched.arena().queue())
+        waiting += static_cast<std::int64_t>(q.need.persistent + q.need.ephemeral);
+    v.capacity = m.capacity;
+    v.available = static_cast<std::int64_t>(m.free) - waiting;
+    v.load = static_cast<double>(g.device->busy_ns()) /
+             static_cast<double>(std::max<TimeNs>(now(), 1));  // busy since salusd started
+    v.placed = g.placed;
+    v.draining = g.draining;
+    v.sm_activity.reset();
+    v.mem_activity.reset();
+    if (risk) {
+      const GpuRisk r = telemetry_->risk(i);
+      v.sm_activity = r.sm;
+      v.mem_activity = r.mem;
+    }
+  }
+  const sched::PlacementChoice c = sched::choose_gpu(
+      views_, need, sched::PlacementOptions{config_.placement, config_.risk}, rr_next_);
+  if (!c.gpu) {
+    log(s, fmt::format("line {}: need: persistent={} + ephemeral={} fits no GPU{}", ln,
+                       arena::format_size(p), arena::format_size(e),
+                       config_.placement == Placement::exclusive
+                           ? " with no other session (placement exclusive)"
+                           : ""));
+    return -ENOMEM;
+  }
+  rr_next_ = c.next_rr;
+  if (c.risk_ignored)
+    log(s, fmt::format("line {}: need: every GPU that fits is busy past the risk thresholds; "
+                       "placed on gpu {} anyway",
+                       ln, *c.gpu));
+  return static_cast<int>(*c.gpu);
 }
 
 int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& suspend) {

@@ -52,6 +52,7 @@ using sched::Placement;
 struct BrokerConfig {
   sched::PolicyKind policy = sched::PolicyKind::fair;
   Placement placement = Placement::magm;
+  sched::RiskFilter risk;  // CARMA's filter for magm and lug, fed by NVML (telemetry)
   arena::ArenaOptions arena;
   Quotas quotas;
   // Iterations kept queued on a lane's stream ahead of the running one, so the
@@ -244,6 +245,7 @@ class Broker {
   bool run_write(Session& s, PendingWrite& w, Deferred& later);
   int exec(Session& s, const CommandLine& line, PendingWrite& w, bool& suspend, Deferred& later);
   int exec_need(Session& s, const NeedCmd& cmd, std::uint32_t line, Deferred& later);
+  int place_any(Session& s, Bytes persistent, Bytes ephemeral, std::uint32_t line);
   // 0 or a positive errno; sets `suspend` when the line must wait (compaction,
   // memory still pinned by submitted work) and run again.
   int exec_alloc(Session& s, const AllocCmd& cmd, std::uint32_t line, bool& suspend);
@@ -365,6 +367,7 @@ class Broker {
   std::uint64_t next_token_ = 1;
   std::uint64_t next_ticket_ = 1;  // held writes and waits, for cancel_request
   std::size_t rr_next_ = 0;
+  std::vector<sched::GpuView> views_;  // scratch for place_any
   BrokerStats stats_;
   std::atomic<bool> stopping_{false};
   bool stopped_ = false;
