@@ -1,6 +1,7 @@
 // salusd: the daemon. Parses flags and the TOML config, builds the GPU backends,
 // mounts /salus, notifies systemd, serves until SIGTERM/SIGINT, then drains.
 #include <grp.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
@@ -63,6 +64,19 @@ struct Settings {
   std::vector<std::string> mps;
   std::string mps_dir = "/run/salus/mps";
 };
+
+// A salusd started with `&` from a script that has no job control inherits
+// SIGINT (and SIGQUIT) ignored, and a parent may leave signals blocked;
+// libfuse installs its stop handlers only over the default disposition, so
+// Ctrl-C or `kill -INT` would then do nothing. The stop signals start from
+// their defaults and an empty mask, whatever the parent left, before any
+// thread exists (threads inherit the mask).
+void reset_stop_signals() {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, SIG_DFL);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+}
 
 int fail(const std::string& why) {
   std::fprintf(stderr, "salusd: %s\n", why.c_str());
@@ -179,10 +193,13 @@ std::optional<std::string> validate(const Settings& s) {
 // Every command-line flag, bound to its setting; the config file's keys are in
 // load_config.
 void add_flags(CLI::App& flags, Settings& s) {
+  // --help shows each option's default: the value salusd uses without the flag
+  // (the config file's, when --config is given).
+  flags.option_defaults()->always_capture_default();
   flags.set_version_flag("--version",
                          fmt::format("salusd {} api {}", SALUS_VERSION, SALUS_API_VERSION));
   flags.add_option("--config", s.config, "TOML config file (e.g. /etc/salus/salusd.toml)");
-  flags.add_option("--mount", s.mount, "Mountpoint (default /salus, or $SALUS_MOUNT)")
+  flags.add_option("--mount", s.mount, "Mountpoint")
       ->envname("SALUS_MOUNT");
   flags.add_option("--backend", s.backend, "GPU backend: auto, cuda or sim")
       ->check(CLI::IsMember({"auto", "cuda", "sim"}));
@@ -203,8 +220,8 @@ void add_flags(CLI::App& flags, Settings& s) {
   flags.add_option("--shutdown-grace-ms", s.shutdown_grace_ms,
                    "On SIGTERM, how long running iterations may take to finish");
   flags.add_option("--state-dir", s.state_dir,
-                   "Where named sessions are saved on SIGTERM and restored at start (default "
-                   "/var/lib/salus; empty: not saved)");
+                   "Where named sessions are saved on SIGTERM and restored at start (empty: "
+                   "not saved)");
   flags.add_option("--quota-sessions", s.quotas.sessions_per_uid, "Sessions per uid");
   flags.add_option("--quota-buffers", s.quotas.buffers_per_uid, "Buffers per uid");
   flags.add_option("--quota-queued", s.quotas.queued_iterations_per_uid,
@@ -234,10 +251,11 @@ void add_flags(CLI::App& flags, Settings& s) {
       .add_option("--mps", s.mps,
                   "GPUs (indices, comma-separated, or all) on which salusd runs an MPS control "
                   "daemon so that attached sessions run concurrently (cuda backend)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->default_str("");  // none: not "[]"
   flags.add_option(
       "--mps-dir", s.mps_dir,
-      "Where the MPS pipe and log directories go, one per GPU (default /run/salus/mps)");
+      "Where the MPS pipe and log directories go, one per GPU");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -439,6 +457,7 @@ int main(int argc, char** argv) {
   // salusd re-executes itself as the executor process of each isolated GPU.
   if (salus::vgpu::executor::is_executor_invocation(argc, argv))
     return salus::vgpu::executor::executor_main(argc, argv);
+  reset_stop_signals();
   Settings s;
   if (int exit_code = 0; !parse_settings(argc, argv, s, exit_code)) return exit_code;
 
