@@ -199,8 +199,7 @@ void add_flags(CLI::App& flags, Settings& s) {
   flags.set_version_flag("--version",
                          fmt::format("salusd {} api {}", SALUS_VERSION, SALUS_API_VERSION));
   flags.add_option("--config", s.config, "TOML config file (e.g. /etc/salus/salusd.toml)");
-  flags.add_option("--mount", s.mount, "Mountpoint")
-      ->envname("SALUS_MOUNT");
+  flags.add_option("--mount", s.mount, "Mountpoint")->envname("SALUS_MOUNT");
   flags.add_option("--backend", s.backend, "GPU backend: auto, cuda or sim")
       ->check(CLI::IsMember({"auto", "cuda", "sim"}));
   flags.add_option("--sim-gpus", s.sim_gpus, "Simulated GPUs (sim backend)")
@@ -253,9 +252,8 @@ void add_flags(CLI::App& flags, Settings& s) {
                   "daemon so that attached sessions run concurrently (cuda backend)")
       ->delimiter(',')
       ->default_str("");  // none: not "[]"
-  flags.add_option(
-      "--mps-dir", s.mps_dir,
-      "Where the MPS pipe and log directories go, one per GPU");
+  flags.add_option("--mps-dir", s.mps_dir,
+                   "Where the MPS pipe and log directories go, one per GPU");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 

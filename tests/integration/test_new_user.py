@@ -133,3 +133,22 @@ def test_a_stop_signal_stops_salusd_whatever_its_parent_left_ignored_or_blocked(
     assert rc == 0, d.daemon_log()
     assert not is_mounted(d.mnt)
     assert "stopped; " in d.daemon_log()
+
+
+NO_GPU_YET = "no GPU yet: declare needs first with `need persistent=SIZE ephemeral=SIZE`"
+
+
+def test_every_command_before_need_says_no_gpu_yet_in_the_same_words(salusd):
+    s = Session(salusd)
+    try:
+        for text in ("alloc w 1M\n", "begin\nspin 10\nend x2\n"):
+            with pytest.raises(OSError) as e:
+                s.cmd(text)
+            assert e.value.errno == errno.ENXIO
+            assert last_log_line(s).split("] ", 1)[1].split(": ", 1)[1] == NO_GPU_YET, last_log_line(s)
+        with pytest.raises(OSError) as e:
+            open(s.file("mem/x"), "w").close()
+        assert e.value.errno == errno.ENXIO
+        assert last_log_line(s).split("] ", 1)[1] == "mem/x: " + NO_GPU_YET
+    finally:
+        s.close()

@@ -555,10 +555,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
     suspend = true;
     return 0;
   }
-  if (needs_gpu && s.state == SessionState::idle)
-    return fail(ENXIO,
-                "no GPU yet: declare needs first with "
-                "`need persistent=SIZE ephemeral=SIZE`");
+  if (needs_gpu && s.state == SessionState::idle) return fail(ENXIO, kNoGpuYet);
   if (s.error && !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
       !std::holds_alternative<PriorityCmd>(cmd))
     return fail(EIO, fmt::format("session failed earlier ({}: {}); write `reset` to continue",
@@ -990,7 +987,7 @@ int Broker::submit_iteration(Session& s, std::shared_ptr<const Iteration> iter,
     return EAGAIN;
   }
   if (s.state != SessionState::admitted || !s.lane) {
-    log(s, fmt::format("line {}: no GPU yet: declare needs with `need` first", ln));
+    log(s, fmt::format("line {}: {}", ln, kNoGpuYet));
     return ENXIO;
   }
   Gpu& g = *gpu_of(s);
@@ -1002,8 +999,15 @@ int Broker::submit_iteration(Session& s, std::shared_ptr<const Iteration> iter,
     return ENOMEM;
   }
   UidUsage& u = usage_[s.uid];
-  if (repeat > config_.quotas.queued_iterations_per_uid ||
-      u.queued > config_.quotas.queued_iterations_per_uid - repeat) {
+  // A count no queue could ever take is a range error, not a full quota: it
+  // fails the same on an idle daemon, and waiting does not help.
+  if (repeat > config_.quotas.queued_iterations_per_uid) {
+    log(s, fmt::format("line {}: {} iterations in one submission; at most {} (the "
+                       "queued-iterations quota) can be queued at once",
+                       ln, repeat, config_.quotas.queued_iterations_per_uid));
+    return ERANGE;
+  }
+  if (u.queued > config_.quotas.queued_iterations_per_uid - repeat) {
     ++stats_.quota_rejections;
     log(s, fmt::format("line {}: uid {} would have {} iterations queued; the quota is {}", ln,
                        s.uid, u.queued + repeat, config_.quotas.queued_iterations_per_uid));

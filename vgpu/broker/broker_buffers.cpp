@@ -53,9 +53,12 @@ int Broker::create_buffer(SessionId id, const Caller& caller, const std::string&
     return -EIO;
   }
   if (s->state != SessionState::admitted) {
-    log(*s, fmt::format("mem/{}: the session has no GPU yet (state {}); send `need` first", name,
-                        to_string(s->state)));
-    return s->state == SessionState::queued ? -EAGAIN : -ENXIO;
+    if (s->state == SessionState::queued) {
+      log(*s, fmt::format("mem/{}: the session is still queued for admission", name));
+      return -EAGAIN;
+    }
+    log(*s, fmt::format("mem/{}: {}", name, kNoGpuYet));
+    return -ENXIO;
   }
   if (s->names.count(name)) return -EEXIST;
   UidUsage& u = usage_[s->uid];

@@ -29,6 +29,11 @@ using arena::LaneId;
 using arena::SessionId;
 using TimeNs = std::int64_t;
 
+// What every command that needs a GPU says before the session's first `need`
+// (with ENXIO): one wording, wherever the command came from.
+inline constexpr const char* kNoGpuYet =
+    "no GPU yet: declare needs first with `need persistent=SIZE ephemeral=SIZE`";
+
 struct Buffer {
   std::uint32_t id = 0;  // per session, never reused: names mem/ inodes
   std::string name;
