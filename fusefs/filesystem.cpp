@@ -983,10 +983,12 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
       fuse_reply_err(req, EACCES);
       return;
     }
-    const int rc = b.set_policy(std::string(text));
+    std::string why;
+    const int rc = b.set_policy(std::string(text), why);
     if (rc) {
-      spdlog::warn("policy: rejected '{}'", std::string(text.substr(0, text.find('\n'))));
-      fuse_reply_err(req, -rc);
+      // No session log to put it in: the daemon log, for the admin.
+      spdlog::warn("policy: rejected '{}': {}", std::string(text.substr(0, text.find('\n'))), why);
+      fuse_reply_err(req, rc);
     } else {
       spdlog::info("policy: now '{}'", std::string(text.substr(0, text.find('\n'))));
       fuse_reply_write(req, size);
@@ -994,18 +996,22 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
     return;
   }
   if (in.kind == Kind::top_file && static_cast<TopFile>(in.sub) == TopFile::ctl) {
-    std::string reply;
+    std::string reply, why, line;
     std::size_t start = 0;
     int rc = 0;
     while (start < text.size() && rc == 0) {
       std::size_t nl = text.find('\n', start);
       if (nl == std::string_view::npos) nl = text.size();
-      rc = b.admin_command(std::string(text.substr(start, nl - start)), reply);
+      line = std::string(text.substr(start, nl - start));
+      rc = b.admin_command(line, reply, why);
       start = nl + 1;
     }
-    add_reply(*of, rc ? fmt::format("error {}\n", strerrorname_np(-rc)) : reply);
+    // The reason goes back to the writer in the reply (there is no session log
+    // here), and to the daemon log.
+    if (rc) spdlog::warn("ctl: '{}' failed: {} ({})", line, why, strerrorname_np(rc));
+    add_reply(*of, rc ? fmt::format("error {}: {}\n", strerrorname_np(rc), why) : reply);
     if (rc)
-      fuse_reply_err(req, -rc);
+      fuse_reply_err(req, rc);
     else
       fuse_reply_write(req, size);
     return;

@@ -58,6 +58,14 @@ std::string ctl_command(const Ctx& ctx, const std::string& line) {
   for (ssize_t r; (r = ::read(fd, buf, sizeof buf)) > 0;)
     reply.append(buf, static_cast<std::size_t>(r));
   ::close(fd);
+  // salusd answers a failed line with "error ENAME: REASON": that is the
+  // message, not the errno's text, which for ENOENT would read as if ctl
+  // itself were missing.
+  if (err && reply.rfind("error ", 0) == 0) {
+    const std::string answer = reply.substr(6, reply.find('\n') - 6);
+    if (const auto colon = answer.find(": "); colon != std::string::npos)
+      fail(fmt::format("{}: {} ({})", line, answer.substr(colon + 2), answer.substr(0, colon)));
+  }
   if (err) fail_file(ctx, path, err, line);
   return reply;
 }
@@ -497,8 +505,8 @@ int cmd_policy(const Ctx& ctx, std::vector<std::string> args) {
     std::string why;
     if (err == EINVAL)
       why =
-          "salusd rejected it; expected NAME [placement=magm|lug|rr|exclusive] "
-          "[queue=strict|bypass] with NAME fifo, pack, srtf, fair or priority";
+          "salusd rejected it (its log says why); expected NAME [placement=magm|lug|rr|exclusive] "
+          "[queue=strict|bypass] [quantum_ms=N] with NAME fifo, pack, srtf, fair or priority";
     fail_file(ctx, path, err, why.empty() ? line : fmt::format("'{}': {}", line, why));
   }
   fmt::print("{}", read_file(ctx, path));

@@ -189,8 +189,11 @@ class Broker {
 
   // ---- admin ----
   int kill_session(SessionId id);
-  int set_policy(const std::string& text);  // "NAME [key=value...]"
-  int admin_command(const std::string& line, std::string& reply);
+  // Both return 0 or a positive errno (EINVAL, and ENOENT/ENODEV for a ctl
+  // line naming no session/GPU) with the reason in `why` (docs/style.md, rule 1).
+  int set_policy(const std::string& text, std::string& why);  // "NAME [key=value...]"
+  // One /salus/ctl line; what it did is appended to `reply`.
+  int admin_command(const std::string& line, std::string& reply, std::string& why);
 
   // ---- views (file contents; snapshots) ----
   std::size_t gpu_count() const { return gpus_.size(); }
