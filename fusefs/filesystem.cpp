@@ -767,6 +767,18 @@ void reply_open(fuse_req_t req, fuse_file_info* fi, std::shared_ptr<OpenFile> of
 // Opening clone creates a session tied to this open file; the first read
 // returns its id.
 void open_clone(fuse_req_t req, fuse_file_info* fi, Broker& b, const Caller& caller) {
+  // Write-only (`echo need ... > clone`): the opener can never read the id, and
+  // the session would end, with whatever the write started, at the close that
+  // follows. Refused before a session exists, so nothing runs and vanishes.
+  if ((fi->flags & O_ACCMODE) == O_WRONLY) {
+    spdlog::info(
+        "clone: refused a write-only open by uid {} pid {} (EINVAL): a clone session lives "
+        "only while its file is open; open it read-write (exec 3<>clone) or use a named "
+        "session (mkdir sessions/NAME, then write to its ctl)",
+        caller.uid, caller.pid);
+    fuse_reply_err(req, EINVAL);
+    return;
+  }
   const auto id = b.create_session(caller, "");
   if (id < 0) {
     fuse_reply_err(req, static_cast<int>(-id));

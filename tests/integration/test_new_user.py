@@ -152,3 +152,22 @@ def test_every_command_before_need_says_no_gpu_yet_in_the_same_words(salusd):
         assert last_log_line(s).split("] ", 1)[1] == "mem/x: " + NO_GPU_YET
     finally:
         s.close()
+
+
+def test_a_write_only_clone_is_refused_and_creates_no_session(salusd):
+    # `echo 'need ...' > clone`: the session would end at the close right after,
+    # with its command's work, and its id would never be seen.
+    script = f"echo 'need persistent=1M ephemeral=1M' > {salusd.path('clone')}"
+    r = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "Invalid argument" in r.stderr, r.stderr
+    with pytest.raises(OSError) as e:
+        os.open(salusd.path("clone"), os.O_WRONLY | os.O_APPEND)
+    assert e.value.errno == errno.EINVAL
+    assert os.listdir(salusd.path("sessions")) == []
+    with open(salusd.path("stats")) as f:
+        assert "sessions_created 0\n" in f.read()
+    assert "clone: refused a write-only open" in salusd.daemon_log()
+    # Read-write, as documented, still works.
+    s = Session(salusd)
+    s.cmd("need persistent=1M ephemeral=1M\n")
+    s.close()
