@@ -97,6 +97,8 @@ def test_help_shows_the_defaults_that_salusd_8_lists():
         value = row.group(2).strip("`")
         table[row.group(1)] = None if value in ("none", "off", "") else value
     assert set(table) == set(shown), (set(table) ^ set(shown))
+    synopsis = man_section("salusd.8.md", "SYNOPSIS")
+    assert {o for o in shown if not re.search(re.escape(o) + r"(?![\w-])", synopsis)} == set()
     for opt, default in table.items():
         assert shown[opt] == default, f"{opt}: --help shows {shown[opt]!r}, salusd(8) {default!r}"
 
