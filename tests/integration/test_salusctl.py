@@ -114,12 +114,13 @@ def test_show_prints_status_and_log(salusd):
     assert "session job created by uid 0" in r.stdout
 
 
-def test_show_missing_session_names_the_file(salusd):
+def test_show_missing_session_names_the_session(salusd):
+    # Not "sessions/nosuch/status: No such file or directory", which reads as a
+    # broken tree.
     r = ctl(salusd, "show", "nosuch")
     assert r.returncode == 1
     assert r.stdout == ""
-    assert salusd.path("sessions", "nosuch", "status") in r.stderr
-    assert "No such file or directory" in r.stderr
+    assert r.stderr == "salusctl: show nosuch: no session nosuch (salusctl sessions lists them)\n"
 
 
 def test_other_users_sessions_show_as_denied(salusd):
@@ -210,6 +211,7 @@ def test_admin_commands_denied_to_other_users(salusd):
         r = as_nobody([SALUSCTL, "--mount", salusd.mnt, *args])
         assert r.returncode == 1, args
         assert "Permission denied" in r.stderr, r.stderr
+        assert "only root and members of salusd's --admin-group may do this" in r.stderr
         path = salusd.path("policy" if args[0] == "policy" else "ctl")
         assert path in r.stderr
     assert "keep" in os.listdir(salusd.path("sessions"))
