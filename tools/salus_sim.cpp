@@ -2,8 +2,10 @@
 // model in virtual time and prints makespan, queueing and completion-time statistics.
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -286,7 +288,7 @@ static int run(int argc, char** argv) {
   std::vector<sc::TraceJob> trace;
   {
     std::ifstream in(o.trace);
-    if (!in) return usage(fmt::format("cannot open trace '{}'", o.trace));
+    if (!in) return usage(fmt::format("cannot open trace '{}': {}", o.trace, std::strerror(errno)));
     try {
       trace = sc::parse_trace(in);
     } catch (const sc::TraceError& e) {

@@ -62,6 +62,7 @@ printf 'a,0,m,1,1,10,5,0.5\nhuge,0,m,9000,9000,10,5,0.5\n' >"$tmp/huge.csv"
 expect_exit 2 "$sim" --trace "$tmp/huge.csv" --policy pack
 grep -q "line 2: job huge" "$tmp/err" || fail "too large message: $(cat "$tmp/err")"
 expect_exit 2 "$sim" --trace "$tmp/nonexistent.csv"
+grep -q "cannot open trace '$tmp/nonexistent.csv': No such file or directory" "$tmp/err" || fail "open message: $(cat "$tmp/err")"
 expect_exit 2 "$sim" --trace "$tmp/good.csv" --policy lottery
 expect_exit 2 "$sim" --trace "$tmp/good.csv" --placement best
 expect_exit 2 "$sim" --trace "$tmp/good.csv" --gpus 0
