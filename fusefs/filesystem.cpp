@@ -1244,8 +1244,15 @@ std::optional<std::string> Filesystem::mount() {
   struct stat st;
   if (::stat(options_.mountpoint.c_str(), &st) != 0) {
     if (errno == ENOTCONN) return dead_mount(options_.mountpoint);
-    if (errno != ENOENT || ::mkdir(options_.mountpoint.c_str(), 0755) != 0)
+    if (errno != ENOENT)
       return fmt::format("mountpoint {}: {}", options_.mountpoint, std::strerror(errno));
+    if (::mkdir(options_.mountpoint.c_str(), 0755) != 0) {
+      // Only the last component is created: say so rather than a bare ENOENT.
+      const int err = errno;
+      return fmt::format("mountpoint {}: cannot create it: {}{}", options_.mountpoint,
+                         std::strerror(err),
+                         err == ENOENT ? " (salusd creates the mountpoint, not its parents)" : "");
+    }
   } else if (!S_ISDIR(st.st_mode)) {
     return fmt::format("mountpoint {} is not a directory", options_.mountpoint);
   }

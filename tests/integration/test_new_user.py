@@ -173,3 +173,13 @@ def test_a_write_only_clone_is_refused_and_creates_no_session(salusd):
     s = Session(salusd)
     s.cmd("need persistent=1M ephemeral=1M\n")
     s.close()
+
+
+def test_a_mountpoint_whose_parent_is_missing_says_so(tmp_path):
+    from conftest import SALUSD
+    mnt = str(tmp_path / "no" / "such" / "mnt")
+    r = subprocess.run([SALUSD, "--backend", "sim", "--mount", mnt, "--state-dir", ""],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1
+    assert r.stderr == (f"salusd: mountpoint {mnt}: cannot create it: No such file or directory "
+                        "(salusd creates the mountpoint, not its parents)\n"), r.stderr
