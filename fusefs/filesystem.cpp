@@ -735,8 +735,9 @@ void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
   }
   // A clone session belongs to its open file; it ends when that file closes.
   if (!b.session_is_named(*id)) {
-    b.note(*id, "rmdir refused (EBUSY): a clone session ends when the last descriptor of its "
-                "clone file is closed (or by `kill ID` on /salus/ctl)");
+    b.note(*id,
+           "rmdir refused (EBUSY): a clone session ends when the last descriptor of its "
+           "clone file is closed (or by `kill ID` on /salus/ctl)");
     fuse_reply_err(req, EBUSY);
     return;
   }
