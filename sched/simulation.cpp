@@ -969,10 +969,10 @@ void Engine::forecast_turns(Gpu& gpu, LaneState& ls) {
 // and no key changes but the running one's: the picks are the sessions' arithmetic
 // progressions of virtual times merged, ties broken as the scheduler breaks them. So the
 // iterations each session runs up to any point, and the lane time they take, are sums of
-// quotients, and the run's end (the first job to finish, or the first boundary past the
-// next arrival) is found by a search over virtual time: O(sessions x 64), whatever the
-// number of turns. Exact while virtual times stay below 2^53, where the scheduler's
-// double keys hold them; beyond, and when work is tracked per turn, forecast_turns().
+// quotients: the run goes on until the first job finishes, and a cut finds its new end by a
+// search over virtual time: O(sessions x 64), whatever the number of turns. Exact while virtual
+// times stay below 2^53, where the scheduler's double keys hold them; beyond, and when work is
+// tracked per turn, forecast_turns().
 bool Engine::forecast_merged(Gpu& gpu, LaneState& ls) {
   if (cfg_.track_work) return false;
   Run& r = ls.run;
@@ -1004,10 +1004,10 @@ bool Engine::forecast_merged(Gpu& gpu, LaneState& ls) {
     return false;
   for (const Turner& t : ts)
     if (t.v < 0 || static_cast<double>(end.key) + static_cast<double>(t.d) >= kExact) return false;
-  const TimeNs h = horizon();
-  const std::int64_t until =
-      h == std::numeric_limits<TimeNs>::max() ? std::numeric_limits<std::int64_t>::max() : h - r.t0;
-  const Elem stop = first_reaching(ts, until, end);
+  // Not bounded by the next arrival, unlike the forecasts at a rate: nothing but an event on
+  // this GPU (an admission, another kernel, a lane move) can change these picks, and each of
+  // those cuts the run at its next boundary, in O(sessions).
+  const Elem stop = end;
   r.last = take_prefix(ts, stop);
   std::uint64_t total = 0;
   std::size_t sessions = 0;
