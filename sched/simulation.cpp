@@ -196,8 +196,13 @@ using Keyed = std::pair<RankKey, SessionId>;
 std::uint64_t count_before(const Turner& s, Elem e, bool inclusive) {
   if (e.key < s.v) return 0;
   const std::int64_t off = e.key - s.v;
-  std::uint64_t n = static_cast<std::uint64_t>((off + s.d - 1) / s.d);  // keys below e.key
-  if (off % s.d == 0 && (inclusive ? s.tie <= e.tie : s.tie < e.tie)) ++n;
+  const std::int64_t q = off / s.d;  // one division: this is the walk's inner loop
+  auto n = static_cast<std::uint64_t>(q);
+  if (off != q * s.d) {
+    ++n;  // keys below e.key: q + 1
+  } else if (inclusive ? s.tie <= e.tie : s.tie < e.tie) {
+    ++n;  // and the one at e.key comes first
+  }
   return std::min(n, s.limit);
 }
 
@@ -279,8 +284,16 @@ std::uint64_t count_switches(const std::vector<Turner>& ts) {
   std::vector<Next> heap;
   std::vector<std::uint64_t> n(ts.size(), 0);
   const auto later = [](const Next& a, const Next& b) { return b.first < a.first; };
-  for (std::size_t i = 0; i < ts.size(); ++i)
-    if (i != m && ts[i].count > 0) heap.push_back({elem(ts[i], 0), i});
+  // Per session, the iterations n that have one of m's between n and n + 1 (when n + 1
+  // follows in a row) are [from, to): m has begun before n + 1 and not ended before n.
+  std::vector<std::uint64_t> from(ts.size(), 0), to(ts.size(), 0);
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    if (i == m || ts[i].count == 0) continue;
+    heap.push_back({elem(ts[i], 0), i});
+    const std::uint64_t n0 = count_before(ts[i], m_first, false);
+    from[i] = n0 > 0 ? n0 - 1 : 0;
+    to[i] = count_before(ts[i], m_last, false);
+  }
   std::make_heap(heap.begin(), heap.end(), later);
   std::uint64_t switches = 0, prev_g = 0;
   std::size_t prev = ts.size();
@@ -304,9 +317,7 @@ std::uint64_t count_switches(const std::vector<Turner>& ts) {
     }
     // Within the turn, iterations n and n + 1 have m's between them (two switches) iff m
     // has one before n + 1 and one after n: n in [n0 - 1, n1).
-    const std::uint64_t n0 = count_before(s, m_first, false);
-    const std::uint64_t n1 = count_before(s, m_last, false);
-    const std::uint64_t lo = std::max(a, n0 > 0 ? n0 - 1 : 0), hi = std::min(b - 1, n1);
+    const std::uint64_t lo = std::max(a, from[i]), hi = std::min(b - 1, to[i]);
     if (hi > lo) switches += 2 * (hi - lo);
     prev = i;
     prev_g = before(elem(s, b - 1));
