@@ -11,6 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <variant>
 
@@ -141,7 +142,7 @@ class Collector {
     if (p.skip.empty() && p.gpus <= 0) p.skip = "no GPU (CPU-only job)";
     if (p.skip.empty() && !p.submit) p.skip = "no submit time";
     if (p.skip.empty() && !(p.work > 0)) p.skip = "no GPU time (ran 0 s)";
-    if (p.skip.empty() && !names_.insert({p.name, true}).second) p.skip = "duplicate job name";
+    if (p.skip.empty() && !names_.insert(p.name).second) p.skip = "duplicate job name";
     if (!p.skip.empty()) {
       skip(p.skip);
       return;
@@ -189,7 +190,7 @@ class Collector {
   const ImportOptions& o_;
   ImportSummary summary_;
   std::vector<Pending> pending_;
-  std::unordered_map<std::string, bool> names_;
+  std::unordered_set<std::string> names_;
 };
 
 // Trace names become CSV fields.

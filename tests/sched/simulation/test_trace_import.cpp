@@ -143,6 +143,20 @@ TEST(TraceImport, CsvErrorsNameLineAndColumn) {
             "HH:MM:SS)");
 }
 
+TEST(TraceImport, QuotedFieldsAndDuplicates) {
+  const ImportResult r = import_trace_text(
+      "job_id,submit_time,gpu_num,duration\n\"a,1\",0,1,10\n\"b \"\"x\"\"\",1,1,10\na_1,2,1,10\n"
+      "\"a,1\",3,1,10\n",
+      ImportFormat::jobs_csv, opts());
+  // A trace name cannot hold a comma, so "a,1" becomes a_1, and the later a_1 repeats it.
+  ASSERT_EQ(r.jobs.size(), 2u);
+  EXPECT_EQ(r.jobs[0].name, "a_1");
+  EXPECT_EQ(r.jobs[1].name, "b \"x\"");
+  EXPECT_EQ(r.summary.skipped.at("duplicate job name"), 2u);
+  EXPECT_EQ(error_of("job_id,submit_time,gpu_num,duration\n\"a,0,1,10\n", ImportFormat::jobs_csv),
+            "line 2: unterminated quoted field");
+}
+
 TEST(TraceImport, AlibabaPaiTasks) {
   // No header, as published: plan_gpu is percent of a GPU, CPU tasks have none.
   const std::string tasks =
