@@ -295,17 +295,35 @@ std::uint64_t count_switches(const std::vector<Turner>& ts) {
     to[i] = count_before(ts[i], m_last, false);
   }
   std::make_heap(heap.begin(), heap.end(), later);
+  // The root replaced in place: one sift per turn instead of a pop and a push.
+  const auto sift_down = [&]() {
+    const std::size_t size = heap.size();
+    std::size_t at = 0;
+    const Next x = heap[0];
+    for (;;) {
+      std::size_t c = 2 * at + 1;
+      if (c >= size) break;
+      if (c + 1 < size && heap[c + 1].first < heap[c].first) ++c;
+      if (!(heap[c].first < x.first)) break;
+      heap[at] = heap[c];
+      at = c;
+    }
+    heap[at] = x;
+  };
   std::uint64_t switches = 0, prev_g = 0;
   std::size_t prev = ts.size();
   while (!heap.empty()) {
-    std::pop_heap(heap.begin(), heap.end(), later);
-    const std::size_t i = heap.back().second;
-    heap.pop_back();
+    const std::size_t i = heap.front().second;
     const Turner& s = ts[i];
-    // Its iterations a..b-1 come in a row, up to the next other session's.
+    // Its iterations a..b-1 come in a row, up to the next other session's (the smaller
+    // child of the root).
     const std::uint64_t a = n[i];
     std::uint64_t b = s.count;
-    if (!heap.empty()) b = std::min(b, count_before(s, heap.front().first, false));
+    if (heap.size() > 1) {
+      const Elem next =
+          heap.size() > 2 && heap[2].first < heap[1].first ? heap[2].first : heap[1].first;
+      b = std::min(b, count_before(s, next, false));
+    }
     b = std::max(b, a + 1);
     const std::uint64_t g = before(elem(s, a));
     if (prev == ts.size()) {
@@ -323,9 +341,13 @@ std::uint64_t count_switches(const std::vector<Turner>& ts) {
     prev_g = before(elem(s, b - 1));
     n[i] = b;
     if (b < s.count) {
-      heap.push_back({elem(s, b), i});
-      std::push_heap(heap.begin(), heap.end(), later);
+      heap[0].first = elem(s, b);
+    } else {
+      heap[0] = heap.back();
+      heap.pop_back();
+      if (heap.empty()) break;
     }
+    sift_down();
   }
   if (prev != ts.size() && bm.count > prev_g) ++switches;  // m's iterations after the last
   return switches;
