@@ -151,6 +151,35 @@ void GpuScheduler::iterations_repeated(SessionId id, std::uint64_t count, std::i
   if (policy_ == PolicyKind::fair || policy_ == PolicyKind::srtf) rerank(s);
 }
 
+void GpuScheduler::turns_repeated(LaneId lane, const std::vector<Turns>& turns, std::uint64_t picks,
+                                  std::uint64_t switches, SessionId last, std::int64_t last_vtime) {
+  stats_.decisions += picks;
+  stats_.switches += switches;
+  stats_.preemptions += switches;
+  for (const Turns& t : turns) {
+    auto it = sessions_.find(t.id);
+    if (it == sessions_.end() || t.count == 0) continue;
+    SessionSched& s = it->second;
+    // Each iteration was charged at dispatch and settled at its end: the charges cancel.
+    s.gpu_ns += t.device_ns;
+    s.in.done += t.count;
+    s.in.measured_ns += t.device_ns;
+    s.in.mean_iter_ns = static_cast<double>(s.in.measured_ns) / static_cast<double>(s.in.done);
+    s.in.vtime += t.device_ns;
+  }
+  auto lq = lanes_.find(lane);
+  if (lq != lanes_.end()) {
+    if (picks > 0) lq->second.last = last;
+    if (policy_ == PolicyKind::fair) lq->second.vclock = std::max(lq->second.vclock, last_vtime);
+  }
+  // Re-ranked once the lane's clock is final: no session's time is behind it (each one's
+  // next iteration comes after the last pick), so the clock moves no one.
+  for (const Turns& t : turns) {
+    auto it = sessions_.find(t.id);
+    if (it != sessions_.end() && t.count > 0) rerank(it->second);
+  }
+}
+
 void GpuScheduler::iteration_dispatched(SessionId id) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;

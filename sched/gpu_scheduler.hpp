@@ -83,6 +83,19 @@ class GpuScheduler {
   // leave, in O(1). For salus-sim's coalesced runs, whose forecast guarantees the picks.
   void iterations_repeated(SessionId id, std::uint64_t count, std::int64_t device_ns,
                            std::int64_t last_ns);
+  // Iterations of several sessions of one lane in turn, none of them dispatched before:
+  // each `turns[i]` session `count` more iterations, together `device_ns`, in an order that
+  // made `picks` decisions, `switches` of them to a different session, each a preemption
+  // (no session runs out of work inside), the last pick `last` at virtual time
+  // `last_vtime`. The state those iteration_cycle calls with their picks leave, in
+  // O(sessions). For salus-sim's FAIR runs, whose closed form guarantees the picks.
+  struct Turns {
+    SessionId id = 0;
+    std::uint64_t count = 0;
+    std::int64_t device_ns = 0;
+  };
+  void turns_repeated(LaneId lane, const std::vector<Turns>& turns, std::uint64_t picks,
+                      std::uint64_t switches, SessionId last, std::int64_t last_vtime);
   // What FAIR charges at dispatch: the measured mean, rounded, at least 1 ns.
   static std::int64_t charge_estimate(const RankInputs& in);
 

@@ -65,7 +65,7 @@ def test_pytorch_example_runs(salusd, tmp_path):
 
 
 @pytest.mark.parametrize("page", ["salus.5", "salusd.8", "salusctl.1", "salus-run.1",
-                                  "libsalus-shim.3"])
+                                  "libsalus-shim.3", "salus-trace-import.1"])
 def test_man_pages_render(page):
     from conftest import SALUSD
     built = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(SALUSD))), "docs", page)

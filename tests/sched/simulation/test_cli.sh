@@ -105,6 +105,9 @@ expect_exit 0 "$gen" --shape burst --jobs 20 --seed 7 -o "$tmp/burst.csv"
 expect_exit 0 "$gen" --shape cluster --jobs 200 --seed 7 -o "$tmp/cluster.csv"
 [ "$(awk -F, 'END{print ($2 > 20000)}' "$tmp/cluster.csv")" = 1 ] || fail "cluster arrivals not spread"
 expect_exit 0 "$sim" --trace "$tmp/cluster.csv" --gpus 2 --policy all
+# year: the cluster's load per GPU on 100 GPUs, so gaps of 32 s instead of 400 s.
+expect_exit 0 "$gen" --shape year --jobs 200 --seed 7 -o "$tmp/year.csv"
+[ "$(awk -F, 'END{print ($2 > 2000 && $2 < 20000)}' "$tmp/year.csv")" = 1 ] || fail "year gaps: $(tail -1 "$tmp/year.csv")"
 expect_exit 2 "$gen" --shape philly
 expect_exit 2 "$gen" --arrivals 0,x
 expect_exit 0 "$gen" --list
