@@ -571,6 +571,10 @@ void GpuArena::free_persistent(BufferHandle buffer) {
   m.reconcile(true);
 }
 
+bool GpuArena::buffer_on_gpu(BufferHandle buffer) const {
+  return impl_->heap.find(buffer) != nullptr;
+}
+
 Bytes GpuArena::buffer_offset(BufferHandle buffer) const {
   const PersistentBuffer* b = impl_->heap.find(buffer);
   return b ? b->offset : 0;

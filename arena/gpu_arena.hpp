@@ -220,6 +220,8 @@ class GpuArena {
   AllocResult alloc_persistent(SessionId session, Bytes size);
   void free_persistent(BufferHandle buffer);
   Bytes buffer_offset(BufferHandle buffer) const;
+  // Whether the buffer holds a GPU range now (false while its session is swapped out).
+  bool buffer_on_gpu(BufferHandle buffer) const;
 
   // ---- Persistent compaction ----
   // Called when `session` has no work in flight. Returns the moves of this

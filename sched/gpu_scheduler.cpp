@@ -146,6 +146,10 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   return chosen;
 }
 
+void GpuScheduler::want_resident(SessionId id) {
+  if (std::find(wanted_.begin(), wanted_.end(), id) == wanted_.end()) wanted_.push_back(id);
+}
+
 ResidencyPlan GpuScheduler::plan_residency(const std::function<bool(SessionId)>& swappable,
                                            TimeNs now) {
   if (!oversubscribed()) return {};

@@ -70,6 +70,9 @@ class GpuScheduler {
   std::optional<SessionId> pick(LaneId lane);
   // Oversubscription: which swaps to start now, for the sessions picks found swapped.
   ResidencyPlan plan_residency(const std::function<bool(SessionId)>& swappable, TimeNs now);
+  // A swapped session needs its memory for something other than a dispatch (an
+  // allocation, a transfer): plan_residency treats it as wanted.
+  void want_resident(SessionId id);
   ResidencyPlanner& residency() { return residency_; }
   const ResidencyPlanner& residency() const { return residency_; }
   bool oversubscribed() const { return arena_.options().oversubscribe > 1.0; }
