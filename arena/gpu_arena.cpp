@@ -433,6 +433,22 @@ void GpuArena::set_queue_mode(QueueMode mode) {
   impl_->reconcile(true);
 }
 
+bool GpuArena::set_oversubscribe(double ratio) {
+  Impl& m = *impl_;
+  if (!(ratio >= 1.0)) return false;
+  const Bytes bound = Impl::scaled(m.usable, ratio);
+  if (m.reserved + m.lanes.total() > bound) return false;
+  if (!(ratio > 1.0)) {
+    if (m.resident_reserved != m.reserved || m.swapped_bytes != 0) return false;
+    for (const auto& [id, s] : m.sessions)
+      if (!s.on_gpu()) return false;
+  }
+  m.options.oversubscribe = ratio;
+  m.admit_usable = bound;
+  m.reconcile(true);
+  return true;
+}
+
 ArenaError GpuArena::request(SessionId session, Need need, TimeNs now) {
   Impl& m = *impl_;
   if (m.sessions.count(session)) return ArenaError::duplicate;

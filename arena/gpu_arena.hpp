@@ -179,6 +179,9 @@ class GpuArena {
   Bytes capacity() const;
   const ArenaOptions& options() const;
   void set_queue_mode(QueueMode mode);  // admin: strict FIFO or bounded bypass
+  // Admin: a new oversubscription ratio (>= 1). Refused (false) when what is admitted
+  // already passes the new bound, or, going back to 1, while a session is not resident.
+  bool set_oversubscribe(double ratio);
 
   // ---- Admission ----
   // Queues the session's need (arrival order is the order of these calls) and

@@ -153,6 +153,17 @@ void GpuScheduler::want_resident(SessionId id) {
 ResidencyPlan GpuScheduler::plan_residency(const std::function<bool(SessionId)>& swappable,
                                            TimeNs now) {
   if (!oversubscribed()) return {};
+  // Best-ranked first across lanes, so that the policy, not the lane order, says who
+  // comes back next (a session just swapped out ranks behind the one it made room for).
+  // Sessions wanted for an allocation or a transfer, not for a dispatch, come last.
+  auto key = [&](SessionId id) {
+    auto it = sessions_.find(id);
+    return it != sessions_.end() && it->second.runnable
+               ? std::make_pair(0, it->second.key)
+               : std::make_pair(1, RankKey{0.0, it != sessions_.end() ? it->second.in.arrival : 0});
+  };
+  std::stable_sort(wanted_.begin(), wanted_.end(),
+                   [&](SessionId a, SessionId b) { return key(a) < key(b); });
   ResidencyPlan plan = residency_.plan(arena_, wanted_, swappable, now);
   wanted_.clear();
   return plan;

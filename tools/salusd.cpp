@@ -7,8 +7,8 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -29,8 +29,8 @@
 #include "vgpu/executor/remote_device.hpp"
 #include "vgpu/mps/mps_control.hpp"
 #include "vgpu/nvml/nvml_sampler.hpp"
-#include "vgpu/store/session_store.hpp"
 #include "vgpu/sim/sim_device.hpp"
+#include "vgpu/store/session_store.hpp"
 
 namespace {
 
@@ -80,15 +80,17 @@ std::optional<double> parse_oversubscribe(const std::string& text, std::string& 
     return std::nullopt;
   }
   if (v < 1.0) {
-    why = fmt::format("oversubscribe {}: below 1 would admit less than the GPU holds; expected "
-                      "1 (no oversubscription) to 16",
-                      text);
+    why = fmt::format(
+        "oversubscribe {}: below 1 would admit less than the GPU holds; expected "
+        "1 (no oversubscription) to 16",
+        text);
     return std::nullopt;
   }
   if (!(v <= 16.0)) {
-    why = fmt::format("oversubscribe {}: expected at most 16 (every admitted byte beyond the "
-                      "card lives in host memory or the spill file)",
-                      text);
+    why = fmt::format(
+        "oversubscribe {}: expected at most 16 (every admitted byte beyond the "
+        "card lives in host memory or the spill file)",
+        text);
     return std::nullopt;
   }
   return v;

@@ -1471,7 +1471,6 @@ void Broker::dispatch(Gpu& g, Deferred& later) {
     ~Batch() { d.end_batch(); }
   } batch(*g.device);
   compact(g);
-  drive_residency(g, later);
   std::uint32_t budget = kInlineBudget;
   bool progress = true;
   while (progress && budget > 0) {
@@ -1489,6 +1488,8 @@ void Broker::dispatch(Gpu& g, Deferred& later) {
       if (budget == 0) break;
     }
   }
+  // After the picks, which noted the swapped sessions the lanes want next.
+  drive_residency(g, later);
   if (budget == 0) {
     std::lock_guard lk(g.cq_mu);
     g.wake = true;  // more to do: come back after letting others take the lock

@@ -27,6 +27,7 @@ int Broker::set_policy(const std::string& text) {
   std::optional<Placement> placement;
   std::optional<arena::QueueMode> queue;
   std::optional<std::int64_t> quantum_ns;
+  std::optional<double> oversubscribe;
   for (std::size_t i = 1; i < words.size(); ++i) {
     const auto eq = words[i].find('=');
     if (eq == std::string::npos) return -EINVAL;
@@ -41,6 +42,12 @@ int Broker::set_policy(const std::string& text) {
         queue = arena::QueueMode::bounded_bypass;
       else
         return -EINVAL;
+    } else if (key == "oversubscribe") {
+      // Admission's bound as a multiple of each GPU's memory: 1 (off) to 16.
+      char* end = nullptr;
+      const double r = std::strtod(value.c_str(), &end);
+      if (value.empty() || *end != '\0' || !(r >= 1.0 && r <= 16.0)) return -EINVAL;
+      oversubscribe = r;
     } else if (key == "quantum_ms") {
       // The fallback slice of unmarked attached programs: 1 ms .. 1 h.
       char* end = nullptr;
@@ -52,6 +59,18 @@ int Broker::set_policy(const std::string& text) {
     }
   }
   std::lock_guard lk(mu_);
+  if (oversubscribe) {
+    // All GPUs or none: check first, so that a refusal changes nothing.
+    for (auto& g : gpus_) {
+      const arena::MemorySummary m = g->sched.arena().memory();
+      const double cap = static_cast<double>(m.capacity) * *oversubscribe;
+      if (static_cast<double>(m.persistent_reserved + m.lane_total) > cap) return -EBUSY;
+      if (*oversubscribe <= 1.0 && m.resident_reserved != m.persistent_reserved) return -EBUSY;
+    }
+    for (auto& g : gpus_)
+      if (!g->sched.arena().set_oversubscribe(*oversubscribe)) return -EBUSY;
+    config_.arena.oversubscribe = *oversubscribe;
+  }
   config_.policy = *kind;
   if (quantum_ns) {
     config_.quantum_ns = *quantum_ns;
