@@ -2,6 +2,7 @@
 "Oversubscription"): two hosted sessions whose persistent memory together exceeds
 the GPU are both admitted, both make progress, and their buffers survive every swap
 bit for bit; status, gpus/N/memory and metrics show residency; bad ratios are refused."""
+import errno
 import hashlib
 import os
 import subprocess
@@ -130,3 +131,43 @@ def test_bad_ratio_in_config_is_refused(tmp_path):
     r = subprocess.run([SALUSD, "--backend", "sim", "--mount", str(tmp_path), "--config", str(cfg)],
                        capture_output=True, text=True, timeout=20)
     assert r.returncode != 0 and "oversubscribe" in r.stderr, r.stderr
+
+
+def test_policy_file_sets_the_ratio(salusd):
+    with open(salusd.path("policy"), "w") as f:
+        f.write("fair oversubscribe=1.5\n")
+    with open(salusd.path("policy")) as f:
+        assert "oversubscribe: 1.5\n" in f.read()
+    with open(salusd.path("gpus", "0", "memory")) as f:
+        assert "oversubscribe: 1.5\n" in f.read()
+    for bad in ("fair oversubscribe=0.5\n", "fair oversubscribe=nan\n", "fair oversubscribe=99\n"):
+        with pytest.raises(OSError) as e:
+            with open(salusd.path("policy"), "w") as f:
+                f.write(bad)
+        assert e.value.errno == errno.EINVAL
+
+
+def test_stop_saves_swapped_named_sessions_and_restart_restores_them(tmp_path):
+    state = str(tmp_path / "state")
+    args = ["--oversubscribe", "2", "--state-dir", state]
+    hashes = {}
+    d = Salusd(extra_args=args, sim_memory="64M", gpus=1).start()
+    try:
+        for name in ("ja", "jb"):
+            os.mkdir(d.path("sessions", name))
+            with open(d.path("sessions", name, "ctl"), "w") as f:
+                f.write("need persistent=36M ephemeral=2M gpu=0\nalloc w 36M\n")
+            data = hashlib.shake_256(name.encode()).digest(36 * M)
+            with open(d.path("sessions", name, "mem", "w"), "r+b", buffering=0) as f:
+                f.write(data)
+            hashes[name] = hashlib.sha256(data).hexdigest()
+        assert int(memory(d)["swapped"]) == 36 * M  # one of them is out at the stop
+    finally:
+        d.stop(timeout=30)
+    d = Salusd(extra_args=args, sim_memory="64M", gpus=1).start(timeout=60)
+    try:
+        for name, h in hashes.items():
+            with open(d.path("sessions", name, "mem", "w"), "rb") as f:
+                assert hashlib.sha256(f.read()).hexdigest() == h, name
+    finally:
+        d.stop(timeout=30)
