@@ -164,7 +164,17 @@ ResidencyPlan GpuScheduler::plan_residency(const std::function<bool(SessionId)>&
   };
   std::stable_sort(wanted_.begin(), wanted_.end(),
                    [&](SessionId a, SessionId b) { return key(a) < key(b); });
-  ResidencyPlan plan = residency_.plan(arena_, wanted_, swappable, now);
+  // FIFO runs one job to completion: the session holding the GPU is never a victim.
+  std::optional<SessionId> holder;
+  if (policy_ == PolicyKind::fifo) {
+    const SessionSched* best = nullptr;
+    for (const auto& [id, s] : sessions_)
+      if ((s.runnable || s.in_flight > 0) && s.lane && (!best || s.in.arrival < best->in.arrival))
+        best = &s;
+    if (best) holder = best->id;
+  }
+  ResidencyPlan plan = residency_.plan(
+      arena_, wanted_, [&](SessionId id) { return id != holder && swappable(id); }, now);
   wanted_.clear();
   return plan;
 }

@@ -845,7 +845,9 @@ bool Engine::drive_swaps(std::uint32_t g, TimeNs t) {
   for (const auto& [lane, ls] : gpu.lanes)
     for (SessionId id : ls.members)
       if (rp.evicting(id)) swap_out(id);
-  const ResidencyPlan plan = gpu.sched.plan_residency([](SessionId) { return true; }, t);
+  // A job that ran its last iteration leaves at the end of this instant: never a victim.
+  const ResidencyPlan plan = gpu.sched.plan_residency(
+      [this](SessionId id) { return job_of(id).done < job_of(id).spec->iters; }, t);
   for (SessionId v : plan.swap_out) swap_out(v);
   if (plan.swap_in && ar.swap_in(*plan.swap_in, bufs) == arena::ArenaError::ok) {
     const Bytes n = ar.swap_in_bytes(*plan.swap_in);

@@ -55,7 +55,6 @@ struct Broker::Gpu {
     std::vector<std::pair<arena::BufferHandle, StagingPool::Block>> blocks;
   };
   std::optional<StreamId> swap_stream;
-  std::unordered_map<std::uint64_t, SwapJob> swap_jobs;
   Bytes host_swapped = 0;  // bytes of this GPU's sessions held in host memory
   std::deque<std::pair<TimeNs, std::int64_t>> busy_samples;  // (time, busy_ns)
   std::uint64_t generation = 0;  // the device's context generation last seen
@@ -75,6 +74,8 @@ struct Broker::Gpu {
   // The data plane. Declared last: destroyed first, while the device lives.
   std::unique_ptr<StagingPool> staging;
   std::unique_ptr<TransferEngine> transfers;
+  // Swaps in progress hold staging blocks: destroyed before the pool they go back to.
+  std::unordered_map<std::uint64_t, SwapJob> swap_jobs;
 };
 
 }  // namespace salus::vgpu
