@@ -49,6 +49,10 @@ struct ArenaOptions {
   QueueMode queue_mode = QueueMode::bounded_bypass;
   std::uint32_t max_bypass = 16;
   LaneMode lane_mode = LaneMode::salus;
+  // Oversubscription: admission lets the declared needs add up to this many times the
+  // capacity; only the sessions that are resident must fit the card (see "Residency").
+  // 1 is plain Salus: every admitted session is resident.
+  double oversubscribe = 1.0;
 };
 
 enum class ArenaError : std::uint8_t {
@@ -59,6 +63,7 @@ enum class ArenaError : std::uint8_t {
   duplicate,        // request() for a session already known
   no_memory,        // the safety condition would break
   fragmented,       // accounting fits but no hole is big enough yet; compaction is planned
+  swapped_out,      // the session's memory is not on the GPU now (oversubscription)
 };
 
 const char* to_string(ArenaError);
@@ -84,12 +89,30 @@ struct AllocResult {
   Bytes offset = 0;
 };
 
+// A persistent buffer that a swap moves between the GPU and the host. Its handle
+// stays the same across the swap; its offset may change.
+struct SwapBuffer {
+  BufferHandle buffer;
+  Bytes offset;
+  Bytes size;
+};
+
+// Where a session's persistent memory is (oversubscription).
+enum class Residency : std::uint8_t {
+  resident,      // on the GPU (every session at oversubscribe 1)
+  swapping_out,  // on the GPU, being copied out: its ranges stay held until finish_swap_out
+  swapped,       // not on the GPU: its buffers hold no range
+};
+
 struct MemorySummary {
   Bytes capacity = 0;
+  Bytes admit_capacity = 0;       // capacity x oversubscribe: what admission may hand out
+  Bytes resident_reserved = 0;    // persistent_reserved of the sessions on the GPU
+  Bytes swapped = 0;              // bytes of buffers that are off the GPU (swapped out)
   Bytes persistent_used = 0;      // bytes held by live persistent buffers
   Bytes persistent_reserved = 0;  // sum over admitted sessions of max(declared P, used)
   Bytes lane_total = 0;           // sum of lane sizes (the ephemeral region)
-  Bytes free = 0;                 // capacity - persistent_reserved - lane_total
+  Bytes free = 0;                 // admit_capacity - persistent_reserved - lane_total
   Bytes largest_hole = 0;         // largest physically free contiguous range
   double fragmentation = 0.0;     // 1 - largest_hole / physically free bytes (0 when none free)
   std::uint32_t lanes = 0;
@@ -156,6 +179,9 @@ class GpuArena {
   Bytes capacity() const;
   const ArenaOptions& options() const;
   void set_queue_mode(QueueMode mode);  // admin: strict FIFO or bounded bypass
+  // Admin: a new oversubscription ratio (>= 1). Refused (false) when what is admitted
+  // already passes the new bound, or, going back to 1, while a session is not resident.
+  bool set_oversubscribe(double ratio);
 
   // ---- Admission ----
   // Queues the session's need (arrival order is the order of these calls) and
@@ -197,6 +223,8 @@ class GpuArena {
   AllocResult alloc_persistent(SessionId session, Bytes size);
   void free_persistent(BufferHandle buffer);
   Bytes buffer_offset(BufferHandle buffer) const;
+  // Whether the buffer holds a GPU range now (false while its session is swapped out).
+  bool buffer_on_gpu(BufferHandle buffer) const;
 
   // ---- Persistent compaction ----
   // Called when `session` has no work in flight. Returns the moves of this
@@ -209,6 +237,32 @@ class GpuArena {
   void finish_moves(SessionId session, TimeNs now);
   // Whether compaction has moves planned (so the caller knows to visit idle sessions).
   bool compaction_pending() const;
+
+  // ---- Residency (oversubscription) ----
+  // Only sessions that are resident (or swapping out) hold GPU ranges, and only they
+  // count in the physical safety condition: resident P + L <= C. Every admitted
+  // session counts in the admission bound: P + L <= C x oversubscribe. A session
+  // admitted when its P did not fit the card starts swapped (it holds nothing yet).
+  Residency residency(SessionId session) const;
+  // Bytes the resident set may still grow by: C - resident P - L.
+  Bytes resident_room() const;
+  // What the session adds to the resident set when it is swapped in (its P_i).
+  Bytes swap_in_bytes(SessionId session) const;
+  // Bytes a lane that waits for physical room needs from the resident set (0: none).
+  Bytes lane_room_wanted() const;
+  // Starts a swap-out of an admitted, resident session that is not running and has no
+  // compaction moves out; otherwise returns false. `out` gets the buffers to copy
+  // to the host; they keep their ranges until finish_swap_out.
+  bool begin_swap_out(SessionId session, std::vector<SwapBuffer>& out);
+  // The copies are safe on the host: the ranges are freed and assignment runs again.
+  void finish_swap_out(SessionId session, TimeNs now);
+  // The copies failed: the session stays resident with its memory where it was.
+  void cancel_swap_out(SessionId session);
+  // Places a swapped session's buffers again under their old handles (`out`: where).
+  // no_memory: the resident set has no room for its P yet; fragmented: the room is
+  // there but not in one piece, compaction is planned. On ok it is resident at once;
+  // the caller copies the contents in before it runs.
+  ArenaError swap_in(SessionId session, std::vector<SwapBuffer>& out);
 
   // ---- Observation ----
   MemorySummary memory() const;

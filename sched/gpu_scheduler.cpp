@@ -21,6 +21,7 @@ arena::ArenaError GpuScheduler::arrive(SessionId id, arena::Need need, std::int3
   if (err != arena::ArenaError::ok) return err;
   SessionSched& s = sessions_[id];
   s.id = id;
+  residency_.add(id, now);
   s.in.arrival = next_arrival_++;
   s.in.priority = priority;
   s.in.iters = iters;
@@ -58,6 +59,8 @@ void GpuScheduler::leave(SessionId id, TimeNs now) {
     }
     sessions_.erase(it);
   }
+  residency_.remove(id);
+  std::erase(wanted_, id);
   arena_.leave(id, now);
   // Drop the queues of lanes the arena deleted, and only those: a live lane's
   // FAIR clock must survive moments when none of its sessions is runnable.
@@ -115,7 +118,23 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   auto it = lanes_.find(lane);
   if (it == lanes_.end() || it->second.runnable.empty()) return std::nullopt;
   LaneQueue& q = it->second;
-  const SessionId chosen = q.runnable.begin()->second;
+  SessionId chosen = q.runnable.begin()->second;
+  if (oversubscribed()) {
+    std::optional<SessionId> found;
+    for (const auto& [key, id] : q.runnable) {
+      const arena::Residency r = arena_.residency(id);
+      const SessionResidency* sr = residency_.find(id);
+      if (r == arena::Residency::resident && sr && !sr->evicting && !sr->swapping) {
+        found = id;
+        break;
+      }
+      if (r == arena::Residency::swapped &&
+          std::find(wanted_.begin(), wanted_.end(), id) == wanted_.end())
+        wanted_.push_back(id);
+    }
+    if (!found) return std::nullopt;
+    chosen = *found;
+  }
   ++stats_.decisions;
   if (q.last && *q.last != chosen) {
     ++stats_.switches;
@@ -125,6 +144,39 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   q.last = chosen;
   if (policy_ == PolicyKind::fair) q.vclock = std::max(q.vclock, sessions_.at(chosen).in.vtime);
   return chosen;
+}
+
+void GpuScheduler::want_resident(SessionId id) {
+  if (std::find(wanted_.begin(), wanted_.end(), id) == wanted_.end()) wanted_.push_back(id);
+}
+
+ResidencyPlan GpuScheduler::plan_residency(const std::function<bool(SessionId)>& swappable,
+                                           TimeNs now) {
+  if (!oversubscribed()) return {};
+  // Best-ranked first across lanes, so that the policy, not the lane order, says who
+  // comes back next (a session just swapped out ranks behind the one it made room for).
+  // Sessions wanted for an allocation or a transfer, not for a dispatch, come last.
+  auto key = [&](SessionId id) {
+    auto it = sessions_.find(id);
+    return it != sessions_.end() && it->second.runnable
+               ? std::make_pair(0, it->second.key)
+               : std::make_pair(1, RankKey{0.0, it != sessions_.end() ? it->second.in.arrival : 0});
+  };
+  std::stable_sort(wanted_.begin(), wanted_.end(),
+                   [&](SessionId a, SessionId b) { return key(a) < key(b); });
+  // FIFO runs one job to completion: the session holding the GPU is never a victim.
+  std::optional<SessionId> holder;
+  if (policy_ == PolicyKind::fifo) {
+    const SessionSched* best = nullptr;
+    for (const auto& [id, s] : sessions_)
+      if ((s.runnable || s.in_flight > 0) && s.lane && (!best || s.in.arrival < best->in.arrival))
+        best = &s;
+    if (best) holder = best->id;
+  }
+  ResidencyPlan plan = residency_.plan(
+      arena_, wanted_, [&](SessionId id) { return id != holder && swappable(id); }, now);
+  wanted_.clear();
+  return plan;
 }
 
 std::int64_t GpuScheduler::charge_estimate(const RankInputs& in) {

@@ -13,6 +13,7 @@
 
 #include "arena/gpu_arena.hpp"
 #include "sched/policy.hpp"
+#include "sched/residency.hpp"
 
 namespace salus::sched {
 
@@ -63,8 +64,18 @@ class GpuScheduler {
   // whose last queued iteration is still running holds the GPU until it ends, so the
   // next job does not start under it.
   bool lane_may_dispatch(LaneId lane) const;
-  // The decision: the lane's best-ranked runnable session, counted in stats.
+  // The decision: the lane's best-ranked runnable session, counted in stats. When
+  // oversubscribed, only a resident session that is not leaving or arriving is picked;
+  // swapped sessions ranked ahead of it are noted as wanted for plan_residency.
   std::optional<SessionId> pick(LaneId lane);
+  // Oversubscription: which swaps to start now, for the sessions picks found swapped.
+  ResidencyPlan plan_residency(const std::function<bool(SessionId)>& swappable, TimeNs now);
+  // A swapped session needs its memory for something other than a dispatch (an
+  // allocation, a transfer): plan_residency treats it as wanted.
+  void want_resident(SessionId id);
+  ResidencyPlanner& residency() { return residency_; }
+  const ResidencyPlanner& residency() const { return residency_; }
+  bool oversubscribed() const { return arena_.options().oversubscribe > 1.0; }
   // An iteration was handed to the device. FAIR charges its expected cost now
   // (the measured mean) so that a pipelined lane still alternates sessions;
   // iteration_done replaces the estimate with the measurement.
@@ -125,6 +136,8 @@ class GpuScheduler {
   // lane_may_dispatch scans it.
   std::vector<SessionId> in_flight_;
   SchedStats stats_;
+  ResidencyPlanner residency_;
+  std::vector<SessionId> wanted_;  // swapped sessions picks passed over, best first
 };
 
 }  // namespace salus::sched

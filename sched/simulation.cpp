@@ -176,6 +176,15 @@ struct Gpu {
   std::map<LaneId, LaneState> lanes;  // ordered: dispatch visits lanes by id
   std::uint64_t epoch = 0;
   bool touched = false;
+  // Oversubscription: no iteration starts before swap_until; the swaps ending then.
+  struct Swap {
+    SessionId id;
+    Bytes bytes;
+    TimeNs ns;
+    bool out;
+  };
+  TimeNs swap_until = 0;
+  std::vector<Swap> swaps;
   bool quiet = true;  // no lane waits to move or for room: boundaries change nothing
   // Placement bookkeeping.
   std::int64_t waiting_bytes = 0;  // declared P + E of jobs placed here, not admitted
@@ -371,9 +380,18 @@ class Engine {
       opts.queue_mode = arena::QueueMode::strict_fifo;
       opts.lane_mode = arena::LaneMode::lane_per_session;
     }
+    if (!(cfg_.oversubscribe >= 1.0 && cfg_.oversubscribe <= 16.0))
+      throw SimError("oversubscribe must be a number from 1 to 16");
+    if (!(cfg_.swap_gbps > 0.0)) throw SimError("the swap bandwidth must be positive");
+    opts.oversubscribe = cfg_.oversubscribe;
+    // A coalesced run assumes no decision changes before the next event, but a resident
+    // session's quantum runs out at no event: simulate iteration by iteration.
+    if (cfg_.oversubscribe > 1.0) cfg_.coalesce = false;
     gpus_.reserve(cfg_.gpus);
-    for (std::uint32_t g = 0; g < cfg_.gpus; ++g)
+    for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       gpus_.emplace_back(cfg_.gpu_memory, cfg_.policy, opts);
+      gpus_.back().sched.residency().cost().bytes_per_s = cfg_.swap_gbps * 1e9;
+    }
     usable_ = cfg_.gpu_memory & ~(arena::kAlignment - 1);
     load(trace);
   }
@@ -407,6 +425,9 @@ class Engine {
     return pos_ < order_.size() ? jobs_[order_[pos_]].arrival : std::numeric_limits<TimeNs>::max();
   }
   void dispatch(std::uint32_t g, TimeNs t);
+  // Oversubscription: lands the swaps that ended, starts the ones the planner asks
+  // for; false while the GPU is busy swapping (no iteration may start).
+  bool drive_swaps(std::uint32_t g, TimeNs t);
   void close_instant(std::uint32_t g, TimeNs t);
   void record_work(const Job& j, TimeNs t, double work);
   Job& job_of(SessionId id) { return jobs_[id - 1]; }
@@ -1121,19 +1142,69 @@ void Engine::replay_merged(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
   counters_.iterations += r.planned;
 }
 
+bool Engine::drive_swaps(std::uint32_t g, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  if (t < gpu.swap_until) return false;
+  ResidencyPlanner& rp = gpu.sched.residency();
+  arena::GpuArena& ar = gpu.sched.arena();
+  for (const Gpu::Swap& s : gpu.swaps) {
+    if (s.out)
+      rp.swap_out_done(s.id, s.bytes, s.ns, t, true);
+    else
+      rp.swap_in_done(s.id, s.bytes, s.ns, t);
+  }
+  gpu.swaps.clear();
+  TimeNs cost = 0;
+  std::vector<arena::SwapBuffer> bufs;
+  auto swap_out = [&](SessionId v) {
+    if (!ar.begin_swap_out(v, bufs)) return;  // its iteration still runs: at its boundary
+    const Bytes n = ar.swap_in_bytes(v);
+    ar.finish_swap_out(v, t);
+    rp.swap_started(v);
+    const TimeNs ns = rp.cost().swap_ns(n);
+    cost += ns;
+    gpu.swaps.push_back({v, n, ns, true});
+    ++counters_.swaps_out;
+  };
+  for (const auto& [lane, ls] : gpu.lanes)
+    for (SessionId id : ls.members)
+      if (rp.evicting(id)) swap_out(id);
+  // A job that ran its last iteration leaves at the end of this instant: never a victim.
+  const ResidencyPlan plan = gpu.sched.plan_residency(
+      [this](SessionId id) { return job_of(id).done < job_of(id).spec->iters; }, t);
+  for (SessionId v : plan.swap_out) swap_out(v);
+  if (plan.swap_in && ar.swap_in(*plan.swap_in, bufs) == arena::ArenaError::ok) {
+    const Bytes n = ar.swap_in_bytes(*plan.swap_in);
+    rp.swap_started(*plan.swap_in);
+    const TimeNs ns = rp.cost().swap_ns(n);
+    cost += ns;
+    gpu.swaps.push_back({*plan.swap_in, n, ns, false});
+    ++counters_.swaps_in;
+  }
+  counters_.swap_ns += cost;
+  if (cost == 0) return true;
+  gpu.swap_until = t + cost;
+  return false;
+}
+
 void Engine::dispatch(std::uint32_t g, TimeNs t) {
   Gpu& gpu = gpus_[g];
   arena::GpuArena& ar = gpu.sched.arena();
   started_.clear();
+  if (gpu.sched.oversubscribed() && !drive_swaps(g, t)) return;
   for (auto& [lane, ls] : gpu.lanes) {
     // The broker's order: lane ready, lane allowed (FIFO runs one session per GPU), pick,
     // begin_iteration, iteration_dispatched.
     if (ls.busy || !ar.lane_ready(lane) || !gpu.sched.lane_may_dispatch(lane)) continue;
     const std::optional<SessionId> sid = gpu.sched.pick(lane);
     if (!sid) continue;
-    if (ls.waiting.empty() || ls.waiting.begin()->second != *sid)
+    // Oversubscribed, the pick may pass over swapped sessions ranked ahead of it.
+    auto w = ls.waiting.begin();
+    if (gpu.sched.oversubscribed())
+      while (w != ls.waiting.end() && w->second != *sid) ++w;
+    if (w == ls.waiting.end() || w->second != *sid)
       throw std::logic_error("salus-sim: lane bookkeeping disagrees with the scheduler");
-    ls.waiting.erase(ls.waiting.begin());
+    ls.waiting.erase(w);
     Job& j = job_of(*sid);
     ar.begin_iteration(lane, *sid, j.ephemeral);
     gpu.sched.iteration_dispatched(*sid);
@@ -1154,6 +1225,8 @@ void Engine::dispatch(std::uint32_t g, TimeNs t) {
     started_.push_back(lane);
     ++counters_.kernels;
   }
+  // The picks noted whom the lanes want back: start those swaps now.
+  if (gpu.sched.oversubscribed()) drive_swaps(g, t);
   // Lengths are decided once every lane has started, at the rate they will all run at.
   for (LaneId lane : started_) {
     LaneState& ls = gpu.lanes.at(lane);
@@ -1199,6 +1272,16 @@ void Engine::close_instant(std::uint32_t g, TimeNs t) {
   ++gpu.epoch;
   if (const std::optional<TimeNs> next = gpu.model.next_completion())
     heap_.push({*next, g, gpu.epoch});
+  if (gpu.swap_until > t) {
+    heap_.push({gpu.swap_until, g, gpu.epoch});
+  } else if (gpu.sched.oversubscribed() && gpu.model.active() == 0) {
+    // Idle, with someone perhaps waiting for a resident session's quantum to end.
+    for (const auto& [lane, ls] : gpu.lanes)
+      if (!ls.waiting.empty()) {
+        heap_.push({t + gpu.sched.residency().cost().min_quantum_ns, g, gpu.epoch});
+        break;
+      }
+  }
 }
 
 SimResult Engine::run() {

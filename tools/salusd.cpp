@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,8 +30,8 @@
 #include "vgpu/executor/remote_device.hpp"
 #include "vgpu/mps/mps_control.hpp"
 #include "vgpu/nvml/nvml_sampler.hpp"
-#include "vgpu/store/session_store.hpp"
 #include "vgpu/sim/sim_device.hpp"
+#include "vgpu/store/session_store.hpp"
 
 namespace {
 
@@ -63,6 +65,11 @@ struct Settings {
   // where their pipe and log directories go (cuda backend only).
   std::vector<std::string> mps;
   std::string mps_dir = "/run/salus/mps";
+  // Oversubscription: admit up to this many times each GPU's memory (a number, kept
+  // as text so that a bad value gets a clear message); host memory for swapped-out
+  // sessions per GPU.
+  std::string oversubscribe = "1";
+  std::string swap_host_limit = "64G";
 };
 
 // A salusd started with `&` from a script that has no job control inherits
@@ -76,6 +83,31 @@ void reset_stop_signals() {
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
+}
+
+// The --oversubscribe ratio, or nullopt with `why` (1 to 16; "2", "1.5").
+std::optional<double> parse_oversubscribe(const std::string& text, std::string& why) {
+  char* end = nullptr;
+  const double v = text.empty() ? 0.0 : std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || std::isnan(v)) {
+    why = fmt::format("oversubscribe '{}': expected a number from 1 to 16, e.g. 1.5", text);
+    return std::nullopt;
+  }
+  if (v < 1.0) {
+    why = fmt::format(
+        "oversubscribe {}: below 1 would admit less than the GPU holds; expected "
+        "1 (no oversubscription) to 16",
+        text);
+    return std::nullopt;
+  }
+  if (!(v <= 16.0)) {
+    why = fmt::format(
+        "oversubscribe {}: expected at most 16 (every admitted byte beyond the "
+        "card lives in host memory or the spill file)",
+        text);
+    return std::nullopt;
+  }
+  return v;
 }
 
 int fail(const std::string& why) {
@@ -122,6 +154,13 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   s.state_dir = t["state_dir"].value_or(s.state_dir);
   if (auto err = load_mps(t, s)) return fmt::format("config {}: {}", path, *err);
   s.mps_dir = t["mps_dir"].value_or(s.mps_dir);
+  if (const toml::node* n = t.get("oversubscribe")) {
+    if (auto d = n->value<double>())
+      s.oversubscribe = fmt::format("{}", *d);
+    else
+      return fmt::format("config {}: oversubscribe: expected a number, e.g. 1.5", path);
+  }
+  s.swap_host_limit = t["swap_host_limit"].value_or(s.swap_host_limit);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.gpu_isolation = t["gpu_isolation"].value_or(s.gpu_isolation);
@@ -185,6 +224,9 @@ std::optional<std::string> validate(const Settings& s) {
   if (!s.mps.empty() && (s.mps_dir.empty() || s.mps_dir[0] != '/'))
     return fmt::format("mps_dir '{}' must be an absolute path", s.mps_dir);
   std::string why;
+  if (!parse_oversubscribe(s.oversubscribe, why)) return why;
+  if (!salus::arena::parse_size(s.swap_host_limit))
+    return fmt::format("swap_host_limit '{}': expected a size, e.g. 64G", s.swap_host_limit);
   if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, why))
     return fmt::format("metrics_listen {}", why);
   return std::nullopt;
@@ -254,6 +296,11 @@ void add_flags(CLI::App& flags, Settings& s) {
       ->default_str("");  // none: not "[]"
   flags.add_option("--mps-dir", s.mps_dir,
                    "Where the MPS pipe and log directories go, one per GPU");
+  flags.add_option("--oversubscribe", s.oversubscribe,
+                   "Admit sessions whose memory adds up to RATIO x each GPU's (1 to 16; "
+                   "1: no oversubscription). Idle sessions are swapped to host memory");
+  flags.add_option("--swap-host-limit", s.swap_host_limit,
+                   "Host memory per GPU for swapped-out sessions, e.g. 64G");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -426,6 +473,9 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s) {
   bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
   bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
   bc.transfers_active = s.transfers_active;
+  std::string why;
+  bc.arena.oversubscribe = parse_oversubscribe(s.oversubscribe, why).value_or(1.0);
+  bc.swap_host_limit = *salus::arena::parse_size(s.swap_host_limit);
   return bc;
 }
 

@@ -65,6 +65,9 @@ struct BrokerConfig {
   Bytes staging_cache = Bytes{64} << 20;
   // Shared-memory segments kept mapped between a session's transfers, per GPU.
   Bytes segment_cache = Bytes{4} << 30;
+  // Oversubscription: host memory swapped-out sessions may hold in all (per GPU).
+  // A swap-out that would pass it is refused and the session stays resident.
+  Bytes swap_host_limit = Bytes{64} << 30;
   // Attached sessions that mark no iterations are asked to yield (a slice
   // boundary) after holding their lane this long while another session waits.
   std::int64_t quantum_ns = 50'000'000;
@@ -301,6 +304,8 @@ class Broker {
   void worker_loop(Gpu& g);
   void dispatch(Gpu& g, Deferred& later);
   bool dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later);
+  void prepare_lane(Gpu& g, LaneId lane_id, Lane& lane, SessionId sid, Bytes ephemeral);
+  void emit_ops(Gpu& g, StreamId stream, Bytes base, WorkItem& item);
   void complete(Gpu& g, const Completion& c, Deferred& later);
   void compact(Gpu& g);
   void finish_compaction(Gpu& g, const Completion& c, Deferred& later);
@@ -325,6 +330,21 @@ class Broker {
   void update_runnable(Gpu& g, Session& s);
   void render_gate_status(const Session& s, const GpuTelemetrySnapshot* t, std::string& out) const;
   std::string gpu_memory_of(pid_t pid, const Gpu& g, const GpuTelemetrySnapshot* t) const;
+
+  // Oversubscription (broker_swap.cpp). Swaps happen between a session's
+  // iterations, on the GPU's swap stream; the residency planner decides whom.
+  void drive_residency(Gpu& g, Deferred& later);
+  void finish_swap(Gpu& g, const Completion& c, Deferred& later);
+  // One interface per session kind: hosted sessions swap their buffers here;
+  // attached ones through the gate (attach-swap), non-swappable until wired.
+  bool swappable(const Session& s) const;
+  int swap_out(Gpu& g, Session& s);
+  int swap_in(Gpu& g, Session& s);
+  int hosted_swap_out(Gpu& g, Session& s);
+  int hosted_swap_in(Gpu& g, Session& s);
+  // Marks the session as waiting for its memory (a write's alloc, a transfer).
+  void want_resident(Gpu& g, Session& s);
+  void render_residency(const Session& s, std::string& out) const;
 
   // Attached sessions (broker_gate.cpp).
   int exec_attach(Session& s, const AttachCmd& cmd, PendingWrite& w, std::uint32_t line,

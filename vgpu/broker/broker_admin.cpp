@@ -47,12 +47,13 @@ int Broker::set_policy(const std::string& text, std::string& why) {
   std::optional<Placement> placement;
   std::optional<arena::QueueMode> queue;
   std::optional<std::int64_t> quantum_ns;
+  std::optional<double> oversubscribe;
   for (std::size_t i = 1; i < words.size(); ++i) {
     const auto eq = words[i].find('=');
     if (eq == std::string::npos)
       return fail(
-          fmt::format("'{}' after the policy name is not key=value (placement=, queue= "
-                      "or quantum_ms=); write one setting per write",
+          fmt::format("'{}' after the policy name is not key=value (placement=, queue=, "
+                      "quantum_ms= or oversubscribe=); write one setting per write",
                       words[i]));
     const std::string key = words[i].substr(0, eq), value = words[i].substr(eq + 1);
     if (key == "placement") {
@@ -61,6 +62,13 @@ int Broker::set_policy(const std::string& text, std::string& why) {
     } else if (key == "queue") {
       queue = queue_mode(value);
       if (!queue) return fail(fmt::format("queue '{}': expected strict or bypass", value));
+    } else if (key == "oversubscribe") {
+      // Admission's bound as a multiple of each GPU's memory: 1 (off) to 16.
+      char* end = nullptr;
+      const double r = std::strtod(value.c_str(), &end);
+      if (value.empty() || *end != '\0' || !(r >= 1.0 && r <= 16.0))
+        return fail(fmt::format("oversubscribe '{}': expected a number from 1 to 16", value));
+      oversubscribe = r;
     } else if (key == "quantum_ms") {
       // The fallback slice of unmarked attached programs: 1 ms .. 1 h.
       char* end = nullptr;
@@ -69,10 +77,32 @@ int Broker::set_policy(const std::string& text, std::string& why) {
         return fail(fmt::format("quantum_ms '{}': expected 1 to 3600000", value));
       quantum_ns = static_cast<std::int64_t>(ms) * 1'000'000;
     } else {
-      return fail(fmt::format("unknown key '{}'; expected placement=, queue= or quantum_ms=", key));
+      return fail(fmt::format("unknown key '{}'; expected placement=, queue=, quantum_ms= or oversubscribe=", key));
     }
   }
   std::lock_guard lk(mu_);
+  if (oversubscribe) {
+    // All GPUs or none: check first, so that a refusal changes nothing.
+    for (auto& g : gpus_) {
+      const arena::MemorySummary m = g->sched.arena().memory();
+      const double cap = static_cast<double>(m.capacity) * *oversubscribe;
+      if (static_cast<double>(m.persistent_reserved + m.lane_total) > cap) {
+        why = fmt::format("oversubscribe {}: what is admitted already needs more than that",
+                          *oversubscribe);
+        return EBUSY;
+      }
+      if (*oversubscribe <= 1.0 && m.resident_reserved != m.persistent_reserved) {
+        why = "oversubscribe 1: sessions are still swapped out; try again once they are back";
+        return EBUSY;
+      }
+    }
+    for (auto& g : gpus_)
+      if (!g->sched.arena().set_oversubscribe(*oversubscribe)) {
+        why = fmt::format("oversubscribe {}: refused by the arena of a GPU", *oversubscribe);
+        return EBUSY;
+      }
+    config_.arena.oversubscribe = *oversubscribe;
+  }
   config_.policy = *kind;
   if (quantum_ns) {
     config_.quantum_ns = *quantum_ns;

@@ -114,7 +114,11 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
       arena::BufferHandle fresh = 0;
       if (size > 0) {
         const auto r = g.sched.arena().alloc_persistent(s->id, size);
-        if (r.error != arena::ArenaError::ok) {
+        if (r.error == arena::ArenaError::swapped_out) {
+          log(*s, fmt::format("mem/{}: resize: the session is swapped out; retry shortly", b.name));
+          want_resident(g, *s);
+          err = EAGAIN;
+        } else if (r.error != arena::ArenaError::ok) {
           log(*s, fmt::format("mem/{}: resize to {} failed: {}", b.name, size,
                               r.error == arena::ArenaError::fragmented
                                   ? "persistent memory is fragmented; retry shortly"
