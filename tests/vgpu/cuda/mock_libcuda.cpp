@@ -852,6 +852,11 @@ CUresult m_cuLaunchHostFunc(CUstream h, CUhostFn fn, void* user) {
 
 // ---- what a program's own CUDA use reaches (libsalus-shim's tests) ----
 
+CUresult m_cuCtxGetDevice(CUdevice* d) {
+  if (t_current != the_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
 CUresult m_cuCtxGetCurrent(CUcontext* c) {
   *c = t_current;
   return CUDA_SUCCESS;
@@ -1216,6 +1221,7 @@ const Entry kEntries[] = {
     V(cuGetProcAddress, cuGetProcAddress_v2, 12000),
     V(cuMemGetInfo, m_cuMemGetInfo_v1, 2000),
     V(cuCtxGetCurrent, m_cuCtxGetCurrent, 4000),
+    V(cuCtxGetDevice, m_cuCtxGetDevice, 2000),
     V(cuMemAllocPitch, m_cuMemAllocPitch, 3020),
     V(cuMemAllocAsync, m_cuMemAllocAsync, 11020),
     V(cuMemAllocFromPoolAsync, m_cuMemAllocFromPoolAsync, 11020),
