@@ -106,6 +106,8 @@ int Broker::admin_command(const std::string& line, std::string& reply) {
     for (auto& g : gpus_) g->sched.arena().set_queue_mode(mode);
     return 0;
   }
+  if (words[0] == "swap" && words.size() == 3 && (words[1] == "out" || words[1] == "in"))
+    return admin_swap(words[2], words[1] == "out", reply);
   if (words[0] == "placement" && words.size() == 2) {
     const auto p = sched::placement_from_string(words[1]);
     if (!p) return -EINVAL;

@@ -1,5 +1,6 @@
-// Attached sessions: the `attach` command, grants as dispatches, and the gate
-// service thread (doorbells, program exits, heartbeats and fallback slices).
+// Attached sessions: the `attach` command, grants as dispatches, the gate
+// service thread (doorbells, program exits, heartbeats and fallback slices),
+// and swap requests to the program (issue 15).
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/timerfd.h>
@@ -220,6 +221,7 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
     gt.note_seq_seen = seq;
     log(s, "program: " + sanitize_note(G));
   }
+  if (gt.swap_pending && gate_load(G.swap_done_seq) == gt.swap_seq) attached_swap_done(g, s, later);
   check_waiters(s, later);
   update_runnable(g, s);
 }
@@ -227,6 +229,12 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
 void Broker::detach_gate(Session& s, Deferred& later) {
   if (!s.gate) return;
   AttachedGate& gt = *s.gate;
+  // salusd holds nothing of a swap (the copies are the program's own memory),
+  // so a program gone in the middle of one leaves nothing behind here.
+  if (gt.swap_pending)
+    log(s, fmt::format("swap-{} unanswered: the program left the gate during it",
+                       gt.swap_request == SALUS_SWAP_REQ_OUT ? "out" : "in"));
+  gt.swap_pending = false;
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.bell.get(), nullptr);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.pidfd.get(), nullptr);
   gate_store(gt.g().state, SALUS_GATE_DETACHED);
@@ -239,6 +247,67 @@ void Broker::detach_gate(Session& s, Deferred& later) {
   s.in_flight = 0;
   gt.exited = true;  // nothing more is read from the gate
   attached_.erase(s.id);
+}
+
+int Broker::request_attached_swap(Session& s, bool out) {
+  if (!s.gate || s.gate->exited) return ENOTCONN;
+  AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  if (gt.swap_pending) return EBUSY;  // one request at a time
+  // Only at a boundary: the program's granted iterations have all completed.
+  if (out && (s.in_flight > 0 || gt.granted > gate_load(G.completed))) return EBUSY;
+  const std::uint32_t state = gate_load(G.swap_state);
+  if (out && state == SALUS_SWAP_SWAPPED) return EALREADY;
+  if (!out && state == SALUS_SWAP_RESIDENT) return EALREADY;
+  gt.swap_request = out ? SALUS_SWAP_REQ_OUT : SALUS_SWAP_REQ_IN;
+  gt.swap_pending = true;
+  gt.swap_asked_at = now();
+  gate_store(G.swap_request, gt.swap_request);
+  gate_store(G.swap_seq, ++gt.swap_seq);  // after the request: the program reads seq first
+  gt.wake();
+  return 0;
+}
+
+void Broker::attached_swap_done(Gpu& g, Session& s, Deferred& later) {
+  AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  gt.swap_pending = false;
+  const std::int32_t result = gate_load(G.swap_result);
+  // A program may only report an errno (0 or -1..-4095); anything else is noise.
+  gt.swap_error = result < 0 && result > -4096 ? -result : (result == 0 ? 0 : EIO);
+  const char* what = gt.swap_request == SALUS_SWAP_REQ_OUT ? "out" : "in";
+  const double took_ms = static_cast<double>(now() - gt.swap_asked_at) / 1e6;
+  if (gt.swap_error == 0) {
+    log(s, fmt::format("swap-{} done in {:.3f} ms: {} swapped, {} resident", what, took_ms,
+                       arena::format_size(gate_load(G.swapped_bytes)),
+                       arena::format_size(gate_load(G.resident_bytes))));
+  } else {
+    log(s, fmt::format("swap-{} failed: {} ({}); {}", what, strerrorname_np(gt.swap_error),
+                       std::strerror(gt.swap_error),
+                       gt.swap_error == ENOTSUP
+                           ? "its memory is not movable (started without SALUS_SWAP=1)"
+                           : "its memory stays where it was"));
+  }
+  // The residency decision (the oversub core) takes the answer from here: on
+  // success the session's resident bytes are gate_load(G.resident_bytes); a
+  // swapped session comes back at its next grant (grant_one needs nothing
+  // more: the shim brings it back before the program runs).
+  kick(g);
+  (void)later;
+}
+
+int Broker::admin_swap(const std::string& name, bool out, std::string& reply) {
+  const auto id = find_session(name);
+  if (!id) return -ENOENT;
+  std::lock_guard lk(mu_);
+  Session* s = get(*id);
+  if (!s || s->dead) return -ENOENT;
+  if (!s->gate || s->gate->exited) return -ENOTCONN;
+  const int err = request_attached_swap(*s, out);
+  if (err != 0) return -err;
+  log(*s, fmt::format("swap-{} asked by admin", out ? "out" : "in"));
+  reply += fmt::format("swap-{} of {} asked; see its status\n", out ? "out" : "in", name);
+  return 0;
 }
 
 void Broker::gate_event(std::uint64_t key) {
