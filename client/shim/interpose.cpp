@@ -87,8 +87,7 @@ void* driver_proc(const char* name) {
         h == nullptr ? nullptr : real_dlsym(h, "cuGetProcAddress_v2"));
   }();
   void* p = nullptr;
-  if (gpa == nullptr ||
-      gpa(name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, nullptr) != CUDA_SUCCESS)
+  if (gpa == nullptr || gpa(name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, nullptr) != CUDA_SUCCESS)
     return nullptr;
   return p;
 }

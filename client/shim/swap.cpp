@@ -101,8 +101,8 @@ struct Alloc {
   CUdevice dev = 0;
   CUcontext ctx = nullptr;
   CUmemGenericAllocationHandle handle = 0;
-  void* host = nullptr;    // pinned copy while swapped (or being swapped)
-  off_t spill_at = -1;     // else its offset in the spill file
+  void* host = nullptr;  // pinned copy while swapped (or being swapped)
+  off_t spill_at = -1;   // else its offset in the spill file
 };
 
 struct Registry {
@@ -111,7 +111,7 @@ struct Registry {
   bool swapped = false;  // the last swap-out succeeded and no swap-in since
   int spill_fd = -1;
   off_t spill_end = 0;
-  std::uint64_t pinned = 0;  // host bytes held for copies
+  std::uint64_t pinned = 0;              // host bytes held for copies
   const salus_gate* seq_gate = nullptr;  // the gate done_seq counts on (each attach starts at 0)
   std::uint32_t done_seq = 0;
 };
@@ -191,8 +191,8 @@ int spill_out(const Vmm& d, Registry& R, CUdeviceptr va, Alloc& a, char* bounce)
     const std::size_t n = std::min(kChunk, a.size - done);
     if (d.dtoh(bounce, va + done, n) != CUDA_SUCCESS) return -EIO;
     for (std::size_t w = 0; w < n;) {
-      const ssize_t k = ::pwrite(R.spill_fd, bounce + w, n - w,
-                                 a.spill_at + static_cast<off_t>(done + w));
+      const ssize_t k =
+          ::pwrite(R.spill_fd, bounce + w, n - w, a.spill_at + static_cast<off_t>(done + w));
       if (k < 0 && errno == EINTR) continue;
       if (k <= 0) return k < 0 ? -errno : -ENOSPC;
       w += static_cast<std::size_t>(k);
@@ -206,8 +206,8 @@ int spill_in(const Vmm& d, Registry& R, CUdeviceptr va, const Alloc& a, char* bo
   for (std::size_t done = 0; done < a.size; done += kChunk) {
     const std::size_t n = std::min(kChunk, a.size - done);
     for (std::size_t got = 0; got < n;) {
-      const ssize_t k = ::pread(R.spill_fd, bounce + got, n - got,
-                                a.spill_at + static_cast<off_t>(done + got));
+      const ssize_t k =
+          ::pread(R.spill_fd, bounce + got, n - got, a.spill_at + static_cast<off_t>(done + got));
       if (k < 0 && errno == EINTR) continue;
       if (k <= 0) return k < 0 ? -errno : -EIO;
       got += static_cast<std::size_t>(k);
@@ -364,8 +364,9 @@ bool swap_enabled() {
     const char* v = std::getenv("SALUS_SWAP");
     if (v == nullptr || std::strcmp(v, "1") != 0) return false;
     if (vmm().ok) return true;
-    std::fprintf(stderr, "salus-shim: SALUS_SWAP=1, but the driver has no VMM: memory stays "
-                         "unmovable\n");
+    std::fprintf(stderr,
+                 "salus-shim: SALUS_SWAP=1, but the driver has no VMM: memory stays "
+                 "unmovable\n");
     return false;
   }();
   return on;

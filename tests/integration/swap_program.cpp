@@ -8,12 +8,20 @@
 // new pattern. Exit 0: every check passed; 1: a mismatch; 2: set-up failed.
 //
 // usage: swap_program MIB ITERS GO_FILE
+//
+// With SWAP_PROGRAM_BASELINE=1 it first times a plain pinned cuMemcpyDtoH and
+// cuMemcpyHtoD of the same MIB (best of 3; what the shim's swap does per
+// allocation) and prints "baseline dtoh_s=S htod_s=S" before "ready": the
+// baseline of tools/swap-eval.sh.
 #include <cuda.h>
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 
 typedef CUresult (*gpa_t)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
 static gpa_t gpa;
@@ -59,6 +67,26 @@ int main(int argc, char** argv) {
   auto* got = static_cast<uint32_t*>(malloc(bytes));
   fill(want, bytes / 4, 1);
   if (htod(d, want, bytes)) return 2;
+  if (const char* b = getenv("SWAP_PROGRAM_BASELINE"); b != nullptr && b[0] == '1') {
+    CUresult (*host_alloc)(void**, size_t, unsigned);
+    CUresult (*free_host)(void*);
+    get("cuMemHostAlloc", host_alloc);
+    get("cuMemFreeHost", free_host);
+    void* pinned = nullptr;
+    if (host_alloc(&pinned, bytes, 0)) return 2;
+    double best_out = 1e30, best_in = 1e30;
+    for (int i = 0; i < 3; ++i) {
+      auto t0 = std::chrono::steady_clock::now();
+      if (dtoh(pinned, d, bytes)) return 2;
+      auto t1 = std::chrono::steady_clock::now();
+      if (htod(d, pinned, bytes)) return 2;
+      auto t2 = std::chrono::steady_clock::now();
+      best_out = std::min(best_out, std::chrono::duration<double>(t1 - t0).count());
+      best_in = std::min(best_in, std::chrono::duration<double>(t2 - t1).count());
+    }
+    free_host(pinned);
+    printf("baseline dtoh_s=%.6f htod_s=%.6f\n", best_out, best_in);
+  }
   printf("ready %#llx\n", static_cast<unsigned long long>(d));
   fflush(stdout);
   while (access(argv[3], F_OK) != 0) usleep(1000);

@@ -217,3 +217,22 @@ def test_a_program_without_movable_memory_says_so(salusd, tmp_path):
             p.wait()
         h.close()
         s.close()
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_swap_eval_runs_against_the_mock(tmp_path, spill):
+    """tools/swap_eval.py end to end (its own salusd), with the mock driver:
+    its figures mean nothing here; this keeps the device script working."""
+    tool = os.path.join(HERE, "..", "..", "tools", "swap_eval.py")
+    args = [sys.executable, tool, "--salusd", os.environ["SALUSD"], "--shim", SHIM,
+            "--program", PROGRAM, "--mib", "16", "--rounds", "2",
+            "--libcuda", os.path.join(MOCK_DIR, "libcuda.so.1")]
+    if spill:
+        args += ["--host-limit", "0", "--spill-dir", str(tmp_path)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "baseline pinned cuMemcpyDtoH" in r.stdout
+    assert "swap-out " in r.stdout and "x baseline DtoH" in r.stdout
+    assert "swap-in " in r.stdout
+    assert "contents after the swaps: identical" in r.stdout
+    assert os.listdir(tmp_path) == [], "the spill file is never visible"

@@ -148,11 +148,16 @@ void AttachedGate::wake() const {
 
 const char* swap_state_name(std::uint32_t state) {
   switch (state) {
-    case SALUS_SWAP_RESIDENT: return "resident";
-    case SALUS_SWAP_OUT_BUSY: return "swapping-out";
-    case SALUS_SWAP_SWAPPED: return "swapped";
-    case SALUS_SWAP_IN_BUSY: return "swapping-in";
-    default: return "unknown";
+    case SALUS_SWAP_RESIDENT:
+      return "resident";
+    case SALUS_SWAP_OUT_BUSY:
+      return "swapping-out";
+    case SALUS_SWAP_SWAPPED:
+      return "swapped";
+    case SALUS_SWAP_IN_BUSY:
+      return "swapping-in";
+    default:
+      return "unknown";
   }
 }
 

@@ -66,10 +66,10 @@ struct AttachedGate {
   bool exited = false;          // the pidfd reported the program's exit
 
   // Swap (issue 15): salusd's last request and what it saw of the answer.
-  std::uint32_t swap_seq = 0;                         // the last swap_seq written
-  std::uint32_t swap_request = SALUS_SWAP_REQ_NONE;   // what it asked
-  bool swap_pending = false;                          // asked, not answered yet
-  std::int64_t swap_asked_at = 0;                     // broker time of the request
+  std::uint32_t swap_seq = 0;                        // the last swap_seq written
+  std::uint32_t swap_request = SALUS_SWAP_REQ_NONE;  // what it asked
+  bool swap_pending = false;                         // asked, not answered yet
+  std::int64_t swap_asked_at = 0;                    // broker time of the request
   int swap_error = 0;  // errno of the last failed swap, 0 if it succeeded (or none yet)
 };
 

@@ -107,8 +107,8 @@ struct State {
   std::map<std::uintptr_t, std::size_t> pinned;
   std::map<std::uintptr_t, std::size_t> registered;  // the caller's memory, page-locked
   std::size_t used = 0;
-  std::vector<MockStream*> streams;                         // of the current generation
-  MockStream* legacy = nullptr;                             // the NULL stream, made on first use
+  std::vector<MockStream*> streams;  // of the current generation
+  MockStream* legacy = nullptr;      // the NULL stream, made on first use
   // VMM: reservations (address -> size, real PROT_NONE host mappings), mappings
   // (address -> MockHandle) and the mapped ranges with access set, which kernels
   // and copies may touch (address -> size).
@@ -957,7 +957,8 @@ CUresult m_cuMemCreate(CUmemGenericAllocationHandle* h, std::size_t n,
     return CUDA_ERROR_OUT_OF_MEMORY;
   }
   // Fresh device memory is not zero: a test that reads back zeros proves nothing.
-  if (void* tmp = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); tmp != MAP_FAILED) {
+  if (void* tmp = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      tmp != MAP_FAILED) {
     std::memset(tmp, 0xab, n);
     ::munmap(tmp, n);
   }
@@ -998,8 +999,8 @@ CUresult m_cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void*
   ENTER();
   if (h == nullptr || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
     return CUDA_ERROR_INVALID_VALUE;
-  const int fd = ::fcntl(static_cast<int>(reinterpret_cast<std::intptr_t>(os_handle)),
-                         F_DUPFD_CLOEXEC, 0);
+  const int fd =
+      ::fcntl(static_cast<int>(reinterpret_cast<std::intptr_t>(os_handle)), F_DUPFD_CLOEXEC, 0);
   struct stat st {};
   if (fd < 0 || ::fstat(fd, &st) != 0 || st.st_size <= 0 ||
       static_cast<std::size_t>(st.st_size) % kGranularity != 0) {
@@ -1033,7 +1034,8 @@ CUresult m_cuMemAddressReserve(CUdeviceptr* p, std::size_t n, std::size_t align,
 CUresult m_cuMemAddressFree(CUdeviceptr p, std::size_t n) {
   ENTER();
   auto it = g.reserved.find(p);
-  if (it == g.reserved.end() || it->second != n) misuse("cuMemAddressFree of %#llx, not a reservation", p);
+  if (it == g.reserved.end() || it->second != n)
+    misuse("cuMemAddressFree of %#llx, not a reservation", p);
   auto m = g.mapped.lower_bound(p);
   if (m != g.mapped.end() && m->first < p + n) misuse("cuMemAddressFree of a range still mapped");
   ::munmap(reinterpret_cast<void*>(p), n);
@@ -1049,8 +1051,10 @@ CUresult m_cuMemMap(CUdeviceptr p, std::size_t n, std::size_t off, CUmemGenericA
   auto next = g.mapped.lower_bound(p);
   if ((next != g.mapped.end() && next->first < p + n) ||
       (next != g.mapped.begin() &&
-       std::prev(next)->first + handle_of(reinterpret_cast<CUmemGenericAllocationHandle>(
-                                    std::prev(next)->second))->size > p))
+       std::prev(next)->first +
+               handle_of(reinterpret_cast<CUmemGenericAllocationHandle>(std::prev(next)->second))
+                   ->size >
+           p))
     misuse("cuMemMap over a mapping");
   if (::mmap(reinterpret_cast<void*>(p), n, PROT_NONE, MAP_SHARED | MAP_FIXED, m->fd, 0) ==
       MAP_FAILED)
@@ -1067,8 +1071,10 @@ CUresult m_cuMemSetAccess(CUdeviceptr p, std::size_t n, const CUmemAccessDesc* d
   for (std::size_t i = 0; i < count; ++i) {
     if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[i].location.id != 0)
       return CUDA_ERROR_INVALID_DEVICE;
-    if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) prot = PROT_READ | PROT_WRITE;
-    else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ) prot = PROT_READ;
+    if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+      prot = PROT_READ | PROT_WRITE;
+    else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ)
+      prot = PROT_READ;
   }
   // Every byte of the range must be mapped.
   for (std::uintptr_t at = p; at < p + n;) {
@@ -1088,7 +1094,8 @@ CUresult m_cuMemSetAccess(CUdeviceptr p, std::size_t n, const CUmemAccessDesc* d
   return CUDA_SUCCESS;
 }
 // Drops the mapping at `it`, putting the reservation's PROT_NONE back. Caller holds g.mu.
-std::map<std::uintptr_t, void*>::iterator unmap_locked(std::map<std::uintptr_t, void*>::iterator it) {
+std::map<std::uintptr_t, void*>::iterator unmap_locked(
+    std::map<std::uintptr_t, void*>::iterator it) {
   auto* m = static_cast<MockHandle*>(it->second);
   ::mmap(reinterpret_cast<void*>(it->first), m->size, PROT_NONE,
          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);

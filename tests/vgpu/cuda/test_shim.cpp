@@ -16,10 +16,11 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
-#include <csignal>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
+#include <csignal>
 
 #include <algorithm>
 #include <atomic>
@@ -417,6 +418,84 @@ TEST(Memory, VmmHandlesAreChargedUntilReleasedAndUnmapped) {
   EXPECT_EQ(load(g->charged_bytes), base);
 }
 
+// What shared lanes need of the driver (docs/design.md, *Movable memory of
+// attached sessions*): a physical allocation exported as a POSIX fd is the same
+// memory wherever it is imported and mapped, also in another process.
+TEST(Memory, VmmHandlesExportAsFdsThatAnotherProcessMaps) {
+  gpu();
+  Cuda& c = cuda();
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  CUmemGenericAllocationHandle h{}, h2{};
+  ASSERT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h, 2 * kMiB, &prop, 0), CUDA_SUCCESS);
+  CUdeviceptr va = 0, va2 = 0;
+  auto reserve = c.get<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve");
+  ASSERT_EQ(reserve(&va, 2 * kMiB, 0, 0, 0), CUDA_SUCCESS);
+  ASSERT_EQ(reserve(&va2, 2 * kMiB, 0, 0, 0), CUDA_SUCCESS);
+  auto map = c.get<PFN_cuMemMap_v10020>("cuMemMap");
+  auto access = c.get<PFN_cuMemSetAccess_v10020>("cuMemSetAccess");
+  CUmemAccessDesc rw{};
+  rw.location = prop.location;
+  rw.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  ASSERT_EQ(map(va, 2 * kMiB, 0, h, 0), CUDA_SUCCESS);
+  ASSERT_EQ(access(va, 2 * kMiB, &rw, 1), CUDA_SUCCESS);
+  const std::uint32_t word = 0x5a1a5a1au;
+  ASSERT_EQ(c.get<PFN_cuMemsetD32Async_v3020>("cuMemsetD32Async")(va, word, 2 * kMiB / 4, nullptr),
+            CUDA_SUCCESS);
+  c.get<PFN_cuCtxSynchronize_v2000>("cuCtxSynchronize")();
+  int fd = -1;
+  ASSERT_EQ(c.get<PFN_cuMemExportToShareableHandle_v10020>("cuMemExportToShareableHandle")(
+                &fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            CUDA_SUCCESS);
+  ASSERT_GE(fd, 0);
+  // Imported here and mapped at a second address: the same bytes.
+  ASSERT_EQ(c.get<PFN_cuMemImportFromShareableHandle_v10020>("cuMemImportFromShareableHandle")(
+                &h2, reinterpret_cast<void*>(static_cast<std::intptr_t>(fd)),
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            CUDA_SUCCESS);
+  ASSERT_EQ(map(va2, 2 * kMiB, 0, h2, 0), CUDA_SUCCESS);
+  ASSERT_EQ(access(va2, 2 * kMiB, &rw, 1), CUDA_SUCCESS);
+  std::uint32_t got = 0;
+  auto dtoh = c.get<PFN_cuMemcpyDtoH_v3020>("cuMemcpyDtoH");
+  ASSERT_EQ(dtoh(&got, va2 + kMiB, 4), CUDA_SUCCESS);
+  EXPECT_EQ(got, word);
+  // Another process with only the fd sees them and writes back.
+  const pid_t child = ::fork();
+  if (child == 0) {
+    void* p = ::mmap(nullptr, 2 * kMiB, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED || static_cast<std::uint32_t*>(p)[7] != word) ::_exit(1);
+    static_cast<std::uint32_t*>(p)[7] = 0xc0ffee;
+    ::_exit(0);
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  ASSERT_EQ(dtoh(&got, va + 7 * 4, 4), CUDA_SUCCESS);
+  EXPECT_EQ(got, 0xc0ffeeu);
+  // A handle made without the POSIX fd type cannot be exported.
+  CUmemAllocationProp plain = prop;
+  plain.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  CUmemGenericAllocationHandle h3{};
+  ASSERT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h3, 2 * kMiB, &plain, 0), CUDA_SUCCESS);
+  int fd3 = -1;
+  EXPECT_EQ(c.get<PFN_cuMemExportToShareableHandle_v10020>("cuMemExportToShareableHandle")(
+                &fd3, h3, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            CUDA_ERROR_INVALID_VALUE);
+  auto unmap = c.get<PFN_cuMemUnmap_v10020>("cuMemUnmap");
+  auto release = c.get<PFN_cuMemRelease_v10020>("cuMemRelease");
+  auto addr_free = c.get<PFN_cuMemAddressFree_v10020>("cuMemAddressFree");
+  EXPECT_EQ(unmap(va, 2 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(unmap(va2, 2 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(release(h), CUDA_SUCCESS);
+  EXPECT_EQ(release(h2), CUDA_SUCCESS);
+  EXPECT_EQ(release(h3), CUDA_SUCCESS);
+  EXPECT_EQ(addr_free(va, 2 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(addr_free(va2, 2 * kMiB), CUDA_SUCCESS);
+  ::close(fd);
+}
+
 TEST(Memory, PastTheBudgetIsOutOfMemoryWithANote) {
   gpu();
   salus_gate* g = salusd->gate();
@@ -692,7 +771,6 @@ TEST(Yield, AnUnmarkedProgramComesToASliceBoundaryAtItsNextLaunch) {
   __atomic_store_n(&g->yield_requested, 0u, __ATOMIC_RELEASE);
 }
 
-
 // ---- movable memory (SALUS_SWAP=1; a process of its own) ----
 
 // The program's side of a swap: a thread waits at its boundary (the fake
@@ -732,7 +810,8 @@ int ask_swap(std::uint32_t req) {
 
 std::vector<std::uint32_t> pattern(std::size_t bytes, std::uint32_t seed) {
   std::vector<std::uint32_t> v(bytes / 4);
-  for (std::size_t i = 0; i < v.size(); ++i) v[i] = seed * 2654435761u + static_cast<std::uint32_t>(i);
+  for (std::size_t i = 0; i < v.size(); ++i)
+    v[i] = seed * 2654435761u + static_cast<std::uint32_t>(i);
   return v;
 }
 void put(CUdeviceptr p, const std::vector<std::uint32_t>& v) {
