@@ -111,8 +111,9 @@ struct Registry {
   bool swapped = false;  // the last swap-out succeeded and no swap-in since
   int spill_fd = -1;
   off_t spill_end = 0;
-  std::uint64_t pinned = 0;              // host bytes held for copies
-  const salus_gate* seq_gate = nullptr;  // the gate done_seq counts on (each attach starts at 0)
+  std::uint64_t pinned = 0;                 // host bytes held for copies, spare buffers included
+  std::multimap<std::size_t, void*> spare;  // pinned buffers kept for the next swap-out
+  const salus_gate* seq_gate = nullptr;     // the gate done_seq counts on (each attach starts at 0)
   std::uint32_t done_seq = 0;
 };
 Registry& reg() {
@@ -159,11 +160,53 @@ void unmap_release(const Vmm& d, CUdeviceptr va, Alloc& a) {
   a.handle = 0;
 }
 
-// Drops a's host copy, if any. Caller holds the registry.
-void drop_copy(const Vmm& d, Registry& R, Alloc& a) {
+// Pinned buffers are kept for the next swap-out (SALUS_SWAP_KEEP_PINNED, on
+// by default): pinning gigabytes costs more than copying them, and an
+// iteration-granular swap moves the same allocations again and again.
+bool keep_pinned() {
+  static const bool keep = [] {
+    const char* v = std::getenv("SALUS_SWAP_KEEP_PINNED");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return keep;
+}
+
+void free_spare(const Vmm& d, Registry& R, std::multimap<std::size_t, void*>::iterator it) {
+  d.free_host(it->second);
+  R.pinned -= it->first;
+  R.spare.erase(it);
+}
+
+// A pinned buffer of n bytes for a copy: a kept one of that size, or a new one
+// within the host limit (kept ones of other sizes give way). Caller holds the registry.
+void* take_pinned(const Vmm& d, Registry& R, std::size_t n, std::uint64_t limit) {
+  if (auto it = R.spare.find(n); it != R.spare.end()) {
+    void* p = it->second;
+    R.spare.erase(it);
+    return p;
+  }
+  while (R.pinned + n > limit && !R.spare.empty()) free_spare(d, R, R.spare.begin());
+  if (R.pinned + n > limit) return nullptr;
+  void* p = nullptr;
+  if (d.host_alloc(&p, n, 0) != CUDA_SUCCESS) {
+    if (R.spare.empty()) return nullptr;
+    while (!R.spare.empty()) free_spare(d, R, R.spare.begin());
+    if (d.host_alloc(&p, n, 0) != CUDA_SUCCESS) return nullptr;
+  }
+  R.pinned += n;
+  return p;
+}
+
+// Drops a's host copy, if any, keeping its buffer for reuse when `keep`.
+// Caller holds the registry.
+void drop_copy(const Vmm& d, Registry& R, Alloc& a, bool keep = true) {
   if (a.host != nullptr) {
-    d.free_host(a.host);
-    R.pinned -= a.size;
+    if (keep && keep_pinned()) {
+      R.spare.emplace(a.size, a.host);
+    } else {
+      d.free_host(a.host);
+      R.pinned -= a.size;
+    }
     a.host = nullptr;
   }
   a.spill_at = -1;
@@ -232,8 +275,8 @@ int copy_out(const Vmm& d, Registry& R, CUcontext& cur, std::string& why) {
   for (auto& [va, a] : R.allocs) {
     if (a.handle == 0) continue;
     use_ctx(a.ctx, cur);
-    if (R.pinned + a.size <= limit && d.host_alloc(&a.host, a.size, 0) == CUDA_SUCCESS) {
-      R.pinned += a.size;
+    a.host = take_pinned(d, R, a.size, limit);
+    if (a.host != nullptr) {
       if (d.dtoh(a.host, va, a.size) != CUDA_SUCCESS) {
         why = "cuMemcpyDtoH failed";
         rc = -EIO;
@@ -421,7 +464,7 @@ bool movable_free(CUdeviceptr p, CUresult* r) {
     d.release(a.handle);
   } else {
     g_swapped.fetch_sub(a.size);
-    drop_copy(d, R, a);  // a spilled copy's bytes are left in the file until swap-in
+    drop_copy(d, R, a, false);  // a spilled copy's bytes are left in the file until swap-in
   }
   d.addr_free(p, a.size);
   g_movable.fetch_sub(a.size);

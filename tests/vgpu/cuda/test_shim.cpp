@@ -952,10 +952,11 @@ TEST(Swap, NoHostMemoryLeavesTheDataOnTheDeviceWithAClearError) {
   salus_gate* g = salusd->gate();
   salusd->auto_grant = false;
   Movable m;
+  m.a_bytes = 9 * kMiB;  // a size no earlier swap left a pinned buffer for
   m.make();
   const std::size_t free_before = driver_free();
   const std::uint32_t notes = load32(g->note_seq);
-  ::setenv("SALUS_MOCK_HOST_LIMIT", "7340032", 1);  // 7 MiB: the 6 MiB copy fits, the next not
+  ::setenv("SALUS_MOCK_HOST_LIMIT", "7340032", 1);  // 7 MiB: the 10 MiB copy cannot be pinned
   ::unsetenv("SALUS_SWAP_DIR");
   Boundary k;
   k.start();
