@@ -236,3 +236,27 @@ def test_swap_eval_runs_against_the_mock(tmp_path, spill):
     assert "swap-in " in r.stdout
     assert "contents after the swaps: identical" in r.stdout
     assert os.listdir(tmp_path) == [], "the spill file is never visible"
+
+
+def test_a_session_is_not_granted_while_its_swap_out_runs(salusd, tmp_path):
+    # Copies crawl (0.1 s per MiB, 0.8 s for the swap-out): the lane frees up in
+    # the middle of it, and the program must not be granted before it answered.
+    s, p, h = setup_pair(salusd, tmp_path, 8, 2, {"SALUS_MOCK_COPY_US_PER_MIB": "100000"})
+    name = os.path.basename(os.path.dirname(s.file("ctl")))
+    try:
+        admin(salusd, f"swap out {name}")
+        assert wait_until(lambda: s.status()["residency"] == "swapping-out", timeout=5)
+        h.release()
+        time.sleep(0.2)
+        st = s.status()
+        assert st["residency"] == "swapping-out", st
+        assert st["iterations_granted"] == "1", "granted into its own swap-out"
+        for k in (1, 2):
+            assert p.stdout.readline().strip() == f"verified {k}"
+        assert p.wait(timeout=20) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        h.close()
+        s.close()

@@ -151,6 +151,10 @@ bool Broker::grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s) {
   // Separate processes share no stream: a switch drains the lane first.
   if (must_drain(lane, s)) return false;
   AttachedGate& gt = *s.gate;
+  // Never grant into an unanswered swap-out (update_runnable keeps the session
+  // out of the pick meanwhile): the program would move its memory out and
+  // straight back in.
+  if (gt.swap_pending && gt.swap_request == SALUS_SWAP_REQ_OUT) return false;
   if (lane.in_flight == 0) g.sched.arena().begin_iteration(lane_id, s.id, 0);
   g.sched.iteration_dispatched(s.id);
   const TimeNs t = now();
@@ -265,6 +269,7 @@ int Broker::request_attached_swap(Session& s, bool out) {
   gate_store(G.swap_request, gt.swap_request);
   gate_store(G.swap_seq, ++gt.swap_seq);  // after the request: the program reads seq first
   gt.wake();
+  if (Gpu* g = gpu_of(s)) update_runnable(*g, s);  // not granted until the answer
   return 0;
 }
 
@@ -291,7 +296,9 @@ void Broker::attached_swap_done(Gpu& g, Session& s, Deferred& later) {
   // The residency decision (the oversub core) takes the answer from here: on
   // success the session's resident bytes are gate_load(G.resident_bytes); a
   // swapped session comes back at its next grant (grant_one needs nothing
-  // more: the shim brings it back before the program runs).
+  // more: the shim brings it back before the program runs). grant_one held
+  // the session back while the swap-out was unanswered: dispatch again.
+  update_runnable(g, s);
   kick(g);
   (void)later;
 }
