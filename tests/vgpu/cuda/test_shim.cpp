@@ -1046,6 +1046,35 @@ TEST(Swap, FreeingSwappedMemoryAndAllocatingWhileSwappedWork) {
   salusd->auto_grant = true;
 }
 
+// salusd stopping (or ending the session) while the program is swapped out:
+// the program runs on ungated, with its memory back first. Last of the suite:
+// it leaves the program detached.
+TEST(Swap, LetGoWhileSwappedOutTheMemoryComesBackFirst) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Movable m;
+  m.make();
+  const std::size_t free_before = driver_free();
+  std::atomic<int> rc{1};
+  const std::uint64_t next = load(g->requested) + 1;
+  std::thread t([&] {
+    bind_context();
+    rc = shim_step();
+  });
+  ASSERT_TRUE(eventually([&] { return load(g->requested) == next; }));
+  ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+  EXPECT_EQ(driver_free(), free_before + 8 * kMiB);
+  salusd->set_state(SALUS_GATE_DETACHED);
+  t.join();
+  EXPECT_EQ(rc, -ENOTCONN);
+  EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_RESIDENT);
+  EXPECT_EQ(driver_free(), free_before);
+  m.check();
+  m.drop();
+  salusd->auto_grant = true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
