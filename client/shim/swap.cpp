@@ -321,11 +321,14 @@ int swap_out_locked(Registry& R, salus_gate* g) {
   driver().ctx_get_current(&prev);
   cur = prev;
   __atomic_store_n(&g->swap_state, SALUS_SWAP_OUT_BUSY, __ATOMIC_RELAXED);
-  // Nothing of the program's may still run on memory about to move.
+  // Nothing of the program's may still run on memory about to move: one
+  // synchronize per context (allocations come in runs of the same one).
+  CUcontext synced = nullptr;
   for (auto& [va, a] : R.allocs)
-    if (a.handle != 0) {
+    if (a.handle != 0 && (synced == nullptr || a.ctx != synced)) {
       use_ctx(a.ctx, cur);
       d.ctx_synchronize();
+      synced = a.ctx;
     }
   std::string why;
   int rc = copy_out(d, R, cur, why);
@@ -458,7 +461,12 @@ bool movable_free(CUdeviceptr p, CUresult* r) {
   if (it == R.allocs.end()) return false;
   Alloc& a = it->second;
   if (a.handle != 0) {
-    // cuMemFree waits for the device; so does unmapping (the memory may be in use).
+    // cuMemFree synchronizes the device before it frees; cuMemUnmap and
+    // cuMemRelease do not (work still queued may use the memory), so do it here.
+    if (CUresult sr = d.ctx_synchronize(); sr != CUDA_SUCCESS) {
+      *r = sr;
+      return true;
+    }
     *r = d.unmap(p, a.size);
     if (*r != CUDA_SUCCESS) return true;
     d.release(a.handle);
