@@ -266,8 +266,17 @@ extern "C" SALUS_EXPORT CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t*
 }
 
 namespace {
+// The stream a _ptsz entry point's null stream means, for calls the shim makes itself.
+template <int Slot>
+CUstream own_stream(CUstream s) {
+  return Slot == 1 && s == nullptr ? CU_STREAM_PER_THREAD : s;
+}
 template <int Slot>
 CUresult alloc_async(CUdeviceptr* p, std::size_t n, CUstream s) {
+  // Movable (SALUS_SWAP=1), unless captured into a graph: the graph's own
+  // allocation node must stay the driver's.
+  if (swap_enabled() && !stream_capturing(own_stream<Slot>(s)))
+    return movable_charged(p, n, "cuMemAllocAsync");
   auto f = real<PFN_cuMemAllocAsync_v11020>(kMemAllocAsync, Slot);
   if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
   return charged_alloc(p, n, "cuMemAllocAsync", [&] { return f(p, n, s); });
@@ -283,6 +292,10 @@ CUresult alloc_from_pool_async(CUdeviceptr* p, std::size_t n, CUmemoryPool pool,
 // driver's own free figure in cuMemGetInfo still bounds what is left.
 template <int Slot>
 CUresult free_async(CUdeviceptr p, CUstream s) {
+  if (CUresult mr; movable_free_async(p, own_stream<Slot>(s), &mr)) {
+    if (mr == CUDA_SUCCESS) refund(untrack(p));
+    return mr;
+  }
   auto f = real<PFN_cuMemFreeAsync_v11020>(kMemFreeAsync, Slot);
   if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
   const CUresult r = f(p, s);

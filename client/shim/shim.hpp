@@ -126,8 +126,13 @@ CUresult movable_alloc(CUdeviceptr* p, std::size_t n);
 // If p is a movable allocation, frees it (on the device or its host copy) and
 // returns true with the driver's answer in *r; false: not ours.
 bool movable_free(CUdeviceptr p, CUresult* r);
-std::uint64_t movable_bytes();  // charged bytes the shim can move
-std::uint64_t swapped_bytes();  // of those, now off the GPU
+// cuMemFreeAsync of a movable allocation: released once the work queued on
+// `stream` before the free has completed (an event; checked at the next
+// allocation and at the gate). True with the answer in *r; false: not ours.
+bool movable_free_async(CUdeviceptr p, CUstream stream, CUresult* r);
+bool stream_capturing(CUstream stream);  // true also when the driver cannot tell
+std::uint64_t movable_bytes();           // charged bytes the shim can move
+std::uint64_t swapped_bytes();           // of those, now off the GPU
 // At the gate, while the program waits: carries out a new swap request of g,
 // if any. `running`: the program holds a grant (a swap-out is refused then).
 void serve_swap(salus_gate* g, bool running);

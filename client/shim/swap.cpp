@@ -25,6 +25,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "client/shim/shim.hpp"
 
@@ -55,6 +56,8 @@ struct Vmm {
   CUresult (*free_host)(void*) = nullptr;
   CUresult (*dtoh)(void*, CUdeviceptr, std::size_t) = nullptr;
   CUresult (*htod)(CUdeviceptr, const void*, std::size_t) = nullptr;
+  CUresult (*event_query)(CUevent) = nullptr;
+  CUresult (*event_destroy)(CUevent) = nullptr;
   std::size_t gran = std::size_t{2} << 20;
 };
 const Vmm& vmm() {
@@ -80,6 +83,8 @@ const Vmm& vmm() {
     get("cuMemFreeHost", r.free_host);
     get("cuMemcpyDtoH", r.dtoh);
     get("cuMemcpyHtoD", r.htod);
+    get("cuEventQuery", r.event_query);
+    get("cuEventDestroy", r.event_destroy);
     r.ok = ok && driver().ok;
     return r;
   }();
@@ -113,7 +118,15 @@ struct Registry {
   off_t spill_end = 0;
   std::uint64_t pinned = 0;                 // host bytes held for copies, spare buffers included
   std::multimap<std::size_t, void*> spare;  // pinned buffers kept for the next swap-out
-  const salus_gate* seq_gate = nullptr;     // the gate done_seq counts on (each attach starts at 0)
+  // Freed with cuMemFreeAsync, released once its event (recorded on the
+  // freeing stream) has completed.
+  struct Freed {
+    CUdeviceptr va;
+    Alloc a;
+    CUevent done;
+  };
+  std::vector<Freed> freed;
+  const salus_gate* seq_gate = nullptr;  // the gate done_seq counts on (each attach starts at 0)
   std::uint32_t done_seq = 0;
 };
 Registry& reg() {
@@ -158,6 +171,27 @@ void unmap_release(const Vmm& d, CUdeviceptr va, Alloc& a) {
   d.unmap(va, a.size);
   d.release(a.handle);
   a.handle = 0;
+}
+
+void use_ctx(CUcontext ctx, CUcontext& cur);
+
+// Releases what cuMemFreeAsync freed and its stream has finished with.
+// Caller holds the registry; `cur`: the thread's current context, switched to
+// each allocation's own (null: the caller's context is theirs already).
+void reap_locked(const Vmm& d, Registry& R, CUcontext* cur = nullptr) {
+  for (std::size_t i = 0; i < R.freed.size();) {
+    Registry::Freed& f = R.freed[i];
+    if (cur != nullptr) use_ctx(f.a.ctx, *cur);
+    if (d.event_query(f.done) == CUDA_ERROR_NOT_READY) {
+      ++i;
+      continue;
+    }
+    unmap_release(d, f.va, f.a);
+    d.addr_free(f.va, f.a.size);
+    d.event_destroy(f.done);
+    R.freed[i] = R.freed.back();
+    R.freed.pop_back();
+  }
 }
 
 // Pinned buffers are kept for the next swap-out (SALUS_SWAP_KEEP_PINNED, on
@@ -330,6 +364,7 @@ int swap_out_locked(Registry& R, salus_gate* g) {
       d.ctx_synchronize();
       synced = a.ctx;
     }
+  reap_locked(d, R, &cur);  // what was freed in stream order is free now
   std::string why;
   int rc = copy_out(d, R, cur, why);
   if (rc != 0) {
@@ -446,6 +481,7 @@ CUresult movable_alloc(CUdeviceptr* p, std::size_t n) {
   }
   Registry& R = reg();
   std::lock_guard lk(R.mu);
+  reap_locked(d, R);
   R.allocs[va] = a;
   g_movable.fetch_add(n);
   *p = va;
@@ -479,6 +515,43 @@ bool movable_free(CUdeviceptr p, CUresult* r) {
   R.allocs.erase(it);
   *r = CUDA_SUCCESS;
   return true;
+}
+
+bool movable_free_async(CUdeviceptr p, CUstream stream, CUresult* r) {
+  if (!swap_enabled()) return false;
+  const Vmm& d = vmm();
+  Registry& R = reg();
+  std::lock_guard lk(R.mu);
+  auto it = R.allocs.find(p);
+  if (it == R.allocs.end()) return false;
+  Alloc& a = it->second;
+  if (a.handle != 0) {
+    // The stream may still use it: release it after what is queued there.
+    CUevent done = nullptr;
+    *r = driver().event_create(&done, CU_EVENT_DISABLE_TIMING);
+    if (*r == CUDA_SUCCESS) *r = driver().event_record(done, stream);
+    if (*r != CUDA_SUCCESS) {
+      if (done != nullptr) d.event_destroy(done);
+      return true;  // not freed: the program sees the driver's error
+    }
+    R.freed.push_back({p, a, done});
+  } else {
+    // Swapped out: no work can be using it.
+    g_swapped.fetch_sub(a.size);
+    drop_copy(d, R, a, false);
+    d.addr_free(p, a.size);
+  }
+  g_movable.fetch_sub(a.size);
+  R.allocs.erase(it);
+  *r = CUDA_SUCCESS;
+  return true;
+}
+
+bool stream_capturing(CUstream stream) {
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+  const Driver& d = driver();
+  return !d.ok || d.stream_is_capturing(stream, &st) != CUDA_SUCCESS ||
+         st != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
 std::uint64_t movable_bytes() {

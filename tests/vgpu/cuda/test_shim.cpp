@@ -1046,6 +1046,50 @@ TEST(Swap, FreeingSwappedMemoryAndAllocatingWhileSwappedWork) {
   salusd->auto_grant = true;
 }
 
+TEST(Swap, StreamOrderedAllocationsMoveTooAndAreFreedInStreamOrder) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Cuda& c = cuda();
+  CUstream s = nullptr;
+  ASSERT_EQ(c.get<PFN_cuStreamCreate_v2000>("cuStreamCreate")(&s, CU_STREAM_NON_BLOCKING),
+            CUDA_SUCCESS);
+  auto alloc_async = c.get<PFN_cuMemAllocAsync_v11020>("cuMemAllocAsync");
+  auto free_async = c.get<PFN_cuMemFreeAsync_v11020>("cuMemFreeAsync");
+  const std::uint64_t base = load(g->charged_bytes), fixed = load(g->unswappable_bytes);
+  CUdeviceptr x = 0;
+  ASSERT_EQ(alloc_async(&x, 3 * kMiB, s), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base + 4 * kMiB);
+  EXPECT_EQ(load(g->unswappable_bytes), fixed) << "movable";
+  auto px = pattern(4 * kMiB, 9);
+  put(x, px);
+  {
+    Boundary k;
+    k.start();
+    ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+    EXPECT_EQ(load(g->swapped_bytes), 4 * kMiB);
+    k.finish();
+  }
+  EXPECT_TRUE(get(x, 4 * kMiB) == px);
+  // Freed in stream order: still mapped while the stream's kernel runs.
+  const std::size_t before = driver_free();
+  ASSERT_EQ(spin(300ms, s), CUDA_SUCCESS);
+  ASSERT_EQ(free_async(x, s), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base) << "refunded when the free is enqueued";
+  CUdeviceptr y = 0;
+  ASSERT_EQ(alloc_async(&y, kMiB, s), CUDA_SUCCESS);  // reaps nothing yet: the kernel runs
+  EXPECT_EQ(driver_free(), before - 2 * kMiB);
+  ASSERT_EQ(c.get<PFN_cuStreamSynchronize_v2000>("cuStreamSynchronize")(s), CUDA_SUCCESS);
+  CUdeviceptr z = 0;
+  ASSERT_EQ(alloc_async(&z, kMiB, s), CUDA_SUCCESS);  // now x is released
+  EXPECT_EQ(driver_free(), before + 4 * kMiB - 4 * kMiB);
+  ASSERT_EQ(free_async(y, s), CUDA_SUCCESS);
+  ASSERT_EQ(free_async(z, s), CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuStreamSynchronize_v2000>("cuStreamSynchronize")(s), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base);
+  salusd->auto_grant = true;
+}
+
 // salusd stopping (or ending the session) while the program is swapped out:
 // the program runs on ungated, with its memory back first. Last of the suite:
 // it leaves the program detached.
