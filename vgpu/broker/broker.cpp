@@ -1327,7 +1327,9 @@ void Broker::update_runnable(Gpu& g, Session& s) {
   // nothing of the session is dispatched.
   if (s.gate) {
     // An attached session wants an iteration when it requested more than granted.
-    const bool wants = !s.gate->exited && gate_load(s.gate->g().requested) > s.gate->granted;
+    // Not while a swap-out it was asked for is unanswered (broker_gate.cpp).
+    const bool wants = !s.gate->exited && gate_load(s.gate->g().requested) > s.gate->granted &&
+                       !(s.gate->swap_pending && s.gate->swap_request == SALUS_SWAP_REQ_OUT);
     g.sched.set_runnable(s.id, wants && !s.dead && s.lane && s.state == SessionState::admitted &&
                                    !(s.in_flight > 0 && s.in_flight_lane != s.lane));
     return;

@@ -197,6 +197,10 @@ class Broker {
   int set_policy(const std::string& text, std::string& why);  // "NAME [key=value...]"
   // One /salus/ctl line; what it did is appended to `reply`.
   int admin_command(const std::string& line, std::string& reply, std::string& why);
+  // `swap out|in SESSION` of /salus/ctl (broker_gate.cpp): asks an attached
+  // session's program to move its memory off the GPU or back; the outcome is in
+  // the session's status and log. A manual trigger beside the residency logic.
+  int admin_swap(const std::string& session, bool out, std::string& reply, std::string& why);
 
   // ---- views (file contents; snapshots) ----
   std::size_t gpu_count() const { return gpus_.size(); }
@@ -363,6 +367,14 @@ class Broker {
   void finish_grant(Gpu& g, Session& s, std::int64_t device_ns, bool counts, Deferred& later);
   // Lets go of the gate: DETACHED, woken, its grants no longer in flight.
   void detach_gate(Session& s, Deferred& later);
+  // Swap of an attached session (issue 15). Under the lock; never waits.
+  // Asks s's program to move its movable memory off the GPU at its boundary
+  // (out: only with no iteration in flight) or back (in: a prefetch ahead of
+  // the grant; a grant while swapped brings it back anyway). 0: asked, and
+  // attached_swap_done runs when the program answers (through its doorbell, on
+  // the gate service); else an errno (ENOTCONN, EBUSY, EALREADY).
+  int request_attached_swap(Session& s, bool out);
+  void attached_swap_done(Gpu& g, Session& s, Deferred& later);
   void gate_loop();
   void gate_tick();
   void gate_event(std::uint64_t data);

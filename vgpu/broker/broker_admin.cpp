@@ -22,7 +22,7 @@ std::vector<std::string> split_words(const std::string& line) {
 constexpr const char* kPolicies = "fifo, pack, srtf, fair or priority";
 constexpr const char* kPlacements = "magm, lug, rr or exclusive";
 constexpr const char* kCtlCommands =
-    "kill S, drain N, undrain N, queue strict|bypass or placement P";
+    "kill S, drain N, undrain N, queue strict|bypass, placement P or swap out|in S";
 
 std::optional<arena::QueueMode> queue_mode(const std::string& word) {
   if (word == "strict") return arena::QueueMode::strict_fifo;
@@ -160,6 +160,11 @@ int Broker::admin_command(const std::string& line, std::string& reply, std::stri
     std::lock_guard lk(mu_);
     for (auto& g : gpus_) g->sched.arena().set_queue_mode(*mode);
     return 0;
+  }
+  if (cmd == "swap") {
+    if (words.size() != 3 || (words[1] != "out" && words[1] != "in"))
+      return fail(EINVAL, "swap takes a direction and a session: swap out|in S");
+    return admin_swap(words[2], words[1] == "out", reply, why);
   }
   if (cmd == "placement") {
     const auto p = words.size() == 2 ? sched::placement_from_string(words[1]) : std::nullopt;

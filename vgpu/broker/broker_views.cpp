@@ -118,7 +118,8 @@ std::string Broker::render_status(SessionId id) const {
      s->error ? fmt::format("{} {}", strerrorname_np(s->error), s->error_text) : std::string("-"));
   kv("kind", s->gate ? "attached" : "hosted");
   kv("pid", s->gate ? std::to_string(s->gate->pid) : std::string("-"));
-  render_residency(*s, o);
+  // An attached program reports its own residency (render_gate_status).
+  if (!s->gate) render_residency(*s, o);
   if (s->gate)
     render_gate_status(
         *s, static_cast<std::size_t>(s->gpu) < telemetry.size() ? &telemetry[s->gpu] : nullptr, o);
@@ -168,6 +169,17 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("oom_refusals", gate_load(G.oom_refusals));
   kv("yield_requests", gt.yields);
   kv("quantum_ms", fmt::format("{:.3f}", ms(config_.quantum_ns)));
+  // Movable memory (issue 15): where the program's memory is now.
+  kv("residency", swap_state_name(gate_load(G.swap_state)));
+  kv("memory_resident", gate_load(G.resident_bytes));
+  kv("memory_swapped", gate_load(G.swapped_bytes));
+  kv("memory_unswappable", gate_load(G.unswappable_bytes));
+  kv("swaps_out", gate_load(G.swaps_out));
+  kv("swaps_in", gate_load(G.swaps_in));
+  kv("swap_ms", fmt::format("{:.3f}", static_cast<double>(gate_load(G.swap_ns)) / 1e6));
+  kv("swap_error", gt.swap_pending ? std::string("pending")
+                   : gt.swap_error ? std::string(strerrorname_np(gt.swap_error))
+                                   : std::string("-"));
 }
 
 std::string Broker::render_log(SessionId id) const {
@@ -548,6 +560,20 @@ std::string Broker::render_metrics() const {
              [](salus_gate& G) {
                const std::uint64_t b = gate_load(G.budget_bytes);
                return b == UINT64_MAX ? std::string("-1") : std::to_string(b);
+             });
+  m.per_gate(sessions_, "salus_session_memory_swapped_bytes", "gauge",
+             "Attached session: its device memory now on the host (swapped out).",
+             [](salus_gate& G) { return gate_load(G.swapped_bytes); });
+  m.per_gate(sessions_, "salus_session_swaps_out_total", "counter",
+             "Attached session: swap-outs its program carried out.",
+             [](salus_gate& G) { return gate_load(G.swaps_out); });
+  m.per_gate(sessions_, "salus_session_swaps_in_total", "counter",
+             "Attached session: swap-ins its program carried out.",
+             [](salus_gate& G) { return gate_load(G.swaps_in); });
+  m.per_gate(sessions_, "salus_session_swap_seconds_total", "counter",
+             "Attached session: time its program spent moving memory out and in.",
+             [](salus_gate& G) {
+               return fmt::format("{:.6f}", static_cast<double>(gate_load(G.swap_ns)) / 1e9);
              });
   m.per_gate(sessions_, "salus_session_gate_waits_total", "counter",
              "Attached session: iteration boundaries that waited for a grant.",
