@@ -958,13 +958,19 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
       fuse_reply_err(req, EINVAL);
       return;
     }
-    fs.broker().read_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), size,
-                            [req](int err, std::span<const char> data) {
-                              if (err)
-                                fuse_reply_err(req, err);
-                              else
-                                fuse_reply_buf(req, data.data(), data.size());
-                            });
+    // Held behind the session's earlier work, which may be a long spin: a
+    // killed reader must not wait for it.
+    auto h = hold(req);
+    const std::uint64_t ticket =
+        fs.broker().read_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), size,
+                                [h](int err, std::span<const char> data) {
+                                  unhold(*h);
+                                  if (err)
+                                    fuse_reply_err(h->req, err);
+                                  else
+                                    fuse_reply_buf(h->req, data.data(), data.size());
+                                });
+    held_as(fs, h, in.id, ticket);
     return;
   }
   reply_slice(req, of->content, size, off);
@@ -1038,13 +1044,16 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
       fuse_reply_err(req, EINVAL);
       return;
     }
-    b.write_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), buf, size,
-                   [req](int err, arena::Bytes written) {
-                     if (err)
-                       fuse_reply_err(req, err);
-                     else
-                       fuse_reply_write(req, written);
-                   });
+    auto h = hold(req);
+    const std::uint64_t ticket = b.write_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), buf,
+                                                size, [h](int err, arena::Bytes written) {
+                                                  unhold(*h);
+                                                  if (err)
+                                                    fuse_reply_err(h->req, err);
+                                                  else
+                                                    fuse_reply_write(h->req, written);
+                                                });
+    held_as(fs, h, in.id, ticket);
     return;
   }
   fuse_reply_err(req, EACCES);

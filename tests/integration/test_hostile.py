@@ -275,6 +275,77 @@ def test_a_killed_waiter_goes_at_once(daemon, setup, hang):
         blocker.close()
 
 
+# A client that reads or writes its session's mem/w behind a long spin. SIGUSR1
+# raises InterruptedError (Python retries a syscall that fails with EINTR
+# unless the handler raises).
+MEM_CLIENT = r"""
+import os, signal, sys, time
+mnt, how = sys.argv[1], sys.argv[2]
+def interrupted(*_):
+    raise InterruptedError()
+signal.signal(signal.SIGUSR1, interrupted)
+fd = os.open(mnt + "/clone", os.O_RDWR)
+sid = os.read(fd, 64).decode().strip()
+os.write(fd, b"need persistent=2M ephemeral=1M\nalloc w 1M\nbegin\nspin 30000000\nend\n")
+print("ready", sid, flush=True)
+path = mnt + "/sessions/" + sid + "/mem/w"
+f = os.open(path, os.O_RDWR)
+t0 = time.time()
+try:
+    if how == "write":
+        os.write(f, b"x" * 4096)
+    else:
+        os.read(f, 4096)
+    print("done %.2f" % (time.time() - t0), flush=True)
+except InterruptedError:
+    print("eintr %.2f" % (time.time() - t0), flush=True)
+os.write(fd, b"begin\nspin 1\nend\n")
+status = open(mnt + "/sessions/" + sid + "/status").read().splitlines()
+print([l for l in status if l.startswith("state")][0], flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["read", "write"])
+def test_a_killed_mem_reader_or_writer_goes_at_once(daemon, how):
+    """issue 17 leftover: a read or write of mem/NAME waits for the session's
+    earlier work (a 30 s spin here). SIGKILLed, its caller is gone, and its
+    session ended, within 1 s; another user's work is still served."""
+    p = ready(subprocess.Popen([sys.executable, "-c", MEM_CLIENT, daemon.mnt, how],
+                               stdout=subprocess.PIPE, text=True))
+    try:
+        time.sleep(0.3)
+        assert p.poll() is None, "the client was not blocked"
+        t0 = time.time()
+        p.kill()
+        try:
+            p.wait(1)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the SIGKILLed mem/ {how} is still there after 1 s (stuck in salusd)")
+        assert wait_gone(daemon, p.sid, 1.0 - (time.time() - t0) + 0.05), "its session outlived it"
+    finally:
+        kill_all([p])
+    others_still_served(daemon)
+
+
+def test_an_interrupted_mem_read_fails_with_eintr(daemon):
+    """A non-fatal signal interrupts a held mem/ read: it fails with EINTR at
+    once (a read can be retried), and the session stays usable."""
+    p = ready(subprocess.Popen([sys.executable, "-c", MEM_CLIENT, daemon.mnt, "read"],
+                               stdout=subprocess.PIPE, text=True))
+    try:
+        time.sleep(0.3)
+        assert p.poll() is None, "the client was not blocked"
+        p.send_signal(signal.SIGUSR1)
+        assert select.select([p.stdout], [], [], 2)[0], "the interrupted read did not return"
+        line = p.stdout.readline().split()
+        assert line[0] == "eintr" and float(line[1]) < 2, line
+        # The session took more work after it, and is still admitted.
+        assert select.select([p.stdout], [], [], 3)[0], "the session did not take more work"
+        assert p.stdout.readline().split() == ["state:", "admitted"]
+    finally:
+        kill_all([p])
+
+
 def test_unread_replies_are_bounded(daemon):
     """issue 17 item 9: replies never read are capped per open file; the next
     read says how many were dropped."""
