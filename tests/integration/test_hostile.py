@@ -497,3 +497,60 @@ def test_sigterm_is_bounded_with_process_isolation_too():
             pass
     finally:
         d.stop()
+
+
+# One uid opens many sessions, each with a lane of its own (ephemeral sizes
+# differ) and a long spin in it, and holds them.
+LANES_CLIENT = r"""
+import os, sys, time
+mnt, n = sys.argv[1], int(sys.argv[2])
+fds = []
+for i in range(n):
+    fd = os.open(mnt + "/clone", os.O_RDWR)
+    os.read(fd, 64)
+    os.write(fd, ("need persistent=0 ephemeral=%dK gpu=0\nbegin\nspin 30000000\nend\n"
+                  % (64 + 4 * i)).encode())
+    fds.append(fd)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def threads_of(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise AssertionError("no Threads: line")
+
+
+def test_lanes_and_spins_do_not_add_threads(salusd_factory):
+    """issue 17 item 9: on sim each lane was a thread, so one uid added a thread
+    per session it opened (300 here; up to its 1,024-session quota). Streams now
+    share a fixed set of threads per GPU and a spin holds none: salusd's thread
+    count stays bounded, and another user's work, on the other GPU and on the
+    hostile one, is served on time."""
+    d = salusd_factory(sim_memory="1G", gpus=2).start()
+    base = threads_of(d.proc.pid)
+    p = subprocess.Popen([sys.executable, "-c", LANES_CLIENT, d.mnt, "300"],
+                         stdout=subprocess.PIPE, text=True, user=NOBODY)
+    try:
+        assert select.select([p.stdout], [], [], 60)[0], "the hostile client did not get going"
+        assert p.stdout.readline().strip() == "ready"
+        assert int(stats(d)["lanes"]) >= 300
+        grown = threads_of(d.proc.pid) - base
+        assert grown < 40, f"salusd grew by {grown} threads for one uid's 300 lanes"
+        # Another user: a 100 ms spin on the other GPU takes about 100 ms.
+        script = ("import os,time\n"
+                  f"fd=os.open('{d.mnt}/clone',os.O_RDWR); sid=os.read(fd,64).decode().strip()\n"
+                  "os.write(fd,b'need persistent=0 ephemeral=1M gpu=1\\n')\n"
+                  "t0=time.time(); os.write(fd,b'begin\\nspin 100000\\nend\\nsync\\n')\n"
+                  "print(time.time()-t0)\n")
+        r = run([sys.executable, "-c", script], 10, user=1000)
+        assert r is not None and r[0] == 0, r
+        assert 0.09 < float(r[1]) < 0.5, r
+        # and fills, an upload and a wait on the hostile uid's GPU.
+        assert others_still_served(d) < 5
+        assert threads_of(d.proc.pid) - base < 40
+    finally:
+        kill_all([p])
