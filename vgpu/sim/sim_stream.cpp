@@ -51,7 +51,15 @@ bool StreamRunner::on_own_thread() const {
 
 void StreamRunner::enqueue(SimStream& s, const SimOp& op) {
   std::lock_guard lock(mu_);
-  s.queue.push(SimStream::Queued{op, env_.contention.now()});
+  const std::int64_t now = env_.contention.now();
+  if (const auto* spin = std::get_if<SpinOp>(&op);
+      spin && s.state == SimStream::State::idle && s.queue.empty()) {
+    // A spin on an idle stream starts now, with no hop to a host thread, as a
+    // GPU starts a kernel launched on an idle stream.
+    start_spin(s, *spin, now);
+    return;
+  }
+  s.queue.push(SimStream::Queued{op, now});
   // A stream that is ready, running or waiting picks the op up in its turn.
   if (s.state == SimStream::State::idle) make_ready(s);
 }
