@@ -346,6 +346,33 @@ def test_an_interrupted_mem_read_fails_with_eintr(daemon):
         kill_all([p])
 
 
+def test_a_signal_then_sigkill_on_a_partly_run_write_still_frees_it(daemon):
+    """issue 17 leftover: a write in `sync` (some of its lines ran) gets a
+    non-fatal signal first, which cannot cancel it, then SIGKILL. The kernel
+    sends no second FUSE_INTERRUPT; salusd notices the kill by itself, so the
+    client is gone, and its session ended, within 1 s."""
+    script = CLIENT.replace("import os, sys", "import os, sys, signal\n"
+                            "signal.signal(signal.SIGUSR1, lambda *a: None)")
+    p = ready(subprocess.Popen([sys.executable, "-c", script, daemon.mnt,
+                                "need persistent=1M ephemeral=1M\n",
+                                "begin\nspin 30000000\nend\nsync\n"],
+                               stdout=subprocess.PIPE, text=True))
+    try:
+        time.sleep(0.3)
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(0.3)
+        assert p.poll() is None, "the signal ended the write (it ran lines: it must not)"
+        t0 = time.time()
+        p.kill()
+        try:
+            p.wait(1.2)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the SIGKILLed client is still there after 1 s (stuck in salusd)")
+        assert wait_gone(daemon, p.sid, 1.2 - (time.time() - t0) + 0.05), "its session outlived it"
+    finally:
+        kill_all([p])
+
+
 def test_unread_replies_are_bounded(daemon):
     """issue 17 item 9: replies never read are capped per open file; the next
     read says how many were dropped."""
