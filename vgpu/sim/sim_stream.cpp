@@ -88,7 +88,20 @@ void StreamRunner::host_loop() {
     if (ready_.empty()) return;  // stopping, and every stream drained
     SimStream& s = *ready_.pop();
     s.state = SimStream::State::running;
-    drive(s, lock, true);
+    guarded(s, lock, true);
+  }
+}
+
+void StreamRunner::guarded(SimStream& s, std::unique_lock<std::mutex>& lock, bool host) {
+  // Ops and completion handlers catch their own; what is left is running out
+  // of memory for a queue. It must not end the thread (std::terminate would
+  // take salusd down): the stream is left idle and the error logged.
+  try {
+    drive(s, lock, host);
+  } catch (const std::exception& e) {
+    if (!lock.owns_lock()) lock.lock();
+    spdlog::error("sim gpu{} stream {}: {}", env_.device_index, s.id, e.what());
+    go_idle(s);
   }
 }
 
@@ -97,7 +110,12 @@ void StreamRunner::clock_loop() {
   std::vector<RealTimeContention::Finished> finished;
   for (;;) {
     finished.clear();
-    if (!env_.contention.wait_finished(finished)) return;
+    try {
+      if (!env_.contention.wait_finished(finished)) return;
+    } catch (const std::exception& e) {  // out of memory for the list: try again
+      spdlog::error("sim gpu{} clock: {}", env_.device_index, e.what());
+      continue;
+    }
     std::unique_lock lock(mu_);
     for (const auto& f : finished) {
       auto& s = *reinterpret_cast<SimStream*>(static_cast<std::uintptr_t>(f.tag));
@@ -108,7 +126,7 @@ void StreamRunner::clock_loop() {
       // What follows is mostly its notify and the next spin: run here, with no
       // hop to a host thread, as the stream's own thread used to.
       s.state = SimStream::State::running;
-      drive(s, lock, false);
+      guarded(s, lock, false);
     }
   }
 }

@@ -86,6 +86,8 @@ class StreamRunner {
   // spin's start), and host ops too when `host` is set, one op then back of
   // the ready list. Leaves `s` idle, ready or waiting. Called with `lock` held.
   void drive(SimStream& s, std::unique_lock<std::mutex>& lock, bool host);
+  // drive() inside the threads' one catch-all.
+  void guarded(SimStream& s, std::unique_lock<std::mutex>& lock, bool host);
   void start_spin(SimStream& s, const SpinOp& op, std::int64_t enqueued_at);
   void run_host_op(SimStream& s, std::unique_lock<std::mutex>& lock);
   void complete(SimStream& s, std::unique_lock<std::mutex>& lock, std::uint64_t token);
