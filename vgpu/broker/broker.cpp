@@ -445,6 +445,17 @@ bool Broker::cancel_request(SessionId id, std::uint64_t ticket, bool caller_dyin
       cancelled = true;
       break;
     }
+    // A mem/ read or write, queued or on the device behind earlier work: it is
+    // answered now and its copy runs anyway (the same bytes again, if retried).
+    for (auto* items : {&s->queue, &s->dispatched}) {
+      for (auto it = items->begin(); !cancelled && it != items->end(); ++it) {
+        if (it->ticket != ticket || !it->on_done) continue;
+        auto done = std::move(it->on_done);
+        it->on_done = nullptr;
+        later.push_back([done] { done(EINTR, {}); });
+        cancelled = true;
+      }
+    }
     for (auto it = s->writes.begin(); !cancelled && it != s->writes.end(); ++it) {
       if (it->id != ticket) continue;
       // A write some of whose lines ran cannot be undone: answering EINTR would

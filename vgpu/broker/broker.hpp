@@ -144,9 +144,9 @@ class Broker {
   // Returns a ticket for cancel_request (0 if answered already).
   std::uint64_t wait(SessionId id, std::function<void(int err, std::string text)> done);
   // The caller of a held request was interrupted (FUSE_INTERRUPT): answers it
-  // with EINTR and forgets it, if that is safe. A `wait`, or a write none of
-  // whose lines ran yet (waiting for its files, its turn or admission), always
-  // goes; a write some of whose lines ran goes only if `caller_dying` (they
+  // with EINTR and forgets it, if that is safe. A `wait`, a mem/ read or write,
+  // or a write none of whose lines ran yet (waiting for its files, its turn or
+  // admission), always goes; a write some of whose lines ran goes only if `caller_dying` (they
   // cannot be undone, and a caller that retries would run them twice).
   // Returns whether the request was answered.
   bool cancel_request(SessionId id, std::uint64_t ticket, bool caller_dying);
@@ -168,11 +168,14 @@ class Broker {
                      std::function<void(int err)> done);
   int remove_buffer(SessionId id, const Caller& caller, const std::string& name);
   // Ordered after the session's earlier work; the callback gets the bytes read.
-  // Both go through the GPU's staging blocks.
-  void read_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, Bytes length,
-                   HostCopyDone done);
-  void write_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, const char* data,
-                    Bytes length, std::function<void(int err, Bytes written)> done);
+  // Both go through the GPU's staging blocks. Each returns a ticket for
+  // cancel_request (0 if answered already): a held read or write is answered
+  // with EINTR when its caller is interrupted; its copy still runs in order
+  // (re-reading or re-writing the same bytes is harmless), with no one to tell.
+  std::uint64_t read_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, Bytes length,
+                            HostCopyDone done);
+  std::uint64_t write_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, const char* data,
+                             Bytes length, std::function<void(int err, Bytes written)> done);
 
   // ---- restart (session_store.cpp saves and restores named sessions with these) ----
   struct NamedSessionState {
@@ -267,8 +270,10 @@ class Broker {
               std::uint32_t line, const char* what);
   void enqueue(Session& s, WorkItem item);
   int usable_buffer(SessionId id, std::uint32_t bid, Session*& s, const Buffer*& b);
-  void enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle, Bytes offset,
-                         StagingPool::Block host, Bytes length, HostCopyDone done);
+  // Returns the item's ticket for cancel_request.
+  std::uint64_t enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle,
+                                  Bytes offset, StagingPool::Block host, Bytes length,
+                                  HostCopyDone done);
   // The GPU index of a usable buffer's session, for taking a staging block
   // before the copy is queued (-errno when unusable).
   int buffer_gpu(SessionId id, std::uint32_t bid);

@@ -118,6 +118,9 @@ struct WorkItem {
   StagingPool::Block host;  // staging for mem/ reads and writes
   Bytes host_length = 0;
   HostCopyDone on_done;
+  // A mem/ read or write held for its caller: the ticket of cancel_request,
+  // which answers it with EINTR and leaves the item to run with no one to tell.
+  std::uint64_t ticket = 0;
   // upload/download: moved by the GPU's transfer engine, not dispatched on a
   // lane. It starts once everything before it has completed, and nothing after
   // it starts before it is done.
