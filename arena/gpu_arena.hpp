@@ -47,6 +47,8 @@ enum class LaneMode : std::uint8_t {
 
 struct ArenaOptions {
   QueueMode queue_mode = QueueMode::bounded_bypass;
+  // How many later arrivals may be admitted ahead of a waiting request before the queue
+  // turns strict behind it (whatever order the policy's keys give).
   std::uint32_t max_bypass = 16;
   LaneMode lane_mode = LaneMode::salus;
 };
@@ -112,6 +114,7 @@ struct QueueEntry {
   Need need;
   TimeNs waiting_since;
   std::uint32_t bypassed;  // how many later requests were admitted ahead of it
+  double key = 0.0;        // the policy's admission key: the queue is in this order
 };
 
 struct Placement {
@@ -160,7 +163,9 @@ class GpuArena {
   // ---- Admission ----
   // Queues the session's need (arrival order is the order of these calls) and
   // runs assignment. too_large if P + E > capacity; duplicate if already known.
-  ArenaError request(SessionId session, Need need, TimeNs now);
+  // `key` orders the queue (smaller first, arrival order among equals): the
+  // scheduling policy's admission key (sched::admission_key); 0 keeps arrival order.
+  ArenaError request(SessionId session, Need need, TimeNs now, double key = 0.0);
   // New need for a queued or admitted session. An admitted session keeps its
   // persistent buffers, leaves its lane, and is re-queued at its original
   // arrival position (re-admission). Runs assignment. If its lane is busy, the session
@@ -169,7 +174,10 @@ class GpuArena {
   // session without charging it bypasses while it is refused (others do not delay it then); it may
   // still be admitted to another lane at once if there is room. session_idle plans no
   // moves of its buffers until the drain.
-  ArenaError change_need(SessionId session, Need need, TimeNs now);
+  ArenaError change_need(SessionId session, Need need, TimeNs now, double key = 0.0);
+  // The queue key of a waiting session changed (its priority, or the policy): it moves
+  // in the queue, keeping its bypass count, and assignment runs. False if not queued.
+  bool set_admission_key(SessionId session, double key, TimeNs now);
   // The session is gone: its persistent buffers are freed, its lane reference is
   // dropped (an empty lane is deleted), its queue slot is removed. Runs assignment.
   void leave(SessionId session, TimeNs now);
@@ -218,7 +226,8 @@ class GpuArena {
   const ArenaStats& stats() const;
 
   // Empty when every invariant holds; otherwise a description of the first
-  // violation. Checked after every operation in debug builds.
+  // violation. O(sessions + queue + lanes + buffers). Checked in debug builds after
+  // every operation on a small arena, and on a sample of them on a large one.
   std::string check_invariants() const;
   // Every physically held range, in offset order. A busy lane keeps holding its extent
   // until its boundary (one that grew meanwhile waits to move), so this can differ from
