@@ -51,7 +51,8 @@ int Broker::set_policy(const std::string& text) {
       return -EINVAL;
     }
   }
-  std::lock_guard lk(mu_);
+  Deferred later;
+  std::unique_lock lk(mu_);
   config_.policy = *kind;
   if (quantum_ns) {
     config_.quantum_ns = *quantum_ns;
@@ -62,8 +63,12 @@ int Broker::set_policy(const std::string& text) {
   for (auto& g : gpus_) {
     g->sched.set_policy(*kind);
     if (queue) g->sched.arena().set_queue_mode(*queue);
+    // The queue follows the new policy's order, and a mode change may admit at once.
+    handle_admissions(*g, later, false);
     kick(*g);
   }
+  lk.unlock();
+  run_deferred(later);
   return 0;
 }
 
