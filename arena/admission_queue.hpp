@@ -37,13 +37,6 @@ struct QueuedRequest {
   bool passable = false;  // see set_passable
 };
 
-// What a pass may still admit: a request is a candidate only if persistent <= room and
-// persistent + ephemeral <= total. Anything beyond either bound is refused unseen.
-struct AdmissionBounds {
-  Bytes room = std::numeric_limits<Bytes>::max();
-  Bytes total = std::numeric_limits<Bytes>::max();
-};
-
 class AdmissionQueue {
  public:
   AdmissionQueue();

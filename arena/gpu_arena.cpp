@@ -82,6 +82,7 @@ struct GpuArena::Impl {
 
   Bytes slack() const { return usable - reserved - lanes.total(); }
   bool too_large(const Need& need, Bytes used) const;
+  LaneDecision decide(SessionId id, Bytes p_new, Bytes e, std::uint32_t group, bool& held) const;
   bool try_admit(const QueuedRequest& q);
   void sync_passable(SessionId session);
   AdmissionBounds bounds() const;
@@ -118,35 +119,48 @@ bool GpuArena::Impl::may_admit() const {
   return queue.min_persistent() <= b.room && queue.min_total() <= b.total;
 }
 
-bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
-  if (q.persistent > slack()) return false;  // the common refusal, without a lookup
-  const SessionId id = q.session;
-  SessionState& s = sessions.at(id);
-  const Bytes p_new = q.persistent;
+// Where a request of `id` (0: a session not yet known) would go now: the lane step, or
+// none. `held` is set when the step needs bytes above the lane region that are still
+// held, so the request must wait for them.
+LaneDecision GpuArena::Impl::decide(SessionId id, Bytes p_new, Bytes e, std::uint32_t group,
+                                    bool& held) const {
+  held = false;
   LaneDecision d;
-  if (s.declared.group != 0) {
+  if (p_new > slack()) return d;  // the common refusal, without a lookup
+  if (group != 0) {
     // Join a lane of the group that is large enough; the request adds only p_new.
     for (const auto& [other, o] : sessions) {
-      if (other == id || !o.admitted || !o.lane || o.declared.group != s.declared.group) continue;
+      if (other == id || !o.admitted || !o.lane || o.declared.group != group) continue;
       const Lane* l = lanes.find(*o.lane);
-      if (l && l->size >= s.e) {
+      if (l && l->size >= e) {
         d = {LaneStep::join, *o.lane, 0};
         break;
       }
     }
   }
-  if (d.step == LaneStep::none) d = find_lane(lanes, slack(), p_new, s.e, options.lane_mode);
+  if (d.step == LaneStep::none) d = find_lane(lanes, slack(), p_new, e, options.lane_mode);
+  if (d.step == LaneStep::none || d.room == 0) return d;
+  // Opening or growing a lane takes the bytes right above the lane region. Algorithm 1
+  // only looks at the accounting; when those bytes are still held (by a busy lane that
+  // has not slid down yet, or by persistent buffers) the request waits for them rather
+  // than falling through to a later step, because a lane, once joined, is for life.
+  const Bytes top = lanes.total();
+  held = !space.is_free(top, top + d.room);
+  return d;
+}
+
+bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
+  if (q.persistent > slack()) return false;  // the common refusal, without a lookup
+  const SessionId id = q.session;
+  SessionState& s = sessions.at(id);
+  const Bytes p_new = q.persistent;
+  bool held = false;
+  const LaneDecision d = decide(id, p_new, s.e, s.declared.group, held);
   if (d.step == LaneStep::none) return false;
-  if (d.room > 0) {
-    // Opening or growing a lane takes the bytes right above the lane region. Algorithm 1
-    // only looks at the accounting; when those bytes are still held (by a busy lane that
-    // has not slid down yet, or by persistent buffers) the request waits for them rather
-    // than falling through to a later step, because a lane, once joined, is for life.
+  if (held) {
     const Bytes top = lanes.total();
-    if (!space.is_free(top, top + d.room)) {
-      if (heap.intersects(top, top + d.room)) heap.request_room(d.room);
-      return false;
-    }
+    if (heap.intersects(top, top + d.room)) heap.request_room(d.room);
+    return false;
   }
   LaneId lane = d.lane;
   switch (d.step) {
@@ -438,6 +452,19 @@ ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now, doubl
   m.queue.set_key(session, key);
   m.reconcile(true);
   return ArenaError::ok;
+}
+
+AdmissionBounds GpuArena::admission_bounds() const {
+  return impl_->bounds();
+}
+
+bool GpuArena::would_admit(const Need& need) const {
+  const Impl& m = *impl_;
+  if (!m.queue.empty() || m.too_large(need, 0)) return false;
+  bool held = false;
+  const LaneDecision d =
+      m.decide(0, align_up(need.persistent), align_up(need.ephemeral), need.group, held);
+  return d.step != LaneStep::none && !held;
 }
 
 bool GpuArena::set_admission_key(SessionId session, double key, TimeNs /*now*/) {

@@ -65,6 +65,14 @@ enum class ArenaError : std::uint8_t {
 
 const char* to_string(ArenaError);
 
+// What may still be admitted: a request needs persistent <= room and
+// persistent + ephemeral <= total (the largest lane it could join or grow included);
+// anything beyond either bound is refused without a closer look.
+struct AdmissionBounds {
+  Bytes room = ~Bytes{0};
+  Bytes total = ~Bytes{0};
+};
+
 struct Admitted {
   SessionId session;
   LaneId lane;
@@ -178,6 +186,12 @@ class GpuArena {
   // The queue key of a waiting session changed (its priority, or the policy): it moves
   // in the queue, keeping its bypass count, and assignment runs. False if not queued.
   bool set_admission_key(SessionId session, double key, TimeNs now);
+  // Whether a request() for `need` by a new session would be admitted at once: nothing
+  // is queued here and Algorithm 1 has a lane for it now. Changes nothing. For late
+  // binding: a host-wide queue places a job on a GPU only when one admits it.
+  bool would_admit(const Need& need) const;
+  // Necessary conditions for any admission now (see AdmissionBounds).
+  AdmissionBounds admission_bounds() const;
   // The session is gone: its persistent buffers are freed, its lane reference is
   // dropped (an empty lane is deleted), its queue slot is removed. Runs assignment.
   void leave(SessionId session, TimeNs now);
