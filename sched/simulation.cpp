@@ -199,6 +199,7 @@ class Engine {
   std::uint32_t choose_gpu(const std::vector<char>& eligible = {});
   void place_waiting(TimeNs t);
   void place_host(TimeNs t);
+  bool runs_now(const Gpu& gpu, double key) const;
   void submit(std::uint32_t g, Job& j, TimeNs t);
   void handle_admissions(std::uint32_t g, TimeNs t);
   void check_quiet(Gpu& gpu, TimeNs t);
@@ -396,13 +397,33 @@ void Engine::place_host(TimeNs t) {
                       Job& j = job_of(q.session);
                       bool any = false;
                       for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
-                        eligible_[g] = gpus_[g].sched.arena().would_admit(j.declared);
+                        eligible_[g] = gpus_[g].sched.arena().would_admit(j.declared) &&
+                                       runs_now(gpus_[g], q.key);
                         any = any || eligible_[g];
                       }
                       if (!any) return false;
                       submit(choose_gpu(eligible_), j, t);
                       return true;
                     });
+}
+
+// Under SRTF and PRIORITY one job of a shared lane runs at a time: a job placed on a GPU
+// where another ranks first would only wait there, bound to it while another GPU may
+// go idle first. So it is placed only where it runs at once (the GPU is empty, or it
+// ranks before every job there); otherwise it waits host-wide for the first GPU that
+// frees up. FAIR runs every job of a lane in turn at once, and PACK's lanes run side by
+// side: for them admission is enough.
+bool Engine::runs_now(const Gpu& gpu, double key) const {
+  const PolicyKind p = gpu.sched.policy();
+  if (cfg_.gpus == 1 || lanes_ != LaneModel::shared ||
+      (p != PolicyKind::srtf && p != PolicyKind::priority))
+    return true;  // with one GPU, binding to it costs nothing
+  if (gpu.waiting_bytes > 0) return false;  // a job placed there still waits for admission
+  for (const auto& [lane, ls] : gpu.lanes)
+    for (SessionId id : ls.members)
+      if (const SessionSched* s = gpu.sched.find(id); s && !(key < rank(p, s->in).primary))
+        return false;
+  return true;
 }
 
 void Engine::submit(std::uint32_t g, Job& j, TimeNs t) {
