@@ -415,9 +415,8 @@ void Engine::place_host(TimeNs t) {
 // side: for them admission is enough.
 bool Engine::runs_now(const Gpu& gpu, double key) const {
   const PolicyKind p = gpu.sched.policy();
-  if (cfg_.gpus == 1 || lanes_ != LaneModel::shared ||
-      (p != PolicyKind::srtf && p != PolicyKind::priority))
-    return true;  // with one GPU, binding to it costs nothing
+  if (lanes_ != LaneModel::shared || (p != PolicyKind::srtf && p != PolicyKind::priority))
+    return true;
   if (gpu.waiting_bytes > 0) return false;  // a job placed there still waits for admission
   for (const auto& [lane, ls] : gpu.lanes)
     for (SessionId id : ls.members)
@@ -963,6 +962,10 @@ SimResult Engine::run() {
       Job& j = jobs_[order_[pos]];
       if (cfg_.placement == Placement::exclusive) {
         cluster_queue_.push_back(j.index);
+      } else if (cfg_.gpus == 1) {
+        // One GPU: binding early costs nothing, and the GPU's own queue (salusd's) keeps
+        // the scheduler's arrival order the trace's.
+        submit(0, j, t);
       } else {
         RankInputs in;
         in.arrival = pos;
