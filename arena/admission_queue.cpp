@@ -317,10 +317,13 @@ std::optional<SessionId> AdmissionQueue::next_candidate(const std::optional<Orde
     if (n.min_persistent > b.room || n.min_total > b.total || n.min_arrival > latest)
       return std::nullopt;
     const bool past = !after || *after < n.k;
+    const bool below = n.k.first < b.key_below;
     if (past) {
       if (auto r = self(self, n.left)) return r;
-      if (n.persistent <= b.room && n.total <= b.total && n.k.second <= latest) return n.session;
+      if (below && n.persistent <= b.room && n.total <= b.total && n.k.second <= latest)
+        return n.session;
     }
+    if (!below) return std::nullopt;  // the right subtree's keys are no smaller
     return self(self, n.right);
   };
   return search(search, t.root);

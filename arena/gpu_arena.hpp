@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -66,11 +67,13 @@ enum class ArenaError : std::uint8_t {
 const char* to_string(ArenaError);
 
 // What may still be admitted: a request needs persistent <= room and
-// persistent + ephemeral <= total (the largest lane it could join or grow included);
-// anything beyond either bound is refused without a closer look.
+// persistent + ephemeral <= total (the largest lane it could join or grow included),
+// and a queue key below key_below (a caller's own limit; the arena sets none);
+// anything beyond a bound is refused without a closer look.
 struct AdmissionBounds {
   Bytes room = ~Bytes{0};
   Bytes total = ~Bytes{0};
+  double key_below = std::numeric_limits<double>::infinity();
 };
 
 struct Admitted {

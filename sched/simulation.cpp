@@ -199,7 +199,7 @@ class Engine {
   std::uint32_t choose_gpu(const std::vector<char>& eligible = {});
   void place_waiting(TimeNs t);
   void place_host(TimeNs t);
-  bool runs_now(const Gpu& gpu, double key) const;
+  double runs_below(const Gpu& gpu) const;
   void submit(std::uint32_t g, Job& j, TimeNs t);
   void handle_admissions(std::uint32_t g, TimeNs t);
   void check_quiet(Gpu& gpu, TimeNs t);
@@ -384,11 +384,12 @@ void Engine::place_host(TimeNs t) {
   if (host_queue_.empty()) return;
   eligible_.assign(cfg_.gpus, 0);
   auto bounds = [this] {
-    arena::AdmissionBounds b{0, 0};
+    arena::AdmissionBounds b{0, 0, -std::numeric_limits<double>::infinity()};
     for (const Gpu& gpu : gpus_) {
       const arena::AdmissionBounds g = gpu.sched.arena().admission_bounds();
       b.room = std::max(b.room, g.room);
       b.total = std::max(b.total, g.total);
+      b.key_below = std::max(b.key_below, runs_below(gpu));
     }
     return b;
   };
@@ -397,8 +398,8 @@ void Engine::place_host(TimeNs t) {
                       Job& j = job_of(q.session);
                       bool any = false;
                       for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
-                        eligible_[g] = gpus_[g].sched.arena().would_admit(j.declared) &&
-                                       runs_now(gpus_[g], q.key);
+                        eligible_[g] = q.key < runs_below(gpus_[g]) &&
+                                       gpus_[g].sched.arena().would_admit(j.declared);
                         any = any || eligible_[g];
                       }
                       if (!any) return false;
@@ -412,17 +413,22 @@ void Engine::place_host(TimeNs t) {
 // go idle first. So it is placed only where it runs at once (the GPU is empty, or it
 // ranks before every job there); otherwise it waits host-wide for the first GPU that
 // frees up. FAIR runs every job of a lane in turn at once, and PACK's lanes run side by
-// side: for them admission is enough.
-bool Engine::runs_now(const Gpu& gpu, double key) const {
+// side: for them admission is enough. Returns the bound a job's admission key must be
+// below to run on `gpu` at once (the same function ranks both); it also bounds the
+// host-wide pass, which thus stops at the first job that runs nowhere.
+double Engine::runs_below(const Gpu& gpu) const {
+  constexpr double kAny = std::numeric_limits<double>::infinity();
   const PolicyKind p = gpu.sched.policy();
   if (lanes_ != LaneModel::shared || (p != PolicyKind::srtf && p != PolicyKind::priority))
-    return true;
-  if (gpu.waiting_bytes > 0) return false;  // a job placed there still waits for admission
+    return kAny;
+  // A job placed there that still waits for admission: nothing more goes there.
+  if (gpu.waiting_bytes > 0) return -kAny;
+  double below = kAny;
   for (const auto& [lane, ls] : gpu.lanes)
     for (SessionId id : ls.members)
-      if (const SessionSched* s = gpu.sched.find(id); s && !(key < rank(p, s->in).primary))
-        return false;
-  return true;
+      if (const SessionSched* s = gpu.sched.find(id))
+        below = std::min(below, rank(p, s->in).primary);
+  return below;
 }
 
 void Engine::submit(std::uint32_t g, Job& j, TimeNs t) {

@@ -56,7 +56,8 @@ struct Model {
       for (SessionId s : in_order()) {
         const ModelEntry& e = entries.at(s);
         if (after && !(*after < std::pair{e.key, e.arrival})) continue;
-        if (e.persistent > b.room || e.persistent + e.ephemeral > b.total || e.arrival > barrier)
+        if (e.persistent > b.room || e.persistent + e.ephemeral > b.total || e.arrival > barrier ||
+            !(e.key < b.key_below))
           continue;
         c = s;
         break;
@@ -132,11 +133,12 @@ void run_stream(std::uint64_t seed, QueueMode mode, std::uint32_t max_bypass) {
       // A pass: room shrinks with what is admitted; some candidates refuse for their own
       // reasons (a fragmented hole), decided per session and pass alike in both.
       const Bytes room0 = pick(10), total0 = room0 + pick(6);
+      const double below = pick(3) == 0 ? static_cast<double>(pick(5)) : 1e300;
       const std::uint64_t salt = rng();
       auto make = [&](Bytes& used) {
-        return std::pair{[&used, room0, total0] {
+        return std::pair{[&used, room0, total0, below] {
                            return AdmissionBounds{room0 - std::min(used, room0),
-                                                  total0 - std::min(used, total0)};
+                                                  total0 - std::min(used, total0), below};
                          },
                          [&used, salt, room0](const QueuedRequest& r) {
                            if (r.persistent > room0 - std::min(used, room0)) return false;
