@@ -339,7 +339,6 @@ TEST(SimOverhead, IterationOverheadLengthensEveryIteration) {
   EXPECT_THROW(sc::simulate(long_then_short(), c), sc::SimError);
 }
 
-
 // Late binding (issue 19 item 8): on 2 GPUs under SRTF, C arrives while A and B run and
 // ranks after both (more work left), so it runs on neither at once: it waits host-wide
 // and takes the first GPU that frees (A's, at 100 s) instead of being bound at arrival
@@ -361,4 +360,3 @@ TEST(SimLateBinding, AJobWaitsHostWideUntilAGpuRunsIt) {
     EXPECT_LE(r.summary.makespan_s, f.summary.makespan_s + 1.0 + 1e-3);
   }
 }
-
