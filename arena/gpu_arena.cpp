@@ -106,13 +106,20 @@ struct GpuArena::Impl {
     return (v >= cap ? static_cast<Bytes>(cap) : static_cast<Bytes>(v)) & ~(kAlignment - 1);
   }
   bool too_large(const Need& need, Bytes used) const;
+  LaneDecision decide(SessionId id, Bytes p_new, Bytes e, std::uint32_t group, bool& held,
+                      Bytes& room_wanted) const;
   bool try_admit(const QueuedRequest& q);
-  bool waits_on_own_drain(const QueuedRequest& q) const;
+  void sync_passable(SessionId session);
+  AdmissionBounds bounds() const;
   bool may_admit() const;
   bool settle_lanes();
   void reconcile(bool assign);
   void verify() const;
   std::string check() const;
+  std::string check_sessions() const;
+  std::string check_queue() const;
+  std::string check_lanes() const;
+  std::string check_layout() const;
   std::vector<PhysicalRegion> regions() const;
 };
 
@@ -123,27 +130,35 @@ bool GpuArena::Impl::too_large(const Need& need, Bytes used) const {
 }
 
 // Every Algorithm-1 step needs p_new <= slack, and p_new + E <= slack + (the largest
-// lane a request may join or grow; none in lane_per_session). A pass in which no queued
-// request meets both cannot admit anything, so it is skipped: the queue may be long.
-bool GpuArena::Impl::may_admit() const {
-  if (queue.empty()) return false;
+// lane a request may join or grow). A request outside these bounds cannot be admitted
+// whatever else happens in the pass: the queue's index never offers it, and a pass in
+// which no queued request meets both is skipped. The queue may be long.
+AdmissionBounds GpuArena::Impl::bounds() const {
   const Bytes room = slack();
-  const Bytes largest = options.lane_mode == LaneMode::salus ? lanes.largest() : 0;
-  return queue.min_persistent() <= room && queue.min_total() <= room + largest;
+  return {room, room + lanes.largest()};
 }
 
-bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
-  if (q.persistent > slack()) return false;  // the common refusal, without a lookup
-  const SessionId id = q.session;
-  SessionState& s = sessions.at(id);
-  const Bytes p_new = q.persistent;
+bool GpuArena::Impl::may_admit() const {
+  if (queue.empty()) return false;
+  const AdmissionBounds b = bounds();
+  return queue.min_persistent() <= b.room && queue.min_total() <= b.total;
+}
+
+// Where a request of `id` (0: a session not yet known) would go now: the lane step, or
+// none. `held` is set when the step needs bytes above the lane region that are still
+// held, so the request must wait for them.
+LaneDecision GpuArena::Impl::decide(SessionId id, Bytes p_new, Bytes e, std::uint32_t group,
+                                    bool& held, Bytes& room_wanted) const {
+  held = false;
+  room_wanted = 0;
   LaneDecision d;
-  if (s.declared.group != 0) {
+  if (p_new > slack()) return d;  // the common refusal, without a lookup
+  if (group != 0) {
     // Join a lane of the group that is large enough; the request adds only p_new.
     for (const auto& [other, o] : sessions) {
-      if (other == id || !o.admitted || !o.lane || o.declared.group != s.declared.group) continue;
+      if (other == id || !o.admitted || !o.lane || o.declared.group != group) continue;
       const Lane* l = lanes.find(*o.lane);
-      if (l && l->size >= s.e) {
+      if (l && l->size >= e) {
         d = {LaneStep::join, *o.lane, 0};
         break;
       }
@@ -153,32 +168,45 @@ bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
   // min(admission slack, physical slack + p), which asks both of every step (at ratio 1
   // the two slacks are equal and this is plain Algorithm 1).
   if (d.step == LaneStep::none)
-    d = find_lane(lanes, std::min(slack(), phys_slack() + p_new), p_new, s.e, options.lane_mode);
+    d = find_lane(lanes, std::min(slack(), phys_slack() + p_new), p_new, e, options.lane_mode);
   if (d.step == LaneStep::none) {
     // The accounting would open a lane but the card has no room for it: the residency
     // planner may swap sessions out for it.
-    if (p_new + s.e <= slack() && s.e > phys_slack())
-      lane_room_wanted = std::max(lane_room_wanted, s.e);
-    return false;
+    if (p_new + e <= slack() && e > phys_slack()) room_wanted = e;
+    return d;
   }
   if (d.room > 0 && d.room > phys_slack()) {
     // Oversubscribed: lanes are physical, so the resident set must shrink first.
-    lane_room_wanted = std::max(lane_room_wanted, d.room);
-    return false;
+    room_wanted = d.room;
+    return LaneDecision{};
   }
+  if (d.room == 0) return d;
+  // Opening or growing a lane takes the bytes right above the lane region. Algorithm 1
+  // only looks at the accounting; when those bytes are still held (by a busy lane that
+  // has not slid down yet, or by persistent buffers) the request waits for them rather
+  // than falling through to a later step, because a lane, once joined, is for life.
+  const Bytes top = lanes.total();
+  held = !space.is_free(top, top + d.room);
+  return d;
+}
+
+bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
+  if (q.persistent > slack()) return false;  // the common refusal, without a lookup
+  const SessionId id = q.session;
+  SessionState& s = sessions.at(id);
+  const Bytes p_new = q.persistent;
+  bool held = false;
+  Bytes want = 0;
+  const LaneDecision d = decide(id, p_new, s.e, s.declared.group, held, want);
+  lane_room_wanted = std::max(lane_room_wanted, want);
+  if (d.step == LaneStep::none) return false;
   // A re-queued session that holds its buffers on the GPU must fit there.
   const bool resident = s.on_gpu() && p_new + d.room <= phys_slack();
   if (s.on_gpu() && !resident && s.used != 0) return false;
-  if (d.room > 0) {
-    // Opening or growing a lane takes the bytes right above the lane region. Algorithm 1
-    // only looks at the accounting; when those bytes are still held (by a busy lane that
-    // has not slid down yet, or by persistent buffers) the request waits for them rather
-    // than falling through to a later step, because a lane, once joined, is for life.
+  if (held) {
     const Bytes top = lanes.total();
-    if (!space.is_free(top, top + d.room)) {
-      if (heap.intersects(top, top + d.room)) heap.request_room(d.room);
-      return false;
-    }
+    if (heap.intersects(top, top + d.room)) heap.request_room(d.room);
+    return false;
   }
   LaneId lane = d.lane;
   switch (d.step) {
@@ -208,11 +236,12 @@ bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
 }
 
 // A re-queued session whose old lane is still busy holds that lane's bytes itself; while
-// that lasts its refusal is its own doing, not something the sessions behind it cause.
-bool GpuArena::Impl::waits_on_own_drain(const QueuedRequest& q) const {
-  for (const auto& [lane, session] : draining)
-    if (session == q.session) return true;
-  return false;
+// that lasts its refusal is its own doing, not something the sessions admitted meanwhile
+// cause, so the queue counts no bypasses on it (AdmissionQueue::set_passable).
+void GpuArena::Impl::sync_passable(SessionId session) {
+  bool drains = false;
+  for (const auto& [lane, s] : draining) drains = drains || s == session;
+  queue.set_passable(session, drains);
 }
 
 // True when bytes were given back, i.e. room may have appeared for the queue.
@@ -229,9 +258,8 @@ void GpuArena::Impl::reconcile(bool assign) {
   while (run && may_admit()) {
     lane_room_wanted = 0;  // try_admit asks again for what it still lacks
     const std::size_t admitted = queue.admit(
-        options.queue_mode, options.max_bypass,
-        [this](const QueuedRequest& q) { return try_admit(q); },
-        [this](const QueuedRequest& q) { return waits_on_own_drain(q); });
+        options.queue_mode, options.max_bypass, [this] { return bounds(); },
+        [this](const QueuedRequest& q) { return try_admit(q); });
     // Admissions only take room, so another pass is useful only if placing the new lanes
     // moved others (a grown lane shifts the lanes above it).
     run = admitted > 0 && settle_lanes();
@@ -242,14 +270,15 @@ void GpuArena::Impl::reconcile(bool assign) {
 
 void GpuArena::Impl::verify() const {
 #ifndef NDEBUG
-  // check() is O(sessions + queue) and runs after every change, so with thousands of
-  // sessions waiting it alone made a long queue quadratic (salus-sim, issue 19). Check
-  // every change of a small arena, which is what the tests build, and a larger one at
-  // every (size / kEvery)-th change: O(kEvery) per change on average, and a broken
-  // invariant is still caught within a bounded number of changes.
-  constexpr std::size_t kEvery = 64;
+  // check() is O((sessions + queue) log queue) and runs after every change, so with
+  // thousands of sessions waiting it alone made a long queue quadratic (salus-sim, issue
+  // 19). Check every change of a small arena, which is what the tests build, and a larger
+  // one at every (size / kShare)-th change: O(kShare log n) per change on average, and a
+  // broken invariant is still caught within size / kShare changes. Tests call
+  // check_invariants() for a full check whenever they want one.
+  constexpr std::size_t kAlways = 64, kShare = 4;
   const std::size_t size = sessions.size() + queue.size();
-  if (size > kEvery && ++verify_calls % (size / kEvery) != 0) return;
+  if (size > kAlways && ++verify_calls % (size / kShare) != 0) return;
   const std::string problem = check();
   if (!problem.empty()) {
     std::fprintf(stderr, "salus arena: invariant violated: %s\n", problem.c_str());
@@ -274,7 +303,15 @@ std::vector<PhysicalRegion> GpuArena::Impl::regions() const {
 }
 
 std::string GpuArena::Impl::check() const {
-  // ---- sessions and accounting ----
+  std::string problem = check_sessions();
+  if (problem.empty()) problem = check_queue();
+  if (problem.empty()) problem = check_lanes();
+  if (problem.empty()) problem = check_layout();
+  return problem;
+}
+
+// Each session's accounting, its buffers, and where it is: in a lane or in the queue.
+std::string GpuArena::Impl::check_sessions() const {
   Bytes sum_reserved = 0, sum_used = 0, sum_resident = 0;
   std::size_t waiting = 0;
   for (const auto& [id, s] : sessions) {
@@ -319,23 +356,35 @@ std::string GpuArena::Impl::check() const {
   if (sum_used != heap.used() + swapped_bytes)
     return fmt::format("heap holds {} (+{} swapped) but sessions use {}", heap.used(),
                        swapped_bytes, sum_used);
-  std::string queue_problem;
-  std::uint64_t last_arrival = 0;
-  bool first = true;
-  queue.for_each([&](const QueuedRequest& q) {
-    if (!queue_problem.empty()) return;
-    if (!first && q.arrival <= last_arrival) queue_problem = "queue out of arrival order";
-    auto it = sessions.find(q.session);
-    if (it == sessions.end() || it->second.arrival != q.arrival)
-      queue_problem = fmt::format("queued session {} unknown or misplaced", q.session);
-    else if (q.persistent != it->second.p_new() || q.ephemeral != it->second.e)
-      queue_problem = fmt::format("queued session {} has a stale need", q.session);
-    first = false;
-    last_arrival = q.arrival;
-  });
-  if (!queue_problem.empty()) return queue_problem;
+  return {};
+}
 
-  // ---- lanes ----
+// The queue's index, its order (key, then arrival), and each request's need and drain
+// state against its session's.
+std::string GpuArena::Impl::check_queue() const {
+  if (std::string problem = queue.check(); !problem.empty()) return problem;
+  std::string problem;
+  std::optional<std::pair<double, std::uint64_t>> last;
+  queue.for_each([&](const QueuedRequest& q) {
+    if (!problem.empty()) return;
+    if (last && !(*last < std::pair{q.key, q.arrival})) problem = "queue out of key order";
+    last = std::pair{q.key, q.arrival};
+    auto it = sessions.find(q.session);
+    bool drains = false;
+    for (const auto& [lane, s] : draining) drains = drains || s == q.session;
+    if (it == sessions.end() || it->second.arrival != q.arrival)
+      problem = fmt::format("queued session {} unknown or misplaced", q.session);
+    else if (q.persistent != it->second.p_new() || q.ephemeral != it->second.e)
+      problem = fmt::format("queued session {} has a stale need", q.session);
+    else if (q.passable != drains)
+      problem = fmt::format("queued session {}: drain state {} but passable {}", q.session, drains,
+                            q.passable);
+  });
+  return problem;
+}
+
+// Lane sizes, members, layout targets, and the safety condition.
+std::string GpuArena::Impl::check_lanes() const {
   Bytes total = 0;
   std::size_t with_members = 0;
   for (const auto& [id, l] : lanes.all()) {
@@ -368,16 +417,18 @@ std::string GpuArena::Impl::check() const {
   if (total != lanes.total())
     return fmt::format("lane total {} but lanes sum {}", lanes.total(), total);
   if (with_members != lanes.indexed()) return "lane index out of date";
-
-  // ---- the safety condition ----
   if (resident_reserved > usable || lanes.total() > usable - resident_reserved)
     return fmt::format("safety condition broken: resident P {} + L {} > C {}", resident_reserved,
                        lanes.total(), usable);
   if (reserved > admit_usable || lanes.total() > admit_usable - reserved)
     return fmt::format("admission bound broken: P {} + L {} > C x ratio {}", reserved,
                        lanes.total(), admit_usable);
+  return {};
+}
 
-  // ---- physical layout ----
+// The physical layout: buffers above the lanes, no overlaps, and the free map exactly
+// the complement of what is held.
+std::string GpuArena::Impl::check_layout() const {
   std::string buffer_problem;
   heap.for_each_buffer([&](const PersistentBuffer& b) {
     if (!buffer_problem.empty()) return;
@@ -449,7 +500,7 @@ bool GpuArena::set_oversubscribe(double ratio) {
   return true;
 }
 
-ArenaError GpuArena::request(SessionId session, Need need, TimeNs now) {
+ArenaError GpuArena::request(SessionId session, Need need, TimeNs now, double key) {
   Impl& m = *impl_;
   if (m.sessions.count(session)) return ArenaError::duplicate;
   if (m.too_large(need, 0)) return ArenaError::too_large;
@@ -458,13 +509,13 @@ ArenaError GpuArena::request(SessionId session, Need need, TimeNs now) {
   s.p = align_up(need.persistent);
   s.e = align_up(need.ephemeral);
   s.arrival = m.next_arrival++;
-  m.queue.push(session, s.arrival, now, s.p_new(), s.e);
+  m.queue.push(session, s.arrival, now, s.p_new(), s.e, key);
   m.sessions.emplace(session, s);
   m.reconcile(true);
   return ArenaError::ok;
 }
 
-ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now) {
+ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now, double key) {
   Impl& m = *impl_;
   auto it = m.sessions.find(session);
   if (it == m.sessions.end()) return ArenaError::unknown_session;
@@ -477,14 +528,40 @@ ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now) {
     m.lanes.remove_member(*s.lane, session, true);
     s.lane.reset();
     s.admitted = false;
-    m.queue.push(session, s.arrival, now, 0, 0);
+    m.queue.push(session, s.arrival, now, 0, 0, key);
+    m.sync_passable(session);
   }
   s.declared = need;
   s.p = align_up(need.persistent);
   s.e = align_up(need.ephemeral);
   m.queue.set_need(session, s.p_new(), s.e);
+  m.queue.set_key(session, key);
   m.reconcile(true);
   return ArenaError::ok;
+}
+
+AdmissionBounds GpuArena::admission_bounds() const {
+  return impl_->bounds();
+}
+
+bool GpuArena::would_admit(const Need& need) const {
+  const Impl& m = *impl_;
+  if (!m.queue.empty() || m.too_large(need, 0)) return false;
+  bool held = false;
+  Bytes want = 0;
+  const LaneDecision d =
+      m.decide(0, align_up(need.persistent), align_up(need.ephemeral), need.group, held, want);
+  return d.step != LaneStep::none && !held;
+}
+
+bool GpuArena::set_admission_key(SessionId session, double key, TimeNs /*now*/) {
+  Impl& m = *impl_;
+  const std::optional<QueuedRequest> q = m.queue.find(session);
+  if (!q) return false;
+  if (q->key == key) return true;
+  m.queue.set_key(session, key);
+  m.reconcile(true);
+  return true;
 }
 
 void GpuArena::leave(SessionId session, TimeNs /*now*/) {
@@ -537,8 +614,16 @@ void GpuArena::end_iteration(LaneId lane, TimeNs /*now*/) {
   if (!m.lanes.end(lane)) return;
   // Sessions that left this lane while it ran have drained: they count in the queue again,
   // and a pass must offer them what they waited for.
-  const bool drained =
-      std::erase_if(m.draining, [lane](const auto& d) { return d.first == lane; }) > 0;
+  bool drained = false;
+  if (!m.draining.empty()) {  // usually empty: end_iteration is on salus-sim's hot path
+    std::vector<SessionId> done;
+    std::erase_if(m.draining, [&](const auto& d) {
+      if (d.first == lane) done.push_back(d.second);
+      return d.first == lane;
+    });
+    for (SessionId s : done) m.sync_passable(s);
+    drained = !done.empty();
+  }
   m.reconcile(drained);
 }
 
@@ -771,7 +856,8 @@ std::vector<QueueEntry> GpuArena::queue() const {
   std::vector<QueueEntry> out;
   out.reserve(impl_->queue.size());
   impl_->queue.for_each([&](const QueuedRequest& q) {
-    out.push_back({q.session, impl_->sessions.at(q.session).declared, q.waiting_since, q.bypassed});
+    out.push_back(
+        {q.session, impl_->sessions.at(q.session).declared, q.waiting_since, q.bypassed, q.key});
   });
   return out;
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -47,6 +48,8 @@ enum class LaneMode : std::uint8_t {
 
 struct ArenaOptions {
   QueueMode queue_mode = QueueMode::bounded_bypass;
+  // How many later arrivals may be admitted ahead of a waiting request before the queue
+  // turns strict behind it (whatever order the policy's keys give).
   std::uint32_t max_bypass = 16;
   LaneMode lane_mode = LaneMode::salus;
   // Oversubscription: admission lets the declared needs add up to this many times the
@@ -67,6 +70,16 @@ enum class ArenaError : std::uint8_t {
 };
 
 const char* to_string(ArenaError);
+
+// What may still be admitted: a request needs persistent <= room and
+// persistent + ephemeral <= total (the largest lane it could join or grow included),
+// and a queue key below key_below (a caller's own limit; the arena sets none);
+// anything beyond a bound is refused without a closer look.
+struct AdmissionBounds {
+  Bytes room = ~Bytes{0};
+  Bytes total = ~Bytes{0};
+  double key_below = std::numeric_limits<double>::infinity();
+};
 
 struct Admitted {
   SessionId session;
@@ -135,6 +148,7 @@ struct QueueEntry {
   Need need;
   TimeNs waiting_since;
   std::uint32_t bypassed;  // how many later requests were admitted ahead of it
+  double key = 0.0;        // the policy's admission key: the queue is in this order
 };
 
 struct Placement {
@@ -186,7 +200,9 @@ class GpuArena {
   // ---- Admission ----
   // Queues the session's need (arrival order is the order of these calls) and
   // runs assignment. too_large if P + E > capacity; duplicate if already known.
-  ArenaError request(SessionId session, Need need, TimeNs now);
+  // `key` orders the queue (smaller first, arrival order among equals): the
+  // scheduling policy's admission key (sched::admission_key); 0 keeps arrival order.
+  ArenaError request(SessionId session, Need need, TimeNs now, double key = 0.0);
   // New need for a queued or admitted session. An admitted session keeps its
   // persistent buffers, leaves its lane, and is re-queued at its original
   // arrival position (re-admission). Runs assignment. If its lane is busy, the session
@@ -195,7 +211,16 @@ class GpuArena {
   // session without charging it bypasses while it is refused (others do not delay it then); it may
   // still be admitted to another lane at once if there is room. session_idle plans no
   // moves of its buffers until the drain.
-  ArenaError change_need(SessionId session, Need need, TimeNs now);
+  ArenaError change_need(SessionId session, Need need, TimeNs now, double key = 0.0);
+  // The queue key of a waiting session changed (its priority, or the policy): it moves
+  // in the queue, keeping its bypass count, and assignment runs. False if not queued.
+  bool set_admission_key(SessionId session, double key, TimeNs now);
+  // Whether a request() for `need` by a new session would be admitted at once: nothing
+  // is queued here and Algorithm 1 has a lane for it now. Changes nothing. For late
+  // binding: a host-wide queue places a job on a GPU only when one admits it.
+  bool would_admit(const Need& need) const;
+  // Necessary conditions for any admission now (see AdmissionBounds).
+  AdmissionBounds admission_bounds() const;
   // The session is gone: its persistent buffers are freed, its lane reference is
   // dropped (an empty lane is deleted), its queue slot is removed. Runs assignment.
   void leave(SessionId session, TimeNs now);
@@ -272,7 +297,8 @@ class GpuArena {
   const ArenaStats& stats() const;
 
   // Empty when every invariant holds; otherwise a description of the first
-  // violation. Checked after every operation in debug builds.
+  // violation. O(sessions + queue + lanes + buffers). Checked in debug builds after
+  // every operation on a small arena, and on a sample of them on a large one.
   std::string check_invariants() const;
   // Every physically held range, in offset order. A busy lane keeps holding its extent
   // until its boundary (one that grew meanwhile waits to move), so this can differ from

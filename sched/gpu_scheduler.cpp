@@ -12,19 +12,28 @@ void GpuScheduler::set_policy(PolicyKind policy) {
   if (policy == policy_) return;
   policy_ = policy;
   for (auto& [id, s] : sessions_) rerank(s);
+  for (auto& [id, s] : sessions_) requeue_key(s);
+}
+
+// A waiting session's place in the admission queue follows the policy's key.
+void GpuScheduler::requeue_key(const SessionSched& s) {
+  if (!s.lane) arena_.set_admission_key(s.id, admission_key(policy_, s.in), 0);
 }
 
 arena::ArenaError GpuScheduler::arrive(SessionId id, arena::Need need, std::int32_t priority,
                                        std::optional<std::uint64_t> iters, TimeNs now) {
   if (sessions_.count(id)) return arena::ArenaError::duplicate;
-  const arena::ArenaError err = arena_.request(id, need, now);
+  RankInputs in;
+  in.arrival = next_arrival_;
+  in.priority = priority;
+  in.iters = iters;
+  const arena::ArenaError err = arena_.request(id, need, now, admission_key(policy_, in));
   if (err != arena::ArenaError::ok) return err;
+  ++next_arrival_;
   SessionSched& s = sessions_[id];
   s.id = id;
   residency_.add(id, now);
-  s.in.arrival = next_arrival_++;
-  s.in.priority = priority;
-  s.in.iters = iters;
+  s.in = in;
   return err;
 }
 
@@ -32,12 +41,14 @@ arena::ArenaError GpuScheduler::change_need(SessionId id, arena::Need need,
                                             std::optional<std::uint64_t> iters, TimeNs now) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return arena::ArenaError::unknown_session;
-  const arena::ArenaError err = arena_.change_need(id, need, now);
-  if (err != arena::ArenaError::ok) return err;
   SessionSched& s = it->second;
+  RankInputs in = s.in;
+  if (iters) in.iters = iters;
+  const arena::ArenaError err = arena_.change_need(id, need, now, admission_key(policy_, in));
+  if (err != arena::ArenaError::ok) return err;
   unlink(s);
   s.lane.reset();  // re-admission decides the lane again
-  if (iters) s.in.iters = iters;
+  s.in = in;
   return err;
 }
 
@@ -46,6 +57,7 @@ void GpuScheduler::set_priority(SessionId id, std::int32_t priority) {
   if (it == sessions_.end()) return;
   it->second.in.priority = priority;
   rerank(it->second);
+  requeue_key(it->second);
 }
 
 void GpuScheduler::leave(SessionId id, TimeNs now) {

@@ -44,13 +44,15 @@ class GpuScheduler {
   arena::GpuArena& arena() { return arena_; }
   const arena::GpuArena& arena() const { return arena_; }
   PolicyKind policy() const { return policy_; }
-  // Sessions already admitted continue under the new policy: every lane is re-ranked.
+  // Sessions already admitted continue under the new policy: every lane is re-ranked, and
+  // the admission queue re-ordered by the new policy's key (sched::admission_key).
   void set_policy(PolicyKind policy);
 
   arena::ArenaError arrive(SessionId id, arena::Need need, std::int32_t priority,
                            std::optional<std::uint64_t> iters, TimeNs now);
   arena::ArenaError change_need(SessionId id, arena::Need need, std::optional<std::uint64_t> iters,
                                 TimeNs now);
+  // Re-ranks the session, in its lane or in the admission queue (which may admit).
   void set_priority(SessionId id, std::int32_t priority);
   void leave(SessionId id, TimeNs now);
   // Admissions since the last call; lane membership is updated before returning.
@@ -126,6 +128,7 @@ class GpuScheduler {
   void link(SessionSched& s);
   void rerank(SessionSched& s);
   void forget_in_flight(SessionSched& s);
+  void requeue_key(const SessionSched& s);
 
   arena::GpuArena arena_;
   PolicyKind policy_;

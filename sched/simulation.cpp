@@ -11,6 +11,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "arena/admission_queue.hpp"
 #include "sched/contention_model.hpp"
 #include "sched/gpu_scheduler.hpp"
 
@@ -400,8 +401,11 @@ class Engine {
 
  private:
   void load(const std::vector<TraceJob>& trace);
-  std::uint32_t choose_gpu();
+  // The placement among the GPUs with eligible[g] (all when empty).
+  std::uint32_t choose_gpu(const std::vector<char>& eligible = {});
   void place_waiting(TimeNs t);
+  void place_host(TimeNs t);
+  double runs_below(const Gpu& gpu) const;
   void submit(std::uint32_t g, Job& j, TimeNs t);
   void handle_admissions(std::uint32_t g, TimeNs t);
   void check_quiet(Gpu& gpu, TimeNs t);
@@ -453,6 +457,12 @@ class Engine {
   std::vector<std::size_t> order_;         // jobs by arrival
   std::size_t pos_ = 0;                    // next in order_ to arrive
   std::deque<std::size_t> cluster_queue_;  // exclusive placement: jobs without a GPU
+  // Late binding (issue 19 item 8): every other placement keeps jobs in one host-wide
+  // queue, in the policy's order with the arena's bypass bound, and places a job on a
+  // GPU only once one admits it at once. Keyed by job id; arrival = position in order_.
+  arena::AdmissionQueue host_queue_;
+  arena::ArenaOptions host_options_;
+  std::vector<char> eligible_;  // scratch for place_host()
   std::priority_queue<HeapEntry, std::vector<HeapEntry>, std::greater<>> heap_;
   std::vector<LaneId> started_;  // scratch for dispatch()
   // Jobs whose last iteration ended this instant; they leave after its decisions.
@@ -529,17 +539,29 @@ void Engine::load(const std::vector<TraceJob>& trace) {
 
 // ---------------------------------------------------------------- placement
 
-std::uint32_t Engine::choose_gpu() {
+std::uint32_t Engine::choose_gpu(const std::vector<char>& eligible) {
   const std::uint32_t n = cfg_.gpus;
-  if (cfg_.placement == Placement::rr) return static_cast<std::uint32_t>(rr_next_++ % n);
+  auto ok = [&](std::uint32_t g) { return eligible.empty() || eligible[g]; };
+  if (cfg_.placement == Placement::rr) {
+    // The next eligible GPU in turn.
+    for (std::uint32_t k = 0; k < n; ++k) {
+      const auto g = static_cast<std::uint32_t>((rr_next_ + k) % n);
+      if (!ok(g)) continue;
+      rr_next_ += k + 1;
+      return g;
+    }
+    return static_cast<std::uint32_t>(rr_next_++ % n);
+  }
   // Free memory by the arena's accounting, less what already waits for admission there.
   auto available = [this](std::uint32_t g) {
     const Gpu& gpu = gpus_[g];
     return static_cast<std::int64_t>(gpu.sched.arena().memory().free) - gpu.waiting_bytes;
   };
   std::uint32_t best = 0;
-  std::int64_t best_avail = available(0);
-  for (std::uint32_t g = 1; g < n; ++g) {
+  while (best + 1 < n && !ok(best)) ++best;
+  std::int64_t best_avail = available(best);
+  for (std::uint32_t g = best + 1; g < n; ++g) {
+    if (!ok(g)) continue;
     const std::int64_t avail = available(g);
     bool better = false;
     if (cfg_.placement == Placement::lug) {
@@ -566,6 +588,59 @@ void Engine::place_waiting(TimeNs t) {
     cluster_queue_.pop_front();
     submit(*idle, j, t);
   }
+}
+
+// One pass over the host-wide queue, as the arena passes over its own: in the policy's
+// order, each job that some GPU admits now goes to the one placement picks among those.
+void Engine::place_host(TimeNs t) {
+  if (host_queue_.empty()) return;
+  eligible_.assign(cfg_.gpus, 0);
+  auto bounds = [this] {
+    arena::AdmissionBounds b{0, 0, -std::numeric_limits<double>::infinity()};
+    for (const Gpu& gpu : gpus_) {
+      const arena::AdmissionBounds g = gpu.sched.arena().admission_bounds();
+      b.room = std::max(b.room, g.room);
+      b.total = std::max(b.total, g.total);
+      b.key_below = std::max(b.key_below, runs_below(gpu));
+    }
+    return b;
+  };
+  host_queue_.admit(host_options_.queue_mode, host_options_.max_bypass, bounds,
+                    [&](const arena::QueuedRequest& q) {
+                      Job& j = job_of(q.session);
+                      bool any = false;
+                      for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
+                        eligible_[g] = q.key < runs_below(gpus_[g]) &&
+                                       gpus_[g].sched.arena().would_admit(j.declared);
+                        any = any || eligible_[g];
+                      }
+                      if (!any) return false;
+                      submit(choose_gpu(eligible_), j, t);
+                      return true;
+                    });
+}
+
+// Under SRTF and PRIORITY one job of a shared lane runs at a time: a job placed on a GPU
+// where another ranks first would only wait there, bound to it while another GPU may
+// go idle first. So it is placed only where it runs at once (the GPU is empty, or it
+// ranks before every job there); otherwise it waits host-wide for the first GPU that
+// frees up. FAIR runs every job of a lane in turn at once, and PACK's lanes run side by
+// side: for them admission is enough. Returns the bound a job's admission key must be
+// below to run on `gpu` at once (the same function ranks both); it also bounds the
+// host-wide pass, which thus stops at the first job that runs nowhere.
+double Engine::runs_below(const Gpu& gpu) const {
+  constexpr double kAny = std::numeric_limits<double>::infinity();
+  const PolicyKind p = gpu.sched.policy();
+  if (lanes_ != LaneModel::shared || (p != PolicyKind::srtf && p != PolicyKind::priority))
+    return kAny;
+  // A job placed there that still waits for admission: nothing more goes there.
+  if (gpu.waiting_bytes > 0) return -kAny;
+  double below = kAny;
+  for (const auto& [lane, ls] : gpu.lanes)
+    for (SessionId id : ls.members)
+      if (const SessionSched* s = gpu.sched.find(id))
+        below = std::min(below, rank(p, s->in).primary);
+  return below;
 }
 
 void Engine::submit(std::uint32_t g, Job& j, TimeNs t) {
@@ -1301,16 +1376,27 @@ SimResult Engine::run() {
       Job& j = jobs_[order_[pos]];
       if (cfg_.placement == Placement::exclusive) {
         cluster_queue_.push_back(j.index);
+      } else if (cfg_.gpus == 1) {
+        // One GPU: binding early costs nothing, and the GPU's own queue (salusd's) keeps
+        // the scheduler's arrival order the trace's.
+        submit(0, j, t);
       } else {
-        submit(choose_gpu(), j, t);
+        RankInputs in;
+        in.arrival = pos;
+        in.priority = j.spec->priority;
+        in.iters = j.spec->iters;
+        host_queue_.push(j.id, pos, t, arena::align_up(j.declared.persistent),
+                         arena::align_up(j.declared.ephemeral), admission_key(cfg_.policy, in));
       }
     }
+    place_host(t);
     while (!heap_.empty() && heap_.top().t == t) {
       const HeapEntry e = heap_.top();
       heap_.pop();
       if (e.epoch == gpus_[e.gpu].epoch) complete(e.gpu, t);
     }
     place_waiting(t);
+    place_host(t);
     for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       if (!gpus_[g].touched) continue;
       gpus_[g].touched = false;
@@ -1322,6 +1408,7 @@ SimResult Engine::run() {
     for (const auto& [g, id] : leaving_) depart(g, id, t);
     leaving_.clear();
     place_waiting(t);
+    place_host(t);
     for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       if (!gpus_[g].touched) continue;
       gpus_[g].touched = false;

@@ -633,7 +633,11 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           [&](const PriorityCmd& c) {
             s.priority = c.priority;
             s.need.priority = c.priority;
-            if (Gpu* g = gpu_of(s)) g->sched.set_priority(s.id, c.priority);
+            if (Gpu* g = gpu_of(s)) {
+              g->sched.set_priority(s.id, c.priority);
+              // A waiting session moves in the queue (issue 19 item 7) and may be admitted.
+              handle_admissions(*g, later);
+            }
             return 0;
           },
           [&](const ResetCmd&) {

@@ -80,7 +80,8 @@ int Broker::set_policy(const std::string& text, std::string& why) {
       return fail(fmt::format("unknown key '{}'; expected placement=, queue=, quantum_ms= or oversubscribe=", key));
     }
   }
-  std::lock_guard lk(mu_);
+  Deferred later;
+  std::unique_lock lk(mu_);
   if (oversubscribe) {
     // All GPUs or none: check first, so that a refusal changes nothing.
     for (auto& g : gpus_) {
@@ -113,8 +114,12 @@ int Broker::set_policy(const std::string& text, std::string& why) {
   for (auto& g : gpus_) {
     g->sched.set_policy(*kind);
     if (queue) g->sched.arena().set_queue_mode(*queue);
+    // The queue follows the new policy's order, and a mode change may admit at once.
+    handle_admissions(*g, later, false);
     kick(*g);
   }
+  lk.unlock();
+  run_deferred(later);
   return 0;
 }
 

@@ -113,6 +113,24 @@ expect_exit 2 "$gen" --arrivals 0,x
 expect_exit 0 "$gen" --list
 [ "$(wc -l <"$tmp/out")" = 46 ] || fail "--list shows 45 workloads"
 
+# tools/srtf-bound: exact preemptive SRTF on one GPU. a (10 s) runs 0-1, b (2 s) preempts
+# it and ends at 3, a ends at 12: JCTs 12 and 2, average 7. salus-sim's SRTF matches it
+# when memory does not bind.
+cat >"$tmp/bound.csv" <<'EOF2'
+job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util
+a,0,m,100,1000,10,1000,1
+b,1,m,100,1000,10,200,1
+EOF2
+expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound.csv" --compare 7.07
+[ "$(head -1 "$tmp/out")" = "jobs 2 makespan_s 12.000 avg_jct_s 7.000" ] || fail "srtf-bound: $(cat "$tmp/out")"
+grep -q "ratio 1.0100" "$tmp/out" || fail "srtf-bound compare: $(cat "$tmp/out")"
+expect_exit 0 "$sim" --trace "$tmp/bound.csv" --policy srtf
+[ "$(awk '$1=="srtf"{print $4}' "$tmp/out")" = "7.000" ] || fail "salus-sim srtf vs bound: $(cat "$tmp/out")"
+expect_exit 2 python3 "$src/tools/srtf-bound" "$tmp/missing.csv"
+grep -q "srtf-bound: .*missing.csv: No such file" "$tmp/err" || fail "srtf-bound missing: $(cat "$tmp/err")"
+head -1 "$tmp/bound.csv" >"$tmp/header-only.csv"
+expect_exit 2 python3 "$src/tools/srtf-bound" "$tmp/header-only.csv"
+
 if [ "$failures" -gt 0 ]; then
   echo "$failures failure(s)"
   exit 1
