@@ -92,4 +92,9 @@ def test_man_pages_fit_80_columns_without_warnings(page):
         pytest.skip("man (man-db) is not installed")
     out = subprocess.run(["man", "--warnings", "-l", built], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "MANPAGER": "cat", "MANWIDTH": "80"})
-    assert out.returncode == 0 and out.stderr == "", out.stderr
+    # "table text block will not fit on one page" depends only on where man's page breaks
+    # fall (any edit above a table moves them), not on the width this test is about; a
+    # terminal reader never sees pages.
+    warnings = [w for w in out.stderr.splitlines()
+                if w and "table text block will not fit on one page" not in w]
+    assert out.returncode == 0 and not warnings, out.stderr

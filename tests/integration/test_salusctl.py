@@ -160,7 +160,7 @@ def test_a_refused_ctl_line_answers_with_its_reason(salusd):
              ("queue fast", "EINVAL", "queue takes one word: queue strict or queue bypass"),
              ("placement far", "EINVAL", "placement takes one of magm, lug, rr or exclusive"),
              ("frobnicate", "EINVAL", "unknown command 'frobnicate'; expected kill S, drain N, "
-                                      "undrain N, queue strict|bypass or placement P")]
+                                      "undrain N, queue strict|bypass, placement P or swap out|in S")]
     for line, name, why in cases:
         fd = os.open(salusd.path("ctl"), os.O_RDWR)
         try:
@@ -182,9 +182,9 @@ def test_a_rejected_policy_lists_the_valid_words(salusd):
              ("fair placement=far", "placement 'far': expected magm, lug, rr or exclusive"),
              ("fair queue=fast", "queue 'fast': expected strict or bypass"),
              ("fair quantum_ms=0", "quantum_ms '0': expected 1 to 3600000"),
-             ("fair colour=red", "unknown key 'colour'; expected placement=, queue= or quantum_ms="),
-             ("fair pack", "'pack' after the policy name is not key=value (placement=, queue= or "
-                           "quantum_ms=); write one setting per write")]
+             ("fair colour=red", "unknown key 'colour'; expected placement=, queue=, quantum_ms= or oversubscribe="),
+             ("fair pack", "'pack' after the policy name is not key=value (placement=, queue=, "
+                           "quantum_ms= or oversubscribe=); write one setting per write")]
     for text, why in cases:
         with pytest.raises(OSError) as e:
             with open(salusd.path("policy"), "w") as f:

@@ -77,7 +77,8 @@ int Broker::set_policy(const std::string& text, std::string& why) {
         return fail(fmt::format("quantum_ms '{}': expected 1 to 3600000", value));
       quantum_ns = static_cast<std::int64_t>(ms) * 1'000'000;
     } else {
-      return fail(fmt::format("unknown key '{}'; expected placement=, queue=, quantum_ms= or oversubscribe=", key));
+      return fail(fmt::format(
+          "unknown key '{}'; expected placement=, queue=, quantum_ms= or oversubscribe=", key));
     }
   }
   Deferred later;
