@@ -29,7 +29,7 @@ std::optional<Placement> placement_from_string(std::string_view name) {
 namespace {
 
 bool fits(const GpuView& g, std::uint64_t need, Placement policy) {
-  if (g.draining || need > g.capacity) return false;
+  if (!g.eligible || g.draining || need > g.capacity) return false;
   return policy != Placement::exclusive || g.placed == 0;
 }
 

@@ -34,6 +34,9 @@ struct GpuView {
   double load = 0.0;          // lug's figure; smaller is less utilized
   std::uint32_t placed = 0;   // sessions placed on the GPU (running or queued)
   bool draining = false;      // admits no new sessions
+  // The caller's own condition (late binding: the GPU admits the job now, and under SRTF
+  // and PRIORITY the job would run there at once); an ineligible GPU is never chosen.
+  bool eligible = true;
   // Risk figures over the monitoring window, 0..1; absent when nobody measures them.
   std::optional<double> sm_activity;   // compute busy (NVML utilization.gpu; sim: summed util)
   std::optional<double> mem_activity;  // memory-bandwidth pressure (NVML utilization.memory)
