@@ -44,8 +44,7 @@ bool better(const GpuView& a, const GpuView& b, Placement policy) {
 
 // The best eligible GPU by magm or lug, leaving out risky ones when `filter`.
 std::optional<std::uint32_t> best_of(std::span<const GpuView> gpus, std::uint64_t need,
-                                     const PlacementOptions& o, bool filter,
-                                     std::uint32_t& risky) {
+                                     const PlacementOptions& o, bool filter, std::uint32_t& risky) {
   std::optional<std::uint32_t> best;
   for (std::uint32_t i = 0; i < gpus.size(); ++i) {
     const GpuView& g = gpus[i];

@@ -31,9 +31,9 @@ struct GpuView {
   // declared persistent + ephemeral of the sessions already queued there. Signed: a GPU
   // with more queued than free is negative, and ranks below one that is merely full.
   std::int64_t available = 0;
-  double load = 0.0;          // lug's figure; smaller is less utilized
-  std::uint32_t placed = 0;   // sessions placed on the GPU (running or queued)
-  bool draining = false;      // admits no new sessions
+  double load = 0.0;         // lug's figure; smaller is less utilized
+  std::uint32_t placed = 0;  // sessions placed on the GPU (running or queued)
+  bool draining = false;     // admits no new sessions
   // The caller's own condition (late binding: the GPU admits the job now, and under SRTF
   // and PRIORITY the job would run there at once); an ineligible GPU is never chosen.
   bool eligible = true;
