@@ -12,6 +12,8 @@
 #include <span>
 #include <string_view>
 
+#include "arena/admission_queue.hpp"
+
 namespace salus::sched {
 
 enum class Placement : std::uint8_t {
@@ -81,6 +83,36 @@ struct PlacementChoice {
 // Deterministic, no allocation.
 PlacementChoice choose_gpu(std::span<const GpuView> gpus, std::uint64_t need,
                            const PlacementOptions& options, std::size_t rr_cursor);
+
+// Late binding (issue 19 item 8): one pass over a host-wide queue of jobs that wait for a
+// GPU, the same in salusd (Broker::bind_waiting) and salus-sim (Engine::place_host). In
+// the queue's order (the policy's admission key, with the arena's bypass bound), each job
+// goes to the GPU choose_gpu picks among those where it is admitted now. The caller gives:
+//   bounds(): an arena::AdmissionBounds covering every GPU (what may fit anywhere);
+//   refresh(views): fills `views` (one per GPU) as of now; eligibility is set here;
+//   admits(q, g): whether GPU g admits the queued request q now;
+//   place(q, g, choice): binds q to GPU g (the request leaves the queue on return).
+// The round-robin cursor advances on each placement. Returns the number placed.
+template <typename Bounds, typename Refresh, typename Admits, typename Place>
+std::size_t bind_late(arena::AdmissionQueue& queue, arena::QueueMode mode, std::uint32_t max_bypass,
+                      Bounds&& bounds, std::span<GpuView> views, const PlacementOptions& options,
+                      std::size_t& rr_cursor, Refresh&& refresh, Admits&& admits, Place&& place) {
+  if (queue.empty()) return 0;
+  return queue.admit(mode, max_bypass, bounds, [&](const arena::QueuedRequest& q) {
+    refresh(views);
+    bool any = false;
+    for (std::uint32_t g = 0; g < views.size(); ++g) {
+      views[g].eligible = admits(q, g);
+      any = any || views[g].eligible;
+    }
+    if (!any) return false;
+    const PlacementChoice c = choose_gpu(views, q.persistent + q.ephemeral, options, rr_cursor);
+    if (!c.gpu) return false;
+    rr_cursor = c.next_rr;
+    place(q, *c.gpu, c);
+    return true;
+  });
+}
 
 // CARMA's risk score of one metric from its samples over the window (oldest first, one a
 // sampling period): 0.2 mean + 0.3 median + 0.3 p95 + 0.2 EMA (alpha 2 / (n + 1)), the

@@ -408,10 +408,10 @@ class Engine {
 
  private:
   void load(const std::vector<TraceJob>& trace);
-  // The shared placement (sched/placement.hpp) among the GPUs with eligible[g] (all when
-  // empty); none when none is eligible.
-  std::optional<std::uint32_t> choose_gpu(const Job& j, TimeNs t,
-                                          const std::vector<char>& eligible = {});
+  void fill_views(TimeNs t);
+  // The shared placement (sched/placement.hpp) at this instant; none when no GPU fits.
+  std::optional<std::uint32_t> choose_gpu(const Job& j, TimeNs t);
+  PlacementOptions placement_options() const { return {cfg_.placement, cfg_.risk}; }
   void place_waiting(TimeNs t);
   void place_host(TimeNs t);
   double runs_below(const Gpu& gpu) const;
@@ -471,7 +471,6 @@ class Engine {
   // GPU only once one admits it at once. Keyed by job id; arrival = position in order_.
   arena::AdmissionQueue host_queue_;
   arena::ArenaOptions host_options_;
-  std::vector<char> eligible_;  // scratch for place_host()
   std::priority_queue<HeapEntry, std::vector<HeapEntry>, std::greater<>> heap_;
   std::vector<LaneId> started_;  // scratch for dispatch()
   // Jobs whose last iteration ended this instant; they leave after its decisions.
@@ -550,15 +549,14 @@ void Engine::load(const std::vector<TraceJob>& trace) {
 
 // ---------------------------------------------------------------- placement
 
-// The shared placement rule (sched/placement.hpp) over this instant's view of each GPU:
+// This instant's view of each GPU for the shared placement rule (sched/placement.hpp):
 // the arena's free memory less what waits there, the summed util of the jobs placed
 // there (lug), and, with the risk filter, CARMA's score of the compute activity the
 // contention model recorded over the window, one sample a second.
-std::optional<std::uint32_t> Engine::choose_gpu(const Job& j, TimeNs t,
-                                                const std::vector<char>& eligible) {
+void Engine::fill_views(TimeNs t) {
   // rr and exclusive ignore the filter (placement.hpp): no need to score.
-  const bool risk = cfg_.risk.enabled &&
-                    (cfg_.placement == Placement::magm || cfg_.placement == Placement::lug);
+  const bool risk =
+      cfg_.risk.enabled && (cfg_.placement == Placement::magm || cfg_.placement == Placement::lug);
   const auto window = static_cast<std::size_t>(std::max(1.0, std::round(cfg_.risk.window_s)));
   for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
     const Gpu& gpu = gpus_[g];
@@ -567,16 +565,19 @@ std::optional<std::uint32_t> Engine::choose_gpu(const Job& j, TimeNs t,
     v.available = static_cast<std::int64_t>(gpu.sched.arena().memory().free) - gpu.waiting_bytes;
     v.load = gpu.placed_util;
     v.placed = gpu.placed_jobs;
-    v.eligible = eligible.empty() || eligible[g];
+    v.eligible = true;
     v.sm_activity.reset();
     if (risk && gpu.model.activity()) {
       gpu.model.activity()->samples(t, 1'000'000'000, window, samples_);
       v.sm_activity = risk_score(samples_);
     }
   }
+}
+
+std::optional<std::uint32_t> Engine::choose_gpu(const Job& j, TimeNs t) {
+  fill_views(t);
   const std::uint64_t need = j.declared.persistent + j.declared.ephemeral;
-  const PlacementChoice c =
-      sched::choose_gpu(views_, need, PlacementOptions{cfg_.placement, cfg_.risk}, rr_next_);
+  const PlacementChoice c = sched::choose_gpu(views_, need, placement_options(), rr_next_);
   rr_next_ = c.next_rr;
   if (c.risky) ++counters_.risky_skips;
   return c.gpu;
@@ -595,8 +596,6 @@ void Engine::place_waiting(TimeNs t) {
 // One pass over the host-wide queue, as the arena passes over its own: in the policy's
 // order, each job that some GPU admits now goes to the one placement picks among those.
 void Engine::place_host(TimeNs t) {
-  if (host_queue_.empty()) return;
-  eligible_.assign(cfg_.gpus, 0);
   auto bounds = [this] {
     arena::AdmissionBounds b{0, 0, -std::numeric_limits<double>::infinity()};
     for (const Gpu& gpu : gpus_) {
@@ -607,21 +606,18 @@ void Engine::place_host(TimeNs t) {
     }
     return b;
   };
-  host_queue_.admit(host_options_.queue_mode, host_options_.max_bypass, bounds,
-                    [&](const arena::QueuedRequest& q) {
-                      Job& j = job_of(q.session);
-                      bool any = false;
-                      for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
-                        eligible_[g] = q.key < runs_below(gpus_[g]) &&
-                                       gpus_[g].sched.arena().would_admit(j.declared);
-                        any = any || eligible_[g];
-                      }
-                      if (!any) return false;
-                      const std::optional<std::uint32_t> g = choose_gpu(j, t, eligible_);
-                      if (!g) return false;
-                      submit(*g, j, t);
-                      return true;
-                    });
+  auto admits = [this](const arena::QueuedRequest& q, std::uint32_t g) {
+    return q.key < runs_below(gpus_[g]) &&
+           gpus_[g].sched.arena().would_admit(job_of(q.session).declared);
+  };
+  auto place = [&](const arena::QueuedRequest& q, std::uint32_t g, const PlacementChoice& c) {
+    if (c.risky) ++counters_.risky_skips;
+    submit(g, job_of(q.session), t);
+  };
+  sched::bind_late(
+      host_queue_, host_options_.queue_mode, host_options_.max_bypass, bounds,
+      std::span<GpuView>(views_), placement_options(), rr_next_,
+      [&](std::span<GpuView>) { fill_views(t); }, admits, place);
 }
 
 // Under SRTF and PRIORITY one job of a shared lane runs at a time: a job placed on a GPU
