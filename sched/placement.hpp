@@ -89,7 +89,7 @@ PlacementChoice choose_gpu(std::span<const GpuView> gpus, std::uint64_t need,
 // the queue's order (the policy's admission key, with the arena's bypass bound), each job
 // goes to the GPU choose_gpu picks among those where it is admitted now. The caller gives:
 //   bounds(): an arena::AdmissionBounds covering every GPU (what may fit anywhere);
-//   refresh(views): fills `views` (one per GPU) as of now; eligibility is set here;
+//   refresh(views): fills `views` (one per GPU, sized by the caller) as of now;
 //   admits(q, g): whether GPU g admits the queued request q now;
 //   place(q, g, choice): binds q to GPU g (the request leaves the queue on return).
 // The round-robin cursor advances on each placement. Returns the number placed.

@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -262,7 +263,9 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
   const SessionId id = s.id;
   ++stats_.sessions_ended;
   attached_.erase(id);
-  sessions_.erase(id);  // `s` is gone from here on
+  const bool host_waiting = host_queue_.remove(id);
+  sessions_.erase(id);                    // `s` is gone from here on
+  if (host_waiting) bind_waiting(later);  // it may have held back others (bypass bound)
   if (g) {
     g->sched.leave(id, now());  // frees its persistent buffers, lane and queue slot
     sync_lanes(*g, later);
@@ -566,7 +569,10 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
       !std::holds_alternative<ResetCmd>(cmd) && !std::holds_alternative<SyncCmd>(cmd) &&
       !std::holds_alternative<BeginCmd>(cmd) && !std::holds_alternative<AttachCmd>(cmd) &&
       !s.recording;
-  if (needs_gpu && s.state == SessionState::queued) {
+  // Attaching needs the GPU too; a session waiting host-wide has none yet.
+  const bool host_waiting = s.gpu < 0 && s.state == SessionState::queued;
+  if ((needs_gpu || (host_waiting && std::holds_alternative<AttachCmd>(cmd))) &&
+      s.state == SessionState::queued) {
     suspend = true;
     return 0;
   }
@@ -674,6 +680,8 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
         return fail(ENODEV, fmt::format("gpu={} does not exist (this host has {} GPU{})", *c.gpu,
                                         gpus_.size(), gpus_.size() == 1 ? "" : "s"));
       gpu = *c.gpu;
+    } else if (gpus_.size() > 1) {
+      return queue_any(s, c, p, e, ln, later);
     } else {
       gpu = place_any(s, p, e, ln);
       if (gpu < 0) return -gpu;
@@ -735,11 +743,10 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   return 0;
 }
 
-// `need gpu=any`: the shared placement rule (sched/placement.hpp) over each GPU's state
-// now. MAGM's figure is the arena's free memory less what already waits there, the
-// same as salus-sim's (docs/design.md). Returns the GPU, or -errno after logging why.
-int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
-  const Bytes need = p + e;
+// Each GPU's state now, for the shared placement rule (sched/placement.hpp). MAGM's
+// figure is the arena's free memory less what already waits in its queue, the same as
+// salus-sim's (docs/design.md).
+void Broker::fill_views() {
   views_.resize(gpus_.size());
   const bool risk = config_.risk.enabled && telemetry_ &&
                     (config_.placement == Placement::magm || config_.placement == Placement::lug);
@@ -757,6 +764,7 @@ int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
              static_cast<double>(std::max<TimeNs>(now(), 1));  // busy since salusd started
     v.placed = g.placed;
     v.draining = g.draining;
+    v.eligible = true;
     v.sm_activity.reset();
     v.mem_activity.reset();
     if (risk) {
@@ -765,8 +773,14 @@ int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
       v.mem_activity = r.mem;
     }
   }
+}
+
+// `need gpu=any` on a one-GPU host: placed at once. Returns the GPU, or -errno after
+// logging why.
+int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
+  fill_views();
   const sched::PlacementChoice c = sched::choose_gpu(
-      views_, need, sched::PlacementOptions{config_.placement, config_.risk}, rr_next_);
+      views_, p + e, sched::PlacementOptions{config_.placement, config_.risk}, rr_next_);
   if (!c.gpu) {
     log(s, fmt::format("line {}: need: persistent={} + ephemeral={} fits no GPU{}", ln,
                        arena::format_size(p), arena::format_size(e),
@@ -781,6 +795,120 @@ int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
                        "placed on gpu {} anyway",
                        ln, *c.gpu));
   return static_cast<int>(*c.gpu);
+}
+
+// A first `need gpu=any` (or a later one while it still waits) on a host of several GPUs:
+// the session waits host-wide, ranked by the policy's admission key, and bind_waiting
+// places it. It must fit some GPU that admits new sessions, or it would wait forever.
+int Broker::queue_any(Session& s, const NeedCmd& c, Bytes p, Bytes e, std::uint32_t ln,
+                      Deferred& later) {
+  Bytes largest = 0;
+  for (const auto& g : gpus_)
+    if (!g->draining) largest = std::max(largest, g->sched.arena().capacity());
+  if (p + e > largest) {
+    log(s,
+        fmt::format("line {}: need: persistent={} + ephemeral={} fits no GPU that admits "
+                    "new sessions (the largest holds {})",
+                    ln, arena::format_size(p), arena::format_size(e), arena::format_size(largest)));
+    return ENOMEM;
+  }
+  if (c.name && !c.name->empty()) s.need.name = c.name;
+  s.need.persistent = p;
+  s.need.ephemeral = e;
+  if (c.iters) s.need.iters = c.iters;
+  if (c.priority) {
+    s.priority = *c.priority;
+    s.need.priority = c.priority;
+  }
+  sched::RankInputs in;
+  in.priority = s.priority;
+  in.iters = s.need.iters;
+  if (const auto q = host_queue_.find(s.id)) {
+    in.arrival = q->arrival;
+    host_queue_.set_need(s.id, p, e);
+    host_queue_.set_key(s.id, sched::admission_key(config_.policy, in));
+  } else {
+    in.arrival = host_arrivals_++;
+    host_queue_.push(s.id, in.arrival, now(), p, e, sched::admission_key(config_.policy, in));
+    s.queued_at = now();
+  }
+  s.error = 0;
+  s.error_text.clear();
+  s.state = SessionState::queued;
+  bind_waiting(later);
+  if (s.gpu < 0)
+    log(s, fmt::format("line {}: queued host-wide at position {}: no GPU admits it now", ln,
+                       host_queue_position(s.id)));
+  return 0;
+}
+
+// One late-binding pass (sched::bind_late, salus-sim's too). Each session bound here is
+// admitted by its GPU at once (the pass binds it only where the arena would admit it);
+// the broker's side of that admission runs after the pass, which must not see the host
+// queue change under it.
+void Broker::bind_waiting(Deferred& later) {
+  if (binding_ || host_queue_.empty()) return;
+  binding_ = true;
+  views_.resize(gpus_.size());  // before the span over it is taken
+  std::vector<std::uint32_t> touched;
+  auto bounds = [this] {
+    arena::AdmissionBounds b{0, 0, std::numeric_limits<double>::infinity()};
+    for (const auto& g : gpus_) {
+      if (g->draining) continue;
+      const arena::AdmissionBounds a = g->sched.arena().admission_bounds();
+      b.room = std::max(b.room, a.room);
+      b.total = std::max(b.total, a.total);
+    }
+    return b;
+  };
+  auto admits = [this](const arena::QueuedRequest& q, std::uint32_t gi) {
+    const Gpu& g = *gpus_[gi];
+    const Session* s = get(q.session);
+    return s && !g.draining &&
+           g.sched.arena().would_admit(arena_need(*s, q.persistent, q.ephemeral));
+  };
+  auto place = [&](const arena::QueuedRequest& q, std::uint32_t gi, const sched::PlacementChoice&) {
+    if (Session* s = get(q.session); s && bind_to(*s, gi)) touched.push_back(gi);
+  };
+  sched::bind_late(
+      host_queue_, config_.arena.queue_mode, config_.arena.max_bypass, bounds,
+      std::span<sched::GpuView>(views_), sched::PlacementOptions{config_.placement, config_.risk},
+      rr_next_, [this](std::span<sched::GpuView>) { fill_views(); }, admits, place);
+  for (std::uint32_t gi : touched) handle_admissions(*gpus_[gi], later);
+  binding_ = false;
+}
+
+// Binds a session waiting host-wide to GPU `gi`, as exec_need binds a first `need`.
+bool Broker::bind_to(Session& s, std::uint32_t gi) {
+  Gpu& g = *gpus_[gi];
+  const arena::Need need = arena_need(s, s.need.persistent, s.need.ephemeral);
+  const arena::ArenaError err = g.sched.arrive(s.id, need, s.priority, s.need.iters, now());
+  if (err != arena::ArenaError::ok) {
+    s.error = EIO;
+    s.error_text = fmt::format("rejected by gpu {}: {}", gi, arena::to_string(err));
+    s.state = SessionState::failed;
+    log(s, fmt::format("need: {}", s.error_text));
+    return false;
+  }
+  ++g.placed;
+  s.gpu_generation = g.device->generation();
+  s.gpu = static_cast<int>(gi);
+  set_budget(s);
+  s.lane.reset();
+  log(s, fmt::format("placed on gpu {} after {:.1f} ms in the host-wide queue", gi,
+                     static_cast<double>(now() - s.queued_at) / 1e6));
+  update_runnable(g, s);
+  return true;
+}
+
+std::string Broker::host_queue_position(SessionId id) const {
+  if (!host_queue_.contains(id)) return {};
+  std::size_t pos = 0, at = 0;
+  host_queue_.for_each([&](const arena::QueuedRequest& q) {
+    ++pos;
+    if (q.session == id) at = pos;
+  });
+  return fmt::format("{} of {}", at, host_queue_.size());
 }
 
 int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& suspend) {
@@ -1319,6 +1447,7 @@ void Broker::handle_admissions(Gpu& g, Deferred& later, bool kick_worker) {
   }
   sync_lanes(g, later);
   if (kick_worker) kick(g);
+  bind_waiting(later);  // what left this GPU may make room for a session waiting host-wide
 }
 
 // Keeps one stream per arena lane: new lanes get a stream now, streams of deleted

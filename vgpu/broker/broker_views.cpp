@@ -53,6 +53,9 @@ std::string Broker::render_status(SessionId id) const {
   kv("uid", s->uid);
   kv("state", to_string(s->state));
   kv("gpu", s->gpu < 0 ? std::string("-") : std::to_string(s->gpu));
+  // gpu=any on several GPUs: bound to none until one admits it (late binding).
+  const std::string host_pos = host_queue_position(s->id);
+  kv("host_queue", host_pos.empty() ? std::string("-") : host_pos);
   std::string lane = "-", lane_offset = "-", lane_size = "-";
   Bytes persistent_used = 0;
   std::string rank = "-";
@@ -495,8 +498,8 @@ std::string Broker::render_metrics() const {
                                  {"swapped", str(mem.swapped)}};
                });
   m.per_gpu_by(gpus_, "salus_swaps_total", "counter",
-               "Oversubscription: swaps of sessions' persistent memory, by direction.",
-               "direction", [&](const Gpu& g) {
+               "Oversubscription: swaps of sessions' persistent memory, by direction.", "direction",
+               [&](const Gpu& g) {
                  const auto& t = g.sched.residency().totals();
                  return Labelled{{"out", str(t.swaps_out)}, {"in", str(t.swaps_in)}};
                });

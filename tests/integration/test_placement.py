@@ -1,0 +1,73 @@
+"""Late binding of `need gpu=any` in salusd (issue 19 item 8) on a 2-GPU sim salusd: a
+session that no GPU admits waits in one host-wide queue, bound to no GPU, and is placed
+on whichever GPU frees up first; gpu=N still binds at once."""
+import threading
+import time
+
+from conftest import Session, wait_until
+
+
+def test_gpu_any_waits_host_wide_and_takes_the_gpu_that_frees_first(salusd):
+    a = Session(salusd)
+    a.cmd("need persistent=600M ephemeral=100M gpu=0\n")
+    b = Session(salusd)
+    b.cmd("need persistent=500M ephemeral=100M gpu=1\n")
+    assert a.status()["state"] == "admitted" and b.status()["state"] == "admitted"
+    # Fits neither GPU beside a or b (not even sharing their lanes). Placed at arrival, magm would have bound it to GPU 1
+    # (more free memory); bound late, it waits for either.
+    c = Session(salusd)
+    c.cmd("need persistent=400M ephemeral=200M\n")
+    st = c.status()
+    assert st["state"] == "queued" and st["gpu"] == "-" and st["host_queue"] == "1 of 1", st
+    assert "queued host-wide at position 1 of 1" in c.read("log")
+    # gpu=N still binds at once, and waits in that GPU's own queue.
+    d = Session(salusd)
+    d.cmd("need persistent=800M ephemeral=100M gpu=1\n")
+    st = d.status()
+    assert st["state"] == "queued" and st["gpu"] == "1" and st["host_queue"] == "-", st
+    # A command that needs the GPU waits for the binding.
+    done = []
+    t = threading.Thread(target=lambda: done.append(c.cmd("alloc w 1M\n")))
+    t.start()
+    time.sleep(0.2)
+    assert not done
+    a.close()  # GPU 0 frees first
+    t.join(5)
+    assert done
+    st = c.status()
+    assert st["state"] == "admitted" and st["gpu"] == "0" and st["host_queue"] == "-", st
+    log = c.read("log")
+    assert "placed on gpu 0 after" in log and "admitted on gpu 0" in log, log
+    assert d.status()["gpu"] == "1"
+    for s in (b, c, d):
+        s.close()
+
+
+def test_host_queue_follows_the_policy_and_a_closed_waiter_leaves_it(salusd):
+    a = Session(salusd)
+    a.cmd("need persistent=700M ephemeral=100M gpu=0\n")
+    b = Session(salusd)
+    b.cmd("need persistent=700M ephemeral=100M gpu=1\n")
+    w1, w2, w3 = Session(salusd), Session(salusd), Session(salusd)
+    w1.cmd("need persistent=300M ephemeral=100M\n")
+    w2.cmd("need persistent=300M ephemeral=100M\n")
+    w3.cmd("need persistent=300M ephemeral=100M\n")
+    assert [w.status()["host_queue"] for w in (w1, w2, w3)] == ["1 of 3", "2 of 3", "3 of 3"]
+    w2.close()
+    assert wait_until(lambda: w3.status()["host_queue"] == "2 of 2")
+    b.close()  # GPU 1 frees: the first waiter takes it, then the next one fits beside it
+    assert wait_until(lambda: w1.status()["gpu"] == "1" and w3.status()["gpu"] == "1")
+    assert w1.status()["state"] == "admitted" and w3.status()["state"] == "admitted"
+    for s in (a, w1, w3):
+        s.close()
+
+
+def test_gpu_any_that_fits_no_gpu_fails_at_once(salusd):
+    s = Session(salusd)
+    try:
+        s.cmd("need persistent=2G ephemeral=100M\n")
+        raise AssertionError("accepted a need larger than every GPU")
+    except OSError as e:
+        assert e.errno == 12  # ENOMEM
+    assert "fits no GPU that admits new sessions" in s.read("log")
+    s.close()
