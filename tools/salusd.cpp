@@ -263,9 +263,12 @@ void add_flags(CLI::App& flags, Settings& s) {
       ->check(CLI::IsMember({"magm", "lug", "rr", "exclusive"}));
   flags.add_flag("--risk-filter", s.risk.enabled,
                  "magm and lug skip GPUs that NVML shows busy (CARMA's risk filter)");
-  flags.add_option("--risk-max-sm", s.risk.max_sm, "risk threshold on SM activity, 0 to 1");
-  flags.add_option("--risk-max-mem", s.risk.max_mem, "risk threshold on memory activity, 0 to 1");
-  flags.add_option("--risk-window-s", s.risk.window_s, "risk window in seconds (1 to 3600)");
+  flags.add_option("--risk-max-sm", s.risk.max_sm, "risk threshold on SM activity, 0 to 1")
+      ->capture_default_str();
+  flags.add_option("--risk-max-mem", s.risk.max_mem, "risk threshold on memory activity, 0 to 1")
+      ->capture_default_str();
+  flags.add_option("--risk-window-s", s.risk.window_s, "risk window in seconds (1 to 3600)")
+      ->capture_default_str();
   flags.add_option("--admin-group", s.admin_group, "Group whose members may use the admin files");
   flags.add_option("--log-level", s.log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));

@@ -639,6 +639,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           [&](const PriorityCmd& c) {
             s.priority = c.priority;
             s.need.priority = c.priority;
+            if (host_queue_.contains(s.id)) rekey_host_queue();
             if (Gpu* g = gpu_of(s)) {
               g->sched.set_priority(s.id, c.priority);
               // A waiting session moves in the queue (issue 19 item 7) and may be admitted.
@@ -899,6 +900,21 @@ bool Broker::bind_to(Session& s, std::uint32_t gi) {
                      static_cast<double>(now() - s.queued_at) / 1e6));
   update_runnable(g, s);
   return true;
+}
+
+void Broker::rekey_host_queue() {
+  std::vector<std::pair<SessionId, std::uint64_t>> waiting;
+  host_queue_.for_each(
+      [&](const arena::QueuedRequest& q) { waiting.emplace_back(q.session, q.arrival); });
+  for (const auto& [id, arrival] : waiting) {
+    const Session* s = get(id);
+    if (!s) continue;
+    sched::RankInputs in;
+    in.arrival = arrival;
+    in.priority = s->priority;
+    in.iters = s->need.iters;
+    host_queue_.set_key(id, sched::admission_key(config_.policy, in));
+  }
 }
 
 std::string Broker::host_queue_position(SessionId id) const {

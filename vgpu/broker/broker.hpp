@@ -265,6 +265,7 @@ class Broker {
   int queue_any(Session& s, const NeedCmd& cmd, Bytes persistent, Bytes ephemeral,
                 std::uint32_t line, Deferred& later);
   void bind_waiting(Deferred& later);
+  void rekey_host_queue();  // after a policy change: the host-wide queue follows it
   bool bind_to(Session& s, std::uint32_t gpu);
   void fill_views();
   // "N of M" for a session in the host-wide queue, else empty.

@@ -498,8 +498,8 @@ std::string Broker::render_metrics() const {
                                  {"swapped", str(mem.swapped)}};
                });
   m.per_gpu_by(gpus_, "salus_swaps_total", "counter",
-               "Oversubscription: swaps of sessions' persistent memory, by direction.", "direction",
-               [&](const Gpu& g) {
+               "Oversubscription: swaps of sessions' persistent memory, by direction.",
+               "direction", [&](const Gpu& g) {
                  const auto& t = g.sched.residency().totals();
                  return Labelled{{"out", str(t.swaps_out)}, {"in", str(t.swaps_in)}};
                });
