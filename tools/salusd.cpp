@@ -554,6 +554,9 @@ int main(int argc, char** argv) {
   MpsDaemons mps;
   if (std::string why; !start_mps(s, devices, mps, why)) return fail(why);
   auto telemetry = start_telemetry(devices, static_cast<std::size_t>(std::lround(s.risk.window_s)));
+  if (s.risk.enabled && !telemetry)
+    spdlog::warn("--risk-filter: the {} backend has no NVML readings; the filter leaves no GPU out",
+                 devices.backend);
   const std::string backend = devices.backend;
   const bool isolated =
       s.gpu_isolation == "process" || (s.gpu_isolation == "auto" && backend == "cuda");

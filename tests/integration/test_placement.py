@@ -71,3 +71,22 @@ def test_gpu_any_that_fits_no_gpu_fails_at_once(salusd):
         assert e.errno == 12  # ENOMEM
     assert "fits no GPU that admits new sessions" in s.read("log")
     s.close()
+
+
+def test_risk_filter_options_are_checked_and_sim_places_without_readings(salusd_factory, tmp_path):
+    from conftest import SALUSD
+    import subprocess
+    bad = subprocess.run([SALUSD, "--backend", "sim", "--mount", str(tmp_path / "m"),
+                          "--risk-max-sm", "2"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 1 and "risk max_sm 2" in bad.stderr, bad.stderr
+    cfg = tmp_path / "salusd.toml"
+    cfg.write_text("[risk]\nfilter = true\nwindow_s = 0\n")
+    bad = subprocess.run([SALUSD, "--config", str(cfg), "--backend", "sim", "--mount",
+                          str(tmp_path / "m")], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 1 and "risk window_s 0: expected 1 to 3600" in bad.stderr, bad.stderr
+    d = salusd_factory(["--risk-filter"]).start()
+    assert "the sim backend has no NVML readings" in d.daemon_log()
+    s = Session(d)
+    s.cmd("need persistent=1M ephemeral=1M\n")
+    assert s.status()["state"] == "admitted" and s.status()["gpu"] == "0"
+    s.close()
