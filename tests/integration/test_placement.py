@@ -90,3 +90,23 @@ def test_risk_filter_options_are_checked_and_sim_places_without_readings(salusd_
     s.cmd("need persistent=1M ephemeral=1M\n")
     assert s.status()["state"] == "admitted" and s.status()["gpu"] == "0"
     s.close()
+
+
+def test_a_waiting_session_that_names_a_gpu_leaves_the_host_queue(salusd):
+    a = Session(salusd)
+    a.cmd("need persistent=700M ephemeral=100M gpu=0\n")
+    b = Session(salusd)
+    b.cmd("need persistent=700M ephemeral=100M gpu=1\n")
+    c = Session(salusd)
+    c.cmd("need persistent=400M ephemeral=100M\n")
+    assert c.status()["host_queue"] == "1 of 1"
+    c.cmd("need persistent=400M ephemeral=100M gpu=1\n")
+    st = c.status()
+    assert st["gpu"] == "1" and st["host_queue"] == "-" and st["state"] == "queued", st
+    a.close()  # GPU 0 frees, but c is bound to GPU 1 now
+    time.sleep(0.2)
+    assert c.status()["gpu"] == "1" and c.status()["state"] == "queued"
+    b.close()
+    assert wait_until(lambda: c.status()["state"] == "admitted")
+    assert c.status()["gpu"] == "1"
+    c.close()

@@ -681,6 +681,8 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
         return fail(ENODEV, fmt::format("gpu={} does not exist (this host has {} GPU{})", *c.gpu,
                                         gpus_.size(), gpus_.size() == 1 ? "" : "s"));
       gpu = *c.gpu;
+      // Waiting host-wide and now naming a GPU: it leaves the host-wide queue for that one.
+      if (host_queue_.remove(s.id)) s.state = SessionState::idle;
     } else if (gpus_.size() > 1) {
       return queue_any(s, c, p, e, ln, later);
     } else {
