@@ -100,7 +100,8 @@ struct SimCounters {
   std::uint64_t switches = 0;
   std::uint64_t preemptions = 0;
   std::uint64_t max_lanes = 0;  // most lanes one GPU had at once
-  std::uint64_t risky_skips = 0;  // placements where the risk filter left a GPU out
+  // Placements where the risk filter left a GPU out.
+  std::uint64_t risky_skips = 0;
   std::uint64_t swaps_out = 0;  // oversubscription
   std::uint64_t swaps_in = 0;
   std::int64_t swap_ns = 0;  // GPU time spent swapping

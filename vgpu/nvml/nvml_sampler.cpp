@@ -11,7 +11,9 @@ namespace salus::vgpu::nvml {
 
 NvmlSampler::NvmlSampler(std::vector<std::string> uuids, std::chrono::milliseconds period,
                          const std::string& library, std::size_t window)
-    : reader_(std::move(uuids), library), period_(period), window_(std::max<std::size_t>(window, 1)) {
+    : reader_(std::move(uuids), library),
+      period_(period),
+      window_(std::max<std::size_t>(window, 1)) {
   cache_.resize(reader_.size());
   history_.resize(reader_.size());
   risk_.resize(reader_.size());
