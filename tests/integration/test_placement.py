@@ -110,3 +110,32 @@ def test_a_waiting_session_that_names_a_gpu_leaves_the_host_queue(salusd):
     assert wait_until(lambda: c.status()["state"] == "admitted")
     assert c.status()["gpu"] == "1"
     c.close()
+
+
+def test_risk_filter_reads_nvml_on_the_cuda_backend(salusd_factory):
+    """NVML -> NvmlSampler's risk scores -> placement, against the mock libcuda (one GPU,
+    UUID a0..af) and the mock NVML (SM activity 0.37, memory 0.12, constant). On one GPU
+    the filter cannot move a session; it logs when every GPU that fits is past the
+    thresholds and the session is placed anyway."""
+    import os
+    import pytest
+    cuda, nvml = (os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", ""),
+                  os.environ.get("SALUS_TEST_NVML_MOCK_DIR", ""))
+    if not cuda or not nvml:
+        pytest.skip("built without the cuda backend's mock driver or the mock NVML")
+    for threshold, risky in (("0.3", True), ("0.9", False)):
+        d = salusd_factory(["--gpu-isolation", "thread", "--cuda-memory-fraction", "0.1",
+                            "--risk-filter", "--risk-max-sm", threshold])
+        d.args[d.args.index("--backend") + 1] = "cuda"
+        d.env = {**os.environ, "LD_LIBRARY_PATH": cuda + ":" + nvml,
+                 "MOCK_NVML_DEVICES": "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf"}
+        d.start(timeout=120)
+        with open(d.path("gpus", "0", "info")) as f:
+            assert "sm_util: 0.37\n" in f.read()
+        s = Session(d)
+        s.cmd("need persistent=1M ephemeral=1M\n")
+        assert s.status()["gpu"] == "0"
+        log = s.read("log")
+        assert ("busy past the risk thresholds; placed on gpu 0 anyway" in log) == risky, log
+        s.close()
+        d.stop()
