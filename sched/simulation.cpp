@@ -375,6 +375,9 @@ class Engine {
     // and exclusive placement gives one job per GPU whatever the lane model.
     if (lanes_ == LaneModel::exclusive) cfg_.placement = Placement::exclusive;
     if (cfg_.placement == Placement::exclusive) lanes_ = LaneModel::exclusive;
+    // Exclusive: jobs take idle GPUs in arrival order (the host-wide queue strictly FIFO).
+    if (cfg_.placement == Placement::exclusive)
+      host_options_.queue_mode = arena::QueueMode::strict_fifo;
     arena::ArenaOptions opts;  // salusd's defaults: bounded bypass, Algorithm 1
     if (lanes_ == LaneModel::exclusive) {
       // Alone on its GPU, a job gets its own lane; keep admission strictly ordered.
@@ -409,10 +412,7 @@ class Engine {
  private:
   void load(const std::vector<TraceJob>& trace);
   void fill_views(TimeNs t);
-  // The shared placement (sched/placement.hpp) at this instant; none when no GPU fits.
-  std::optional<std::uint32_t> choose_gpu(const Job& j, TimeNs t);
   PlacementOptions placement_options() const { return {cfg_.placement, cfg_.risk}; }
-  void place_waiting(TimeNs t);
   void place_host(TimeNs t);
   double runs_below(const Gpu& gpu) const;
   void submit(std::uint32_t g, Job& j, TimeNs t);
@@ -463,9 +463,8 @@ class Engine {
   Bytes usable_ = 0;
   std::vector<Job> jobs_;
   std::vector<Gpu> gpus_;
-  std::vector<std::size_t> order_;         // jobs by arrival
-  std::size_t pos_ = 0;                    // next in order_ to arrive
-  std::deque<std::size_t> cluster_queue_;  // exclusive placement: jobs without a GPU
+  std::vector<std::size_t> order_;  // jobs by arrival
+  std::size_t pos_ = 0;             // next in order_ to arrive
   // Late binding (issue 19 item 8): every other placement keeps jobs in one host-wide
   // queue, in the policy's order with the arena's bypass bound, and places a job on a
   // GPU only once one admits it at once. Keyed by job id; arrival = position in order_.
@@ -477,7 +476,7 @@ class Engine {
   std::vector<std::pair<std::uint32_t, SessionId>> leaving_;
   std::vector<Keyed> turns_;  // scratch heap for forecast_turns()
   std::size_t rr_next_ = 0;
-  std::vector<GpuView> views_;   // scratch for choose_gpu()
+  std::vector<GpuView> views_;   // scratch for place_host()
   std::vector<double> samples_;  // scratch for the risk filter
   SimCounters counters_;
   std::vector<WorkTimeline> work_;
@@ -571,25 +570,6 @@ void Engine::fill_views(TimeNs t) {
       gpu.model.activity()->samples(t, 1'000'000'000, window, samples_);
       v.sm_activity = risk_score(samples_);
     }
-  }
-}
-
-std::optional<std::uint32_t> Engine::choose_gpu(const Job& j, TimeNs t) {
-  fill_views(t);
-  const std::uint64_t need = j.declared.persistent + j.declared.ephemeral;
-  const PlacementChoice c = sched::choose_gpu(views_, need, placement_options(), rr_next_);
-  rr_next_ = c.next_rr;
-  if (c.risky) ++counters_.risky_skips;
-  return c.gpu;
-}
-
-void Engine::place_waiting(TimeNs t) {
-  while (!cluster_queue_.empty()) {
-    Job& j = jobs_[cluster_queue_.front()];
-    const std::optional<std::uint32_t> idle = choose_gpu(j, t);  // exclusive: an idle GPU
-    if (!idle) return;
-    cluster_queue_.pop_front();
-    submit(*idle, j, t);
   }
 }
 
@@ -1374,9 +1354,7 @@ SimResult Engine::run() {
     // Within an instant: arrivals first, so that a boundary at the same time sees them.
     for (; pos < order_.size() && jobs_[order_[pos]].arrival == t; ++pos) {
       Job& j = jobs_[order_[pos]];
-      if (cfg_.placement == Placement::exclusive) {
-        cluster_queue_.push_back(j.index);
-      } else if (cfg_.gpus == 1) {
+      if (cfg_.gpus == 1 && cfg_.placement != Placement::exclusive) {
         // One GPU: binding early costs nothing, and the GPU's own queue (salusd's) keeps
         // the scheduler's arrival order the trace's.
         submit(0, j, t);
@@ -1385,8 +1363,11 @@ SimResult Engine::run() {
         in.arrival = pos;
         in.priority = j.spec->priority;
         in.iters = j.spec->iters;
+        // Exclusive placement: arrival order, whatever the policy.
+        const double key = cfg_.placement == Placement::exclusive ? static_cast<double>(pos)
+                                                                  : admission_key(cfg_.policy, in);
         host_queue_.push(j.id, pos, t, arena::align_up(j.declared.persistent),
-                         arena::align_up(j.declared.ephemeral), admission_key(cfg_.policy, in));
+                         arena::align_up(j.declared.ephemeral), key);
       }
     }
     place_host(t);
@@ -1395,7 +1376,6 @@ SimResult Engine::run() {
       heap_.pop();
       if (e.epoch == gpus_[e.gpu].epoch) complete(e.gpu, t);
     }
-    place_waiting(t);
     place_host(t);
     for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       if (!gpus_[g].touched) continue;
@@ -1407,7 +1387,6 @@ SimResult Engine::run() {
     if (leaving_.empty()) continue;
     for (const auto& [g, id] : leaving_) depart(g, id, t);
     leaving_.clear();
-    place_waiting(t);
     place_host(t);
     for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       if (!gpus_[g].touched) continue;

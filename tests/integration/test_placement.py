@@ -139,3 +139,20 @@ def test_risk_filter_reads_nvml_on_the_cuda_backend(salusd_factory):
         assert ("busy past the risk thresholds; placed on gpu 0 anyway" in log) == risky, log
         s.close()
         d.stop()
+
+
+def test_exclusive_placement_gives_idle_gpus_in_arrival_order(salusd_factory):
+    d = salusd_factory(["--placement", "exclusive"]).start()
+    a, b, c, e = Session(d), Session(d), Session(d), Session(d)
+    a.cmd("need persistent=1M ephemeral=1M\n")
+    b.cmd("need persistent=1M ephemeral=1M\n")
+    assert {a.status()["gpu"], b.status()["gpu"]} == {"0", "1"}
+    c.cmd("need persistent=1M ephemeral=1M\n")  # both GPUs hold a session: c waits
+    e.cmd("need persistent=1M ephemeral=1M\n")
+    assert c.status()["host_queue"] == "1 of 2" and e.status()["host_queue"] == "2 of 2"
+    freed = a.status()["gpu"]
+    a.close()
+    assert wait_until(lambda: c.status()["gpu"] == freed)
+    assert e.status()["gpu"] == "-" and e.status()["host_queue"] == "1 of 1"
+    for s in (b, c, e):
+        s.close()

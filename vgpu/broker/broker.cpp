@@ -683,7 +683,8 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
       gpu = *c.gpu;
       // Waiting host-wide and now naming a GPU: it leaves the host-wide queue for that one.
       if (host_queue_.remove(s.id)) s.state = SessionState::idle;
-    } else if (gpus_.size() > 1) {
+    } else if (gpus_.size() > 1 || config_.placement == Placement::exclusive) {
+      // Exclusive waits for an idle GPU, even on a host of one.
       return queue_any(s, c, p, e, ln, later);
     } else {
       gpu = place_any(s, p, e, ln);
@@ -823,16 +824,12 @@ int Broker::queue_any(Session& s, const NeedCmd& c, Bytes p, Bytes e, std::uint3
     s.priority = *c.priority;
     s.need.priority = c.priority;
   }
-  sched::RankInputs in;
-  in.priority = s.priority;
-  in.iters = s.need.iters;
   if (const auto q = host_queue_.find(s.id)) {
-    in.arrival = q->arrival;
     host_queue_.set_need(s.id, p, e);
-    host_queue_.set_key(s.id, sched::admission_key(config_.policy, in));
+    host_queue_.set_key(s.id, host_key(s, q->arrival));
   } else {
-    in.arrival = host_arrivals_++;
-    host_queue_.push(s.id, in.arrival, now(), p, e, sched::admission_key(config_.policy, in));
+    const std::uint64_t arrival = host_arrivals_++;
+    host_queue_.push(s.id, arrival, now(), p, e, host_key(s, arrival));
     s.queued_at = now();
   }
   s.error = 0;
@@ -873,10 +870,14 @@ void Broker::bind_waiting(Deferred& later) {
   auto place = [&](const arena::QueuedRequest& q, std::uint32_t gi, const sched::PlacementChoice&) {
     if (Session* s = get(q.session); s && bind_to(*s, gi)) touched.push_back(gi);
   };
+  // Exclusive: idle GPUs go to the waiting sessions in arrival order (as in salus-sim).
+  const arena::QueueMode mode = config_.placement == Placement::exclusive
+                                    ? arena::QueueMode::strict_fifo
+                                    : config_.arena.queue_mode;
   sched::bind_late(
-      host_queue_, config_.arena.queue_mode, config_.arena.max_bypass, bounds,
-      std::span<sched::GpuView>(views_), sched::PlacementOptions{config_.placement, config_.risk},
-      rr_next_, [this](std::span<sched::GpuView>) { fill_views(); }, admits, place);
+      host_queue_, mode, config_.arena.max_bypass, bounds, std::span<sched::GpuView>(views_),
+      sched::PlacementOptions{config_.placement, config_.risk}, rr_next_,
+      [this](std::span<sched::GpuView>) { fill_views(); }, admits, place);
   for (std::uint32_t gi : touched) handle_admissions(*gpus_[gi], later);
   binding_ = false;
 }
@@ -908,15 +909,19 @@ void Broker::rekey_host_queue() {
   std::vector<std::pair<SessionId, std::uint64_t>> waiting;
   host_queue_.for_each(
       [&](const arena::QueuedRequest& q) { waiting.emplace_back(q.session, q.arrival); });
-  for (const auto& [id, arrival] : waiting) {
-    const Session* s = get(id);
-    if (!s) continue;
-    sched::RankInputs in;
-    in.arrival = arrival;
-    in.priority = s->priority;
-    in.iters = s->need.iters;
-    host_queue_.set_key(id, sched::admission_key(config_.policy, in));
-  }
+  for (const auto& [id, arrival] : waiting)
+    if (const Session* s = get(id)) host_queue_.set_key(id, host_key(*s, arrival));
+}
+
+// The host-wide queue's order: the policy's admission key (sched::admission_key), or
+// arrival order under exclusive placement.
+double Broker::host_key(const Session& s, std::uint64_t arrival) const {
+  if (config_.placement == Placement::exclusive) return static_cast<double>(arrival);
+  sched::RankInputs in;
+  in.arrival = arrival;
+  in.priority = s.priority;
+  in.iters = s.need.iters;
+  return sched::admission_key(config_.policy, in);
 }
 
 std::string Broker::host_queue_position(SessionId id) const {

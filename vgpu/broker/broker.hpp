@@ -266,6 +266,7 @@ class Broker {
                 std::uint32_t line, Deferred& later);
   void bind_waiting(Deferred& later);
   void rekey_host_queue();  // after a policy change: the host-wide queue follows it
+  double host_key(const Session& s, std::uint64_t arrival) const;
   bool bind_to(Session& s, std::uint32_t gpu);
   void fill_views();
   // "N of M" for a session in the host-wide queue, else empty.
