@@ -200,9 +200,9 @@ std::optional<SessionId> Broker::find_session(const std::string& dir_name) const
 int Broker::check_access(SessionId id, const Caller& caller) const {
   std::lock_guard lk(mu_);
   const Session* s = get(id);
-  if (!s || s->dead) return -ENOENT;
+  if (!s || s->dead) return ENOENT;
   if (caller.admin || caller.uid == s->uid) return 0;
-  return -EACCES;
+  return EACCES;
 }
 
 std::vector<std::pair<std::string, SessionId>> Broker::list_sessions() const {
@@ -230,7 +230,7 @@ int Broker::kill_session(SessionId id) {
   {
     std::lock_guard lk(mu_);
     Session* s = get(id);
-    if (!s || s->dead) return -ENOENT;
+    if (!s || s->dead) return ENOENT;
     log(*s, "killed by admin");
   }
   end_session(id);
@@ -298,8 +298,7 @@ Broker::OpenedFiles Broker::open_caller_files(const Caller& caller,
     if (!m) continue;
     PendingWrite::ModuleFile f;
     f.path = m->path;
-    const int rc = read_file_as_caller(out.creds, m->path, kMaxModuleBytes, f.image, f.why);
-    f.error = rc < 0 ? -rc : 0;
+    f.error = read_file_as_caller(out.creds, m->path, kMaxModuleBytes, f.image, f.why);
     out.module_files.push_back(std::move(f));
   }
   return out;
@@ -380,17 +379,17 @@ std::uint64_t Broker::submit(
                                                      cmds = commands](CallerIo::Gate& gate) {
           OpenedFiles files;
           if (const int err = CallerIo::isolated([&] { files = open_caller_files(caller, cmds); }))
-            files = could_not_open(cmds, -err);
+            files = could_not_open(cmds, err);
           gate.enter([&] { files_opened(id, wid, std::move(files)); });
         });
-        if (rc < 0) {
-          log(*s, rc == -EAGAIN ? fmt::format("uid {} has too many writes waiting for their "
-                                              "files to open; try again later",
-                                              caller.uid)
-                                : std::string("salusd is shutting down; no new work is accepted"));
-          if (rc == -EAGAIN) ++stats_.quota_rejections;
+        if (rc) {
+          log(*s, rc == EAGAIN ? fmt::format("uid {} has too many writes waiting for their "
+                                             "files to open; try again later",
+                                             caller.uid)
+                               : std::string("salusd is shutting down; no new work is accepted"));
+          if (rc == EAGAIN) ++stats_.quota_rejections;
           ++stats_.command_errors;
-          later.push_back([done = std::move(w.done), rc] { done(-rc, {}); });
+          later.push_back([done = std::move(w.done), rc] { done(rc, {}); });
           ticket = 0;
         }
       }

@@ -110,7 +110,8 @@ class Broker {
   void end_session(SessionId id);
   // Looks up a session by directory name; nullopt if gone.
   std::optional<SessionId> find_session(const std::string& dir_name) const;
-  // Whether `caller` may touch session `id`: its owner or an admin.
+  // Whether `caller` may touch session `id`: its owner or an admin. 0, or
+  // ENOENT (no such live session) or EACCES.
   int check_access(SessionId id, const Caller& caller) const;
   std::vector<std::pair<std::string, SessionId>> list_sessions() const;
   std::optional<std::pair<uid_t, gid_t>> session_owner(SessionId id) const;
@@ -188,8 +189,10 @@ class Broker {
   void note(SessionId id, std::string text);
 
   // ---- admin ----
-  int kill_session(SessionId id);
-  int set_policy(const std::string& text);  // "NAME [key=value...]"
+  // Each returns 0 or a positive errno (docs/style.md, rule 1).
+  int kill_session(SessionId id);           // ENOENT: no such live session
+  int set_policy(const std::string& text);  // "NAME [key=value...]"; EINVAL
+  // One /salus/ctl line; what it did is appended to `reply`.
   int admin_command(const std::string& line, std::string& reply);
 
   // ---- views (file contents; snapshots) ----

@@ -368,16 +368,16 @@ void TransferEngine::start(std::shared_ptr<TransferJob> job) {
       res = err;
     mb->post([this, c, res] { created(*c, res); });
   });
-  if (rc < 0) created(*c, rc);
+  if (rc) created(*c, rc);
 }
 
 void TransferEngine::created(Create& c, int rc) {
   if (c.abandoned) return;  // cancelled meanwhile; the file goes with `c`
   Active& a = *c.active;
   auto keep = std::move(a.create);  // `c` lives until this returns
-  if (rc < 0) {
-    if (c.why.empty()) c.why = fmt::format("{}: {}", c.shown, std::strerror(-rc));
-    return fail(a, -rc, std::move(c.why));
+  if (rc) {
+    if (c.why.empty()) c.why = fmt::format("{}: {}", c.shown, std::strerror(rc));
+    return fail(a, rc, std::move(c.why));
   }
   a.job->file = std::move(c.file);
   a.fd = std::make_shared<UniqueFd>(::fcntl(a.job->file.fd.get(), F_DUPFD_CLOEXEC, 0));
@@ -511,12 +511,12 @@ void TransferEngine::file_io(Slot& s) {
   s.state = Slot::State::file;
   const int rc = io_.post(job.who.uid, [this, io, mb = mailbox_](CallerIo::Gate&) {
     int res = 0;
-    if (const int err = CallerIo::isolated([&] { res = run_file_io(*io); })) res = err;
+    if (const int err = CallerIo::isolated([&] { res = run_file_io(*io); })) res = -err;
     mb->post([this, io, res] {
       if (!io->abandoned) on_file_done(*io->slot, res);
     });
   });
-  if (rc < 0) sync_done_.emplace_back(&s, rc);
+  if (rc) sync_done_.emplace_back(&s, -rc);  // on_file_done takes a count or -errno
 }
 
 void TransferEngine::device_copy(Slot& s) {

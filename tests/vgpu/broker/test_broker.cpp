@@ -93,7 +93,7 @@ TEST(Broker, FailedLineKeepsEarlierLinesAndLogsTheReason) {
 TEST(Broker, OtherUidIsRefused) {
   auto b = make_broker();
   const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
-  EXPECT_EQ(b->check_access(id, kAlice), -EACCES);
+  EXPECT_EQ(b->check_access(id, kAlice), EACCES);
   EXPECT_EQ(run(*b, id, "need persistent=1M ephemeral=1M\n", kAlice).first, EACCES);
   EXPECT_EQ(b->check_access(id, kRoot), 0);
 }
