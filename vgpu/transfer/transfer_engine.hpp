@@ -165,8 +165,23 @@ class TransferEngine {
     std::int64_t device_ns;
   };
 
+  // What the other threads handed the engine since its last turn.
+  struct Inbox {
+    std::vector<DeviceDone> device_done;
+    std::vector<std::uint64_t> forgotten;  // sessions whose segments may go
+    std::vector<std::function<void()>> io_done;
+    bool stopping = false;
+  };
+
   void run();
   bool step();
+  bool take_inbox(Inbox& in);
+  void handle_inbox(Inbox& in);
+  void retire_over();
+  void check_segment_after(Active& a);
+  TransferResult result_of(Active& a);
+  void report_finished();
+  bool note_idle();
   void wake();
   void start_waiting();
   void start(std::shared_ptr<TransferJob> job);
