@@ -31,6 +31,8 @@ const char* to_string(ArenaError e) {
       return "no_memory";
     case ArenaError::fragmented:
       return "fragmented";
+    case ArenaError::swapped_out:
+      return "swapped_out";
   }
   return "unknown";
 }
@@ -45,6 +47,8 @@ struct SessionState {
   bool admitted = false;
   std::optional<LaneId> lane;
   Bytes used = 0;  // live persistent bytes
+  Residency res = Residency::resident;
+  bool on_gpu() const { return res != Residency::swapped; }
 
   // P_i of the safety condition. A re-queued session has given up its declared P but
   // still holds its buffers, and those bytes are on the GPU all the same.
@@ -59,12 +63,14 @@ struct GpuArena::Impl {
   Impl(Bytes cap, ArenaOptions opts)
       : capacity(cap),
         usable(cap & ~(kAlignment - 1)),
+        admit_usable(scaled(usable, opts.oversubscribe)),
         options(opts),
         space(usable),
         heap(usable) {}
 
   Bytes capacity;
-  Bytes usable;  // capacity rounded down to kAlignment: the top of the persistent region
+  Bytes usable;        // capacity rounded down to kAlignment: the top of the persistent region
+  Bytes admit_usable;  // usable x oversubscribe: the bound of the admission accounting
   ArenaOptions options;
   SpaceMap space;
   PersistentHeap heap;
@@ -72,7 +78,12 @@ struct GpuArena::Impl {
   AdmissionQueue queue;
   std::unordered_map<SessionId, SessionState> sessions;
   std::uint64_t next_arrival = 0;
-  Bytes reserved = 0;  // sum of SessionState::reserved()
+  Bytes reserved = 0;           // sum of SessionState::reserved()
+  Bytes resident_reserved = 0;  // the same over sessions whose memory is on the GPU
+  Bytes lane_room_wanted = 0;   // a lane waits for this much physical room (oversubscription)
+  // Buffers of swapped sessions: they hold no range, their handles stay valid.
+  std::unordered_map<BufferHandle, std::pair<SessionId, Bytes>> swapped_buffers;
+  Bytes swapped_bytes = 0;
   // (lane, session): the session left the lane by a need change while the lane was busy,
   // so its work may still be in flight there until that lane's boundary. Usually empty.
   std::vector<std::pair<LaneId, SessionId>> draining;
@@ -80,15 +91,35 @@ struct GpuArena::Impl {
   ArenaStats stats;
   mutable std::uint64_t verify_calls = 0;  // for verify()'s sampling
 
-  Bytes slack() const { return usable - reserved - lanes.total(); }
+  // Admission room (the accounting, C x oversubscribe) and physical room (resident set).
+  Bytes slack() const { return admit_usable - reserved - lanes.total(); }
+  Bytes phys_slack() const { return usable - resident_reserved - lanes.total(); }
+  // Adds `delta` (may wrap as a negative) to reserved, and to the resident sum if on the GPU.
+  void add_reserved(const SessionState& s, Bytes delta) {
+    reserved += delta;
+    if (s.on_gpu()) resident_reserved += delta;
+  }
+  static Bytes scaled(Bytes b, double ratio) {
+    if (!(ratio > 1.0)) return b;
+    const long double v = static_cast<long double>(b) * ratio;
+    const long double cap = static_cast<long double>(~Bytes{0} >> 2);
+    return (v >= cap ? static_cast<Bytes>(cap) : static_cast<Bytes>(v)) & ~(kAlignment - 1);
+  }
   bool too_large(const Need& need, Bytes used) const;
+  LaneDecision decide(SessionId id, Bytes p_new, Bytes e, std::uint32_t group, bool& held,
+                      Bytes& room_wanted) const;
   bool try_admit(const QueuedRequest& q);
-  bool waits_on_own_drain(const QueuedRequest& q) const;
+  void sync_passable(SessionId session);
+  AdmissionBounds bounds() const;
   bool may_admit() const;
   bool settle_lanes();
   void reconcile(bool assign);
   void verify() const;
   std::string check() const;
+  std::string check_sessions() const;
+  std::string check_queue() const;
+  std::string check_lanes() const;
+  std::string check_layout() const;
   std::vector<PhysicalRegion> regions() const;
 };
 
@@ -99,13 +130,64 @@ bool GpuArena::Impl::too_large(const Need& need, Bytes used) const {
 }
 
 // Every Algorithm-1 step needs p_new <= slack, and p_new + E <= slack + (the largest
-// lane a request may join or grow; none in lane_per_session). A pass in which no queued
-// request meets both cannot admit anything, so it is skipped: the queue may be long.
+// lane a request may join or grow). A request outside these bounds cannot be admitted
+// whatever else happens in the pass: the queue's index never offers it, and a pass in
+// which no queued request meets both is skipped. The queue may be long.
+AdmissionBounds GpuArena::Impl::bounds() const {
+  const Bytes room = slack();
+  return {room, room + lanes.largest()};
+}
+
 bool GpuArena::Impl::may_admit() const {
   if (queue.empty()) return false;
-  const Bytes room = slack();
-  const Bytes largest = options.lane_mode == LaneMode::salus ? lanes.largest() : 0;
-  return queue.min_persistent() <= room && queue.min_total() <= room + largest;
+  const AdmissionBounds b = bounds();
+  return queue.min_persistent() <= b.room && queue.min_total() <= b.total;
+}
+
+// Where a request of `id` (0: a session not yet known) would go now: the lane step, or
+// none. `held` is set when the step needs bytes above the lane region that are still
+// held, so the request must wait for them.
+LaneDecision GpuArena::Impl::decide(SessionId id, Bytes p_new, Bytes e, std::uint32_t group,
+                                    bool& held, Bytes& room_wanted) const {
+  held = false;
+  room_wanted = 0;
+  LaneDecision d;
+  if (p_new > slack()) return d;  // the common refusal, without a lookup
+  if (group != 0) {
+    // Join a lane of the group that is large enough; the request adds only p_new.
+    for (const auto& [other, o] : sessions) {
+      if (other == id || !o.admitted || !o.lane || o.declared.group != group) continue;
+      const Lane* l = lanes.find(*o.lane);
+      if (l && l->size >= e) {
+        d = {LaneStep::join, *o.lane, 0};
+        break;
+      }
+    }
+  }
+  // Oversubscribed, P may start swapped but a lane is physical: Algorithm 1 runs on
+  // min(admission slack, physical slack + p), which asks both of every step (at ratio 1
+  // the two slacks are equal and this is plain Algorithm 1).
+  if (d.step == LaneStep::none)
+    d = find_lane(lanes, std::min(slack(), phys_slack() + p_new), p_new, e, options.lane_mode);
+  if (d.step == LaneStep::none) {
+    // The accounting would open a lane but the card has no room for it: the residency
+    // planner may swap sessions out for it.
+    if (p_new + e <= slack() && e > phys_slack()) room_wanted = e;
+    return d;
+  }
+  if (d.room > 0 && d.room > phys_slack()) {
+    // Oversubscribed: lanes are physical, so the resident set must shrink first.
+    room_wanted = d.room;
+    return LaneDecision{};
+  }
+  if (d.room == 0) return d;
+  // Opening or growing a lane takes the bytes right above the lane region. Algorithm 1
+  // only looks at the accounting; when those bytes are still held (by a busy lane that
+  // has not slid down yet, or by persistent buffers) the request waits for them rather
+  // than falling through to a later step, because a lane, once joined, is for life.
+  const Bytes top = lanes.total();
+  held = !space.is_free(top, top + d.room);
+  return d;
 }
 
 bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
@@ -113,30 +195,18 @@ bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
   const SessionId id = q.session;
   SessionState& s = sessions.at(id);
   const Bytes p_new = q.persistent;
-  LaneDecision d;
-  if (s.declared.group != 0) {
-    // Join a lane of the group that is large enough; the request adds only p_new.
-    for (const auto& [other, o] : sessions) {
-      if (other == id || !o.admitted || !o.lane || o.declared.group != s.declared.group) continue;
-      const Lane* l = lanes.find(*o.lane);
-      if (l && l->size >= s.e) {
-        d = {LaneStep::join, *o.lane, 0};
-        break;
-      }
-    }
-  }
-  if (d.step == LaneStep::none) d = find_lane(lanes, slack(), p_new, s.e, options.lane_mode);
+  bool held = false;
+  Bytes want = 0;
+  const LaneDecision d = decide(id, p_new, s.e, s.declared.group, held, want);
+  lane_room_wanted = std::max(lane_room_wanted, want);
   if (d.step == LaneStep::none) return false;
-  if (d.room > 0) {
-    // Opening or growing a lane takes the bytes right above the lane region. Algorithm 1
-    // only looks at the accounting; when those bytes are still held (by a busy lane that
-    // has not slid down yet, or by persistent buffers) the request waits for them rather
-    // than falling through to a later step, because a lane, once joined, is for life.
+  // A re-queued session that holds its buffers on the GPU must fit there.
+  const bool resident = s.on_gpu() && p_new + d.room <= phys_slack();
+  if (s.on_gpu() && !resident && s.used != 0) return false;
+  if (held) {
     const Bytes top = lanes.total();
-    if (!space.is_free(top, top + d.room)) {
-      if (heap.intersects(top, top + d.room)) heap.request_room(d.room);
-      return false;
-    }
+    if (heap.intersects(top, top + d.room)) heap.request_room(d.room);
+    return false;
   }
   LaneId lane = d.lane;
   switch (d.step) {
@@ -154,7 +224,10 @@ bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
     case LaneStep::none:
       return false;
   }
-  reserved += p_new;
+  // A session whose P does not fit beside the resident set starts swapped: it holds
+  // nothing yet, and the residency planner brings it in before it runs.
+  if (!resident) s.res = Residency::swapped;
+  add_reserved(s, p_new);
   s.admitted = true;
   s.lane = lane;
   ++stats.admissions;
@@ -163,11 +236,12 @@ bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
 }
 
 // A re-queued session whose old lane is still busy holds that lane's bytes itself; while
-// that lasts its refusal is its own doing, not something the sessions behind it cause.
-bool GpuArena::Impl::waits_on_own_drain(const QueuedRequest& q) const {
-  for (const auto& [lane, session] : draining)
-    if (session == q.session) return true;
-  return false;
+// that lasts its refusal is its own doing, not something the sessions admitted meanwhile
+// cause, so the queue counts no bypasses on it (AdmissionQueue::set_passable).
+void GpuArena::Impl::sync_passable(SessionId session) {
+  bool drains = false;
+  for (const auto& [lane, s] : draining) drains = drains || s == session;
+  queue.set_passable(session, drains);
 }
 
 // True when bytes were given back, i.e. room may have appeared for the queue.
@@ -180,11 +254,12 @@ bool GpuArena::Impl::settle_lanes() {
 
 void GpuArena::Impl::reconcile(bool assign) {
   bool run = settle_lanes() || assign;
+  if (queue.empty()) lane_room_wanted = 0;
   while (run && may_admit()) {
+    lane_room_wanted = 0;  // try_admit asks again for what it still lacks
     const std::size_t admitted = queue.admit(
-        options.queue_mode, options.max_bypass,
-        [this](const QueuedRequest& q) { return try_admit(q); },
-        [this](const QueuedRequest& q) { return waits_on_own_drain(q); });
+        options.queue_mode, options.max_bypass, [this] { return bounds(); },
+        [this](const QueuedRequest& q) { return try_admit(q); });
     // Admissions only take room, so another pass is useful only if placing the new lanes
     // moved others (a grown lane shifts the lanes above it).
     run = admitted > 0 && settle_lanes();
@@ -195,14 +270,15 @@ void GpuArena::Impl::reconcile(bool assign) {
 
 void GpuArena::Impl::verify() const {
 #ifndef NDEBUG
-  // check() is O(sessions + queue) and runs after every change, so with thousands of
-  // sessions waiting it alone made a long queue quadratic (salus-sim, issue 19). Check
-  // every change of a small arena, which is what the tests build, and a larger one at
-  // every (size / kEvery)-th change: O(kEvery) per change on average, and a broken
-  // invariant is still caught within a bounded number of changes.
-  constexpr std::size_t kEvery = 64;
+  // check() is O((sessions + queue) log queue) and runs after every change, so with
+  // thousands of sessions waiting it alone made a long queue quadratic (salus-sim, issue
+  // 19). Check every change of a small arena, which is what the tests build, and a larger
+  // one at every (size / kShare)-th change: O(kShare log n) per change on average, and a
+  // broken invariant is still caught within size / kShare changes. Tests call
+  // check_invariants() for a full check whenever they want one.
+  constexpr std::size_t kAlways = 64, kShare = 4;
   const std::size_t size = sessions.size() + queue.size();
-  if (size > kEvery && ++verify_calls % (size / kEvery) != 0) return;
+  if (size > kAlways && ++verify_calls % (size / kShare) != 0) return;
   const std::string problem = check();
   if (!problem.empty()) {
     std::fprintf(stderr, "salus arena: invariant violated: %s\n", problem.c_str());
@@ -227,17 +303,33 @@ std::vector<PhysicalRegion> GpuArena::Impl::regions() const {
 }
 
 std::string GpuArena::Impl::check() const {
-  // ---- sessions and accounting ----
-  Bytes sum_reserved = 0, sum_used = 0;
+  std::string problem = check_sessions();
+  if (problem.empty()) problem = check_queue();
+  if (problem.empty()) problem = check_lanes();
+  if (problem.empty()) problem = check_layout();
+  return problem;
+}
+
+// Each session's accounting, its buffers, and where it is: in a lane or in the queue.
+std::string GpuArena::Impl::check_sessions() const {
+  Bytes sum_reserved = 0, sum_used = 0, sum_resident = 0;
   std::size_t waiting = 0;
   for (const auto& [id, s] : sessions) {
     sum_reserved += s.reserved();
+    if (s.on_gpu()) sum_resident += s.reserved();
     sum_used += s.used;
     if (s.p % kAlignment != 0 || s.e % kAlignment != 0)
       return fmt::format("session {}: need not aligned", id);
     Bytes owned = 0;
-    if (const auto* handles = heap.buffers_of(id))
+    if (const auto* handles = heap.buffers_of(id)) {
+      if (!s.on_gpu()) return fmt::format("swapped session {} holds GPU ranges", id);
       for (BufferHandle h : *handles) owned += heap.find(h)->size;
+    }
+    for (const auto& [h, b] : swapped_buffers)
+      if (b.first == id) {
+        if (s.on_gpu()) return fmt::format("resident session {} has a swapped buffer", id);
+        owned += b.second;
+      }
     if (owned != s.used)
       return fmt::format("session {}: used {} but its buffers hold {}", id, s.used, owned);
     if (s.admitted) {
@@ -254,25 +346,45 @@ std::string GpuArena::Impl::check() const {
     return fmt::format("queue holds {} requests, {} sessions wait", queue.size(), waiting);
   if (sum_reserved != reserved)
     return fmt::format("reserved is {} but sessions reserve {}", reserved, sum_reserved);
-  if (sum_used != heap.used())
-    return fmt::format("heap holds {} but sessions use {}", heap.used(), sum_used);
-  std::string queue_problem;
-  std::uint64_t last_arrival = 0;
-  bool first = true;
-  queue.for_each([&](const QueuedRequest& q) {
-    if (!queue_problem.empty()) return;
-    if (!first && q.arrival <= last_arrival) queue_problem = "queue out of arrival order";
-    auto it = sessions.find(q.session);
-    if (it == sessions.end() || it->second.arrival != q.arrival)
-      queue_problem = fmt::format("queued session {} unknown or misplaced", q.session);
-    else if (q.persistent != it->second.p_new() || q.ephemeral != it->second.e)
-      queue_problem = fmt::format("queued session {} has a stale need", q.session);
-    first = false;
-    last_arrival = q.arrival;
-  });
-  if (!queue_problem.empty()) return queue_problem;
+  if (sum_resident != resident_reserved)
+    return fmt::format("resident reserved is {} but resident sessions reserve {}",
+                       resident_reserved, sum_resident);
+  Bytes sum_swapped = 0;
+  for (const auto& [h, b] : swapped_buffers) sum_swapped += b.second;
+  if (sum_swapped != swapped_bytes)
+    return fmt::format("swapped bytes {} but swapped buffers hold {}", swapped_bytes, sum_swapped);
+  if (sum_used != heap.used() + swapped_bytes)
+    return fmt::format("heap holds {} (+{} swapped) but sessions use {}", heap.used(),
+                       swapped_bytes, sum_used);
+  return {};
+}
 
-  // ---- lanes ----
+// The queue's index, its order (key, then arrival), and each request's need and drain
+// state against its session's.
+std::string GpuArena::Impl::check_queue() const {
+  if (std::string problem = queue.check(); !problem.empty()) return problem;
+  std::string problem;
+  std::optional<std::pair<double, std::uint64_t>> last;
+  queue.for_each([&](const QueuedRequest& q) {
+    if (!problem.empty()) return;
+    if (last && !(*last < std::pair{q.key, q.arrival})) problem = "queue out of key order";
+    last = std::pair{q.key, q.arrival};
+    auto it = sessions.find(q.session);
+    bool drains = false;
+    for (const auto& [lane, s] : draining) drains = drains || s == q.session;
+    if (it == sessions.end() || it->second.arrival != q.arrival)
+      problem = fmt::format("queued session {} unknown or misplaced", q.session);
+    else if (q.persistent != it->second.p_new() || q.ephemeral != it->second.e)
+      problem = fmt::format("queued session {} has a stale need", q.session);
+    else if (q.passable != drains)
+      problem = fmt::format("queued session {}: drain state {} but passable {}", q.session, drains,
+                            q.passable);
+  });
+  return problem;
+}
+
+// Lane sizes, members, layout targets, and the safety condition.
+std::string GpuArena::Impl::check_lanes() const {
   Bytes total = 0;
   std::size_t with_members = 0;
   for (const auto& [id, l] : lanes.all()) {
@@ -305,13 +417,18 @@ std::string GpuArena::Impl::check() const {
   if (total != lanes.total())
     return fmt::format("lane total {} but lanes sum {}", lanes.total(), total);
   if (with_members != lanes.indexed()) return "lane index out of date";
+  if (resident_reserved > usable || lanes.total() > usable - resident_reserved)
+    return fmt::format("safety condition broken: resident P {} + L {} > C {}", resident_reserved,
+                       lanes.total(), usable);
+  if (reserved > admit_usable || lanes.total() > admit_usable - reserved)
+    return fmt::format("admission bound broken: P {} + L {} > C x ratio {}", reserved,
+                       lanes.total(), admit_usable);
+  return {};
+}
 
-  // ---- the safety condition ----
-  if (reserved > usable || lanes.total() > usable - reserved)
-    return fmt::format("safety condition broken: P {} + L {} > C {}", reserved, lanes.total(),
-                       usable);
-
-  // ---- physical layout ----
+// The physical layout: buffers above the lanes, no overlaps, and the free map exactly
+// the complement of what is held.
+std::string GpuArena::Impl::check_layout() const {
   std::string buffer_problem;
   heap.for_each_buffer([&](const PersistentBuffer& b) {
     if (!buffer_problem.empty()) return;
@@ -367,7 +484,23 @@ void GpuArena::set_queue_mode(QueueMode mode) {
   impl_->reconcile(true);
 }
 
-ArenaError GpuArena::request(SessionId session, Need need, TimeNs now) {
+bool GpuArena::set_oversubscribe(double ratio) {
+  Impl& m = *impl_;
+  if (!(ratio >= 1.0)) return false;
+  const Bytes bound = Impl::scaled(m.usable, ratio);
+  if (m.reserved + m.lanes.total() > bound) return false;
+  if (!(ratio > 1.0)) {
+    if (m.resident_reserved != m.reserved || m.swapped_bytes != 0) return false;
+    for (const auto& [id, s] : m.sessions)
+      if (!s.on_gpu()) return false;
+  }
+  m.options.oversubscribe = ratio;
+  m.admit_usable = bound;
+  m.reconcile(true);
+  return true;
+}
+
+ArenaError GpuArena::request(SessionId session, Need need, TimeNs now, double key) {
   Impl& m = *impl_;
   if (m.sessions.count(session)) return ArenaError::duplicate;
   if (m.too_large(need, 0)) return ArenaError::too_large;
@@ -376,33 +509,59 @@ ArenaError GpuArena::request(SessionId session, Need need, TimeNs now) {
   s.p = align_up(need.persistent);
   s.e = align_up(need.ephemeral);
   s.arrival = m.next_arrival++;
-  m.queue.push(session, s.arrival, now, s.p_new(), s.e);
+  m.queue.push(session, s.arrival, now, s.p_new(), s.e, key);
   m.sessions.emplace(session, s);
   m.reconcile(true);
   return ArenaError::ok;
 }
 
-ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now) {
+ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now, double key) {
   Impl& m = *impl_;
   auto it = m.sessions.find(session);
   if (it == m.sessions.end()) return ArenaError::unknown_session;
   SessionState& s = it->second;
   if (m.too_large(need, s.used)) return ArenaError::too_large;
   if (s.admitted) {
-    m.reserved -= s.reserved() - s.used;
+    m.add_reserved(s, -(s.reserved() - s.used));
     if (const Lane* l = m.lanes.find(*s.lane); l && l->busy)
       m.draining.emplace_back(*s.lane, session);
     m.lanes.remove_member(*s.lane, session, true);
     s.lane.reset();
     s.admitted = false;
-    m.queue.push(session, s.arrival, now, 0, 0);
+    m.queue.push(session, s.arrival, now, 0, 0, key);
+    m.sync_passable(session);
   }
   s.declared = need;
   s.p = align_up(need.persistent);
   s.e = align_up(need.ephemeral);
   m.queue.set_need(session, s.p_new(), s.e);
+  m.queue.set_key(session, key);
   m.reconcile(true);
   return ArenaError::ok;
+}
+
+AdmissionBounds GpuArena::admission_bounds() const {
+  return impl_->bounds();
+}
+
+bool GpuArena::would_admit(const Need& need) const {
+  const Impl& m = *impl_;
+  if (!m.queue.empty() || m.too_large(need, 0)) return false;
+  bool held = false;
+  Bytes want = 0;
+  const LaneDecision d =
+      m.decide(0, align_up(need.persistent), align_up(need.ephemeral), need.group, held, want);
+  return d.step != LaneStep::none && !held;
+}
+
+bool GpuArena::set_admission_key(SessionId session, double key, TimeNs /*now*/) {
+  Impl& m = *impl_;
+  const std::optional<QueuedRequest> q = m.queue.find(session);
+  if (!q) return false;
+  if (q->key == key) return true;
+  m.queue.set_key(session, key);
+  m.reconcile(true);
+  return true;
 }
 
 void GpuArena::leave(SessionId session, TimeNs /*now*/) {
@@ -410,11 +569,17 @@ void GpuArena::leave(SessionId session, TimeNs /*now*/) {
   auto it = m.sessions.find(session);
   if (it == m.sessions.end()) return;
   SessionState& s = it->second;
-  m.reserved -= s.reserved();
+  m.add_reserved(s, -s.reserved());
   if (s.lane) m.lanes.remove_member(*s.lane, session);
   m.queue.remove(session);
   std::erase_if(m.draining, [session](const auto& d) { return d.second == session; });
   if (m.heap.release_all(m.space, session) > 0) m.lanes.mark_dirty();
+  if (s.res == Residency::swapped)
+    std::erase_if(m.swapped_buffers, [&](const auto& b) {
+      if (b.second.first != session) return false;
+      m.swapped_bytes -= b.second.second;
+      return true;
+    });
   m.sessions.erase(it);
   m.reconcile(true);
 }
@@ -449,8 +614,16 @@ void GpuArena::end_iteration(LaneId lane, TimeNs /*now*/) {
   if (!m.lanes.end(lane)) return;
   // Sessions that left this lane while it ran have drained: they count in the queue again,
   // and a pass must offer them what they waited for.
-  const bool drained =
-      std::erase_if(m.draining, [lane](const auto& d) { return d.first == lane; }) > 0;
+  bool drained = false;
+  if (!m.draining.empty()) {  // usually empty: end_iteration is on salus-sim's hot path
+    std::vector<SessionId> done;
+    std::erase_if(m.draining, [&](const auto& d) {
+      if (d.first == lane) done.push_back(d.second);
+      return d.first == lane;
+    });
+    for (SessionId s : done) m.sync_passable(s);
+    drained = !done.empty();
+  }
   m.reconcile(drained);
 }
 
@@ -460,11 +633,12 @@ AllocResult GpuArena::alloc_persistent(SessionId session, Bytes size) {
   if (it == m.sessions.end()) return {ArenaError::unknown_session};
   SessionState& s = it->second;
   if (!s.admitted) return {ArenaError::not_admitted};
+  if (!s.on_gpu() || s.res == Residency::swapping_out) return {ArenaError::swapped_out};
   if (size > m.usable) return {ArenaError::no_memory};
   const Bytes rounded = align_up(std::max<Bytes>(size, 1));
   const Bytes before = s.reserved();
   const Bytes after = std::max(s.p, s.used + rounded);
-  if (after - before > m.slack()) return {ArenaError::no_memory};
+  if (after - before > std::min(m.slack(), m.phys_slack())) return {ArenaError::no_memory};
   const std::optional<BufferHandle> h = m.heap.allocate(m.space, session, rounded, m.lanes.total());
   if (!h) {
     m.heap.request_room(rounded);
@@ -473,7 +647,7 @@ AllocResult GpuArena::alloc_persistent(SessionId session, Bytes size) {
     return {ArenaError::fragmented};
   }
   s.used += rounded;
-  m.reserved += after - before;
+  m.add_reserved(s, after - before);
   m.heap.settle_compaction(m.lanes.total());
   m.verify();
   return {ArenaError::ok, *h, m.heap.find(*h)->offset};
@@ -481,15 +655,25 @@ AllocResult GpuArena::alloc_persistent(SessionId session, Bytes size) {
 
 void GpuArena::free_persistent(BufferHandle buffer) {
   Impl& m = *impl_;
-  const std::optional<PersistentBuffer> b = m.heap.release(m.space, buffer);
-  if (!b) return;
+  std::optional<PersistentBuffer> b = m.heap.release(m.space, buffer);
+  if (!b) {
+    auto sw = m.swapped_buffers.find(buffer);
+    if (sw == m.swapped_buffers.end()) return;
+    b = PersistentBuffer{buffer, sw->second.first, 0, sw->second.second, {}, {}, {}};
+    m.swapped_bytes -= sw->second.second;
+    m.swapped_buffers.erase(sw);
+  }
   SessionState& s = m.sessions.at(b->owner);
   const Bytes before = s.reserved();
   s.used -= b->size;
-  m.reserved -= before - s.reserved();
+  m.add_reserved(s, -(before - s.reserved()));
   if (!s.admitted) m.queue.set_need(b->owner, s.p_new(), s.e);
   m.lanes.mark_dirty();
   m.reconcile(true);
+}
+
+bool GpuArena::buffer_on_gpu(BufferHandle buffer) const {
+  return impl_->heap.find(buffer) != nullptr;
 }
 
 Bytes GpuArena::buffer_offset(BufferHandle buffer) const {
@@ -504,6 +688,7 @@ std::vector<PersistentMove> GpuArena::session_idle(SessionId session) {
   if (const Lane* l = it->second.lane ? m.lanes.find(*it->second.lane) : nullptr;
       l && l->busy && l->running == session)
     return {};  // not idle after all: its iteration is in flight
+  if (it->second.res != Residency::resident) return {};  // its memory is leaving or gone
   for (const auto& [lane, s] : m.draining)
     if (s == session) return {};  // its work may still run in the lane it left
   std::vector<PersistentMove> moves = m.heap.plan_moves(m.space, session, m.lanes.total());
@@ -525,14 +710,121 @@ bool GpuArena::compaction_pending() const {
   return impl_->heap.compaction_pending(impl_->lanes.total());
 }
 
+Residency GpuArena::residency(SessionId session) const {
+  auto it = impl_->sessions.find(session);
+  return it == impl_->sessions.end() ? Residency::resident : it->second.res;
+}
+
+Bytes GpuArena::resident_room() const {
+  return impl_->phys_slack();
+}
+
+Bytes GpuArena::swap_in_bytes(SessionId session) const {
+  auto it = impl_->sessions.find(session);
+  return it == impl_->sessions.end() ? 0 : it->second.reserved();
+}
+
+Bytes GpuArena::lane_room_wanted() const {
+  return impl_->lane_room_wanted;
+}
+
+bool GpuArena::begin_swap_out(SessionId session, std::vector<SwapBuffer>& out) {
+  Impl& m = *impl_;
+  out.clear();
+  auto it = m.sessions.find(session);
+  if (it == m.sessions.end()) return false;
+  SessionState& s = it->second;
+  if (!s.admitted || s.res != Residency::resident || m.heap.has_outstanding(session)) return false;
+  if (const Lane* l = s.lane ? m.lanes.find(*s.lane) : nullptr;
+      l && l->busy && l->running == session)
+    return false;
+  for (const auto& [lane, d] : m.draining)
+    if (d == session) return false;
+  if (const auto* handles = m.heap.buffers_of(session))
+    for (BufferHandle h : *handles) {
+      const PersistentBuffer* b = m.heap.find(h);
+      if (b->then_to) return false;  // half of a two-step move: finish it first
+      out.push_back({h, b->offset, b->size});
+    }
+  s.res = Residency::swapping_out;
+  m.verify();
+  return true;
+}
+
+void GpuArena::finish_swap_out(SessionId session, TimeNs /*now*/) {
+  Impl& m = *impl_;
+  auto it = m.sessions.find(session);
+  if (it == m.sessions.end() || it->second.res != Residency::swapping_out) return;
+  SessionState& s = it->second;
+  if (const auto* handles = m.heap.buffers_of(session)) {
+    const std::vector<BufferHandle> hs(handles->begin(), handles->end());
+    for (BufferHandle h : hs) {
+      const std::optional<PersistentBuffer> b = m.heap.release(m.space, h);
+      m.swapped_buffers.emplace(h, std::make_pair(session, b->size));
+      m.swapped_bytes += b->size;
+    }
+  }
+  m.resident_reserved -= s.reserved();
+  s.res = Residency::swapped;
+  m.lanes.mark_dirty();
+  m.reconcile(true);
+}
+
+void GpuArena::cancel_swap_out(SessionId session) {
+  auto it = impl_->sessions.find(session);
+  if (it != impl_->sessions.end() && it->second.res == Residency::swapping_out)
+    it->second.res = Residency::resident;
+  impl_->verify();
+}
+
+ArenaError GpuArena::swap_in(SessionId session, std::vector<SwapBuffer>& out) {
+  Impl& m = *impl_;
+  out.clear();
+  auto it = m.sessions.find(session);
+  if (it == m.sessions.end()) return ArenaError::unknown_session;
+  SessionState& s = it->second;
+  if (s.res != Residency::swapped) return ArenaError::ok;
+  if (s.reserved() > m.phys_slack()) return ArenaError::no_memory;
+  std::vector<std::pair<BufferHandle, Bytes>> mine;
+  for (const auto& [h, b] : m.swapped_buffers)
+    if (b.first == session) mine.emplace_back(h, b.second);
+  // Largest first packs best; handle order breaks ties so the layout is deterministic.
+  std::sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) {
+    return a.second != b.second ? a.second > b.second : a.first < b.first;
+  });
+  for (const auto& [h, size] : mine) {
+    if (!m.heap.allocate(m.space, session, size, m.lanes.total(), h)) {
+      for (const SwapBuffer& placed : out) m.heap.release(m.space, placed.buffer);
+      out.clear();
+      m.heap.request_room(size);
+      m.heap.settle_compaction(m.lanes.total());
+      m.verify();
+      return ArenaError::fragmented;
+    }
+    out.push_back({h, m.heap.find(h)->offset, size});
+  }
+  for (const SwapBuffer& b : out) {
+    m.swapped_buffers.erase(b.buffer);
+    m.swapped_bytes -= b.size;
+  }
+  s.res = Residency::resident;
+  m.resident_reserved += s.reserved();
+  m.heap.settle_compaction(m.lanes.total());
+  m.verify();
+  return ArenaError::ok;
+}
+
 MemorySummary GpuArena::memory() const {
   const Impl& m = *impl_;
   MemorySummary s;
   s.capacity = m.capacity;
-  s.persistent_used = m.heap.used();
+  s.admit_capacity = m.options.oversubscribe > 1.0 ? m.admit_usable : m.capacity;
+  s.resident_reserved = m.resident_reserved;
+  s.swapped = m.swapped_bytes;
+  s.persistent_used = m.heap.used() + m.swapped_bytes;
   s.persistent_reserved = m.reserved;
   s.lane_total = m.lanes.total();
-  s.free = m.capacity - m.reserved - m.lanes.total();
+  s.free = s.admit_capacity - std::min(s.admit_capacity, m.reserved + m.lanes.total());
   s.largest_hole = m.space.largest_hole();
   const Bytes physically_free = m.space.free_bytes();
   s.fragmentation = physically_free == 0 ? 0.0
@@ -564,7 +856,8 @@ std::vector<QueueEntry> GpuArena::queue() const {
   std::vector<QueueEntry> out;
   out.reserve(impl_->queue.size());
   impl_->queue.for_each([&](const QueuedRequest& q) {
-    out.push_back({q.session, impl_->sessions.at(q.session).declared, q.waiting_since, q.bypassed});
+    out.push_back(
+        {q.session, impl_->sessions.at(q.session).declared, q.waiting_since, q.bypassed, q.key});
   });
   return out;
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -47,8 +48,14 @@ enum class LaneMode : std::uint8_t {
 
 struct ArenaOptions {
   QueueMode queue_mode = QueueMode::bounded_bypass;
+  // How many later arrivals may be admitted ahead of a waiting request before the queue
+  // turns strict behind it (whatever order the policy's keys give).
   std::uint32_t max_bypass = 16;
   LaneMode lane_mode = LaneMode::salus;
+  // Oversubscription: admission lets the declared needs add up to this many times the
+  // capacity; only the sessions that are resident must fit the card (see "Residency").
+  // 1 is plain Salus: every admitted session is resident.
+  double oversubscribe = 1.0;
 };
 
 enum class ArenaError : std::uint8_t {
@@ -59,9 +66,20 @@ enum class ArenaError : std::uint8_t {
   duplicate,        // request() for a session already known
   no_memory,        // the safety condition would break
   fragmented,       // accounting fits but no hole is big enough yet; compaction is planned
+  swapped_out,      // the session's memory is not on the GPU now (oversubscription)
 };
 
 const char* to_string(ArenaError);
+
+// What may still be admitted: a request needs persistent <= room and
+// persistent + ephemeral <= total (the largest lane it could join or grow included),
+// and a queue key below key_below (a caller's own limit; the arena sets none);
+// anything beyond a bound is refused without a closer look.
+struct AdmissionBounds {
+  Bytes room = ~Bytes{0};
+  Bytes total = ~Bytes{0};
+  double key_below = std::numeric_limits<double>::infinity();
+};
 
 struct Admitted {
   SessionId session;
@@ -84,12 +102,30 @@ struct AllocResult {
   Bytes offset = 0;
 };
 
+// A persistent buffer that a swap moves between the GPU and the host. Its handle
+// stays the same across the swap; its offset may change.
+struct SwapBuffer {
+  BufferHandle buffer;
+  Bytes offset;
+  Bytes size;
+};
+
+// Where a session's persistent memory is (oversubscription).
+enum class Residency : std::uint8_t {
+  resident,      // on the GPU (every session at oversubscribe 1)
+  swapping_out,  // on the GPU, being copied out: its ranges stay held until finish_swap_out
+  swapped,       // not on the GPU: its buffers hold no range
+};
+
 struct MemorySummary {
   Bytes capacity = 0;
+  Bytes admit_capacity = 0;       // capacity x oversubscribe: what admission may hand out
+  Bytes resident_reserved = 0;    // persistent_reserved of the sessions on the GPU
+  Bytes swapped = 0;              // bytes of buffers that are off the GPU (swapped out)
   Bytes persistent_used = 0;      // bytes held by live persistent buffers
   Bytes persistent_reserved = 0;  // sum over admitted sessions of max(declared P, used)
   Bytes lane_total = 0;           // sum of lane sizes (the ephemeral region)
-  Bytes free = 0;                 // capacity - persistent_reserved - lane_total
+  Bytes free = 0;                 // admit_capacity - persistent_reserved - lane_total
   Bytes largest_hole = 0;         // largest physically free contiguous range
   double fragmentation = 0.0;     // 1 - largest_hole / physically free bytes (0 when none free)
   std::uint32_t lanes = 0;
@@ -112,6 +148,7 @@ struct QueueEntry {
   Need need;
   TimeNs waiting_since;
   std::uint32_t bypassed;  // how many later requests were admitted ahead of it
+  double key = 0.0;        // the policy's admission key: the queue is in this order
 };
 
 struct Placement {
@@ -156,11 +193,16 @@ class GpuArena {
   Bytes capacity() const;
   const ArenaOptions& options() const;
   void set_queue_mode(QueueMode mode);  // admin: strict FIFO or bounded bypass
+  // Admin: a new oversubscription ratio (>= 1). Refused (false) when what is admitted
+  // already passes the new bound, or, going back to 1, while a session is not resident.
+  bool set_oversubscribe(double ratio);
 
   // ---- Admission ----
   // Queues the session's need (arrival order is the order of these calls) and
   // runs assignment. too_large if P + E > capacity; duplicate if already known.
-  ArenaError request(SessionId session, Need need, TimeNs now);
+  // `key` orders the queue (smaller first, arrival order among equals): the
+  // scheduling policy's admission key (sched::admission_key); 0 keeps arrival order.
+  ArenaError request(SessionId session, Need need, TimeNs now, double key = 0.0);
   // New need for a queued or admitted session. An admitted session keeps its
   // persistent buffers, leaves its lane, and is re-queued at its original
   // arrival position (re-admission). Runs assignment. If its lane is busy, the session
@@ -169,7 +211,16 @@ class GpuArena {
   // session without charging it bypasses while it is refused (others do not delay it then); it may
   // still be admitted to another lane at once if there is room. session_idle plans no
   // moves of its buffers until the drain.
-  ArenaError change_need(SessionId session, Need need, TimeNs now);
+  ArenaError change_need(SessionId session, Need need, TimeNs now, double key = 0.0);
+  // The queue key of a waiting session changed (its priority, or the policy): it moves
+  // in the queue, keeping its bypass count, and assignment runs. False if not queued.
+  bool set_admission_key(SessionId session, double key, TimeNs now);
+  // Whether a request() for `need` by a new session would be admitted at once: nothing
+  // is queued here and Algorithm 1 has a lane for it now. Changes nothing. For late
+  // binding: a host-wide queue places a job on a GPU only when one admits it.
+  bool would_admit(const Need& need) const;
+  // Necessary conditions for any admission now (see AdmissionBounds).
+  AdmissionBounds admission_bounds() const;
   // The session is gone: its persistent buffers are freed, its lane reference is
   // dropped (an empty lane is deleted), its queue slot is removed. Runs assignment.
   void leave(SessionId session, TimeNs now);
@@ -197,6 +248,8 @@ class GpuArena {
   AllocResult alloc_persistent(SessionId session, Bytes size);
   void free_persistent(BufferHandle buffer);
   Bytes buffer_offset(BufferHandle buffer) const;
+  // Whether the buffer holds a GPU range now (false while its session is swapped out).
+  bool buffer_on_gpu(BufferHandle buffer) const;
 
   // ---- Persistent compaction ----
   // Called when `session` has no work in flight. Returns the moves of this
@@ -210,6 +263,32 @@ class GpuArena {
   // Whether compaction has moves planned (so the caller knows to visit idle sessions).
   bool compaction_pending() const;
 
+  // ---- Residency (oversubscription) ----
+  // Only sessions that are resident (or swapping out) hold GPU ranges, and only they
+  // count in the physical safety condition: resident P + L <= C. Every admitted
+  // session counts in the admission bound: P + L <= C x oversubscribe. A session
+  // admitted when its P did not fit the card starts swapped (it holds nothing yet).
+  Residency residency(SessionId session) const;
+  // Bytes the resident set may still grow by: C - resident P - L.
+  Bytes resident_room() const;
+  // What the session adds to the resident set when it is swapped in (its P_i).
+  Bytes swap_in_bytes(SessionId session) const;
+  // Bytes a lane that waits for physical room needs from the resident set (0: none).
+  Bytes lane_room_wanted() const;
+  // Starts a swap-out of an admitted, resident session that is not running and has no
+  // compaction moves out; otherwise returns false. `out` gets the buffers to copy
+  // to the host; they keep their ranges until finish_swap_out.
+  bool begin_swap_out(SessionId session, std::vector<SwapBuffer>& out);
+  // The copies are safe on the host: the ranges are freed and assignment runs again.
+  void finish_swap_out(SessionId session, TimeNs now);
+  // The copies failed: the session stays resident with its memory where it was.
+  void cancel_swap_out(SessionId session);
+  // Places a swapped session's buffers again under their old handles (`out`: where).
+  // no_memory: the resident set has no room for its P yet; fragmented: the room is
+  // there but not in one piece, compaction is planned. On ok it is resident at once;
+  // the caller copies the contents in before it runs.
+  ArenaError swap_in(SessionId session, std::vector<SwapBuffer>& out);
+
   // ---- Observation ----
   MemorySummary memory() const;
   std::vector<LaneView> lanes() const;
@@ -218,7 +297,8 @@ class GpuArena {
   const ArenaStats& stats() const;
 
   // Empty when every invariant holds; otherwise a description of the first
-  // violation. Checked after every operation in debug builds.
+  // violation. O(sessions + queue + lanes + buffers). Checked in debug builds after
+  // every operation on a small arena, and on a sample of them on a large one.
   std::string check_invariants() const;
   // Every physically held range, in offset order. A busy lane keeps holding its extent
   // until its boundary (one that grew meanwhile waits to move), so this can differ from

@@ -7,11 +7,11 @@ namespace salus::arena {
 PersistentHeap::PersistentHeap(Bytes top) : top_(top) {}
 
 std::optional<BufferHandle> PersistentHeap::allocate(SpaceMap& space, SessionId owner, Bytes size,
-                                                     Bytes floor) {
+                                                     Bytes floor, BufferHandle reuse) {
   const std::optional<Bytes> at = space.best_fit_top(size, floor);
   if (!at || *at + size > top_) return std::nullopt;
   space.take(*at, *at + size);
-  const BufferHandle handle = next_handle_++;
+  const BufferHandle handle = reuse != 0 ? reuse : next_handle_++;
   PersistentBuffer& b = buffers_[handle];
   b.handle = handle;
   b.owner = owner;

@@ -36,7 +36,10 @@ class PersistentHeap {
   explicit PersistentHeap(Bytes top);
 
   // Best fit at or above `floor`. `size` must be a nonzero multiple of kAlignment.
-  std::optional<BufferHandle> allocate(SpaceMap& space, SessionId owner, Bytes size, Bytes floor);
+  // `reuse` (nonzero) places a buffer that was released earlier under its old handle:
+  // a swapped-out session's buffers come back with the handles its work is bound to.
+  std::optional<BufferHandle> allocate(SpaceMap& space, SessionId owner, Bytes size, Bytes floor,
+                                       BufferHandle reuse = 0);
   // Frees the buffer and whatever is held for its moves. nullopt for an unknown handle.
   std::optional<PersistentBuffer> release(SpaceMap& space, BufferHandle handle);
   // Frees every buffer of `owner`, moves in flight included; returns the bytes freed.

@@ -49,6 +49,20 @@
  * allocation to `charged_bytes` before it reaches the driver and refuses one
  * that would pass the budget.
  *
+ * Swap (version 2): salusd may ask a program that is waiting at the gate (no
+ * iteration in flight) to move its memory off the GPU: it writes
+ * `swap_request` = SALUS_SWAP_REQ_OUT, increments `swap_seq` and wakes
+ * `grant_word`. The program carries it out while it waits (never on a launch):
+ * it synchronizes, copies every movable allocation to pinned host memory (or a
+ * spill file), and only when every copy is safe releases the device memory,
+ * keeping each virtual address reserved. It then writes its figures and
+ * `swap_result`, sets `swap_done_seq` = `swap_seq` and rings. A failure (host
+ * memory, spill disk) leaves everything on the GPU and says why in
+ * `swap_result` and `note`. SALUS_SWAP_REQ_IN brings the memory back to the
+ * same addresses; a grant while swapped brings it back before the program
+ * runs, whatever salusd asked. `budget_bytes`/`charged_bytes` do not change:
+ * the session's need is the same wherever its memory is.
+ *
  * All counters are naturally aligned and accessed with atomic operations
  * (C11 atomics / std::atomic_ref, or __atomic builtins); fields are owned by
  * one side, as marked. Layout is fixed: grow it only by appending and raising
@@ -60,7 +74,7 @@
 #include <stdint.h>
 
 #define SALUS_GATE_MAGIC 0x5441474553554C53ULL /* "SLUSGATE" little-endian */
-#define SALUS_GATE_VERSION 1u
+#define SALUS_GATE_VERSION 2u
 #define SALUS_GATE_DEAD_MS 2000u
 #define SALUS_GATE_NOTE_BYTES 512u
 
@@ -68,6 +82,17 @@
 #define SALUS_GATE_ATTACHING 0u /* the program filled in the header; salusd has not taken it */
 #define SALUS_GATE_ATTACHED 1u  /* salusd serves the gate */
 #define SALUS_GATE_DETACHED 2u  /* salusd let go (session ended, salusd stopping): run ungated */
+
+/* swap_request, written by salusd (with a new swap_seq) */
+#define SALUS_SWAP_REQ_NONE 0u
+#define SALUS_SWAP_REQ_OUT 1u /* at this boundary: move the movable memory to the host */
+#define SALUS_SWAP_REQ_IN 2u  /* bring it back now (ahead of the grant) */
+
+/* swap_state, written by the program */
+#define SALUS_SWAP_RESIDENT 0u /* all of its memory is on the GPU */
+#define SALUS_SWAP_OUT_BUSY 1u /* copying out */
+#define SALUS_SWAP_SWAPPED 2u  /* its movable memory is on the host (or in a spill file) */
+#define SALUS_SWAP_IN_BUSY 3u  /* copying back */
 
 /* marking, written by the program */
 #define SALUS_MARK_NONE 0u     /* no boundary seen yet */
@@ -91,7 +116,9 @@ struct salus_gate {
   uint32_t yield_requested; /* an unmarked program should come to a boundary (slice) */
   uint32_t gpu;             /* salusd's index of the session's GPU */
   uint64_t quantum_ns;      /* fallback slice length salusd wants, device time */
-  uint64_t reserved1[4];
+  uint32_t swap_request;    /* SALUS_SWAP_REQ_*, valid once swap_seq changed (version 2) */
+  uint32_t swap_seq;        /* incremented (after swap_request is written) for each request */
+  uint64_t reserved1[3];
 
   /* ---- written by the program ---- */
   uint64_t requested;       /* highest iteration the program wants to start */
@@ -106,7 +133,18 @@ struct salus_gate {
   uint32_t marking;         /* SALUS_MARK_* */
   uint32_t note_seq;        /* incremented after `note` is rewritten */
   char note[SALUS_GATE_NOTE_BYTES]; /* one line for the session log (NUL-terminated) */
-  uint64_t reserved2[8];
+  /* swap (version 2), the program's report; written before swap_done_seq */
+  uint32_t swap_done_seq;      /* the swap_seq of the last request carried out (or refused) */
+  uint32_t swap_state;         /* SALUS_SWAP_* */
+  int32_t swap_result;         /* of that request: 0, or -errno (-ENOMEM: pinned host memory,
+                                  -ENOSPC: spill disk full, -EIO: driver, -ENOTSUP: not movable) */
+  uint32_t reserved3;
+  uint64_t resident_bytes;     /* charged bytes now on the GPU */
+  uint64_t swapped_bytes;      /* charged bytes now on the host or in the spill file */
+  uint64_t swaps_out;          /* swap-outs done */
+  uint64_t swaps_in;           /* swap-ins done */
+  uint64_t swap_ns;            /* wall time of all swaps, summed */
+  uint64_t unswappable_bytes;  /* charged bytes the shim cannot move (see libsalus-shim(3)) */
 };
 
 #ifdef __cplusplus

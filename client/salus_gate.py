@@ -13,12 +13,15 @@ import mmap
 import os
 
 MAGIC = 0x5441474553554C53  # "SLUSGATE" little-endian
-VERSION = 1
+VERSION = 2
 DEAD_MS = 2000
 NOTE_BYTES = 512
 
 # state (salusd)
 ATTACHING, ATTACHED, DETACHED = 0, 1, 2
+# swap_request (salusd), swap_state (program)
+SWAP_REQ_NONE, SWAP_REQ_OUT, SWAP_REQ_IN = 0, 1, 2
+SWAP_RESIDENT, SWAP_OUT_BUSY, SWAP_SWAPPED, SWAP_IN_BUSY = 0, 1, 2, 3
 # marking (program)
 MARK_NONE, MARK_EXPLICIT, MARK_SLICE = 0, 1, 2
 
@@ -50,7 +53,9 @@ class SalusGate(ctypes.Structure):
         ("yield_requested", _u32),
         ("gpu", _u32),
         ("quantum_ns", _u64),
-        ("reserved1", _u64 * 4),
+        ("swap_request", _u32),
+        ("swap_seq", _u32),
+        ("reserved1", _u64 * 3),
         # the program's
         ("requested", _u64),
         ("completed", _u64),
@@ -64,7 +69,16 @@ class SalusGate(ctypes.Structure):
         ("marking", _u32),
         ("note_seq", _u32),
         ("note", ctypes.c_char * NOTE_BYTES),
-        ("reserved2", _u64 * 8),
+        ("swap_done_seq", _u32),
+        ("swap_state", _u32),
+        ("swap_result", _i32),
+        ("reserved3", _u32),
+        ("resident_bytes", _u64),
+        ("swapped_bytes", _u64),
+        ("swaps_out", _u64),
+        ("swaps_in", _u64),
+        ("swap_ns", _u64),
+        ("unswappable_bytes", _u64),
     ]
 
 

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstring>
 #include <fstream>
@@ -129,6 +130,10 @@ struct Held {
   pid_t pid = 0;
   std::mutex mu;
   bool interrupted = false;
+  // Interrupted by a signal that was not fatal, and not given up (a write some
+  // of whose lines ran). The kernel sends no second FUSE_INTERRUPT when a
+  // SIGKILL follows, so watch_dying_callers() looks for one.
+  bool lingering = false;
   SessionId session = 0;
   std::uint64_t ticket = 0;
 };
@@ -172,11 +177,41 @@ void on_interrupt(fuse_req_t req, void* data) {
   if (!ready) return;  // held_as() cancels it once it has the ticket
   t_interrupting = req;
   try {
-    fs_of(req)->broker().cancel_request(h->session, h->ticket, caller_dying(h->pid));
+    if (!fs_of(req)->broker().cancel_request(h->session, h->ticket, caller_dying(h->pid))) {
+      std::lock_guard lk(h->mu);
+      h->lingering = true;
+    }
   } catch (const std::exception& e) {
     spdlog::error("interrupt: {}", e.what());
   }
   t_interrupting = nullptr;
+}
+
+// While serve() runs: a held request whose caller got a non-fatal signal and
+// then SIGKILL gets no second FUSE_INTERRUPT (the kernel sends one per request,
+// then waits uninterruptibly once the request was read), so its killed caller
+// would stay in D state until salusd answered. Every 100 ms, each such
+// request's caller is checked, and one being killed is given up.
+void watch_dying_callers(Filesystem& fs, std::mutex& mu, std::condition_variable& cv,
+                         const bool& stop) {
+  std::unique_lock lk(mu);
+  while (!cv.wait_for(lk, std::chrono::milliseconds(100), [&] { return stop; })) {
+    std::vector<std::shared_ptr<Held>> lingering;
+    {
+      std::lock_guard g(g_held_mu);
+      for (const auto& [key, h] : g_held) {
+        std::lock_guard hl(h->mu);
+        if (h->lingering) lingering.push_back(h);
+      }
+    }
+    for (const auto& h : lingering) {
+      try {
+        if (caller_dying(h->pid)) fs.broker().cancel_request(h->session, h->ticket, true);
+      } catch (const std::exception& e) {
+        spdlog::error("interrupt watch: {}", e.what());
+      }
+    }
+  }
 }
 
 // Registers `req` as held, before the broker sees it. If its caller was
@@ -205,7 +240,10 @@ void held_as(Filesystem& fs, const std::shared_ptr<Held>& h, SessionId session,
     h->ticket = ticket;
     interrupted = h->interrupted;
   }
-  if (interrupted && ticket) fs.broker().cancel_request(session, ticket, caller_dying(h->pid));
+  if (interrupted && ticket && !fs.broker().cancel_request(session, ticket, caller_dying(h->pid))) {
+    std::lock_guard lk(h->mu);
+    h->lingering = true;
+  }
 }
 
 // Before the answer: no interrupt hook may run for the request after it.
@@ -736,6 +774,9 @@ void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
   }
   // A clone session belongs to its open file; it ends when that file closes.
   if (!b.session_is_named(*id)) {
+    b.note(*id,
+           "rmdir refused (EBUSY): a clone session ends when the last descriptor of its "
+           "clone file is closed (or by `kill ID` on /salus/ctl)");
     fuse_reply_err(req, EBUSY);
     return;
   }
@@ -768,6 +809,18 @@ void reply_open(fuse_req_t req, fuse_file_info* fi, std::shared_ptr<OpenFile> of
 // Opening clone creates a session tied to this open file; the first read
 // returns its id.
 void open_clone(fuse_req_t req, fuse_file_info* fi, Broker& b, const Caller& caller) {
+  // Write-only (`echo need ... > clone`): the opener can never read the id, and
+  // the session would end, with whatever the write started, at the close that
+  // follows. Refused before a session exists, so nothing runs and vanishes.
+  if ((fi->flags & O_ACCMODE) == O_WRONLY) {
+    spdlog::info(
+        "clone: refused a write-only open by uid {} pid {} (EINVAL): a clone session lives "
+        "only while its file is open; open it read-write (exec 3<>clone) or use a named "
+        "session (mkdir sessions/NAME, then write to its ctl)",
+        caller.uid, caller.pid);
+    fuse_reply_err(req, EINVAL);
+    return;
+  }
   const auto id = b.create_session(caller, "");
   if (id < 0) {
     fuse_reply_err(req, static_cast<int>(-id));
@@ -959,13 +1012,19 @@ void op_read(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*
       fuse_reply_err(req, EINVAL);
       return;
     }
-    fs.broker().read_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), size,
-                            [req](int err, std::span<const char> data) {
-                              if (err)
-                                fuse_reply_err(req, err);
-                              else
-                                fuse_reply_buf(req, data.data(), data.size());
-                            });
+    // Held behind the session's earlier work, which may be a long spin: a
+    // killed reader must not wait for it.
+    auto h = hold(req);
+    const std::uint64_t ticket =
+        fs.broker().read_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), size,
+                                [h](int err, std::span<const char> data) {
+                                  unhold(*h);
+                                  if (err)
+                                    fuse_reply_err(h->req, err);
+                                  else
+                                    fuse_reply_buf(h->req, data.data(), data.size());
+                                });
+    held_as(fs, h, in.id, ticket);
     return;
   }
   reply_slice(req, of->content, size, off);
@@ -984,9 +1043,11 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
       fuse_reply_err(req, EACCES);
       return;
     }
-    const int rc = b.set_policy(std::string(text));
+    std::string why;
+    const int rc = b.set_policy(std::string(text), why);
     if (rc) {
-      spdlog::warn("policy: rejected '{}'", std::string(text.substr(0, text.find('\n'))));
+      // No session log to put it in: the daemon log, for the admin.
+      spdlog::warn("policy: rejected '{}': {}", std::string(text.substr(0, text.find('\n'))), why);
       fuse_reply_err(req, rc);
     } else {
       spdlog::info("policy: now '{}'", std::string(text.substr(0, text.find('\n'))));
@@ -995,16 +1056,20 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
     return;
   }
   if (in.kind == Kind::top_file && static_cast<TopFile>(in.sub) == TopFile::ctl) {
-    std::string reply;
+    std::string reply, why, line;
     std::size_t start = 0;
     int rc = 0;
     while (start < text.size() && rc == 0) {
       std::size_t nl = text.find('\n', start);
       if (nl == std::string_view::npos) nl = text.size();
-      rc = b.admin_command(std::string(text.substr(start, nl - start)), reply);
+      line = std::string(text.substr(start, nl - start));
+      rc = b.admin_command(line, reply, why);
       start = nl + 1;
     }
-    add_reply(*of, rc ? fmt::format("error {}\n", strerrorname_np(rc)) : reply);
+    // The reason goes back to the writer in the reply (there is no session log
+    // here), and to the daemon log.
+    if (rc) spdlog::warn("ctl: '{}' failed: {} ({})", line, why, strerrorname_np(rc));
+    add_reply(*of, rc ? fmt::format("error {}: {}\n", strerrorname_np(rc), why) : reply);
     if (rc)
       fuse_reply_err(req, rc);
     else
@@ -1039,13 +1104,16 @@ void op_write(fuse_req_t req, fuse_ino_t, const char* buf, size_t size, off_t of
       fuse_reply_err(req, EINVAL);
       return;
     }
-    b.write_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), buf, size,
-                   [req](int err, arena::Bytes written) {
-                     if (err)
-                       fuse_reply_err(req, err);
-                     else
-                       fuse_reply_write(req, written);
-                   });
+    auto h = hold(req);
+    const std::uint64_t ticket = b.write_buffer(in.id, in.sub, static_cast<arena::Bytes>(off), buf,
+                                                size, [h](int err, arena::Bytes written) {
+                                                  unhold(*h);
+                                                  if (err)
+                                                    fuse_reply_err(h->req, err);
+                                                  else
+                                                    fuse_reply_write(h->req, written);
+                                                });
+    held_as(fs, h, in.id, ticket);
     return;
   }
   fuse_reply_err(req, EACCES);
@@ -1239,7 +1307,14 @@ int Filesystem::mount(std::string& why) {
   struct stat st;
   if (::stat(mp.c_str(), &st) != 0) {
     if (errno == ENOTCONN) return dead_mount(mp, why);
-    if (errno != ENOENT || ::mkdir(mp.c_str(), 0755) != 0) return failed(errno, mp, why);
+    if (errno != ENOENT) return failed(errno, mp, why);
+    if (::mkdir(mp.c_str(), 0755) != 0) {
+      // Only the last component is created: say so rather than a bare ENOENT.
+      const int err = errno;
+      why = fmt::format("mountpoint {}: cannot create it: {}{}", mp, std::strerror(err),
+                        err == ENOENT ? " (salusd creates the mountpoint, not its parents)" : "");
+      return err;
+    }
   } else if (!S_ISDIR(st.st_mode)) {
     why = fmt::format("mountpoint {} is not a directory", mp);
     return ENOTDIR;
@@ -1282,7 +1357,17 @@ int Filesystem::serve() {
   fuse_loop_config* cfg = fuse_loop_cfg_create();
   fuse_loop_cfg_set_max_threads(cfg, options_.max_threads);
   fuse_loop_cfg_set_idle_threads(cfg, 4);
+  std::mutex watch_mu;
+  std::condition_variable watch_cv;
+  bool watch_stop = false;
+  std::thread watch([&] { watch_dying_callers(*this, watch_mu, watch_cv, watch_stop); });
   const int rc = fuse_session_loop_mt(session_, cfg);
+  {
+    std::lock_guard lk(watch_mu);
+    watch_stop = true;
+  }
+  watch_cv.notify_all();
+  watch.join();
   fuse_loop_cfg_destroy(cfg);
   fuse_remove_signal_handlers(session_);
   return rc < 0 ? 1 : 0;

@@ -12,18 +12,28 @@ void GpuScheduler::set_policy(PolicyKind policy) {
   if (policy == policy_) return;
   policy_ = policy;
   for (auto& [id, s] : sessions_) rerank(s);
+  for (auto& [id, s] : sessions_) requeue_key(s);
+}
+
+// A waiting session's place in the admission queue follows the policy's key.
+void GpuScheduler::requeue_key(const SessionSched& s) {
+  if (!s.lane) arena_.set_admission_key(s.id, admission_key(policy_, s.in), 0);
 }
 
 arena::ArenaError GpuScheduler::arrive(SessionId id, arena::Need need, std::int32_t priority,
                                        std::optional<std::uint64_t> iters, TimeNs now) {
   if (sessions_.count(id)) return arena::ArenaError::duplicate;
-  const arena::ArenaError err = arena_.request(id, need, now);
+  RankInputs in;
+  in.arrival = next_arrival_;
+  in.priority = priority;
+  in.iters = iters;
+  const arena::ArenaError err = arena_.request(id, need, now, admission_key(policy_, in));
   if (err != arena::ArenaError::ok) return err;
+  ++next_arrival_;
   SessionSched& s = sessions_[id];
   s.id = id;
-  s.in.arrival = next_arrival_++;
-  s.in.priority = priority;
-  s.in.iters = iters;
+  residency_.add(id, now);
+  s.in = in;
   return err;
 }
 
@@ -31,12 +41,14 @@ arena::ArenaError GpuScheduler::change_need(SessionId id, arena::Need need,
                                             std::optional<std::uint64_t> iters, TimeNs now) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return arena::ArenaError::unknown_session;
-  const arena::ArenaError err = arena_.change_need(id, need, now);
-  if (err != arena::ArenaError::ok) return err;
   SessionSched& s = it->second;
+  RankInputs in = s.in;
+  if (iters) in.iters = iters;
+  const arena::ArenaError err = arena_.change_need(id, need, now, admission_key(policy_, in));
+  if (err != arena::ArenaError::ok) return err;
   unlink(s);
   s.lane.reset();  // re-admission decides the lane again
-  if (iters) s.in.iters = iters;
+  s.in = in;
   return err;
 }
 
@@ -45,6 +57,7 @@ void GpuScheduler::set_priority(SessionId id, std::int32_t priority) {
   if (it == sessions_.end()) return;
   it->second.in.priority = priority;
   rerank(it->second);
+  requeue_key(it->second);
 }
 
 void GpuScheduler::leave(SessionId id, TimeNs now) {
@@ -58,6 +71,8 @@ void GpuScheduler::leave(SessionId id, TimeNs now) {
     }
     sessions_.erase(it);
   }
+  residency_.remove(id);
+  std::erase(wanted_, id);
   arena_.leave(id, now);
   // Drop the queues of lanes the arena deleted, and only those: a live lane's
   // FAIR clock must survive moments when none of its sessions is runnable.
@@ -115,7 +130,23 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   auto it = lanes_.find(lane);
   if (it == lanes_.end() || it->second.runnable.empty()) return std::nullopt;
   LaneQueue& q = it->second;
-  const SessionId chosen = q.runnable.begin()->second;
+  SessionId chosen = q.runnable.begin()->second;
+  if (oversubscribed()) {
+    std::optional<SessionId> found;
+    for (const auto& [key, id] : q.runnable) {
+      const arena::Residency r = arena_.residency(id);
+      const SessionResidency* sr = residency_.find(id);
+      if (r == arena::Residency::resident && sr && !sr->evicting && !sr->swapping) {
+        found = id;
+        break;
+      }
+      if (r == arena::Residency::swapped &&
+          std::find(wanted_.begin(), wanted_.end(), id) == wanted_.end())
+        wanted_.push_back(id);
+    }
+    if (!found) return std::nullopt;
+    chosen = *found;
+  }
   ++stats_.decisions;
   if (q.last && *q.last != chosen) {
     ++stats_.switches;
@@ -125,6 +156,39 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   q.last = chosen;
   if (policy_ == PolicyKind::fair) q.vclock = std::max(q.vclock, sessions_.at(chosen).in.vtime);
   return chosen;
+}
+
+void GpuScheduler::want_resident(SessionId id) {
+  if (std::find(wanted_.begin(), wanted_.end(), id) == wanted_.end()) wanted_.push_back(id);
+}
+
+ResidencyPlan GpuScheduler::plan_residency(const std::function<bool(SessionId)>& swappable,
+                                           TimeNs now) {
+  if (!oversubscribed()) return {};
+  // Best-ranked first across lanes, so that the policy, not the lane order, says who
+  // comes back next (a session just swapped out ranks behind the one it made room for).
+  // Sessions wanted for an allocation or a transfer, not for a dispatch, come last.
+  auto key = [&](SessionId id) {
+    auto it = sessions_.find(id);
+    return it != sessions_.end() && it->second.runnable
+               ? std::make_pair(0, it->second.key)
+               : std::make_pair(1, RankKey{0.0, it != sessions_.end() ? it->second.in.arrival : 0});
+  };
+  std::stable_sort(wanted_.begin(), wanted_.end(),
+                   [&](SessionId a, SessionId b) { return key(a) < key(b); });
+  // FIFO runs one job to completion: the session holding the GPU is never a victim.
+  std::optional<SessionId> holder;
+  if (policy_ == PolicyKind::fifo) {
+    const SessionSched* best = nullptr;
+    for (const auto& [id, s] : sessions_)
+      if ((s.runnable || s.in_flight > 0) && s.lane && (!best || s.in.arrival < best->in.arrival))
+        best = &s;
+    if (best) holder = best->id;
+  }
+  ResidencyPlan plan = residency_.plan(
+      arena_, wanted_, [&](SessionId id) { return id != holder && swappable(id); }, now);
+  wanted_.clear();
+  return plan;
 }
 
 std::int64_t GpuScheduler::charge_estimate(const RankInputs& in) {
@@ -149,6 +213,35 @@ void GpuScheduler::iterations_repeated(SessionId id, std::uint64_t count, std::i
     if (lq != lanes_.end()) lq->second.vclock = std::max(lq->second.vclock, s.in.vtime - last_ns);
   }
   if (policy_ == PolicyKind::fair || policy_ == PolicyKind::srtf) rerank(s);
+}
+
+void GpuScheduler::turns_repeated(LaneId lane, const std::vector<Turns>& turns, std::uint64_t picks,
+                                  std::uint64_t switches, SessionId last, std::int64_t last_vtime) {
+  stats_.decisions += picks;
+  stats_.switches += switches;
+  stats_.preemptions += switches;
+  for (const Turns& t : turns) {
+    auto it = sessions_.find(t.id);
+    if (it == sessions_.end() || t.count == 0) continue;
+    SessionSched& s = it->second;
+    // Each iteration was charged at dispatch and settled at its end: the charges cancel.
+    s.gpu_ns += t.device_ns;
+    s.in.done += t.count;
+    s.in.measured_ns += t.device_ns;
+    s.in.mean_iter_ns = static_cast<double>(s.in.measured_ns) / static_cast<double>(s.in.done);
+    s.in.vtime += t.device_ns;
+  }
+  auto lq = lanes_.find(lane);
+  if (lq != lanes_.end()) {
+    if (picks > 0) lq->second.last = last;
+    if (policy_ == PolicyKind::fair) lq->second.vclock = std::max(lq->second.vclock, last_vtime);
+  }
+  // Re-ranked once the lane's clock is final: no session's time is behind it (each one's
+  // next iteration comes after the last pick), so the clock moves no one.
+  for (const Turns& t : turns) {
+    auto it = sessions_.find(t.id);
+    if (it != sessions_.end() && t.count > 0) rerank(it->second);
+  }
 }
 
 void GpuScheduler::iteration_dispatched(SessionId id) {

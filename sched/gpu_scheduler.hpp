@@ -13,6 +13,7 @@
 
 #include "arena/gpu_arena.hpp"
 #include "sched/policy.hpp"
+#include "sched/residency.hpp"
 
 namespace salus::sched {
 
@@ -43,13 +44,15 @@ class GpuScheduler {
   arena::GpuArena& arena() { return arena_; }
   const arena::GpuArena& arena() const { return arena_; }
   PolicyKind policy() const { return policy_; }
-  // Sessions already admitted continue under the new policy: every lane is re-ranked.
+  // Sessions already admitted continue under the new policy: every lane is re-ranked, and
+  // the admission queue re-ordered by the new policy's key (sched::admission_key).
   void set_policy(PolicyKind policy);
 
   arena::ArenaError arrive(SessionId id, arena::Need need, std::int32_t priority,
                            std::optional<std::uint64_t> iters, TimeNs now);
   arena::ArenaError change_need(SessionId id, arena::Need need, std::optional<std::uint64_t> iters,
                                 TimeNs now);
+  // Re-ranks the session, in its lane or in the admission queue (which may admit).
   void set_priority(SessionId id, std::int32_t priority);
   void leave(SessionId id, TimeNs now);
   // Admissions since the last call; lane membership is updated before returning.
@@ -63,8 +66,18 @@ class GpuScheduler {
   // whose last queued iteration is still running holds the GPU until it ends, so the
   // next job does not start under it.
   bool lane_may_dispatch(LaneId lane) const;
-  // The decision: the lane's best-ranked runnable session, counted in stats.
+  // The decision: the lane's best-ranked runnable session, counted in stats. When
+  // oversubscribed, only a resident session that is not leaving or arriving is picked;
+  // swapped sessions ranked ahead of it are noted as wanted for plan_residency.
   std::optional<SessionId> pick(LaneId lane);
+  // Oversubscription: which swaps to start now, for the sessions picks found swapped.
+  ResidencyPlan plan_residency(const std::function<bool(SessionId)>& swappable, TimeNs now);
+  // A swapped session needs its memory for something other than a dispatch (an
+  // allocation, a transfer): plan_residency treats it as wanted.
+  void want_resident(SessionId id);
+  ResidencyPlanner& residency() { return residency_; }
+  const ResidencyPlanner& residency() const { return residency_; }
+  bool oversubscribed() const { return arena_.options().oversubscribe > 1.0; }
   // An iteration was handed to the device. FAIR charges its expected cost now
   // (the measured mean) so that a pipelined lane still alternates sessions;
   // iteration_done replaces the estimate with the measurement.
@@ -83,6 +96,19 @@ class GpuScheduler {
   // leave, in O(1). For salus-sim's coalesced runs, whose forecast guarantees the picks.
   void iterations_repeated(SessionId id, std::uint64_t count, std::int64_t device_ns,
                            std::int64_t last_ns);
+  // Iterations of several sessions of one lane in turn, none of them dispatched before:
+  // each `turns[i]` session `count` more iterations, together `device_ns`, in an order that
+  // made `picks` decisions, `switches` of them to a different session, each a preemption
+  // (no session runs out of work inside), the last pick `last` at virtual time
+  // `last_vtime`. The state those iteration_cycle calls with their picks leave, in
+  // O(sessions). For salus-sim's FAIR runs, whose closed form guarantees the picks.
+  struct Turns {
+    SessionId id = 0;
+    std::uint64_t count = 0;
+    std::int64_t device_ns = 0;
+  };
+  void turns_repeated(LaneId lane, const std::vector<Turns>& turns, std::uint64_t picks,
+                      std::uint64_t switches, SessionId last, std::int64_t last_vtime);
   // What FAIR charges at dispatch: the measured mean, rounded, at least 1 ns.
   static std::int64_t charge_estimate(const RankInputs& in);
 
@@ -102,6 +128,7 @@ class GpuScheduler {
   void link(SessionSched& s);
   void rerank(SessionSched& s);
   void forget_in_flight(SessionSched& s);
+  void requeue_key(const SessionSched& s);
 
   arena::GpuArena arena_;
   PolicyKind policy_;
@@ -112,6 +139,8 @@ class GpuScheduler {
   // lane_may_dispatch scans it.
   std::vector<SessionId> in_flight_;
   SchedStats stats_;
+  ResidencyPlanner residency_;
+  std::vector<SessionId> wanted_;  // swapped sessions picks passed over, best first
 };
 
 }  // namespace salus::sched

@@ -57,4 +57,17 @@ RankKey rank(PolicyKind kind, const RankInputs& in) {
   return {0.0, in.arrival};
 }
 
+double admission_key(PolicyKind kind, const RankInputs& in) {
+  switch (kind) {
+    case PolicyKind::fifo:
+    case PolicyKind::pack:
+      return 0.0;
+    case PolicyKind::srtf:
+    case PolicyKind::fair:
+    case PolicyKind::priority:
+      return rank(kind, in).primary;
+  }
+  return 0.0;
+}
+
 }  // namespace salus::sched

@@ -46,6 +46,15 @@ inline constexpr double kUnknownRemaining = 1e300;
 
 RankKey rank(PolicyKind kind, const RankInputs& in);
 
+// Where a session waiting for admission stands in its GPU's queue (the arena admits
+// smaller keys first, arrival order among equals), so that admission follows the policy:
+// FIFO and PACK by arrival (0 for all), SRTF by least remaining work, PRIORITY by rank
+// (highest first), FAIR by the service received so far (virtual time: 0 for a new job,
+// so new jobs keep arrival order, and a re-queued one waits behind them by what it got).
+// The arena's bypass bound keeps a request from starving behind later, smaller keys.
+// One function for salusd and salus-sim alike.
+double admission_key(PolicyKind kind, const RankInputs& in);
+
 // SRTF's estimate: (declared iterations - done) x measured mean iteration time.
 // Before the first measurement the mean is unknown; we rank by remaining count
 // with a 1 ms guess so short declared jobs still go first.

@@ -11,6 +11,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "arena/admission_queue.hpp"
 #include "sched/contention_model.hpp"
 #include "sched/gpu_scheduler.hpp"
 
@@ -111,6 +112,28 @@ struct Piece {
   TimeNs iter_ns;
 };
 
+// One session's iterations in a FAIR run of several sessions (Engine::forecast_merged):
+// its n-th iteration there (from 0) is picked at virtual time v + n d.
+struct Turner {
+  SessionId id = 0;
+  std::int64_t v = 0;       // virtual time at its first pick in the run
+  std::int64_t d = 1;       // what one iteration adds to it: the measured device time
+  TimeNs iter = 1;          // lane time of one iteration (alone on the GPU)
+  std::uint64_t tie = 0;    // the scheduler's tie-break among equal virtual times
+  std::uint64_t limit = 0;  // iterations the job has left
+  std::uint64_t count = 0;  // iterations in the run
+  RankKey key;              // its entry in LaneState::waiting (all but the first)
+};
+
+// An iteration of such a run, in the scheduler's pick order.
+struct Elem {
+  std::int64_t key;
+  std::uint64_t tie;
+  friend bool operator<(const Elem& a, const Elem& b) {
+    return a.key != b.key ? a.key < b.key : a.tie < b.tie;
+  }
+};
+
 // One kernel in the contention model standing for `planned` consecutive iterations of a
 // lane: of one session, or, under FAIR on an otherwise idle GPU, of several in turn.
 struct Run {
@@ -129,6 +152,11 @@ struct Run {
   std::vector<Segment> segments;
   bool predicted = false;  // its length relies on a forecast at the current rate
   bool mixed = false;      // the kernel spans turns of sessions with different utils
+  // FAIR turns in closed form instead of `pieces`: `turners[0]` was dispatched at t0,
+  // `turners[last]` runs the run's last iteration. O(sessions), whatever the turns.
+  bool merged = false;
+  std::vector<Turner> turners;
+  std::size_t last = 0;
 };
 
 struct LaneState {
@@ -149,6 +177,15 @@ struct Gpu {
   std::map<LaneId, LaneState> lanes;  // ordered: dispatch visits lanes by id
   std::uint64_t epoch = 0;
   bool touched = false;
+  // Oversubscription: no iteration starts before swap_until; the swaps ending then.
+  struct Swap {
+    SessionId id;
+    Bytes bytes;
+    TimeNs ns;
+    bool out;
+  };
+  TimeNs swap_until = 0;
+  std::vector<Swap> swaps;
   bool quiet = true;  // no lane waits to move or for room: boundaries change nothing
   // Placement bookkeeping.
   std::int64_t waiting_bytes = 0;  // declared P + E of jobs placed here, not admitted
@@ -164,6 +201,167 @@ struct HeapEntry {
 };
 
 using Keyed = std::pair<RankKey, SessionId>;
+
+// Iterations of `s` picked before `e` (strictly, or `e` included), within its limit.
+std::uint64_t count_before(const Turner& s, Elem e, bool inclusive) {
+  if (e.key < s.v) return 0;
+  const std::int64_t off = e.key - s.v;
+  const std::int64_t q = off / s.d;  // one division: this is the walk's inner loop
+  auto n = static_cast<std::uint64_t>(q);
+  if (off != q * s.d) {
+    ++n;  // keys below e.key: q + 1
+  } else if (inclusive ? s.tie <= e.tie : s.tie < e.tie) {
+    ++n;  // and the one at e.key comes first
+  }
+  return std::min(n, s.limit);
+}
+
+// Lane time of the run's iterations up to and including `e`.
+std::int64_t elapsed_upto(const std::vector<Turner>& ts, Elem e) {
+  std::int64_t sum = 0;
+  for (const Turner& s : ts) sum += static_cast<std::int64_t>(count_before(s, e, true)) * s.iter;
+  return sum;
+}
+
+// The first iteration, in pick order and at or before `bound`, whose end is at least
+// `target` into the run (`bound` if none is): a search over virtual time, O(sessions) a
+// step.
+Elem first_reaching(const std::vector<Turner>& ts, std::int64_t target, Elem bound) {
+  target = std::max<std::int64_t>(target, 1);
+  if (elapsed_upto(ts, bound) < target) return bound;
+  const auto at = [&](std::int64_t key) {
+    return elapsed_upto(ts, std::min(Elem{key, std::numeric_limits<std::uint64_t>::max()}, bound));
+  };
+  std::int64_t lo = ts.front().v - 1, hi = bound.key;  // at(lo) < target <= at(hi)
+  for (const Turner& s : ts) lo = std::min(lo, s.v - 1);
+  while (hi - lo > 1) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    (at(mid) >= target ? hi : lo) = mid;
+  }
+  // The iterations picked at virtual time `hi`, by tie-break, until the target is reached.
+  std::int64_t sum = at(hi - 1);
+  Elem best = bound;
+  std::vector<std::pair<std::uint64_t, TimeNs>> here;
+  for (const Turner& s : ts) {
+    if (hi < s.v || (hi - s.v) % s.d != 0) continue;
+    if (static_cast<std::uint64_t>((hi - s.v) / s.d) >= s.limit) continue;
+    if (bound < Elem{hi, s.tie}) continue;
+    here.emplace_back(s.tie, s.iter);
+  }
+  std::sort(here.begin(), here.end());
+  for (const auto& [tie, iter] : here) {
+    sum += iter;
+    if (sum >= target) {
+      best = Elem{hi, tie};
+      break;
+    }
+  }
+  return best;
+}
+
+// Sets each session's count to its iterations up to `e`, the run's last; returns its index.
+std::size_t take_prefix(std::vector<Turner>& ts, Elem e) {
+  std::size_t last = 0;
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    ts[i].count = count_before(ts[i], e, true);
+    if (ts[i].tie == e.tie) last = i;
+  }
+  return last;
+}
+
+// Decisions inside the run that changed session. The session with the shortest iterations
+// (`m`) is not walked: its iterations between two others' are counted. Every other
+// session's iteration is at least as long, so between two of its iterations in a row at
+// least one of m's comes, once m has started and until m is done: a turn of such a session
+// (its iterations up to the next other session's) is settled in O(1), and a run costs
+// O(turns of the other sessions), nothing for a lane of two.
+std::uint64_t count_switches(const std::vector<Turner>& ts) {
+  std::size_t m = ts.size();
+  for (std::size_t i = 0; i < ts.size(); ++i)
+    if (ts[i].count > 0 &&
+        (m == ts.size() || ts[i].d < ts[m].d || (ts[i].d == ts[m].d && ts[i].count > ts[m].count)))
+      m = i;
+  Turner bm = ts[m];
+  bm.limit = bm.count;
+  const Elem m_first{bm.v, bm.tie};
+  const Elem m_last{bm.v + static_cast<std::int64_t>(bm.count - 1) * bm.d, bm.tie};
+  // m's iterations picked before e.
+  const auto before = [&](Elem e) { return count_before(bm, e, false); };
+  const auto elem = [&](const Turner& s, std::uint64_t n) {
+    return Elem{s.v + static_cast<std::int64_t>(n) * s.d, s.tie};
+  };
+  using Next = std::pair<Elem, std::size_t>;  // a session's next iteration
+  std::vector<Next> heap;
+  std::vector<std::uint64_t> n(ts.size(), 0);
+  const auto later = [](const Next& a, const Next& b) { return b.first < a.first; };
+  // Per session, the iterations n that have one of m's between n and n + 1 (when n + 1
+  // follows in a row) are [from, to): m has begun before n + 1 and not ended before n.
+  std::vector<std::uint64_t> from(ts.size(), 0), to(ts.size(), 0);
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    if (i == m || ts[i].count == 0) continue;
+    heap.push_back({elem(ts[i], 0), i});
+    const std::uint64_t n0 = count_before(ts[i], m_first, false);
+    from[i] = n0 > 0 ? n0 - 1 : 0;
+    to[i] = count_before(ts[i], m_last, false);
+  }
+  std::make_heap(heap.begin(), heap.end(), later);
+  // The root replaced in place: one sift per turn instead of a pop and a push.
+  const auto sift_down = [&]() {
+    const std::size_t size = heap.size();
+    std::size_t at = 0;
+    const Next x = heap[0];
+    for (;;) {
+      std::size_t c = 2 * at + 1;
+      if (c >= size) break;
+      if (c + 1 < size && heap[c + 1].first < heap[c].first) ++c;
+      if (!(heap[c].first < x.first)) break;
+      heap[at] = heap[c];
+      at = c;
+    }
+    heap[at] = x;
+  };
+  std::uint64_t switches = 0, prev_g = 0;
+  std::size_t prev = ts.size();
+  while (!heap.empty()) {
+    const std::size_t i = heap.front().second;
+    const Turner& s = ts[i];
+    // Its iterations a..b-1 come in a row, up to the next other session's (the smaller
+    // child of the root).
+    const std::uint64_t a = n[i];
+    std::uint64_t b = s.count;
+    if (heap.size() > 1) {
+      const Elem next =
+          heap.size() > 2 && heap[2].first < heap[1].first ? heap[2].first : heap[1].first;
+      b = std::min(b, count_before(s, next, false));
+    }
+    b = std::max(b, a + 1);
+    const std::uint64_t g = before(elem(s, a));
+    if (prev == ts.size()) {
+      switches += g > 0 ? 1 : 0;  // m's iterations, then this one
+    } else if (g > prev_g) {
+      switches += 2;  // prev, m's iterations, this one
+    } else if (prev != i) {
+      switches += 1;
+    }
+    // Within the turn, iterations n and n + 1 have m's between them (two switches) iff m
+    // has one before n + 1 and one after n: n in [n0 - 1, n1).
+    const std::uint64_t lo = std::max(a, from[i]), hi = std::min(b - 1, to[i]);
+    if (hi > lo) switches += 2 * (hi - lo);
+    prev = i;
+    prev_g = before(elem(s, b - 1));
+    n[i] = b;
+    if (b < s.count) {
+      heap[0].first = elem(s, b);
+    } else {
+      heap[0] = heap.back();
+      heap.pop_back();
+      if (heap.empty()) break;
+    }
+    sift_down();
+  }
+  if (prev != ts.size() && bm.count > prev_g) ++switches;  // m's iterations after the last
+  return switches;
+}
 
 class Engine {
  public:
@@ -183,9 +381,18 @@ class Engine {
       opts.queue_mode = arena::QueueMode::strict_fifo;
       opts.lane_mode = arena::LaneMode::lane_per_session;
     }
+    if (!(cfg_.oversubscribe >= 1.0 && cfg_.oversubscribe <= 16.0))
+      throw SimError("oversubscribe must be a number from 1 to 16");
+    if (!(cfg_.swap_gbps > 0.0)) throw SimError("the swap bandwidth must be positive");
+    opts.oversubscribe = cfg_.oversubscribe;
+    // A coalesced run assumes no decision changes before the next event, but a resident
+    // session's quantum runs out at no event: simulate iteration by iteration.
+    if (cfg_.oversubscribe > 1.0) cfg_.coalesce = false;
     gpus_.reserve(cfg_.gpus);
-    for (std::uint32_t g = 0; g < cfg_.gpus; ++g)
+    for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       gpus_.emplace_back(cfg_.gpu_memory, cfg_.policy, opts);
+      gpus_.back().sched.residency().cost().bytes_per_s = cfg_.swap_gbps * 1e9;
+    }
     usable_ = cfg_.gpu_memory & ~(arena::kAlignment - 1);
     load(trace);
   }
@@ -194,8 +401,11 @@ class Engine {
 
  private:
   void load(const std::vector<TraceJob>& trace);
-  std::uint32_t choose_gpu();
+  // The placement among the GPUs with eligible[g] (all when empty).
+  std::uint32_t choose_gpu(const std::vector<char>& eligible = {});
   void place_waiting(TimeNs t);
+  void place_host(TimeNs t);
+  double runs_below(const Gpu& gpu) const;
   void submit(std::uint32_t g, Job& j, TimeNs t);
   void handle_admissions(std::uint32_t g, TimeNs t);
   void check_quiet(Gpu& gpu, TimeNs t);
@@ -210,12 +420,18 @@ class Engine {
   void plan(Gpu& gpu, LaneState& ls);
   std::uint64_t forecast_one(Gpu& gpu, const LaneState& ls, const Job& j, TimeNs t0);
   void forecast_turns(Gpu& gpu, LaneState& ls);
+  bool forecast_merged(Gpu& gpu, LaneState& ls);
+  void cut_merged(Gpu& gpu, LaneState& ls, TimeNs t);
+  void replay_merged(Gpu& gpu, LaneId lane, const Run& r, TimeNs end);
   // When the next job arrives: the earliest event that may cut a run. Forecasting past
   // it is mostly wasted, since the run is then cut and forecast again.
   TimeNs horizon() const {
     return pos_ < order_.size() ? jobs_[order_[pos_]].arrival : std::numeric_limits<TimeNs>::max();
   }
   void dispatch(std::uint32_t g, TimeNs t);
+  // Oversubscription: lands the swaps that ended, starts the ones the planner asks
+  // for; false while the GPU is busy swapping (no iteration may start).
+  bool drive_swaps(std::uint32_t g, TimeNs t);
   void close_instant(std::uint32_t g, TimeNs t);
   void record_work(const Job& j, TimeNs t, double work);
   Job& job_of(SessionId id) { return jobs_[id - 1]; }
@@ -241,6 +457,12 @@ class Engine {
   std::vector<std::size_t> order_;         // jobs by arrival
   std::size_t pos_ = 0;                    // next in order_ to arrive
   std::deque<std::size_t> cluster_queue_;  // exclusive placement: jobs without a GPU
+  // Late binding (issue 19 item 8): every other placement keeps jobs in one host-wide
+  // queue, in the policy's order with the arena's bypass bound, and places a job on a
+  // GPU only once one admits it at once. Keyed by job id; arrival = position in order_.
+  arena::AdmissionQueue host_queue_;
+  arena::ArenaOptions host_options_;
+  std::vector<char> eligible_;  // scratch for place_host()
   std::priority_queue<HeapEntry, std::vector<HeapEntry>, std::greater<>> heap_;
   std::vector<LaneId> started_;  // scratch for dispatch()
   // Jobs whose last iteration ended this instant; they leave after its decisions.
@@ -317,17 +539,29 @@ void Engine::load(const std::vector<TraceJob>& trace) {
 
 // ---------------------------------------------------------------- placement
 
-std::uint32_t Engine::choose_gpu() {
+std::uint32_t Engine::choose_gpu(const std::vector<char>& eligible) {
   const std::uint32_t n = cfg_.gpus;
-  if (cfg_.placement == Placement::rr) return static_cast<std::uint32_t>(rr_next_++ % n);
+  auto ok = [&](std::uint32_t g) { return eligible.empty() || eligible[g]; };
+  if (cfg_.placement == Placement::rr) {
+    // The next eligible GPU in turn.
+    for (std::uint32_t k = 0; k < n; ++k) {
+      const auto g = static_cast<std::uint32_t>((rr_next_ + k) % n);
+      if (!ok(g)) continue;
+      rr_next_ += k + 1;
+      return g;
+    }
+    return static_cast<std::uint32_t>(rr_next_++ % n);
+  }
   // Free memory by the arena's accounting, less what already waits for admission there.
   auto available = [this](std::uint32_t g) {
     const Gpu& gpu = gpus_[g];
     return static_cast<std::int64_t>(gpu.sched.arena().memory().free) - gpu.waiting_bytes;
   };
   std::uint32_t best = 0;
-  std::int64_t best_avail = available(0);
-  for (std::uint32_t g = 1; g < n; ++g) {
+  while (best + 1 < n && !ok(best)) ++best;
+  std::int64_t best_avail = available(best);
+  for (std::uint32_t g = best + 1; g < n; ++g) {
+    if (!ok(g)) continue;
     const std::int64_t avail = available(g);
     bool better = false;
     if (cfg_.placement == Placement::lug) {
@@ -354,6 +588,59 @@ void Engine::place_waiting(TimeNs t) {
     cluster_queue_.pop_front();
     submit(*idle, j, t);
   }
+}
+
+// One pass over the host-wide queue, as the arena passes over its own: in the policy's
+// order, each job that some GPU admits now goes to the one placement picks among those.
+void Engine::place_host(TimeNs t) {
+  if (host_queue_.empty()) return;
+  eligible_.assign(cfg_.gpus, 0);
+  auto bounds = [this] {
+    arena::AdmissionBounds b{0, 0, -std::numeric_limits<double>::infinity()};
+    for (const Gpu& gpu : gpus_) {
+      const arena::AdmissionBounds g = gpu.sched.arena().admission_bounds();
+      b.room = std::max(b.room, g.room);
+      b.total = std::max(b.total, g.total);
+      b.key_below = std::max(b.key_below, runs_below(gpu));
+    }
+    return b;
+  };
+  host_queue_.admit(host_options_.queue_mode, host_options_.max_bypass, bounds,
+                    [&](const arena::QueuedRequest& q) {
+                      Job& j = job_of(q.session);
+                      bool any = false;
+                      for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
+                        eligible_[g] = q.key < runs_below(gpus_[g]) &&
+                                       gpus_[g].sched.arena().would_admit(j.declared);
+                        any = any || eligible_[g];
+                      }
+                      if (!any) return false;
+                      submit(choose_gpu(eligible_), j, t);
+                      return true;
+                    });
+}
+
+// Under SRTF and PRIORITY one job of a shared lane runs at a time: a job placed on a GPU
+// where another ranks first would only wait there, bound to it while another GPU may
+// go idle first. So it is placed only where it runs at once (the GPU is empty, or it
+// ranks before every job there); otherwise it waits host-wide for the first GPU that
+// frees up. FAIR runs every job of a lane in turn at once, and PACK's lanes run side by
+// side: for them admission is enough. Returns the bound a job's admission key must be
+// below to run on `gpu` at once (the same function ranks both); it also bounds the
+// host-wide pass, which thus stops at the first job that runs nowhere.
+double Engine::runs_below(const Gpu& gpu) const {
+  constexpr double kAny = std::numeric_limits<double>::infinity();
+  const PolicyKind p = gpu.sched.policy();
+  if (lanes_ != LaneModel::shared || (p != PolicyKind::srtf && p != PolicyKind::priority))
+    return kAny;
+  // A job placed there that still waits for admission: nothing more goes there.
+  if (gpu.waiting_bytes > 0) return -kAny;
+  double below = kAny;
+  for (const auto& [lane, ls] : gpu.lanes)
+    for (SessionId id : ls.members)
+      if (const SessionSched* s = gpu.sched.find(id))
+        below = std::min(below, rank(p, s->in).primary);
+  return below;
 }
 
 void Engine::submit(std::uint32_t g, Job& j, TimeNs t) {
@@ -431,6 +718,7 @@ void Engine::fold(Gpu& gpu, TimeNs t) {
 void Engine::cut(Gpu& gpu, LaneState& ls, TimeNs t) {
   if (!ls.busy || ls.run.planned <= 1 || !gpu.model.running(ls.run.kernel)) return;
   fold(gpu, t);
+  if (ls.run.merged) return cut_merged(gpu, ls, t);
   Run& r = ls.run;
   const double p = r.progress;
   // The first boundary not behind us, allowing a nanosecond for the rounding of kernel
@@ -508,6 +796,7 @@ void Engine::record_work(const Job& j, TimeNs t, double work) {
 // the rest of the piece picks the same session at every boundary, and the scheduler
 // takes them at once (GpuScheduler::iterations_repeated), so a run costs O(pieces).
 void Engine::replay(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
+  if (r.merged) return replay_merged(gpu, lane, r, end);
   TimeNs prev = r.t0;
   std::size_t seg = 0;
   // The boundary after `cum` alone-equivalent ns of the run, the index-th iteration's end.
@@ -585,18 +874,25 @@ void Engine::boundary(std::uint32_t g, LaneId lane, TimeNs t) {
   Run& r = ls.run;
   ls.busy = false;
   replay(gpu, lane, r, t);
-  Job& j = job_of(r.pieces.back().session);
+  Job& j = job_of(r.merged ? r.turners[r.last].id : r.pieces.back().session);
 
   gpu.sched.arena().end_iteration(lane, t);
   // Newcomers join before a finished job leaves, so the lane's FAIR clock survives.
   for (SessionId s : ls.deferred) make_runnable(gpu, ls, s);
   ls.deferred.clear();
   // Sessions that took a turn inside the run wait again, under their new keys.
+  if (r.merged) {
+    for (std::size_t i = 1; i < r.turners.size(); ++i)
+      if (r.turners[i].count > 0) ls.waiting.erase({r.turners[i].key, r.turners[i].id});
+    for (const Turner& x : r.turners)
+      if (x.count > 0 && x.id != j.id) ls.waiting.insert({gpu.sched.find(x.id)->key, x.id});
+  }
   for (const Keyed& k : r.stale) ls.waiting.erase(k);
   for (const Keyed& k : r.stale)
     if (k.second != j.id) ls.waiting.insert({gpu.sched.find(k.second)->key, k.second});
   for (const Piece& pc : r.pieces)
-    if (pc.session != j.id) ls.waiting.insert({gpu.sched.find(pc.session)->key, pc.session});
+    if (!r.merged && pc.session != j.id)
+      ls.waiting.insert({gpu.sched.find(pc.session)->key, pc.session});
   if (j.done < j.spec->iters) {
     ls.waiting.insert({gpu.sched.find(j.id)->key, j.id});
   } else {
@@ -647,7 +943,7 @@ void Engine::plan(Gpu& gpu, LaneState& ls) {
         break;
       case PolicyKind::fair:
         if (gpu.model.active() == 1) {
-          forecast_turns(gpu, ls);
+          if (!forecast_merged(gpu, ls)) forecast_turns(gpu, ls);
           return;
         }
         [[fallthrough]];
@@ -797,19 +1093,193 @@ void Engine::forecast_turns(Gpu& gpu, LaneState& ls) {
   r.mixed = r.pieces.size() > 1;
 }
 
+// FAIR on a GPU where this lane's kernel runs alone, in closed form. Every iteration then
+// takes exactly its alone time and adds its device time to its session's virtual time,
+// and no key changes but the running one's: the picks are the sessions' arithmetic
+// progressions of virtual times merged, ties broken as the scheduler breaks them. So the
+// iterations each session runs up to any point, and the lane time they take, are sums of
+// quotients: the run goes on until the first job finishes, and a cut finds its new end by a
+// search over virtual time: O(sessions x 64), whatever the number of turns. Exact while virtual
+// times stay below 2^53, where the scheduler's double keys hold them; beyond, and when work is
+// tracked per turn, forecast_turns().
+bool Engine::forecast_merged(Gpu& gpu, LaneState& ls) {
+  if (cfg_.track_work) return false;
+  Run& r = ls.run;
+  std::vector<Turner>& ts = r.turners;
+  ts.clear();
+  const auto add = [&](SessionId id, std::int64_t v, std::uint64_t tie, const RankKey& key) {
+    const Job& j = job_of(id);
+    ts.push_back(Turner{id, v, std::max<TimeNs>(device_time(j.iter_ns), 1), j.iter_ns, tie,
+                        j.left(), 0, key});
+  };
+  const SessionSched* first = gpu.sched.find(r.pieces.front().session);
+  // Its virtual time at the boundary: without the estimate charged at its dispatch.
+  add(first->id, first->in.vtime - (first->charged.empty() ? 0 : first->charged.back()),
+      first->key.tiebreak, first->key);
+  for (const Keyed& k : ls.waiting)
+    add(k.second, gpu.sched.find(k.second)->in.vtime, k.first.tiebreak, k.first);
+  // The run ends with the first job to finish, if nothing comes first.
+  Elem end{std::numeric_limits<std::int64_t>::max(), 0};
+  std::int64_t max_d = 0;
+  constexpr double kExact = 9007199254740992.0;  // 2^53
+  for (const Turner& t : ts) {
+    const double last = static_cast<double>(t.v) + static_cast<double>(t.limit - 1) * t.d;
+    if (t.v < 0 || last >= kExact) continue;  // finishes beyond exactness: not the first
+    end = std::min(end, Elem{t.v + static_cast<std::int64_t>(t.limit - 1) * t.d, t.tie});
+    max_d = std::max(max_d, t.d);
+  }
+  if (end.key == std::numeric_limits<std::int64_t>::max() ||
+      static_cast<double>(end.key) + static_cast<double>(max_d) >= kExact)
+    return false;
+  for (const Turner& t : ts)
+    if (t.v < 0 || static_cast<double>(end.key) + static_cast<double>(t.d) >= kExact) return false;
+  // Not bounded by the next arrival, unlike the forecasts at a rate: nothing but an event on
+  // this GPU (an admission, another kernel, a lane move) can change these picks, and each of
+  // those cuts the run at its next boundary, in O(sessions).
+  const Elem stop = end;
+  r.last = take_prefix(ts, stop);
+  std::uint64_t total = 0;
+  std::size_t sessions = 0;
+  for (const Turner& t : ts) {
+    total += t.count;
+    sessions += t.count > 0 ? 1 : 0;
+  }
+  r.planned = total;
+  r.alone = static_cast<double>(elapsed_upto(ts, stop));
+  r.predicted = true;
+  if (sessions == 1) {  // the first session's alone: an ordinary run
+    r.pieces.front().count = total;
+    return true;
+  }
+  r.merged = true;
+  r.mixed = true;
+  return true;
+}
+
+// cut() for a merged run: the prefix of the turns that ends at the first boundary not
+// behind the kernel's progress.
+void Engine::cut_merged(Gpu& gpu, LaneState& ls, TimeNs t) {
+  Run& r = ls.run;
+  const double p = r.progress;
+  std::vector<Turner>& ts = r.turners;
+  const Turner& lt = ts[r.last];
+  const Elem bound{lt.v + static_cast<std::int64_t>(lt.count - 1) * lt.d, lt.tie};
+  const auto target = static_cast<std::int64_t>(std::ceil(p - 1.0));
+  const Elem stop = first_reaching(ts, target, bound);
+  std::uint64_t m = 0;
+  for (const Turner& x : ts) m += count_before(x, stop, true);
+  if (m >= r.planned && !r.mixed) return;
+  const double boundary = static_cast<double>(elapsed_upto(ts, stop));
+  r.last = take_prefix(ts, stop);
+  const bool now = p > 0.5 && boundary <= p + 1.0;
+  const TimeNs left = now ? 0 : std::max<TimeNs>(1, static_cast<TimeNs>(std::ceil(boundary - p)));
+  gpu.model.cancel(r.kernel, t);
+  r.kernel = gpu.model.start(t, job_of(ts[r.last].id).util, left);
+  r.planned = m;
+  r.alone = boundary;
+  r.predicted = false;
+  r.mixed = false;
+  ++counters_.kernels;
+}
+
+// replay() for a merged run: every iteration but the last took its alone time (the kernel
+// ran alone until any cut); the last ends at `end`. The scheduler takes each session's
+// iterations at once, with the decisions and switches they made.
+void Engine::replay_merged(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
+  const std::vector<Turner>& ts = r.turners;
+  const Turner& lt = ts[r.last];
+  const auto last_start = static_cast<TimeNs>(std::llround(r.alone)) - lt.iter;
+  const TimeNs last_ns = device_time(end - (r.t0 + last_start));
+  std::vector<GpuScheduler::Turns> turns;
+  turns.reserve(ts.size());
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    const Turner& x = ts[i];
+    if (x.count == 0) continue;
+    std::int64_t device = static_cast<std::int64_t>(x.count) * x.d;
+    if (i == r.last) device += last_ns - x.d;
+    Job& j = job_of(x.id);
+    if (j.start < 0)
+      j.start = r.t0 + elapsed_upto(ts, Elem{x.v, x.tie}) - x.iter;  // its first pick
+    j.done += x.count;
+    j.device_ns += device;
+    const double work = static_cast<double>(x.count) * static_cast<double>(x.iter);
+    j.work += work;
+    work_done_ += work;
+    turns.push_back({x.id, x.count, device});
+  }
+  // The first iteration was dispatched at the run's start: settle it as salusd would.
+  const std::int64_t first_ns = r.last == 0 && ts[0].count == 1 ? last_ns : ts[0].d;
+  gpu.sched.iteration_done(ts[0].id, first_ns);
+  turns.front().count -= 1;
+  turns.front().device_ns -= first_ns;
+  const std::int64_t last_vtime = lt.v + static_cast<std::int64_t>(lt.count - 1) * lt.d;
+  gpu.sched.turns_repeated(lane, turns, r.planned - 1, count_switches(ts), lt.id, last_vtime);
+  counters_.iterations += r.planned;
+}
+
+bool Engine::drive_swaps(std::uint32_t g, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  if (t < gpu.swap_until) return false;
+  ResidencyPlanner& rp = gpu.sched.residency();
+  arena::GpuArena& ar = gpu.sched.arena();
+  for (const Gpu::Swap& s : gpu.swaps) {
+    if (s.out)
+      rp.swap_out_done(s.id, s.bytes, s.ns, t, true);
+    else
+      rp.swap_in_done(s.id, s.bytes, s.ns, t);
+  }
+  gpu.swaps.clear();
+  TimeNs cost = 0;
+  std::vector<arena::SwapBuffer> bufs;
+  auto swap_out = [&](SessionId v) {
+    if (!ar.begin_swap_out(v, bufs)) return;  // its iteration still runs: at its boundary
+    const Bytes n = ar.swap_in_bytes(v);
+    ar.finish_swap_out(v, t);
+    rp.swap_started(v);
+    const TimeNs ns = rp.cost().swap_ns(n);
+    cost += ns;
+    gpu.swaps.push_back({v, n, ns, true});
+    ++counters_.swaps_out;
+  };
+  for (const auto& [lane, ls] : gpu.lanes)
+    for (SessionId id : ls.members)
+      if (rp.evicting(id)) swap_out(id);
+  // A job that ran its last iteration leaves at the end of this instant: never a victim.
+  const ResidencyPlan plan = gpu.sched.plan_residency(
+      [this](SessionId id) { return job_of(id).done < job_of(id).spec->iters; }, t);
+  for (SessionId v : plan.swap_out) swap_out(v);
+  if (plan.swap_in && ar.swap_in(*plan.swap_in, bufs) == arena::ArenaError::ok) {
+    const Bytes n = ar.swap_in_bytes(*plan.swap_in);
+    rp.swap_started(*plan.swap_in);
+    const TimeNs ns = rp.cost().swap_ns(n);
+    cost += ns;
+    gpu.swaps.push_back({*plan.swap_in, n, ns, false});
+    ++counters_.swaps_in;
+  }
+  counters_.swap_ns += cost;
+  if (cost == 0) return true;
+  gpu.swap_until = t + cost;
+  return false;
+}
+
 void Engine::dispatch(std::uint32_t g, TimeNs t) {
   Gpu& gpu = gpus_[g];
   arena::GpuArena& ar = gpu.sched.arena();
   started_.clear();
+  if (gpu.sched.oversubscribed() && !drive_swaps(g, t)) return;
   for (auto& [lane, ls] : gpu.lanes) {
     // The broker's order: lane ready, lane allowed (FIFO runs one session per GPU), pick,
     // begin_iteration, iteration_dispatched.
     if (ls.busy || !ar.lane_ready(lane) || !gpu.sched.lane_may_dispatch(lane)) continue;
     const std::optional<SessionId> sid = gpu.sched.pick(lane);
     if (!sid) continue;
-    if (ls.waiting.empty() || ls.waiting.begin()->second != *sid)
+    // Oversubscribed, the pick may pass over swapped sessions ranked ahead of it.
+    auto w = ls.waiting.begin();
+    if (gpu.sched.oversubscribed())
+      while (w != ls.waiting.end() && w->second != *sid) ++w;
+    if (w == ls.waiting.end() || w->second != *sid)
       throw std::logic_error("salus-sim: lane bookkeeping disagrees with the scheduler");
-    ls.waiting.erase(ls.waiting.begin());
+    ls.waiting.erase(w);
     Job& j = job_of(*sid);
     ar.begin_iteration(lane, *sid, j.ephemeral);
     gpu.sched.iteration_dispatched(*sid);
@@ -824,11 +1294,14 @@ void Engine::dispatch(std::uint32_t g, TimeNs t) {
     r.segments.clear();
     r.predicted = false;
     r.mixed = false;
+    r.merged = false;
     r.kernel = gpu.model.start(t, j.util, j.iter_ns);
     ls.busy = true;
     started_.push_back(lane);
     ++counters_.kernels;
   }
+  // The picks noted whom the lanes want back: start those swaps now.
+  if (gpu.sched.oversubscribed()) drive_swaps(g, t);
   // Lengths are decided once every lane has started, at the rate they will all run at.
   for (LaneId lane : started_) {
     LaneState& ls = gpu.lanes.at(lane);
@@ -874,6 +1347,16 @@ void Engine::close_instant(std::uint32_t g, TimeNs t) {
   ++gpu.epoch;
   if (const std::optional<TimeNs> next = gpu.model.next_completion())
     heap_.push({*next, g, gpu.epoch});
+  if (gpu.swap_until > t) {
+    heap_.push({gpu.swap_until, g, gpu.epoch});
+  } else if (gpu.sched.oversubscribed() && gpu.model.active() == 0) {
+    // Idle, with someone perhaps waiting for a resident session's quantum to end.
+    for (const auto& [lane, ls] : gpu.lanes)
+      if (!ls.waiting.empty()) {
+        heap_.push({t + gpu.sched.residency().cost().min_quantum_ns, g, gpu.epoch});
+        break;
+      }
+  }
 }
 
 SimResult Engine::run() {
@@ -893,16 +1376,27 @@ SimResult Engine::run() {
       Job& j = jobs_[order_[pos]];
       if (cfg_.placement == Placement::exclusive) {
         cluster_queue_.push_back(j.index);
+      } else if (cfg_.gpus == 1) {
+        // One GPU: binding early costs nothing, and the GPU's own queue (salusd's) keeps
+        // the scheduler's arrival order the trace's.
+        submit(0, j, t);
       } else {
-        submit(choose_gpu(), j, t);
+        RankInputs in;
+        in.arrival = pos;
+        in.priority = j.spec->priority;
+        in.iters = j.spec->iters;
+        host_queue_.push(j.id, pos, t, arena::align_up(j.declared.persistent),
+                         arena::align_up(j.declared.ephemeral), admission_key(cfg_.policy, in));
       }
     }
+    place_host(t);
     while (!heap_.empty() && heap_.top().t == t) {
       const HeapEntry e = heap_.top();
       heap_.pop();
       if (e.epoch == gpus_[e.gpu].epoch) complete(e.gpu, t);
     }
     place_waiting(t);
+    place_host(t);
     for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       if (!gpus_[g].touched) continue;
       gpus_[g].touched = false;
@@ -914,6 +1408,7 @@ SimResult Engine::run() {
     for (const auto& [g, id] : leaving_) depart(g, id, t);
     leaving_.clear();
     place_waiting(t);
+    place_host(t);
     for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       if (!gpus_[g].touched) continue;
       gpus_[g].touched = false;

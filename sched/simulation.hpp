@@ -57,6 +57,11 @@ struct SimConfig {
   // scheduler is told (SRTF's mean, FAIR's charge) leaves it out, as salusd measures
   // device time only. 0: an ideal broker (the paper's tables).
   arena::TimeNs iteration_overhead_ns = 0;
+  // Oversubscription (design.md): admit up to this many times each GPU's memory; the
+  // residency planner salusd uses swaps sessions, and a swap holds the GPU (no new
+  // iteration starts) for its bytes / swap_gbps. Runs are not coalesced then.
+  double oversubscribe = 1.0;
+  double swap_gbps = 12.0;
   // Called every `progress_every` events (and once at the end) when set. The engine
   // keeps no clock; the caller decides what to print and when.
   std::function<void(const SimProgress&)> progress;
@@ -91,6 +96,9 @@ struct SimCounters {
   std::uint64_t switches = 0;
   std::uint64_t preemptions = 0;
   std::uint64_t max_lanes = 0;  // most lanes one GPU had at once
+  std::uint64_t swaps_out = 0;  // oversubscription
+  std::uint64_t swaps_in = 0;
+  std::int64_t swap_ns = 0;  // GPU time spent swapping
 };
 
 // A job's cumulative work (alone-equivalent device nanoseconds) at the times its rate

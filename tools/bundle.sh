@@ -9,7 +9,7 @@ build=${1:?usage: tools/bundle.sh BUILD_DIR OUT_DIR}
 out=${2:?usage: tools/bundle.sh BUILD_DIR OUT_DIR}
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib" "$out/data"
-for f in tools/salusd tools/salusctl tools/salus-bench tools/salus-sim tools/salus-trace-gen \
+for f in tools/salusd tools/salusctl tools/salus-bench tools/salus-sim tools/salus-trace-gen tools/salus-trace-import \
          tests/vgpu/cuda/test_cuda_device tests/vgpu/cuda/test_cuda_driver tests/vgpu/cuda/test_nvml_gpu; do
   [ -x "$build/$f" ] && cp "$build/$f" "$out/bin/"
 done

@@ -67,7 +67,7 @@ std::optional<std::string> parse_args(int argc, char** argv, RunOptions& o, std:
       "salusd at its iteration boundaries",
       "salus-run"};
   app.footer(
-      "The program and its arguments come after --: salus-run [OPTIONS] -- PROGRAM [ARGS...]");
+      "The program and its arguments come after --: salus-run [OPTIONS] -- PROGRAM [ARGS...]\n");
   app.set_version_flag("--version",
                        fmt::format("salus-run {} (api {})", SALUS_VERSION, SALUS_API_VERSION));
   app.prefix_command(true);

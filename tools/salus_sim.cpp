@@ -2,8 +2,10 @@
 // model in virtual time and prints makespan, queueing and completion-time statistics.
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -42,6 +44,8 @@ struct Options {
   double share_step_s = 0;
   std::string share_out;
   double iteration_overhead_us = 0;
+  double oversubscribe = 1.0;
+  double swap_gbps = 12.0;
   bool no_coalesce = false;
   bool stats = false;
   bool progress = false;
@@ -142,6 +146,16 @@ void add_flags(CLI::App& app, Options& o) {
                  "tools/replay-bench.sh to predict a real salusd")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1e6));
+  app.add_option("--oversubscribe", o.oversubscribe,
+                 "admit jobs whose memory adds up to RATIO x each GPU's (1 to 16); idle jobs are "
+                 "swapped out as salusd does, each swap holding the GPU for bytes / --swap-gbps")
+      ->capture_default_str()
+      ->check(CLI::Range(1.0, 16.0));
+  app.add_option("--swap-gbps", o.swap_gbps,
+                 "host<->GPU swap bandwidth in GB/s for --oversubscribe (measure it on salusd: "
+                 "policy's swap_bandwidth_gbps)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.001, 10000.0));
   app.add_flag("--no-coalesce", o.no_coalesce,
                "simulate every iteration as its own event (slower; same decisions)");
   app.add_flag("--stats", o.stats, "print event counts and wall time per policy to stderr");
@@ -182,6 +196,8 @@ int make_config(const Options& o, std::vector<PolicyKind>& policies, sc::SimConf
   base.lanes = *lanes;
   base.coalesce = !o.no_coalesce;
   base.iteration_overhead_ns = std::llround(o.iteration_overhead_us * 1e3);
+  base.oversubscribe = o.oversubscribe;
+  base.swap_gbps = o.swap_gbps;
   if (!o.share_out.empty() && o.share_window_s <= 0)
     return usage("--share-out needs --share-window");
   base.track_work = o.share_window_s > 0;
@@ -223,6 +239,11 @@ void print_stats(PolicyKind policy, const sc::SimResult& res, double wall) {
       static_cast<unsigned long long>(c.events), static_cast<unsigned long long>(c.decisions),
       static_cast<unsigned long long>(c.preemptions), static_cast<unsigned long long>(c.max_lanes),
       wall);
+  if (res.config.oversubscribe > 1.0)
+    std::fprintf(stderr, "salus-sim: %s: %llu swaps out, %llu swaps in, %.3f s swapping\n",
+                 std::string(sc::to_string(policy)).c_str(),
+                 static_cast<unsigned long long>(c.swaps_out),
+                 static_cast<unsigned long long>(c.swaps_in), static_cast<double>(c.swap_ns) / 1e9);
 }
 
 // --share-window: each job's share of GPU work per window, summarised on
@@ -286,7 +307,7 @@ static int run(int argc, char** argv) {
   std::vector<sc::TraceJob> trace;
   {
     std::ifstream in(o.trace);
-    if (!in) return usage(fmt::format("cannot open trace '{}'", o.trace));
+    if (!in) return usage(fmt::format("cannot open trace '{}': {}", o.trace, std::strerror(errno)));
     try {
       trace = sc::parse_trace(in);
     } catch (const sc::TraceError& e) {

@@ -56,8 +56,9 @@ int main(int argc, char** argv) {
                  "defaults for a trace of a known shape (explicit options win): 'cluster' is "
                  "15,264 jobs over ~70 days with Philly-like heavy-tailed durations (mean "
                  "50 min, up to 30 days), 'burst' is 100,000 short jobs all at t=0 "
-                 "(docs/benchmarks.md runs both)")
-      ->check(CLI::IsMember({"cluster", "burst"}));
+                 "(docs/benchmarks.md runs both), 'year' is the cluster shape for a year of a "
+                 "100-GPU cluster (985,500 jobs, a gap of 32 s: --gpus 100)")
+      ->check(CLI::IsMember({"cluster", "burst", "year"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -75,9 +76,11 @@ int main(int argc, char** argv) {
   }
   // A shape sets what the user did not.
   auto unset = [&app](const char* name) { return app.count(name) == 0; };
-  if (shape == "cluster") {
-    if (unset("--jobs")) c.jobs = 15264;
-    if (unset("--interarrival")) c.mean_interarrival_s = 400;
+  if (shape == "cluster" || shape == "year") {
+    // year: the cluster's load per GPU (8 GPUs, a job every 400 s) on 100 GPUs for 365 days.
+    const bool year = shape == "year";
+    if (unset("--jobs")) c.jobs = year ? 985500 : 15264;
+    if (unset("--interarrival")) c.mean_interarrival_s = year ? 32 : 400;
     if (unset("--duration-mean")) c.duration_mean_s = 3000;
     if (unset("--duration-sigma")) c.duration_sigma = 2;
     if (unset("--duration-max")) c.max_duration_s = 30 * 86400.0;

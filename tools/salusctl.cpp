@@ -46,10 +46,12 @@ namespace {
 using namespace salus::cli;
 
 // Writes admin commands to /salus/ctl and returns its replies (read on the same fd).
+constexpr const char* kAdminOnly = "only root and members of salusd's --admin-group may do this";
+
 std::string ctl_command(const Ctx& ctx, const std::string& line) {
   const std::string path = ctx.path("ctl");
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) fail_file(ctx, path, errno);
+  if (fd < 0) fail_file(ctx, path, errno, errno == EACCES ? kAdminOnly : "");
   const std::string text = line + "\n";
   const ssize_t n = ::write(fd, text.data(), text.size());
   const int err = n < 0 ? errno : 0;
@@ -58,6 +60,14 @@ std::string ctl_command(const Ctx& ctx, const std::string& line) {
   for (ssize_t r; (r = ::read(fd, buf, sizeof buf)) > 0;)
     reply.append(buf, static_cast<std::size_t>(r));
   ::close(fd);
+  // salusd answers a failed line with "error ENAME: REASON": that is the
+  // message, not the errno's text, which for ENOENT would read as if ctl
+  // itself were missing.
+  if (err && reply.rfind("error ", 0) == 0) {
+    const std::string answer = reply.substr(6, reply.find('\n') - 6);
+    if (const auto colon = answer.find(": "); colon != std::string::npos)
+      fail(fmt::format("{}: {} ({})", line, answer.substr(colon + 2), answer.substr(0, colon)));
+  }
   if (err) fail_file(ctx, path, err, line);
   return reply;
 }
@@ -440,7 +450,15 @@ int cmd_show(const Ctx& ctx, const std::string& id) {
              fmt::format("cat {}", q(ctx, dir + "/log"))});
     return 0;
   }
-  const std::string status = read_file(ctx, ctx.path(dir + "/status"));
+  std::string status;
+  if (const int err = try_read(ctx.path(dir + "/status"), status)) {
+    // "sessions/7/status: No such file or directory" would read as a broken
+    // tree; say which session is missing, as `kill` does.
+    struct stat st;
+    if (err == ENOENT && ::stat(ctx.path("version").c_str(), &st) == 0)
+      fail(fmt::format("show {}: no session {} (salusctl sessions lists them)", id, id));
+    fail_file(ctx, ctx.path(dir + "/status"), err);
+  }
   const std::string log = read_file(ctx, ctx.path(dir + "/log"));
   fmt::print("{}", status);
   fmt::print("\nlog ({}):\n{}", ctx.path(dir + "/log"), log.empty() ? "  (empty)\n" : log);
@@ -495,10 +513,11 @@ int cmd_policy(const Ctx& ctx, std::vector<std::string> args) {
   for (const auto& a : args) line += (line.empty() ? "" : " ") + a;
   if (const int err = try_write(path, line + "\n")) {
     std::string why;
+    if (err == EACCES) why = kAdminOnly;
     if (err == EINVAL)
       why =
-          "salusd rejected it; expected NAME [placement=magm|lug|rr|exclusive] "
-          "[queue=strict|bypass] with NAME fifo, pack, srtf, fair or priority";
+          "salusd rejected it (its log says why); expected NAME [placement=magm|lug|rr|exclusive] "
+          "[queue=strict|bypass] [quantum_ms=N] with NAME fifo, pack, srtf, fair or priority";
     fail_file(ctx, path, err, why.empty() ? line : fmt::format("'{}': {}", line, why));
   }
   fmt::print("{}", read_file(ctx, path));
@@ -951,8 +970,9 @@ int main(int argc, char** argv) {
   auto* kill = app.add_subcommand("kill", "End a session and free what it holds (admin)");
   kill->add_option("ID", kill_id, "Session id or name")->required();
   std::vector<std::string> policy_args;
-  auto* policy = app.add_subcommand(
-      "policy", "Show the policy, or switch it: policy NAME [placement=P] [queue=strict|bypass]");
+  auto* policy = app.add_subcommand("policy",
+                                    "Show the policy, or switch it: policy NAME [placement=P] "
+                                    "[queue=strict|bypass] [quantum_ms=N]");
   policy->add_option("ARGS", policy_args, "NAME [key=value...]; key=value alone keeps NAME");
   unsigned drain_gpu = 0, undrain_gpu = 0;
   auto* drain = app.add_subcommand("drain", "Stop placing new sessions on a GPU (admin)");

@@ -1,12 +1,15 @@
 // salusd: the daemon. Parses flags and the TOML config, builds the GPU backends,
 // mounts /salus, notifies systemd, serves until SIGTERM/SIGINT, then drains.
 #include <grp.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -27,8 +30,8 @@
 #include "vgpu/executor/remote_device.hpp"
 #include "vgpu/mps/mps_control.hpp"
 #include "vgpu/nvml/nvml_sampler.hpp"
-#include "vgpu/store/session_store.hpp"
 #include "vgpu/sim/sim_device.hpp"
+#include "vgpu/store/session_store.hpp"
 
 namespace {
 
@@ -62,7 +65,50 @@ struct Settings {
   // where their pipe and log directories go (cuda backend only).
   std::vector<std::string> mps;
   std::string mps_dir = "/run/salus/mps";
+  // Oversubscription: admit up to this many times each GPU's memory (a number, kept
+  // as text so that a bad value gets a clear message); host memory for swapped-out
+  // sessions per GPU.
+  std::string oversubscribe = "1";
+  std::string swap_host_limit = "64G";
 };
+
+// A salusd started with `&` from a script that has no job control inherits
+// SIGINT (and SIGQUIT) ignored, and a parent may leave signals blocked;
+// libfuse installs its stop handlers only over the default disposition, so
+// Ctrl-C or `kill -INT` would then do nothing. The stop signals start from
+// their defaults and an empty mask, whatever the parent left, before any
+// thread exists (threads inherit the mask).
+void reset_stop_signals() {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) ::signal(sig, SIG_DFL);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+}
+
+// The --oversubscribe ratio, or nullopt with `why` (1 to 16; "2", "1.5").
+std::optional<double> parse_oversubscribe(const std::string& text, std::string& why) {
+  char* end = nullptr;
+  const double v = text.empty() ? 0.0 : std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || std::isnan(v)) {
+    why = fmt::format("oversubscribe '{}': expected a number from 1 to 16, e.g. 1.5", text);
+    return std::nullopt;
+  }
+  if (v < 1.0) {
+    why = fmt::format(
+        "oversubscribe {}: below 1 would admit less than the GPU holds; expected "
+        "1 (no oversubscription) to 16",
+        text);
+    return std::nullopt;
+  }
+  if (!(v <= 16.0)) {
+    why = fmt::format(
+        "oversubscribe {}: expected at most 16 (every admitted byte beyond the "
+        "card lives in host memory or the spill file)",
+        text);
+    return std::nullopt;
+  }
+  return v;
+}
 
 int fail(const std::string& why) {
   std::fprintf(stderr, "salusd: %s\n", why.c_str());
@@ -117,6 +163,15 @@ bool load_config(const std::string& path, Settings& s, std::string& why) {
     return false;
   }
   s.mps_dir = t["mps_dir"].value_or(s.mps_dir);
+  if (const toml::node* n = t.get("oversubscribe")) {
+    if (auto d = n->value<double>())
+      s.oversubscribe = fmt::format("{}", *d);
+    else {
+      why = fmt::format("config {}: oversubscribe: expected a number, e.g. 1.5", path);
+      return false;
+    }
+  }
+  s.swap_host_limit = t["swap_host_limit"].value_or(s.swap_host_limit);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.gpu_isolation = t["gpu_isolation"].value_or(s.gpu_isolation);
@@ -186,21 +241,25 @@ bool validate(const Settings& s, std::string& why) {
       return bad(fmt::format("mps '{}': expected GPU indices (e.g. 0,1) or all", g));
   if (!s.mps.empty() && (s.mps_dir.empty() || s.mps_dir[0] != '/'))
     return bad(fmt::format("mps_dir '{}' must be an absolute path", s.mps_dir));
-  std::string listen_why;
-  if (!s.metrics_listen.empty() &&
-      !salus::tools::parse_listen_address(s.metrics_listen, listen_why))
-    return bad(fmt::format("metrics_listen {}", listen_why));
+  std::string sub_why;
+  if (!parse_oversubscribe(s.oversubscribe, sub_why)) return bad(sub_why);
+  if (!salus::arena::parse_size(s.swap_host_limit))
+    return bad(fmt::format("swap_host_limit '{}': expected a size, e.g. 64G", s.swap_host_limit));
+  if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, sub_why))
+    return bad(fmt::format("metrics_listen {}", sub_why));
   return true;
 }
 
 // Every command-line flag, bound to its setting; the config file's keys are in
 // load_config.
 void add_flags(CLI::App& flags, Settings& s) {
+  // --help shows each option's default: the value salusd uses without the flag
+  // (the config file's, when --config is given).
+  flags.option_defaults()->always_capture_default();
   flags.set_version_flag("--version",
                          fmt::format("salusd {} api {}", SALUS_VERSION, SALUS_API_VERSION));
   flags.add_option("--config", s.config, "TOML config file (e.g. /etc/salus/salusd.toml)");
-  flags.add_option("--mount", s.mount, "Mountpoint (default /salus, or $SALUS_MOUNT)")
-      ->envname("SALUS_MOUNT");
+  flags.add_option("--mount", s.mount, "Mountpoint")->envname("SALUS_MOUNT");
   flags.add_option("--backend", s.backend, "GPU backend: auto, cuda or sim")
       ->check(CLI::IsMember({"auto", "cuda", "sim"}));
   flags.add_option("--sim-gpus", s.sim_gpus, "Simulated GPUs (sim backend)")
@@ -220,8 +279,8 @@ void add_flags(CLI::App& flags, Settings& s) {
   flags.add_option("--shutdown-grace-ms", s.shutdown_grace_ms,
                    "On SIGTERM, how long running iterations may take to finish");
   flags.add_option("--state-dir", s.state_dir,
-                   "Where named sessions are saved on SIGTERM and restored at start (default "
-                   "/var/lib/salus; empty: not saved)");
+                   "Where named sessions are saved on SIGTERM and restored at start (empty: "
+                   "not saved)");
   flags.add_option("--quota-sessions", s.quotas.sessions_per_uid, "Sessions per uid");
   flags.add_option("--quota-buffers", s.quotas.buffers_per_uid, "Buffers per uid");
   flags.add_option("--quota-queued", s.quotas.queued_iterations_per_uid,
@@ -251,10 +310,15 @@ void add_flags(CLI::App& flags, Settings& s) {
       .add_option("--mps", s.mps,
                   "GPUs (indices, comma-separated, or all) on which salusd runs an MPS control "
                   "daemon so that attached sessions run concurrently (cuda backend)")
-      ->delimiter(',');
-  flags.add_option(
-      "--mps-dir", s.mps_dir,
-      "Where the MPS pipe and log directories go, one per GPU (default /run/salus/mps)");
+      ->delimiter(',')
+      ->default_str("");  // none: not "[]"
+  flags.add_option("--mps-dir", s.mps_dir,
+                   "Where the MPS pipe and log directories go, one per GPU");
+  flags.add_option("--oversubscribe", s.oversubscribe,
+                   "Admit sessions whose memory adds up to RATIO x each GPU's (1 to 16; "
+                   "1: no oversubscription). Idle sessions are swapped to host memory");
+  flags.add_option("--swap-host-limit", s.swap_host_limit,
+                   "Host memory per GPU for swapped-out sessions, e.g. 64G");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -427,6 +491,9 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s) {
   bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
   bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
   bc.transfers_active = s.transfers_active;
+  std::string why;
+  bc.arena.oversubscribe = parse_oversubscribe(s.oversubscribe, why).value_or(1.0);
+  bc.swap_host_limit = *salus::arena::parse_size(s.swap_host_limit);
   return bc;
 }
 
@@ -456,6 +523,7 @@ int main(int argc, char** argv) {
   // salusd re-executes itself as the executor process of each isolated GPU.
   if (salus::vgpu::executor::is_executor_invocation(argc, argv))
     return salus::vgpu::executor::executor_main(argc, argv);
+  reset_stop_signals();
   Settings s;
   if (int exit_code = 0; !parse_settings(argc, argv, s, exit_code)) return exit_code;
 

@@ -435,7 +435,19 @@ bool wait_grant(Client& c, salus_gate* g, std::uint64_t want) {
   for (;;) {
     const std::uint32_t word = __atomic_load_n(&g->grant_word, __ATOMIC_ACQUIRE);
     if (__atomic_load_n(&g->state, __ATOMIC_ACQUIRE) == SALUS_GATE_DETACHED) break;
-    if (__atomic_load_n(&g->granted, __ATOMIC_ACQUIRE) >= want) {
+    const bool granted = __atomic_load_n(&g->granted, __ATOMIC_ACQUIRE) >= want;
+    // A swap request is carried out here, while the program waits (never on a
+    // launch); a grant brings swapped memory back before the program runs.
+    serve_swap(g, granted);
+    if (granted && !ensure_resident(g)) {
+      // No room on the GPU yet (salusd granted too early): wait and try again.
+      struct timespec ts {
+        0, 100'000'000
+      };
+      ::syscall(SYS_futex, &g->grant_word, FUTEX_WAIT, word, &ts, nullptr, 0);
+      continue;
+    }
+    if (granted) {
       if (rang) {
         __atomic_fetch_add(&g->gate_waits, 1, __ATOMIC_RELAXED);
         __atomic_fetch_add(&g->gate_wait_ns, now_ns() - t0, __ATOMIC_RELAXED);
@@ -459,6 +471,11 @@ bool wait_grant(Client& c, salus_gate* g, std::uint64_t want) {
     }
   }
   go_local(c, g);
+  // Ungated from now on: the memory must be back before the program runs on.
+  for (bool told = false; !ensure_resident(g); told = true) {
+    if (!told) std::fprintf(stderr, "salus-shim: waiting for room to bring swapped memory back\n");
+    ::usleep(100'000);
+  }
   return false;
 }
 
@@ -534,6 +551,10 @@ void implicit_boundary(CUstream stream) {
   t_in_boundary = true;
   boundary(SALUS_MARK_SLICE, stream);
   t_in_boundary = false;
+}
+
+void ring_bell() {
+  ring(g_bell.load());
 }
 
 void post_note(const char* text) {

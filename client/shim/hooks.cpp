@@ -65,20 +65,31 @@ Vmm& vmm() {
   return *v;
 }
 
+}  // namespace
+
 // Mirrors the process's figures into the gate. A thread that stored a value
 // another thread has since changed stores again, so the gate ends up exact.
+// resident and unswappable follow from charged, movable and swapped (swap.cpp).
 void publish() {
   salus_gate* g = gate();
-  std::uint64_t v;
+  std::uint64_t v, m, sw;
   do {
     v = g_charged.load(std::memory_order_acquire);
+    m = movable_bytes();
+    sw = swapped_bytes();
     __atomic_store_n(&g->charged_bytes, v, __ATOMIC_RELAXED);
-  } while (g_charged.load(std::memory_order_acquire) != v);
+    __atomic_store_n(&g->resident_bytes, v > sw ? v - sw : 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&g->swapped_bytes, sw, __ATOMIC_RELAXED);
+    __atomic_store_n(&g->unswappable_bytes, v > m ? v - m : 0, __ATOMIC_RELAXED);
+  } while (g_charged.load(std::memory_order_acquire) != v || movable_bytes() != m ||
+           swapped_bytes() != sw);
   do {
     v = g_peak.load(std::memory_order_acquire);
     __atomic_store_n(&g->peak_bytes, v, __ATOMIC_RELAXED);
   } while (g_peak.load(std::memory_order_acquire) != v);
 }
+
+namespace {
 
 void refuse(salus_gate* g, std::uint64_t budget, std::uint64_t charged, std::uint64_t n,
             const char* what) {
@@ -174,7 +185,23 @@ using namespace salus::shim;
 
 // ---- memory ----
 
+namespace {
+std::uint64_t round_up(std::uint64_t n, std::uint64_t to) {
+  return (n + to - 1) / to * to;
+}
+// Movable (SALUS_SWAP=1): the allocation is the driver's VMM, rounded up to
+// its granularity, and charged at the rounded size (what the GPU gives up).
+CUresult movable_charged(CUdeviceptr* p, std::uint64_t n, const char* what) {
+  if (n == 0 || p == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  const std::uint64_t taken = round_up(n, swap_granularity());
+  const CUresult r = charged_alloc(p, taken, what, [&] { return movable_alloc(p, taken); });
+  if (r == CUDA_SUCCESS) publish();  // movable_bytes changed after the charge
+  return r;
+}
+}  // namespace
+
 extern "C" SALUS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t n) {
+  if (swap_enabled()) return movable_charged(p, n, "cuMemAlloc");
   auto f = real<PFN_cuMemAlloc_v3020>(kMemAlloc);
   if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
   return charged_alloc(p, n, "cuMemAlloc", [&] { return f(p, n); });
@@ -183,6 +210,14 @@ extern "C" SALUS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t n) {
 extern "C" SALUS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr* p, std::size_t* pitch,
                                                     std::size_t width, std::size_t height,
                                                     unsigned elem) {
+  if (swap_enabled()) {
+    // Rows padded to 512 bytes, which meets every GPU's texture pitch alignment.
+    if ((elem != 4 && elem != 8 && elem != 16) || pitch == nullptr) return CUDA_ERROR_INVALID_VALUE;
+    const std::uint64_t row = round_up(width, 512);
+    const CUresult r = movable_charged(p, row * height, "cuMemAllocPitch");
+    if (r == CUDA_SUCCESS) *pitch = row;
+    return r;
+  }
   auto f = real<PFN_cuMemAllocPitch_v3020>(kMemAllocPitch);
   if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
   // The pitch is the driver's choice: charge width*height first, then the padding.
@@ -204,6 +239,10 @@ extern "C" SALUS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr* p, std::size_t*
 }
 
 extern "C" SALUS_EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  if (CUresult mr; movable_free(p, &mr)) {
+    if (mr == CUDA_SUCCESS) refund(untrack(p));
+    return mr;
+  }
   auto f = real<PFN_cuMemFree_v3020>(kMemFree);
   if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
   const CUresult r = f(p);
@@ -227,8 +266,17 @@ extern "C" SALUS_EXPORT CUresult cuMemGetInfo_v2(std::size_t* free, std::size_t*
 }
 
 namespace {
+// The stream a _ptsz entry point's null stream means, for calls the shim makes itself.
+template <int Slot>
+CUstream own_stream(CUstream s) {
+  return Slot == 1 && s == nullptr ? CU_STREAM_PER_THREAD : s;
+}
 template <int Slot>
 CUresult alloc_async(CUdeviceptr* p, std::size_t n, CUstream s) {
+  // Movable (SALUS_SWAP=1), unless captured into a graph: the graph's own
+  // allocation node must stay the driver's.
+  if (swap_enabled() && !stream_capturing(own_stream<Slot>(s)))
+    return movable_charged(p, n, "cuMemAllocAsync");
   auto f = real<PFN_cuMemAllocAsync_v11020>(kMemAllocAsync, Slot);
   if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
   return charged_alloc(p, n, "cuMemAllocAsync", [&] { return f(p, n, s); });
@@ -244,6 +292,10 @@ CUresult alloc_from_pool_async(CUdeviceptr* p, std::size_t n, CUmemoryPool pool,
 // driver's own free figure in cuMemGetInfo still bounds what is left.
 template <int Slot>
 CUresult free_async(CUdeviceptr p, CUstream s) {
+  if (CUresult mr; movable_free_async(p, own_stream<Slot>(s), &mr)) {
+    if (mr == CUDA_SUCCESS) refund(untrack(p));
+    return mr;
+  }
   auto f = real<PFN_cuMemFreeAsync_v11020>(kMemFreeAsync, Slot);
   if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
   const CUresult r = f(p, s);

@@ -80,6 +80,18 @@ void* resolve_real(Fn f, int slot) {
   return g_real[f][slot].load(std::memory_order_acquire);
 }
 
+void* driver_proc(const char* name) {
+  static const auto gpa = [] {
+    void* h = driver_handle();
+    return reinterpret_cast<PFN_cuGetProcAddress_v12000>(
+        h == nullptr ? nullptr : real_dlsym(h, "cuGetProcAddress_v2"));
+  }();
+  void* p = nullptr;
+  if (gpa == nullptr || gpa(name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, nullptr) != CUDA_SUCCESS)
+    return nullptr;
+  return p;
+}
+
 const Driver& driver() {
   static const Driver d = [] {
     Driver r;

@@ -79,6 +79,7 @@ struct Driver {
 };
 const Driver& driver();
 void* driver_handle();                             // libcuda, dlopened once; null if none
+void* driver_proc(const char* name);               // the real driver's answer at CUDA 12.0
 void* real_dlsym(void* handle, const char* name);  // glibc's dlsym
 
 // One hooked entry point as cuGetProcAddress knows it: `name` answers with this
@@ -107,9 +108,36 @@ inline salus_gate* gate() {
 void after_cuinit();                      // first successful cuInit: attach
 void implicit_boundary(CUstream stream);  // a launch saw yield_requested
 void post_note(const char* text);         // the note line, note_seq, doorbell
+void ring_bell();                         // the current gate's doorbell, if attached
 
 // ---- hooks.cpp ----
 
 std::uint64_t charged_now();  // process-wide bytes charged (for a new gate)
+void publish();               // mirrors charged, peak and the swap figures into the gate
+
+// ---- swap.cpp: movable memory (SALUS_SWAP=1) ----
+
+// Whether cuMemAlloc_v2 / cuMemAllocPitch_v2 are served from driver VMM, which
+// the shim can move off the GPU and back to the same address.
+bool swap_enabled();
+std::size_t swap_granularity();  // allocations are rounded up to this
+// A movable allocation of exactly n bytes (a multiple of swap_granularity()).
+CUresult movable_alloc(CUdeviceptr* p, std::size_t n);
+// If p is a movable allocation, frees it (on the device or its host copy) and
+// returns true with the driver's answer in *r; false: not ours.
+bool movable_free(CUdeviceptr p, CUresult* r);
+// cuMemFreeAsync of a movable allocation: released once the work queued on
+// `stream` before the free has completed (an event; checked at the next
+// allocation and at the gate). True with the answer in *r; false: not ours.
+bool movable_free_async(CUdeviceptr p, CUstream stream, CUresult* r);
+bool stream_capturing(CUstream stream);  // true also when the driver cannot tell
+std::uint64_t movable_bytes();           // charged bytes the shim can move
+std::uint64_t swapped_bytes();           // of those, now off the GPU
+// At the gate, while the program waits: carries out a new swap request of g,
+// if any. `running`: the program holds a grant (a swap-out is refused then).
+void serve_swap(salus_gate* g, bool running);
+// Before the program runs: brings swapped memory back. False if it could not
+// (device memory not free yet; the result and a note are in the gate).
+bool ensure_resident(salus_gate* g);
 
 }  // namespace salus::shim

@@ -22,11 +22,13 @@ PROGRAM = os.path.join(HERE, "gate_program.py")
 
 def test_python_mirror_matches_the_header(tmp_path):
     src = tmp_path / "sizes.c"
+    fields = ["granted", "quantum_ns", "swap_request", "swap_seq", "requested", "note",
+              "swap_done_seq", "swap_state", "swap_result", "resident_bytes", "swapped_bytes",
+              "swaps_out", "swaps_in", "swap_ns", "unswappable_bytes"]
     src.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "client/salus_gate.h"\n'
-                   'int main(void){printf("%zu %zu %zu %zu %zu %zu\\n", sizeof(struct salus_gate),'
-                   ' offsetof(struct salus_gate, granted), offsetof(struct salus_gate, quantum_ns),'
-                   ' offsetof(struct salus_gate, requested), offsetof(struct salus_gate, note),'
-                   ' offsetof(struct salus_gate, reserved2));return 0;}\n')
+                   'int main(void){printf("%zu\\n", sizeof(struct salus_gate));'
+                   + "".join(f'printf("%zu\\n", offsetof(struct salus_gate, {f}));' for f in fields)
+                   + 'return 0;}\n')
     exe = tmp_path / "sizes"
     cc = subprocess.run(["cc", "-I", os.path.join(HERE, "..", ".."), str(src), "-o", str(exe)],
                         capture_output=True, text=True)
@@ -34,8 +36,7 @@ def test_python_mirror_matches_the_header(tmp_path):
         pytest.skip("no C compiler: " + cc.stderr[-200:])
     got = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
     S = salus_gate.SalusGate
-    assert [int(x) for x in got] == [salus_gate.SIZE, S.granted.offset, S.quantum_ns.offset,
-                                     S.requested.offset, S.note.offset, S.reserved2.offset]
+    assert [int(x) for x in got] == [salus_gate.SIZE] + [getattr(S, f).offset for f in fields]
 
 
 def log_tail(s):

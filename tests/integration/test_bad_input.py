@@ -47,6 +47,10 @@ CASES = [
     ("bad name", "alloc ../etc 1M\n", errno.EINVAL, "../etc"),
     ("name too long", "alloc " + "n" * 65 + " 1M\n", errno.EINVAL, "line 1:"),
     ("end x0", "begin\nend x0\n", errno.ERANGE, "line 2:"),
+    ("end beyond the queued-iterations quota", "begin\nend x99999999999\n", errno.ERANGE,
+     "line 2: 99999999999 iterations in one submission; at most 10000000"),
+    ("run beyond the queued-iterations quota", "begin\nend\nrun 10000001\n", errno.ERANGE,
+     "line 3: 10000001 iterations in one submission; at most 10000000"),
     ("non-UTF-8", b"fill w 1 \xff\xfe\n", errno.EINVAL, "invalid UTF-8"),
     ("overlong UTF-8", b"alloc \xc0\xaf 1M\n", errno.EINVAL, "invalid UTF-8"),
     ("embedded NUL", b"alloc x\x00y 1M\n", errno.EINVAL, "embedded NUL"),
@@ -143,10 +147,19 @@ def test_session_and_buffer_quotas(salusd_factory):
     with pytest.raises(OSError) as e:
         a.cmd("alloc z 1K\n")
     assert e.value.errno == errno.EDQUOT
+    # More than the quota in one submission can never be queued: a range error.
     with pytest.raises(OSError) as e:
         a.cmd("begin\nspin 1\nend x101\n")
+    assert e.value.errno == errno.ERANGE
+    assert a.read("log").splitlines()[-1].endswith(
+        "line 3: 101 iterations in one submission; at most 100 (the queued-iterations quota) "
+        "can be queued at once")
+    # A count that fits, on a queue that is already full, meets the quota.
+    a.cmd("begin\nspin 100000\nend x60\n")
+    with pytest.raises(OSError) as e:
+        a.cmd("run 60\n")
     assert e.value.errno == errno.EDQUOT
-    assert "quota" in a.read("log")
+    assert "the quota is 100" in a.read("log")
     a.close()
     b.close()
 

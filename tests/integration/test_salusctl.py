@@ -2,6 +2,7 @@
 commands (kill, policy, drain, undrain), top --once and the live view, run, the
 --explain output (which must do the same thing when fed to sh), and exit codes and
 messages on errors."""
+import errno
 import os
 import pty
 import re
@@ -113,12 +114,13 @@ def test_show_prints_status_and_log(salusd):
     assert "session job created by uid 0" in r.stdout
 
 
-def test_show_missing_session_names_the_file(salusd):
+def test_show_missing_session_names_the_session(salusd):
+    # Not "sessions/nosuch/status: No such file or directory", which reads as a
+    # broken tree.
     r = ctl(salusd, "show", "nosuch")
     assert r.returncode == 1
     assert r.stdout == ""
-    assert salusd.path("sessions", "nosuch", "status") in r.stderr
-    assert "No such file or directory" in r.stderr
+    assert r.stderr == "salusctl: show nosuch: no session nosuch (salusctl sessions lists them)\n"
 
 
 def test_other_users_sessions_show_as_denied(salusd):
@@ -140,9 +142,57 @@ def test_kill_ends_a_session(salusd):
     assert r.returncode == 0, r.stderr
     assert r.stdout == "killed victim\n"
     assert "victim" not in os.listdir(salusd.path("sessions"))
+    # It must not read as if ctl itself were missing.
     r = ctl(salusd, "kill", "victim")
     assert r.returncode == 1
-    assert salusd.path("ctl") in r.stderr and "No such file or directory" in r.stderr
+    assert r.stderr == "salusctl: kill victim: no session victim (ENOENT)\n", r.stderr
+    r = ctl(salusd, "kill", "99")
+    assert r.returncode == 1
+    assert r.stderr == "salusctl: kill 99: no session 99 (ENOENT)\n", r.stderr
+
+
+def test_a_refused_ctl_line_answers_with_its_reason(salusd):
+    # The reply and the daemon log both carry the reason, with the valid words.
+    cases = [("kill 99", "ENOENT", "no session 99"),
+             ("kill", "EINVAL", "kill takes one session id or name: kill S"),
+             ("drain 7", "ENODEV", "no GPU 7 (salusd has 2, from 0)"),
+             ("drain zero", "EINVAL", "drain zero: not a GPU index"),
+             ("queue fast", "EINVAL", "queue takes one word: queue strict or queue bypass"),
+             ("placement far", "EINVAL", "placement takes one of magm, lug, rr or exclusive"),
+             ("frobnicate", "EINVAL", "unknown command 'frobnicate'; expected kill S, drain N, "
+                                      "undrain N, queue strict|bypass, placement P or swap out|in S")]
+    for line, name, why in cases:
+        fd = os.open(salusd.path("ctl"), os.O_RDWR)
+        try:
+            with pytest.raises(OSError) as e:
+                os.write(fd, (line + "\n").encode())
+            assert errno_name(e.value.errno) == name, line
+            assert os.read(fd, 4096).decode() == f"error {name}: {why}\n"
+        finally:
+            os.close(fd)
+        assert f"ctl: '{line}' failed: {why} ({name})" in salusd.daemon_log()
+
+
+def errno_name(err):
+    return errno.errorcode[err]
+
+
+def test_a_rejected_policy_lists_the_valid_words(salusd):
+    cases = [("sjf", "unknown policy 'sjf'; expected fifo, pack, srtf, fair or priority"),
+             ("fair placement=far", "placement 'far': expected magm, lug, rr or exclusive"),
+             ("fair queue=fast", "queue 'fast': expected strict or bypass"),
+             ("fair quantum_ms=0", "quantum_ms '0': expected 1 to 3600000"),
+             ("fair colour=red", "unknown key 'colour'; expected placement=, queue=, quantum_ms= or oversubscribe="),
+             ("fair pack", "'pack' after the policy name is not key=value (placement=, queue=, "
+                           "quantum_ms= or oversubscribe=); write one setting per write")]
+    for text, why in cases:
+        with pytest.raises(OSError) as e:
+            with open(salusd.path("policy"), "w") as f:
+                f.write(text + "\n")
+        assert errno_name(e.value.errno) == "EINVAL", text
+        assert f"policy: rejected '{text}': {why}" in salusd.daemon_log(), salusd.daemon_log()
+    r = ctl(salusd, "policy", "sjf")
+    assert r.returncode == 1 and "fifo, pack, srtf, fair or priority" in r.stderr
 
 
 def test_kill_a_clone_session(salusd):
@@ -161,6 +211,7 @@ def test_admin_commands_denied_to_other_users(salusd):
         r = as_nobody([SALUSCTL, "--mount", salusd.mnt, *args])
         assert r.returncode == 1, args
         assert "Permission denied" in r.stderr, r.stderr
+        assert "only root and members of salusd's --admin-group may do this" in r.stderr
         path = salusd.path("policy" if args[0] == "policy" else "ctl")
         assert path in r.stderr
     assert "keep" in os.listdir(salusd.path("sessions"))
@@ -204,7 +255,7 @@ def test_drain_and_undrain(salusd):
     with open(salusd.path("gpus", "0", "info")) as f:
         assert "draining: no" in f.read()
     r = ctl(salusd, "drain", "7")
-    assert r.returncode == 1 and "No such device" in r.stderr and salusd.path("ctl") in r.stderr
+    assert r.returncode == 1 and r.stderr == "salusctl: drain 7: no GPU 7 (salusd has 2, from 0) (ENODEV)\n"
     r = ctl(salusd, "drain", "zero")
     assert r.returncode == 2 and r.stderr
 

@@ -114,6 +114,9 @@ def test_rmdir_of_clone_session_is_ebusy(session, salusd):
     with pytest.raises(OSError) as e:
         os.rmdir(salusd.path("sessions", session.id))
     assert e.value.errno == errno.EBUSY
+    assert session.read("log").splitlines()[-1].endswith(
+        "rmdir refused (EBUSY): a clone session ends when the last descriptor of its clone file "
+        "is closed (or by `kill ID` on /salus/ctl)")
 
 
 def test_shell_tools_drive_a_session(salusd):

@@ -270,3 +270,62 @@ TEST(GpuScheduler, FairKeepsSharesUnderFrequentArrivalsWhereResetOnArrivalStarve
   // And no newcomer waits behind the old sessions' history: all but the last ran.
   EXPECT_GE(ours.size(), static_cast<std::size_t>(kEnd / kArrivalEvery));
 }
+
+// ---- admission follows the policy (issue 19 item 7) ----
+
+namespace {
+// A lane per session. One job holds the GPU (16 of 24 MiB); three wait, each needing
+// 14 MiB, so one fits at a time once the first leaves. Returns the order in which the
+// waiting ones are admitted.
+const arena::ArenaOptions kOwnLanes{arena::QueueMode::bounded_bypass, 16,
+                                    arena::LaneMode::lane_per_session};
+std::vector<SessionId> admission_order(PolicyKind p, bool reprioritize = false) {
+  GpuScheduler s(24 * M, p, kOwnLanes);
+  EXPECT_EQ(s.arrive(1, arena::Need{M, 15 * M}, 0, 10, 0), arena::ArenaError::ok);
+  s.take_admissions();
+  // Arrival order 2, 3, 4; remaining work 300, 100, 200 iterations; priority 1, 3, 2.
+  const std::uint64_t iters[] = {300, 100, 200};
+  const std::int32_t prio[] = {1, 3, 2};
+  for (SessionId id = 2; id <= 4; ++id)
+    EXPECT_EQ(s.arrive(id, arena::Need{2 * M, 12 * M}, prio[id - 2], iters[id - 2], 1),
+              arena::ArenaError::ok);
+  if (reprioritize) s.set_priority(2, 9);
+  EXPECT_TRUE(s.take_admissions().empty());
+  std::vector<SessionId> order;
+  SessionId leaving = 1;
+  for (int i = 0; i < 3; ++i) {
+    s.leave(leaving, 2 + i);
+    const auto adm = s.take_admissions();
+    EXPECT_EQ(adm.size(), 1u);
+    if (adm.empty()) break;
+    order.push_back(adm[0].session);
+    leaving = adm[0].session;
+  }
+  return order;
+}
+}  // namespace
+
+TEST(Admission, FollowsThePolicyKey) {
+  EXPECT_EQ(admission_order(PolicyKind::fifo), (std::vector<SessionId>{2, 3, 4}));
+  EXPECT_EQ(admission_order(PolicyKind::pack), (std::vector<SessionId>{2, 3, 4}));
+  EXPECT_EQ(admission_order(PolicyKind::srtf), (std::vector<SessionId>{3, 4, 2}));
+  EXPECT_EQ(admission_order(PolicyKind::priority), (std::vector<SessionId>{3, 4, 2}));
+  EXPECT_EQ(admission_order(PolicyKind::fair), (std::vector<SessionId>{2, 3, 4}));
+  // A new priority moves a waiting session in the queue.
+  EXPECT_EQ(admission_order(PolicyKind::priority, true), (std::vector<SessionId>{2, 3, 4}));
+}
+
+TEST(Admission, APolicyChangeReordersTheQueue) {
+  GpuScheduler s(24 * M, PolicyKind::fifo, kOwnLanes);
+  EXPECT_EQ(s.arrive(1, arena::Need{M, 15 * M}, 0, 10, 0), arena::ArenaError::ok);
+  s.take_admissions();
+  EXPECT_EQ(s.arrive(2, arena::Need{2 * M, 12 * M}, 0, 500, 1), arena::ArenaError::ok);
+  EXPECT_EQ(s.arrive(3, arena::Need{2 * M, 12 * M}, 0, 50, 1), arena::ArenaError::ok);
+  std::vector<SessionId> queued;
+  for (const auto& q : s.arena().queue()) queued.push_back(q.session);
+  EXPECT_EQ(queued, (std::vector<SessionId>{2, 3}));
+  s.set_policy(PolicyKind::srtf);
+  queued.clear();
+  for (const auto& q : s.arena().queue()) queued.push_back(q.session);
+  EXPECT_EQ(queued, (std::vector<SessionId>{3, 2}));
+}

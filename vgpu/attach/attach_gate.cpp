@@ -146,6 +146,21 @@ void AttachedGate::wake() const {
   ::syscall(SYS_futex, &g().grant_word, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
+const char* swap_state_name(std::uint32_t state) {
+  switch (state) {
+    case SALUS_SWAP_RESIDENT:
+      return "resident";
+    case SALUS_SWAP_OUT_BUSY:
+      return "swapping-out";
+    case SALUS_SWAP_SWAPPED:
+      return "swapped";
+    case SALUS_SWAP_IN_BUSY:
+      return "swapping-in";
+    default:
+      return "unknown";
+  }
+}
+
 pid_t thread_group_of(pid_t tid) {
   if (tid <= 0) return -EPERM;
   char path[64];

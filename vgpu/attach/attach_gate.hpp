@@ -64,7 +64,18 @@ struct AttachedGate {
   std::int64_t granted_at = 0;  // broker time of the last grant (the fallback slice)
   std::uint64_t yields = 0;     // yield requests made
   bool exited = false;          // the pidfd reported the program's exit
+
+  // Swap (issue 15): salusd's last request and what it saw of the answer.
+  std::uint32_t swap_seq = 0;                        // the last swap_seq written
+  std::uint32_t swap_request = SALUS_SWAP_REQ_NONE;  // what it asked
+  bool swap_pending = false;                         // asked, not answered yet
+  std::int64_t swap_asked_at = 0;                    // broker time of the request
+  int swap_error = 0;  // errno of the last failed swap, 0 if it succeeded (or none yet)
 };
+
+// What a gate's swap fields say, as salus(5) names it: resident, swapped,
+// swapping-out, swapping-in.
+const char* swap_state_name(std::uint32_t state);
 
 // Takes `gate_fd` and `bell_fd` out of the thread group of thread `tid` and
 // checks them: the gate a regular (memfd) file of exactly sizeof(salus_gate),

@@ -239,15 +239,19 @@ int Broker::kill_session(SessionId id) {
 
 // Frees everything once nothing of the session is on a device any more.
 void Broker::maybe_finalize(Session& s, Deferred& later) {
-  if (!s.dead || s.in_flight > 0 || s.moving || s.transferring) return;
+  if (!s.dead || s.in_flight > 0 || s.moving || s.transferring || s.swapping) return;
   Gpu* g = gpu_of(s);
   UidUsage& u = usage_[s.uid];
+  // A swapped-out buffer holds no GPU range: its bytes are only in host_copies.
+  auto on_gpu = [&](arena::BufferHandle h) { return h && g && g->sched.arena().buffer_on_gpu(h); };
   for (auto& [bid, b] : s.buffers) {
     if (u.buffers > 0) --u.buffers;
-    if (b.handle && g) g->device->discard(g->sched.arena().buffer_offset(b.handle), b.size);
+    if (on_gpu(b.handle)) g->device->discard(g->sched.arena().buffer_offset(b.handle), b.size);
   }
   for (auto& [handle, pin] : s.pins)
-    if (pin.retired && g) g->device->discard(g->sched.arena().buffer_offset(handle), pin.size);
+    if (pin.retired && on_gpu(handle))
+      g->device->discard(g->sched.arena().buffer_offset(handle), pin.size);
+  if (g) g->host_swapped -= std::min(g->host_swapped, s.host_bytes);
   if (g) {
     for (auto& [name, m] : s.modules) g->device->unload_module(m.handle);
     g->transfers->forget_session(s.id);
@@ -440,6 +444,17 @@ bool Broker::cancel_request(SessionId id, std::uint64_t ticket, bool caller_dyin
       cancelled = true;
       break;
     }
+    // A mem/ read or write, queued or on the device behind earlier work: it is
+    // answered now and its copy runs anyway (the same bytes again, if retried).
+    for (auto* items : {&s->queue, &s->dispatched}) {
+      for (auto it = items->begin(); !cancelled && it != items->end(); ++it) {
+        if (it->ticket != ticket || !it->on_done) continue;
+        auto done = std::move(it->on_done);
+        it->on_done = nullptr;
+        later.push_back([done] { done(EINTR, {}); });
+        cancelled = true;
+      }
+    }
     for (auto it = s->writes.begin(); !cancelled && it != s->writes.end(); ++it) {
       if (it->id != ticket) continue;
       // A write some of whose lines ran cannot be undone: answering EINTR would
@@ -554,10 +569,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
     suspend = true;
     return 0;
   }
-  if (needs_gpu && s.state == SessionState::idle)
-    return fail(ENXIO,
-                "no GPU yet: declare needs first with "
-                "`need persistent=SIZE ephemeral=SIZE`");
+  if (needs_gpu && s.state == SessionState::idle) return fail(ENXIO, kNoGpuYet);
   if (s.error && !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
       !std::holds_alternative<PriorityCmd>(cmd))
     return fail(EIO, fmt::format("session failed earlier ({}: {}); write `reset` to continue",
@@ -620,7 +632,11 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           [&](const PriorityCmd& c) {
             s.priority = c.priority;
             s.need.priority = c.priority;
-            if (Gpu* g = gpu_of(s)) g->sched.set_priority(s.id, c.priority);
+            if (Gpu* g = gpu_of(s)) {
+              g->sched.set_priority(s.id, c.priority);
+              // A waiting session moves in the queue (issue 19 item 7) and may be admitted.
+              handle_admissions(*g, later);
+            }
             return 0;
           },
           [&](const ResetCmd&) {
@@ -788,6 +804,12 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& su
   }
   Gpu& g = *gpu_of(s);
   const auto r = g.sched.arena().alloc_persistent(s.id, c.size);
+  if (r.error == arena::ArenaError::swapped_out) {
+    // Oversubscribed and swapped out: the write waits until its memory is back.
+    want_resident(g, s);
+    suspend = true;
+    return 0;
+  }
   if (r.error == arena::ArenaError::fragmented) {
     // Compaction is planned; the write waits (holding no thread) and retries.
     kick(g);
@@ -836,7 +858,8 @@ void Broker::retire(Session& s, arena::BufferHandle handle, Bytes size) {
   }
   if (p != s.pins.end()) s.pins.erase(p);
   if (Gpu* g = gpu_of(s)) {
-    g->device->discard(g->sched.arena().buffer_offset(handle), size);
+    if (g->sched.arena().buffer_on_gpu(handle))
+      g->device->discard(g->sched.arena().buffer_offset(handle), size);
     g->sched.arena().free_persistent(handle);
   }
 }
@@ -989,7 +1012,7 @@ int Broker::submit_iteration(Session& s, std::shared_ptr<const Iteration> iter,
     return EAGAIN;
   }
   if (s.state != SessionState::admitted || !s.lane) {
-    log(s, fmt::format("line {}: no GPU yet: declare needs with `need` first", ln));
+    log(s, fmt::format("line {}: {}", ln, kNoGpuYet));
     return ENXIO;
   }
   Gpu& g = *gpu_of(s);
@@ -1001,8 +1024,15 @@ int Broker::submit_iteration(Session& s, std::shared_ptr<const Iteration> iter,
     return ENOMEM;
   }
   UidUsage& u = usage_[s.uid];
-  if (repeat > config_.quotas.queued_iterations_per_uid ||
-      u.queued > config_.quotas.queued_iterations_per_uid - repeat) {
+  // A count no queue could ever take is a range error, not a full quota: it
+  // fails the same on an idle daemon, and waiting does not help.
+  if (repeat > config_.quotas.queued_iterations_per_uid) {
+    log(s, fmt::format("line {}: {} iterations in one submission; at most {} (the "
+                       "queued-iterations quota) can be queued at once",
+                       ln, repeat, config_.quotas.queued_iterations_per_uid));
+    return ERANGE;
+  }
+  if (u.queued > config_.quotas.queued_iterations_per_uid - repeat) {
     ++stats_.quota_rejections;
     log(s, fmt::format("line {}: uid {} would have {} iterations queued; the quota is {}", ln,
                        s.uid, u.queued + repeat, config_.quotas.queued_iterations_per_uid));
@@ -1311,7 +1341,9 @@ void Broker::update_runnable(Gpu& g, Session& s) {
   // nothing of the session is dispatched.
   if (s.gate) {
     // An attached session wants an iteration when it requested more than granted.
-    const bool wants = !s.gate->exited && gate_load(s.gate->g().requested) > s.gate->granted;
+    // Not while a swap-out it was asked for is unanswered (broker_gate.cpp).
+    const bool wants = !s.gate->exited && gate_load(s.gate->g().requested) > s.gate->granted &&
+                       !(s.gate->swap_pending && s.gate->swap_request == SALUS_SWAP_REQ_OUT);
     g.sched.set_runnable(s.id, wants && !s.dead && s.lane && s.state == SessionState::admitted &&
                                    !(s.in_flight > 0 && s.in_flight_lane != s.lane));
     return;
@@ -1476,9 +1508,83 @@ void Broker::dispatch(Gpu& g, Deferred& later) {
       if (budget == 0) break;
     }
   }
+  // After the picks, which noted the swapped sessions the lanes want next.
+  drive_residency(g, later);
   if (budget == 0) {
     std::lock_guard lk(g.cq_mu);
     g.wake = true;  // more to do: come back after letting others take the lock
+  }
+}
+
+// Clears what the lane must not pass on before `sid`'s instance (design.md,
+// "Isolation of memory between sessions") and marks the lane busy at an idle start.
+void Broker::prepare_lane(Gpu& g, LaneId lane_id, Lane& lane, SessionId sid, Bytes ephemeral) {
+  arena::GpuArena& ar = g.sched.arena();
+  Device& dev = *g.device;
+  const Bytes base = ar.lane_offset(lane_id);
+  const Bytes lane_size = ar.lane_size(lane_id);
+  if (!lane.cleared || lane.cleared->first != base || lane.cleared->second != lane_size) {
+    // New, grown or moved: nothing of this lane is in flight (lanes move only
+    // when idle) and the region is now exclusively its own.
+    if (lane.in_flight == 0) {
+      dev.discard(base, lane_size);
+      lane.cleared = {base, lane_size};
+      lane.last_used = 0;
+    }
+  } else if (lane.last_session && *lane.last_session != sid && lane.last_used > 0) {
+    dev.fill(lane.stream, base, lane.last_used, 0, 1);
+    lane.last_used = 0;
+  }
+  if (lane.last_session != sid) lane.last_used = 0;
+  lane.last_session = sid;
+  lane.last_used = std::max(lane.last_used, ephemeral);
+  if (lane.in_flight == 0) ar.begin_iteration(lane_id, sid, ephemeral);
+}
+
+// Puts one instance's ops on the stream; addresses are resolved now, from the bound
+// handles' current offsets and the lane's (see "How work refers to memory").
+void Broker::emit_ops(Gpu& g, StreamId st, Bytes base, WorkItem& item) {
+  arena::GpuArena& ar = g.sched.arena();
+  Device& dev = *g.device;
+  auto addr = [&](const Operand& o) -> DevOffset {
+    if (o.ephemeral) return base + o.offset;
+    const arena::BufferHandle h = item.bound[o.slot];
+    return h ? ar.buffer_offset(h) + o.offset : 0;
+  };
+  for (const Op& op : item.iter->ops) {
+    switch (op.kind) {
+      case Op::Kind::fill:
+        dev.fill(st, addr(op.a), op.length, op.pattern, op.width);
+        break;
+      case Op::Kind::copy:
+        dev.copy(st, addr(op.a), addr(op.b), op.length);
+        break;
+      case Op::Kind::spin:
+        dev.spin(st, op.usec, op.util);
+        break;
+      case Op::Kind::gemm:
+        dev.gemm(st, op.m, op.n, op.k, addr(op.a), addr(op.b), addr(op.c));
+        break;
+      case Op::Kind::to_host:
+        dev.copy_to_staging(st, item.host.data(), addr(op.a), op.length);
+        break;
+      case Op::Kind::from_host:
+        dev.copy_from_staging(st, addr(op.a), item.host.data(), op.length);
+        break;
+      case Op::Kind::launch: {
+        g.arg_bytes.clear();
+        g.arg_sizes.clear();
+        for (const KernelArg& a : op.args) {
+          const std::uint64_t v = a.buffer ? dev.device_address(addr(a.operand)) : a.bits;
+          const auto* p = reinterpret_cast<const std::uint8_t*>(&v);  // little-endian
+          g.arg_bytes.insert(g.arg_bytes.end(), p, p + a.size);
+          g.arg_sizes.push_back(a.size);
+        }
+        dev.launch(st, op.function, op.dims, g.arg_bytes.data(), g.arg_sizes.data(),
+                   g.arg_sizes.size());
+        break;
+      }
+    }
   }
 }
 
@@ -1524,66 +1630,9 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
     if (Session* again = get(*sid)) update_runnable(g, *again);
     return true;
   }
-  Device& dev = *g.device;
-  const StreamId st = lane.stream;
-  const Bytes base = ar.lane_offset(lane_id);
-  auto addr = [&](const Operand& o) -> DevOffset {
-    if (o.ephemeral) return base + o.offset;
-    const arena::BufferHandle h = item.bound[o.slot];
-    return h ? ar.buffer_offset(h) + o.offset : 0;
-  };
-  const Bytes lane_size = ar.lane_size(lane_id);
-  if (!lane.cleared || lane.cleared->first != base || lane.cleared->second != lane_size) {
-    // New, grown or moved: nothing of this lane is in flight (lanes move only
-    // when idle) and the region is now exclusively its own.
-    if (lane.in_flight == 0) {
-      dev.discard(base, lane_size);
-      lane.cleared = {base, lane_size};
-      lane.last_used = 0;
-    }
-  } else if (lane.last_session && *lane.last_session != *sid && lane.last_used > 0) {
-    dev.fill(st, base, lane.last_used, 0, 1);
-    lane.last_used = 0;
-  }
-  if (lane.last_session != *sid) lane.last_used = 0;
-  lane.last_session = *sid;
-  lane.last_used = std::max(lane.last_used, it.ephemeral_bytes);
-  if (lane.in_flight == 0) ar.begin_iteration(lane_id, *sid, it.ephemeral_bytes);
-  for (const Op& op : it.ops) {
-    switch (op.kind) {
-      case Op::Kind::fill:
-        dev.fill(st, addr(op.a), op.length, op.pattern, op.width);
-        break;
-      case Op::Kind::copy:
-        dev.copy(st, addr(op.a), addr(op.b), op.length);
-        break;
-      case Op::Kind::spin:
-        dev.spin(st, op.usec, op.util);
-        break;
-      case Op::Kind::gemm:
-        dev.gemm(st, op.m, op.n, op.k, addr(op.a), addr(op.b), addr(op.c));
-        break;
-      case Op::Kind::to_host:
-        dev.copy_to_staging(st, item.host.data(), addr(op.a), op.length);
-        break;
-      case Op::Kind::from_host:
-        dev.copy_from_staging(st, addr(op.a), item.host.data(), op.length);
-        break;
-      case Op::Kind::launch: {
-        g.arg_bytes.clear();
-        g.arg_sizes.clear();
-        for (const KernelArg& a : op.args) {
-          const std::uint64_t v = a.buffer ? dev.device_address(addr(a.operand)) : a.bits;
-          const auto* p = reinterpret_cast<const std::uint8_t*>(&v);  // little-endian
-          g.arg_bytes.insert(g.arg_bytes.end(), p, p + a.size);
-          g.arg_sizes.push_back(a.size);
-        }
-        dev.launch(st, op.function, op.dims, g.arg_bytes.data(), g.arg_sizes.data(),
-                   g.arg_sizes.size());
-        break;
-      }
-    }
-  }
+  prepare_lane(g, lane_id, lane, *sid, it.ephemeral_bytes);
+  emit_ops(g, lane.stream, ar.lane_offset(lane_id), item);
+  g.sched.residency().ran(*sid, now());
   g.sched.iteration_dispatched(*sid);
   const std::uint64_t token = next_token_++;
   lane.tokens.push_back(Lane::InFlight{token, *sid, now()});
@@ -1594,7 +1643,7 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
     s->dispatched.push_back(std::move(item));
     s->queue.pop_front();
   }
-  dev.notify(st, token);
+  g.device->notify(lane.stream, token);
   update_runnable(g, *s);
   return true;
 }
@@ -1607,7 +1656,8 @@ void Broker::compact(Gpu& g) {
   if (!ar.compaction_pending()) return;
   for (auto& [id, sp] : sessions_) {
     Session& s = *sp;
-    if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0 || s.transferring)
+    if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0 || s.transferring ||
+        s.swapping)
       continue;
     const auto moves = ar.session_idle(s.id);
     if (moves.empty()) continue;
@@ -1645,6 +1695,10 @@ void Broker::finish_compaction(Gpu& g, const Completion& c, Deferred& later) {
 void Broker::complete(Gpu& g, const Completion& c, Deferred& later) {
   if (g.move_stream && c.stream == *g.move_stream) {
     finish_compaction(g, c, later);
+    return;
+  }
+  if (g.swap_stream && c.stream == *g.swap_stream) {
+    finish_swap(g, c, later);
     return;
   }
   auto ls = g.stream_lane.find(c.stream);

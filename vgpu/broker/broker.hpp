@@ -65,6 +65,9 @@ struct BrokerConfig {
   Bytes staging_cache = Bytes{64} << 20;
   // Shared-memory segments kept mapped between a session's transfers, per GPU.
   Bytes segment_cache = Bytes{4} << 30;
+  // Oversubscription: host memory swapped-out sessions may hold in all (per GPU).
+  // A swap-out that would pass it is refused and the session stays resident.
+  Bytes swap_host_limit = Bytes{64} << 30;
   // Attached sessions that mark no iterations are asked to yield (a slice
   // boundary) after holding their lane this long while another session waits.
   std::int64_t quantum_ns = 50'000'000;
@@ -110,8 +113,7 @@ class Broker {
   void end_session(SessionId id);
   // Looks up a session by directory name; nullopt if gone.
   std::optional<SessionId> find_session(const std::string& dir_name) const;
-  // Whether `caller` may touch session `id`: its owner or an admin. 0, or
-  // ENOENT (no such live session) or EACCES.
+  // Whether `caller` may touch session `id`: its owner or an admin.
   int check_access(SessionId id, const Caller& caller) const;
   std::vector<std::pair<std::string, SessionId>> list_sessions() const;
   std::optional<std::pair<uid_t, gid_t>> session_owner(SessionId id) const;
@@ -142,9 +144,9 @@ class Broker {
   // Returns a ticket for cancel_request (0 if answered already).
   std::uint64_t wait(SessionId id, std::function<void(int err, std::string text)> done);
   // The caller of a held request was interrupted (FUSE_INTERRUPT): answers it
-  // with EINTR and forgets it, if that is safe. A `wait`, or a write none of
-  // whose lines ran yet (waiting for its files, its turn or admission), always
-  // goes; a write some of whose lines ran goes only if `caller_dying` (they
+  // with EINTR and forgets it, if that is safe. A `wait`, a mem/ read or write,
+  // or a write none of whose lines ran yet (waiting for its files, its turn or
+  // admission), always goes; a write some of whose lines ran goes only if `caller_dying` (they
   // cannot be undone, and a caller that retries would run them twice).
   // Returns whether the request was answered.
   bool cancel_request(SessionId id, std::uint64_t ticket, bool caller_dying);
@@ -166,11 +168,14 @@ class Broker {
                      std::function<void(int err)> done);
   int remove_buffer(SessionId id, const Caller& caller, const std::string& name);
   // Ordered after the session's earlier work; the callback gets the bytes read.
-  // Both go through the GPU's staging blocks.
-  void read_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, Bytes length,
-                   HostCopyDone done);
-  void write_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, const char* data,
-                    Bytes length, std::function<void(int err, Bytes written)> done);
+  // Both go through the GPU's staging blocks. Each returns a ticket for
+  // cancel_request (0 if answered already): a held read or write is answered
+  // with EINTR when its caller is interrupted; its copy still runs in order
+  // (re-reading or re-writing the same bytes is harmless), with no one to tell.
+  std::uint64_t read_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, Bytes length,
+                            HostCopyDone done);
+  std::uint64_t write_buffer(SessionId id, std::uint32_t buffer_id, Bytes offset, const char* data,
+                             Bytes length, std::function<void(int err, Bytes written)> done);
 
   // ---- restart (session_store.cpp saves and restores named sessions with these) ----
   struct NamedSessionState {
@@ -189,11 +194,16 @@ class Broker {
   void note(SessionId id, std::string text);
 
   // ---- admin ----
-  // Each returns 0 or a positive errno (docs/style.md, rule 1).
-  int kill_session(SessionId id);           // ENOENT: no such live session
-  int set_policy(const std::string& text);  // "NAME [key=value...]"; EINVAL
+  int kill_session(SessionId id);
+  // Both return 0 or a positive errno (EINVAL, and ENOENT/ENODEV for a ctl
+  // line naming no session/GPU) with the reason in `why` (docs/style.md, rule 1).
+  int set_policy(const std::string& text, std::string& why);  // "NAME [key=value...]"
   // One /salus/ctl line; what it did is appended to `reply`.
-  int admin_command(const std::string& line, std::string& reply);
+  int admin_command(const std::string& line, std::string& reply, std::string& why);
+  // `swap out|in SESSION` of /salus/ctl (broker_gate.cpp): asks an attached
+  // session's program to move its memory off the GPU or back; the outcome is in
+  // the session's status and log. A manual trigger beside the residency logic.
+  int admin_swap(const std::string& session, bool out, std::string& reply, std::string& why);
 
   // ---- views (file contents; snapshots) ----
   std::size_t gpu_count() const { return gpus_.size(); }
@@ -260,8 +270,10 @@ class Broker {
               std::uint32_t line, const char* what);
   void enqueue(Session& s, WorkItem item);
   int usable_buffer(SessionId id, std::uint32_t bid, Session*& s, const Buffer*& b);
-  void enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle, Bytes offset,
-                         StagingPool::Block host, Bytes length, HostCopyDone done);
+  // Returns the item's ticket for cancel_request.
+  std::uint64_t enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle,
+                                  Bytes offset, StagingPool::Block host, Bytes length,
+                                  HostCopyDone done);
   // The GPU index of a usable buffer's session, for taking a staging block
   // before the copy is queued (-errno when unusable).
   int buffer_gpu(SessionId id, std::uint32_t bid);
@@ -301,6 +313,8 @@ class Broker {
   void worker_loop(Gpu& g);
   void dispatch(Gpu& g, Deferred& later);
   bool dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later);
+  void prepare_lane(Gpu& g, LaneId lane_id, Lane& lane, SessionId sid, Bytes ephemeral);
+  void emit_ops(Gpu& g, StreamId stream, Bytes base, WorkItem& item);
   void complete(Gpu& g, const Completion& c, Deferred& later);
   void compact(Gpu& g);
   void finish_compaction(Gpu& g, const Completion& c, Deferred& later);
@@ -326,6 +340,21 @@ class Broker {
   void render_gate_status(const Session& s, const GpuTelemetrySnapshot* t, std::string& out) const;
   std::string gpu_memory_of(pid_t pid, const Gpu& g, const GpuTelemetrySnapshot* t) const;
 
+  // Oversubscription (broker_swap.cpp). Swaps happen between a session's
+  // iterations, on the GPU's swap stream; the residency planner decides whom.
+  void drive_residency(Gpu& g, Deferred& later);
+  void finish_swap(Gpu& g, const Completion& c, Deferred& later);
+  // One interface per session kind: hosted sessions swap their buffers here;
+  // attached ones through the gate (attach-swap), non-swappable until wired.
+  bool swappable(const Session& s) const;
+  int swap_out(Gpu& g, Session& s);
+  int swap_in(Gpu& g, Session& s);
+  int hosted_swap_out(Gpu& g, Session& s);
+  int hosted_swap_in(Gpu& g, Session& s);
+  // Marks the session as waiting for its memory (a write's alloc, a transfer).
+  void want_resident(Gpu& g, Session& s);
+  void render_residency(const Session& s, std::string& out) const;
+
   // Attached sessions (broker_gate.cpp).
   int exec_attach(Session& s, const AttachCmd& cmd, PendingWrite& w, std::uint32_t line,
                   Deferred& later);
@@ -343,6 +372,14 @@ class Broker {
   void finish_grant(Gpu& g, Session& s, std::int64_t device_ns, bool counts, Deferred& later);
   // Lets go of the gate: DETACHED, woken, its grants no longer in flight.
   void detach_gate(Session& s, Deferred& later);
+  // Swap of an attached session (issue 15). Under the lock; never waits.
+  // Asks s's program to move its movable memory off the GPU at its boundary
+  // (out: only with no iteration in flight) or back (in: a prefetch ahead of
+  // the grant; a grant while swapped brings it back anyway). 0: asked, and
+  // attached_swap_done runs when the program answers (through its doorbell, on
+  // the gate service); else an errno (ENOTCONN, EBUSY, EALREADY).
+  int request_attached_swap(Session& s, bool out);
+  void attached_swap_done(Gpu& g, Session& s, Deferred& later);
   void gate_loop();
   void gate_tick();
   void gate_event(std::uint64_t data);

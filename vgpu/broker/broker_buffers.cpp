@@ -53,9 +53,12 @@ int Broker::create_buffer(SessionId id, const Caller& caller, const std::string&
     return -EIO;
   }
   if (s->state != SessionState::admitted) {
-    log(*s, fmt::format("mem/{}: the session has no GPU yet (state {}); send `need` first", name,
-                        to_string(s->state)));
-    return s->state == SessionState::queued ? -EAGAIN : -ENXIO;
+    if (s->state == SessionState::queued) {
+      log(*s, fmt::format("mem/{}: the session is still queued for admission", name));
+      return -EAGAIN;
+    }
+    log(*s, fmt::format("mem/{}: {}", name, kNoGpuYet));
+    return -ENXIO;
   }
   if (s->names.count(name)) return -EEXIST;
   UidUsage& u = usage_[s->uid];
@@ -111,7 +114,11 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
       arena::BufferHandle fresh = 0;
       if (size > 0) {
         const auto r = g.sched.arena().alloc_persistent(s->id, size);
-        if (r.error != arena::ArenaError::ok) {
+        if (r.error == arena::ArenaError::swapped_out) {
+          log(*s, fmt::format("mem/{}: resize: the session is swapped out; retry shortly", b.name));
+          want_resident(g, *s);
+          err = EAGAIN;
+        } else if (r.error != arena::ArenaError::ok) {
           log(*s, fmt::format("mem/{}: resize to {} failed: {}", b.name, size,
                               r.error == arena::ArenaError::fragmented
                                   ? "persistent memory is fragmented; retry shortly"
@@ -157,8 +164,9 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
 
 // mem/ reads and writes: one host copy through a staging block, queued like any
 // other work of the session, so it is ordered after everything submitted before it.
-void Broker::enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle, Bytes offset,
-                               StagingPool::Block host, Bytes length, HostCopyDone done) {
+std::uint64_t Broker::enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle handle,
+                                        Bytes offset, StagingPool::Block host, Bytes length,
+                                        HostCopyDone done) {
   auto it = std::make_shared<Iteration>();
   it->counts = false;
   Op op;
@@ -173,7 +181,10 @@ void Broker::enqueue_host_copy(Session& s, Op::Kind kind, arena::BufferHandle ha
   item.host = std::move(host);
   item.host_length = length;
   item.on_done = std::move(done);
+  item.ticket = next_ticket_++;
+  const std::uint64_t ticket = item.ticket;
   enqueue(s, std::move(item));
+  return ticket;
 }
 
 // The session and buffer a mem/ read or write addresses: ENOENT when either is
@@ -198,14 +209,14 @@ int Broker::buffer_gpu(SessionId id, std::uint32_t bid) {
 
 // Both take their staging block before the lock (it may have to be allocated,
 // on cuda pinned) and check the buffer again under it: it may have changed.
-void Broker::read_buffer(SessionId id, std::uint32_t bid, Bytes offset, Bytes length,
-                         HostCopyDone done) {
+std::uint64_t Broker::read_buffer(SessionId id, std::uint32_t bid, Bytes offset, Bytes length,
+                                  HostCopyDone done) {
   int err = 0;
   const int gi = buffer_gpu(id, bid);
-  if (gi < 0) return done(-gi, {});
-  if (length == 0) return done(0, {});
+  if (gi < 0) return done(-gi, {}), 0;
+  if (length == 0) return done(0, {}), 0;
   StagingPool::Block block = gpus_[static_cast<std::size_t>(gi)]->staging->acquire(length);
-  if (!block) return done(ENOMEM, {});
+  if (!block) return done(ENOMEM, {}), 0;
   {
     std::lock_guard lk(mu_);
     Session* s = nullptr;
@@ -218,24 +229,24 @@ void Broker::read_buffer(SessionId id, std::uint32_t bid, Bytes offset, Bytes le
       } else {
         length = std::min(length, b.size - offset);
         stats_.bytes_to_host += length;
-        enqueue_host_copy(*s, Op::Kind::to_host, b.handle, offset, std::move(block), length,
-                          std::move(done));
-        return;
+        return enqueue_host_copy(*s, Op::Kind::to_host, b.handle, offset, std::move(block), length,
+                                 std::move(done));
       }
     }
   }
   done(err, {});
+  return 0;
 }
 
-void Broker::write_buffer(SessionId id, std::uint32_t bid, Bytes offset, const char* data,
-                          Bytes length, std::function<void(int err, Bytes written)> done) {
+std::uint64_t Broker::write_buffer(SessionId id, std::uint32_t bid, Bytes offset, const char* data,
+                                   Bytes length, std::function<void(int err, Bytes written)> done) {
   int err = 0;
   const int gi = buffer_gpu(id, bid);
-  if (gi < 0) return done(-gi, 0);
+  if (gi < 0) return done(-gi, 0), 0;
   StagingPool::Block block;
   if (length > 0) {
     block = gpus_[static_cast<std::size_t>(gi)]->staging->acquire(length);
-    if (!block) return done(ENOMEM, 0);
+    if (!block) return done(ENOMEM, 0), 0;
     std::memcpy(block.data(), data, length);
   }
   {
@@ -254,14 +265,14 @@ void Broker::write_buffer(SessionId id, std::uint32_t bid, Bytes offset, const c
         err = 0;
       } else {
         stats_.bytes_from_host += length;
-        enqueue_host_copy(
+        return enqueue_host_copy(
             *s, Op::Kind::from_host, b.handle, offset, std::move(block), length,
             [done, length](int e, std::span<const char>) { done(e, e ? 0 : length); });
-        return;
       }
     }
   }
   done(err, 0);
+  return 0;
 }
 
 }  // namespace salus::vgpu

@@ -1,5 +1,6 @@
-// Attached sessions: the `attach` command, grants as dispatches, and the gate
-// service thread (doorbells, program exits, heartbeats and fallback slices).
+// Attached sessions: the `attach` command, grants as dispatches, the gate
+// service thread (doorbells, program exits, heartbeats and fallback slices),
+// and swap requests to the program (issue 15).
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/timerfd.h>
@@ -150,6 +151,10 @@ bool Broker::grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s) {
   // Separate processes share no stream: a switch drains the lane first.
   if (must_drain(lane, s)) return false;
   AttachedGate& gt = *s.gate;
+  // Never grant into an unanswered swap-out (update_runnable keeps the session
+  // out of the pick meanwhile): the program would move its memory out and
+  // straight back in.
+  if (gt.swap_pending && gt.swap_request == SALUS_SWAP_REQ_OUT) return false;
   if (lane.in_flight == 0) g.sched.arena().begin_iteration(lane_id, s.id, 0);
   g.sched.iteration_dispatched(s.id);
   const TimeNs t = now();
@@ -220,6 +225,7 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
     gt.note_seq_seen = seq;
     log(s, "program: " + sanitize_note(G));
   }
+  if (gt.swap_pending && gate_load(G.swap_done_seq) == gt.swap_seq) attached_swap_done(g, s, later);
   check_waiters(s, later);
   update_runnable(g, s);
 }
@@ -227,6 +233,12 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
 void Broker::detach_gate(Session& s, Deferred& later) {
   if (!s.gate) return;
   AttachedGate& gt = *s.gate;
+  // salusd holds nothing of a swap (the copies are the program's own memory),
+  // so a program gone in the middle of one leaves nothing behind here.
+  if (gt.swap_pending)
+    log(s, fmt::format("swap-{} unanswered: the program left the gate during it",
+                       gt.swap_request == SALUS_SWAP_REQ_OUT ? "out" : "in"));
+  gt.swap_pending = false;
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.bell.get(), nullptr);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.pidfd.get(), nullptr);
   gate_store(gt.g().state, SALUS_GATE_DETACHED);
@@ -239,6 +251,85 @@ void Broker::detach_gate(Session& s, Deferred& later) {
   s.in_flight = 0;
   gt.exited = true;  // nothing more is read from the gate
   attached_.erase(s.id);
+}
+
+int Broker::request_attached_swap(Session& s, bool out) {
+  if (!s.gate || s.gate->exited) return ENOTCONN;
+  AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  if (gt.swap_pending) return EBUSY;  // one request at a time
+  // Only at a boundary: the program's granted iterations have all completed.
+  if (out && (s.in_flight > 0 || gt.granted > gate_load(G.completed))) return EBUSY;
+  const std::uint32_t state = gate_load(G.swap_state);
+  if (out && state == SALUS_SWAP_SWAPPED) return EALREADY;
+  if (!out && state == SALUS_SWAP_RESIDENT) return EALREADY;
+  gt.swap_request = out ? SALUS_SWAP_REQ_OUT : SALUS_SWAP_REQ_IN;
+  gt.swap_pending = true;
+  gt.swap_asked_at = now();
+  gate_store(G.swap_request, gt.swap_request);
+  gate_store(G.swap_seq, ++gt.swap_seq);  // after the request: the program reads seq first
+  gt.wake();
+  if (Gpu* g = gpu_of(s)) update_runnable(*g, s);  // not granted until the answer
+  return 0;
+}
+
+void Broker::attached_swap_done(Gpu& g, Session& s, Deferred& later) {
+  AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  gt.swap_pending = false;
+  const std::int32_t result = gate_load(G.swap_result);
+  // A program may only report an errno (0 or -1..-4095); anything else is noise.
+  gt.swap_error = result < 0 && result > -4096 ? -result : (result == 0 ? 0 : EIO);
+  const char* what = gt.swap_request == SALUS_SWAP_REQ_OUT ? "out" : "in";
+  const double took_ms = static_cast<double>(now() - gt.swap_asked_at) / 1e6;
+  if (gt.swap_error == 0) {
+    log(s, fmt::format("swap-{} done in {:.3f} ms: {} swapped, {} resident", what, took_ms,
+                       arena::format_size(gate_load(G.swapped_bytes)),
+                       arena::format_size(gate_load(G.resident_bytes))));
+  } else {
+    log(s, fmt::format("swap-{} failed: {} ({}); {}", what, strerrorname_np(gt.swap_error),
+                       std::strerror(gt.swap_error),
+                       gt.swap_error == ENOTSUP
+                           ? "its memory is not movable (started without SALUS_SWAP=1)"
+                           : "its memory stays where it was"));
+  }
+  // The residency decision (the oversub core) takes the answer from here: on
+  // success the session's resident bytes are gate_load(G.resident_bytes); a
+  // swapped session comes back at its next grant (grant_one needs nothing
+  // more: the shim brings it back before the program runs). grant_one held
+  // the session back while the swap-out was unanswered: dispatch again.
+  update_runnable(g, s);
+  kick(g);
+  (void)later;
+}
+
+int Broker::admin_swap(const std::string& name, bool out, std::string& reply, std::string& why) {
+  const auto id = find_session(name);
+  if (!id) {
+    why = fmt::format("no session {}", name);
+    return ENOENT;
+  }
+  std::lock_guard lk(mu_);
+  Session* s = get(*id);
+  if (!s || s->dead) {
+    why = fmt::format("no session {}", name);
+    return ENOENT;
+  }
+  if (!s->gate || s->gate->exited) {
+    why = fmt::format("session {} is not an attached program: only those swap on request", name);
+    return ENOTCONN;
+  }
+  const int err = request_attached_swap(*s, out);
+  if (err != 0) {
+    why = fmt::format("swap-{} of {} not asked: {}", out ? "out" : "in", name,
+                      err == EBUSY     ? "an iteration or an earlier request is in flight"
+                      : err == EALREADY ? "its memory is already there"
+                                        : strerrorname_np(err));
+    return err;
+  }
+  log(*s, fmt::format("swap-{} asked by admin", out ? "out" : "in"));
+  reply += fmt::format("swap-{} of {} asked; see its status\n", out ? "out" : "in", name);
+  return 0;
 }
 
 void Broker::gate_event(std::uint64_t key) {

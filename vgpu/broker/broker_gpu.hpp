@@ -46,6 +46,16 @@ struct Broker::Gpu {
   std::vector<std::uint32_t> arg_sizes;
   std::optional<StreamId> move_stream;  // persistent compaction copies
   std::unordered_map<std::uint64_t, SessionId> move_tokens;
+  // Oversubscription: swap copies run on their own stream, one job per token.
+  struct SwapJob {
+    SessionId session = 0;
+    bool out = true;
+    TimeNs started = 0;
+    Bytes bytes = 0;
+    std::vector<std::pair<arena::BufferHandle, StagingPool::Block>> blocks;
+  };
+  std::optional<StreamId> swap_stream;
+  Bytes host_swapped = 0;  // bytes of this GPU's sessions held in host memory
   std::deque<std::pair<TimeNs, std::int64_t>> busy_samples;  // (time, busy_ns)
   std::uint64_t generation = 0;  // the device's context generation last seen
   bool draining = false;
@@ -64,6 +74,8 @@ struct Broker::Gpu {
   // The data plane. Declared last: destroyed first, while the device lives.
   std::unique_ptr<StagingPool> staging;
   std::unique_ptr<TransferEngine> transfers;
+  // Swaps in progress hold staging blocks: destroyed before the pool they go back to.
+  std::unordered_map<std::uint64_t, SwapJob> swap_jobs;
 };
 
 }  // namespace salus::vgpu

@@ -85,7 +85,11 @@ void Broker::maybe_start_transfer(Session& s) {
   if (s.in_flight > 0 || !s.dispatched.empty() || s.moving || s.state != SessionState::admitted)
     return;
   Gpu* g = gpu_of(s);
-  if (!g) return;
+  if (!g || s.swapping || g->sched.residency().evicting(s.id)) return;
+  if (g->sched.arena().residency(s.id) != arena::Residency::resident) {
+    want_resident(*g, s);  // oversubscribed: the buffer comes back first
+    return;
+  }
   WorkItem& item = s.queue.front();
   std::shared_ptr<TransferJob> job = item.transfer;
   job->device_offset += g->sched.arena().buffer_offset(item.bound.at(0));

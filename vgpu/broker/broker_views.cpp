@@ -118,6 +118,8 @@ std::string Broker::render_status(SessionId id) const {
      s->error ? fmt::format("{} {}", strerrorname_np(s->error), s->error_text) : std::string("-"));
   kv("kind", s->gate ? "attached" : "hosted");
   kv("pid", s->gate ? std::to_string(s->gate->pid) : std::string("-"));
+  // An attached program reports its own residency (render_gate_status).
+  if (!s->gate) render_residency(*s, o);
   if (s->gate)
     render_gate_status(
         *s, static_cast<std::size_t>(s->gpu) < telemetry.size() ? &telemetry[s->gpu] : nullptr, o);
@@ -167,6 +169,17 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("oom_refusals", gate_load(G.oom_refusals));
   kv("yield_requests", gt.yields);
   kv("quantum_ms", fmt::format("{:.3f}", ms(config_.quantum_ns)));
+  // Movable memory (issue 15): where the program's memory is now.
+  kv("residency", swap_state_name(gate_load(G.swap_state)));
+  kv("memory_resident", gate_load(G.resident_bytes));
+  kv("memory_swapped", gate_load(G.swapped_bytes));
+  kv("memory_unswappable", gate_load(G.unswappable_bytes));
+  kv("swaps_out", gate_load(G.swaps_out));
+  kv("swaps_in", gate_load(G.swaps_in));
+  kv("swap_ms", fmt::format("{:.3f}", static_cast<double>(gate_load(G.swap_ns)) / 1e6));
+  kv("swap_error", gt.swap_pending ? std::string("pending")
+                   : gt.swap_error ? std::string(strerrorname_np(gt.swap_error))
+                                   : std::string("-"));
 }
 
 std::string Broker::render_log(SessionId id) const {
@@ -238,9 +251,12 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
   return fmt::format(
       "capacity: {}\npersistent_used: {}\npersistent_reserved: {}\nephemeral: {}\nlanes: {}\n"
       "free: {}\nlargest_hole: {}\nfragmentation: {:.3f}\nqueued: {}\n"
-      "persistent_bytes_moved: {}\nlane_moves: {}\n",
+      "persistent_bytes_moved: {}\nlane_moves: {}\n"
+      "oversubscribe: {}\nadmit_capacity: {}\nresident: {}\nswapped: {}\nhost_swapped: {}\n",
       m.capacity, m.persistent_used, m.persistent_reserved, m.lane_total, m.lanes, m.free,
-      m.largest_hole, m.fragmentation, m.queued, st.persistent_bytes_moved, st.lane_moves);
+      m.largest_hole, m.fragmentation, m.queued, st.persistent_bytes_moved, st.lane_moves,
+      gpus_[gi]->sched.arena().options().oversubscribe, m.admit_capacity,
+      m.persistent_used - m.swapped, m.swapped, gpus_[gi]->host_swapped);
 }
 
 std::string Broker::render_gpu_lanes(std::size_t gi) const {
@@ -284,6 +300,17 @@ std::string Broker::render_policy() const {
                                       : fmt::format("bypass max_bypass={}", opts.max_bypass));
   o += fmt::format("pipeline_depth: {}\n", config_.pipeline_depth);
   o += fmt::format("quantum_ms: {}\n", config_.quantum_ns / 1'000'000);
+  o += fmt::format("oversubscribe: {}\n", opts.oversubscribe);
+  if (!gpus_.empty() && opts.oversubscribe > 1.0) {
+    // The residency quantum: a session swapped in stays at least this long, so that
+    // its swap (out and back in, at the measured bandwidth) is at most 10% of it.
+    const sched::SwapCostModel& c = gpus_[0]->sched.residency().cost();
+    o += fmt::format("swap_bandwidth_gbps: {:.2f}{}\n", c.bytes_per_s / 1e9,
+                     c.measured ? "" : " (prior, not measured yet)");
+    o += fmt::format("resident_quantum_ms_per_gib: {:.1f}\n",
+                     static_cast<double>(c.quantum_ns(Bytes{1} << 30)) / 1e6);
+    o += fmt::format("swap_share_max: {:.2f}\n", c.max_swap_share);
+  }
   o += "# policies: fifo (arrival order), pack (arrival order, as many lanes as fit),\n"
        "#   srtf (least (iters - done) x mean iteration time first; sessions without iters=\n"
        "#   rank last), fair (equal GPU time per lane by virtual time), priority (larger\n"
@@ -463,8 +490,19 @@ std::string Broker::render_metrics() const {
                                  {"persistent", str(mem.persistent_used)},
                                  {"reserved", str(mem.persistent_reserved)},
                                  {"ephemeral", str(mem.lane_total)},
-                                 {"free", str(mem.free)}};
+                                 {"free", str(mem.free)},
+                                 {"resident", str(mem.persistent_used - mem.swapped)},
+                                 {"swapped", str(mem.swapped)}};
                });
+  m.per_gpu_by(gpus_, "salus_swaps_total", "counter",
+               "Oversubscription: swaps of sessions' persistent memory, by direction.",
+               "direction", [&](const Gpu& g) {
+                 const auto& t = g.sched.residency().totals();
+                 return Labelled{{"out", str(t.swaps_out)}, {"in", str(t.swaps_in)}};
+               });
+  m.per_gpu(gpus_, "salus_swap_seconds_total", "counter",
+            "Oversubscription: time spent swapping, both directions.",
+            [&](const Gpu& g) { return seconds(g.sched.residency().totals().swap_ns); });
   m.per_gpu(gpus_, "salus_gpu_lanes", "gauge", "Lanes open on the GPU.",
             [&](const Gpu& g) { return str(g.sched.arena().memory().lanes); });
   m.per_gpu(gpus_, "salus_gpu_busy_seconds_total", "counter",
@@ -522,6 +560,20 @@ std::string Broker::render_metrics() const {
              [](salus_gate& G) {
                const std::uint64_t b = gate_load(G.budget_bytes);
                return b == UINT64_MAX ? std::string("-1") : std::to_string(b);
+             });
+  m.per_gate(sessions_, "salus_session_memory_swapped_bytes", "gauge",
+             "Attached session: its device memory now on the host (swapped out).",
+             [](salus_gate& G) { return gate_load(G.swapped_bytes); });
+  m.per_gate(sessions_, "salus_session_swaps_out_total", "counter",
+             "Attached session: swap-outs its program carried out.",
+             [](salus_gate& G) { return gate_load(G.swaps_out); });
+  m.per_gate(sessions_, "salus_session_swaps_in_total", "counter",
+             "Attached session: swap-ins its program carried out.",
+             [](salus_gate& G) { return gate_load(G.swaps_in); });
+  m.per_gate(sessions_, "salus_session_swap_seconds_total", "counter",
+             "Attached session: time its program spent moving memory out and in.",
+             [](salus_gate& G) {
+               return fmt::format("{:.6f}", static_cast<double>(gate_load(G.swap_ns)) / 1e9);
              });
   m.per_gate(sessions_, "salus_session_gate_waits_total", "counter",
              "Attached session: iteration boundaries that waited for a grant.",

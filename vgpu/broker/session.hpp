@@ -29,6 +29,11 @@ using arena::LaneId;
 using arena::SessionId;
 using TimeNs = std::int64_t;
 
+// What every command that needs a GPU says before the session's first `need`
+// (with ENXIO): one wording, wherever the command came from.
+inline constexpr const char* kNoGpuYet =
+    "no GPU yet: declare needs first with `need persistent=SIZE ephemeral=SIZE`";
+
 struct Buffer {
   std::uint32_t id = 0;  // per session, never reused: names mem/ inodes
   std::string name;
@@ -113,6 +118,9 @@ struct WorkItem {
   StagingPool::Block host;  // staging for mem/ reads and writes
   Bytes host_length = 0;
   HostCopyDone on_done;
+  // A mem/ read or write held for its caller: the ticket of cancel_request,
+  // which answers it with EINTR and leaves the item to run with no one to tell.
+  std::uint64_t ticket = 0;
   // upload/download: moved by the GPU's transfer engine, not dispatched on a
   // lane. It starts once everything before it has completed, and nothing after
   // it starts before it is done.
@@ -215,6 +223,12 @@ struct Session {
   std::optional<LaneId> in_flight_lane;
   bool moving = false;                 // its persistent buffers are being compacted
   bool transferring = false;           // an upload/download is with the transfer engine
+  // Oversubscription (broker_swap.cpp): while swapped out, each persistent buffer's
+  // bytes live in a staging block (pinned host memory on cuda), by arena handle.
+  std::unordered_map<arena::BufferHandle, StagingPool::Block> host_copies;
+  Bytes host_bytes = 0;         // what host_copies hold, counted in Gpu::host_swapped
+  bool swapping = false;        // a swap of its memory is in progress (either way)
+  bool wants_resident = false;  // a write or transfer waits for its memory to come back
   std::uint64_t queued_instances = 0;  // counted against the uid's quota
   std::uint64_t submitted_seq = 0;
   std::uint64_t completed_seq = 0;

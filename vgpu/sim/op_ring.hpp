@@ -21,6 +21,9 @@ class OpRing {
   }
 
   // Precondition: !empty().
+  T& front() { return slots_[head_]; }
+
+  // Precondition: !empty().
   T pop() {
     T value = std::move(slots_[head_]);
     head_ = (head_ + 1) & (slots_.size() - 1);

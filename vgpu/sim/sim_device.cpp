@@ -20,6 +20,7 @@ using sim::SimOp;
 using sim::SimStream;
 using sim::SpinOp;
 using sim::StreamEnv;
+using sim::StreamRunner;
 using sim::ToHostOp;
 
 namespace {
@@ -43,7 +44,10 @@ DeviceInfo make_info(int index, Bytes memory_bytes, std::string name) {
 }  // namespace
 
 SimDevice::SimDevice(int index, Bytes memory_bytes, std::string name)
-    : info_(make_info(index, memory_bytes, std::move(name))), memory_(memory_bytes) {}
+    : info_(make_info(index, memory_bytes, std::move(name))),
+      memory_(memory_bytes),
+      runner_(std::make_unique<sim::StreamRunner>(
+          StreamEnv{info_.index, memory_, contention_, busy_, sink_})) {}
 
 SimDevice::~SimDevice() {
   std::vector<Slot> slots;
@@ -51,8 +55,11 @@ SimDevice::~SimDevice() {
     std::unique_lock lock(streams_mu_);
     slots.swap(slots_);
   }
-  // Destroying each stream drains and joins it; memory_ outlives them all.
-  slots.clear();
+  // Every stream finishes its queued ops, then the threads stop; memory_
+  // outlives them all.
+  for (Slot& slot : slots)
+    if (slot.stream) runner_->drain(*slot.stream);
+  runner_.reset();
 }
 
 void SimDevice::set_sink(CompletionSink* sink) {
@@ -64,8 +71,7 @@ StreamId SimDevice::create_stream() {
   std::size_t id = 0;
   while (id < slots_.size() && (slots_[id].stream || slots_[id].retiring)) ++id;
   if (id == slots_.size()) slots_.emplace_back();
-  const StreamEnv env{info_.index, memory_, contention_, busy_, sink_};
-  slots_[id].stream = std::make_unique<SimStream>(static_cast<StreamId>(id), env);
+  slots_[id].stream = std::make_unique<SimStream>(static_cast<StreamId>(id));
   return static_cast<StreamId>(id);
 }
 
@@ -75,14 +81,15 @@ void SimDevice::destroy_stream(StreamId stream) {
     std::unique_lock lock(streams_mu_);
     if (stream >= slots_.size() || !slots_[stream].stream)
       throw std::invalid_argument(fmt::format("sim gpu{}: no stream {}", info_.index, stream));
-    if (slots_[stream].stream->is_own_thread())
-      throw std::logic_error(
-          fmt::format("sim gpu{}: stream {} destroyed from its own thread", info_.index, stream));
+    if (runner_->on_own_thread())
+      throw std::logic_error(fmt::format(
+          "sim gpu{}: stream {} destroyed from a completion callback", info_.index, stream));
     victim = std::move(slots_[stream].stream);
     slots_[stream].retiring = true;
   }
   // Drain outside the lock: it can take as long as the queued kernels, and other
   // streams must keep accepting ops meanwhile.
+  runner_->drain(*victim);
   victim.reset();
   std::unique_lock lock(streams_mu_);
   if (stream < slots_.size()) slots_[stream].retiring = false;
@@ -94,7 +101,7 @@ void SimDevice::enqueue(StreamId stream, const SimOp& op) {
   std::shared_lock lock(streams_mu_);
   if (stream >= slots_.size() || !slots_[stream].stream)
     throw std::invalid_argument(fmt::format("sim gpu{}: no stream {}", info_.index, stream));
-  slots_[stream].stream->enqueue(op);
+  runner_->enqueue(*slots_[stream].stream, op);
 }
 
 void SimDevice::fill(StreamId stream, DevOffset dst, Bytes length, std::uint32_t pattern,

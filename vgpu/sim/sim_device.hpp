@@ -1,6 +1,7 @@
-// The simulated GPU: device memory is host memory, streams are threads, built-in ops
-// run on the CPU, and spin kernels take time under the shared contention model, so
-// salusd and its scheduling policies behave meaningfully on machines without a GPU.
+// The simulated GPU: device memory is host memory, built-in ops run on the CPU,
+// and spin kernels take time under the shared contention model, so salusd and
+// its scheduling policies behave meaningfully on machines without a GPU. Its
+// streams share a fixed set of threads (sim_stream.hpp), whatever users open.
 #pragma once
 
 #include <atomic>
@@ -40,8 +41,8 @@ class SimDevice final : public Device {
 
   // Ids are the smallest free ones, so they are reused after destroy_stream returns.
   StreamId create_stream() override;
-  // Must not be called from a completion callback of the same stream (it would
-  // join its own thread): that throws std::logic_error.
+  // Must not be called from a completion callback (it would wait for the
+  // device's own threads): that throws std::logic_error.
   void destroy_stream(StreamId stream) override;
 
   // The op calls below throw std::invalid_argument for a stream id that does not
@@ -79,7 +80,7 @@ class SimDevice final : public Device {
   std::uint64_t device_address(DevOffset offset) const override;
   // The same, for the data plane; nullptr for a range past the end.
   char* host_view(DevOffset offset, Bytes length) override;
-  // Runs the kernel once on the stream's thread. An unknown function, zero
+  // Runs the kernel once on a host thread of the device. An unknown function, zero
   // dimensions or arguments that contradict the signature complete with EINVAL.
   void launch(StreamId stream, FunctionHandle function, const LaunchDims& dims,
               const std::uint8_t* args, const std::uint32_t* arg_sizes,
@@ -103,6 +104,8 @@ class SimDevice final : public Device {
 
   mutable std::shared_mutex streams_mu_;
   std::vector<Slot> slots_;  // indexed by StreamId
+  // After memory_, contention_ and busy_, which its threads use; reset first.
+  std::unique_ptr<sim::StreamRunner> runner_;
 
   struct Function {
     std::string name;

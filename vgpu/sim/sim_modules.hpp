@@ -1,6 +1,6 @@
 // User modules on the sim backend: an ELF host shared object loaded from memory
 // (memfd + dlopen), kernels looked up with their optional signature tables, and
-// launches run on a stream thread with the same argument marshalling as cuda.
+// launches run on a host thread of the device with the same argument marshalling as cuda.
 // The C ABI a module implements is client/salus_sim_kernel.h (docs/modules.md).
 #pragma once
 

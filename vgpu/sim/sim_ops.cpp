@@ -7,7 +7,6 @@
 
 #include "vgpu/sim/cpu_kernels.hpp"
 #include "vgpu/sim/host_mapping.hpp"
-#include "vgpu/sim/realtime_contention.hpp"
 #include "vgpu/sim/sim_modules.hpp"
 
 namespace salus::vgpu::sim {
@@ -23,8 +22,6 @@ bool matrix_in(const HostMapping& memory, DevOffset at, std::uint64_t rows, std:
 
 struct Executor {
   HostMapping& memory;
-  RealTimeContention& contention;
-  KernelTiming* timing;
 
   std::byte* at(DevOffset offset) const { return memory.data() + offset; }
 
@@ -37,18 +34,8 @@ struct Executor {
     std::memmove(at(op.dst), at(op.src), op.length);
     return 0;
   }
-  int operator()(const SpinOp& op) const {
-    // Capped at about 11 days so that deadlines, stretched by contention and added
-    // to steady_clock's epoch, stay far from overflowing 64-bit nanoseconds.
-    constexpr std::uint64_t kMaxUsec = 1'000'000'000'000;
-    const std::uint64_t usec = op.usec < kMaxUsec ? op.usec : kMaxUsec;
-    // NaN would poison the model's utilization sum; the model clamps the rest.
-    const double util = std::isnan(op.util) ? 1.0 : op.util;
-    const auto span = contention.run_kernel(static_cast<std::int64_t>(usec) * 1000, util,
-                                            timing ? timing->ready_at : RealTimeContention::kNow);
-    if (timing) *timing = {timing->ready_at, span.start, span.finish, true};
-    return 0;
-  }
+  // Spins never get here (StreamRunner starts them on the contention model).
+  int operator()(const SpinOp&) const { return EINVAL; }
   int operator()(const GemmOp& op) const {
     if (!matrix_in(memory, op.a, op.m, op.k) || !matrix_in(memory, op.b, op.k, op.n) ||
         !matrix_in(memory, op.c, op.m, op.n))
@@ -74,9 +61,17 @@ struct Executor {
 
 }  // namespace
 
-int execute_op(const SimOp& op, HostMapping& memory, RealTimeContention& contention,
-               KernelTiming* timing) {
-  return std::visit(Executor{memory, contention, timing}, op);
+std::int64_t spin_alone_ns(const SpinOp& op) {
+  constexpr std::uint64_t kMaxUsec = 1'000'000'000'000;
+  return static_cast<std::int64_t>(op.usec < kMaxUsec ? op.usec : kMaxUsec) * 1000;
+}
+
+double spin_util(const SpinOp& op) {
+  return std::isnan(op.util) ? 1.0 : op.util;
+}
+
+int execute_op(const SimOp& op, HostMapping& memory) {
+  return std::visit(Executor{memory}, op);
 }
 
 }  // namespace salus::vgpu::sim

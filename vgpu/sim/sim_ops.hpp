@@ -11,7 +11,6 @@
 namespace salus::vgpu::sim {
 
 class HostMapping;
-class RealTimeContention;
 struct SimLaunch;
 
 struct FillOp {
@@ -56,17 +55,17 @@ struct NotifyOp {
 using SimOp =
     std::variant<FillOp, CopyOp, SpinOp, GemmOp, ToHostOp, FromHostOp, LaunchOp, NotifyOp>;
 
-// Where a kernel of the contention model (a spin) lies on the model's time axis.
-struct KernelTiming {
-  std::int64_t ready_at = INT64_MAX;  // see RealTimeContention::run_kernel
-  std::int64_t start = 0, finish = 0;
-  bool timed = false;  // set when the op was such a kernel
-};
+// A spin's alone time and utilization as the contention model takes them: the
+// time capped at about 11 days, so that deadlines, stretched by contention and
+// added to steady_clock's epoch, stay far from overflowing 64-bit nanoseconds;
+// a NaN utilization (it would poison the model's sum) as 1.
+std::int64_t spin_alone_ns(const SpinOp& op);
+double spin_util(const SpinOp& op);
 
-// Runs one op to completion on the calling thread. Returns 0, or the errno a real
-// device would report: EFAULT for a range outside device memory, EINVAL for a bad
-// fill width.
-int execute_op(const SimOp& op, HostMapping& memory, RealTimeContention& contention,
-               KernelTiming* timing = nullptr);
+// Runs one host op (anything but a spin, which is a timed event of the
+// contention model, and a notify) to completion on the calling thread. Returns
+// 0, or the errno a real device would report: EFAULT for a range outside device
+// memory, EINVAL for a bad fill width.
+int execute_op(const SimOp& op, HostMapping& memory);
 
 }  // namespace salus::vgpu::sim

@@ -62,6 +62,7 @@ printf 'a,0,m,1,1,10,5,0.5\nhuge,0,m,9000,9000,10,5,0.5\n' >"$tmp/huge.csv"
 expect_exit 2 "$sim" --trace "$tmp/huge.csv" --policy pack
 grep -q "line 2: job huge" "$tmp/err" || fail "too large message: $(cat "$tmp/err")"
 expect_exit 2 "$sim" --trace "$tmp/nonexistent.csv"
+grep -q "cannot open trace '$tmp/nonexistent.csv': No such file or directory" "$tmp/err" || fail "open message: $(cat "$tmp/err")"
 expect_exit 2 "$sim" --trace "$tmp/good.csv" --policy lottery
 expect_exit 2 "$sim" --trace "$tmp/good.csv" --placement best
 expect_exit 2 "$sim" --trace "$tmp/good.csv" --gpus 0
@@ -104,10 +105,31 @@ expect_exit 0 "$gen" --shape burst --jobs 20 --seed 7 -o "$tmp/burst.csv"
 expect_exit 0 "$gen" --shape cluster --jobs 200 --seed 7 -o "$tmp/cluster.csv"
 [ "$(awk -F, 'END{print ($2 > 20000)}' "$tmp/cluster.csv")" = 1 ] || fail "cluster arrivals not spread"
 expect_exit 0 "$sim" --trace "$tmp/cluster.csv" --gpus 2 --policy all
+# year: the cluster's load per GPU on 100 GPUs, so gaps of 32 s instead of 400 s.
+expect_exit 0 "$gen" --shape year --jobs 200 --seed 7 -o "$tmp/year.csv"
+[ "$(awk -F, 'END{print ($2 > 2000 && $2 < 20000)}' "$tmp/year.csv")" = 1 ] || fail "year gaps: $(tail -1 "$tmp/year.csv")"
 expect_exit 2 "$gen" --shape philly
 expect_exit 2 "$gen" --arrivals 0,x
 expect_exit 0 "$gen" --list
 [ "$(wc -l <"$tmp/out")" = 46 ] || fail "--list shows 45 workloads"
+
+# tools/srtf-bound: exact preemptive SRTF on one GPU. a (10 s) runs 0-1, b (2 s) preempts
+# it and ends at 3, a ends at 12: JCTs 12 and 2, average 7. salus-sim's SRTF matches it
+# when memory does not bind.
+cat >"$tmp/bound.csv" <<'EOF2'
+job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util
+a,0,m,100,1000,10,1000,1
+b,1,m,100,1000,10,200,1
+EOF2
+expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound.csv" --compare 7.07
+[ "$(head -1 "$tmp/out")" = "jobs 2 makespan_s 12.000 avg_jct_s 7.000" ] || fail "srtf-bound: $(cat "$tmp/out")"
+grep -q "ratio 1.0100" "$tmp/out" || fail "srtf-bound compare: $(cat "$tmp/out")"
+expect_exit 0 "$sim" --trace "$tmp/bound.csv" --policy srtf
+[ "$(awk '$1=="srtf"{print $4}' "$tmp/out")" = "7.000" ] || fail "salus-sim srtf vs bound: $(cat "$tmp/out")"
+expect_exit 2 python3 "$src/tools/srtf-bound" "$tmp/missing.csv"
+grep -q "srtf-bound: .*missing.csv: No such file" "$tmp/err" || fail "srtf-bound missing: $(cat "$tmp/err")"
+head -1 "$tmp/bound.csv" >"$tmp/header-only.csv"
+expect_exit 2 python3 "$src/tools/srtf-bound" "$tmp/header-only.csv"
 
 if [ "$failures" -gt 0 ]; then
   echo "$failures failure(s)"

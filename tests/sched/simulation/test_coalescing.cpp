@@ -113,3 +113,33 @@ TEST(Coalescing, RandomTracesMatchPerIterationSimulation) {
   }
   EXPECT_LE(disagreed, compared / 100) << disagreed << " of " << compared << " runs disagreed";
 }
+
+// FAIR in one shared lane on one GPU: every kernel runs alone, so the coalesced run (the
+// turns of all the lane's sessions in closed form) and the per-iteration simulation must
+// agree exactly, finish times and the scheduler's decisions, switches and preemptions too.
+// Several jobs share a model (equal iteration times, exact ties) in some traces.
+TEST(Coalescing, FairTurnsInClosedFormMatchPerIterationExactly) {
+  for (std::uint32_t seed = 1; seed <= 300; ++seed) {
+    std::vector<sc::TraceJob> trace = random_trace(seed);
+    if (seed % 3 == 0)
+      for (sc::TraceJob& j : trace) j.iter_ms = trace.front().iter_ms;
+    if (seed % 5 == 0)
+      for (sc::TraceJob& j : trace) j.iters *= 40;
+    const Variant v{PolicyKind::fair, LaneModel::shared, 1, Placement::magm};
+    const std::int64_t overhead = seed % 2 ? 0 : 150'000;
+    const std::string what = fmt::format("seed {} overhead {}", seed, overhead);
+    sc::SimResult a, b;
+    ASSERT_NO_THROW(a = run(trace, v, true, overhead)) << what;
+    ASSERT_NO_THROW(b = run(trace, v, false, overhead)) << what;
+    ASSERT_EQ(a.counters.iterations, b.counters.iterations) << what;
+    EXPECT_EQ(a.counters.decisions, b.counters.decisions) << what;
+    EXPECT_EQ(a.counters.switches, b.counters.switches) << what;
+    EXPECT_EQ(a.counters.preemptions, b.counters.preemptions) << what;
+    for (std::size_t i = 0; i < trace.size(); ++i) {
+      EXPECT_EQ(a.jobs[i].finish, b.jobs[i].finish) << what << " job " << i;
+      EXPECT_EQ(a.jobs[i].start, b.jobs[i].start) << what << " job " << i;
+      EXPECT_EQ(a.jobs[i].device_ns, b.jobs[i].device_ns) << what << " job " << i;
+    }
+    if (HasFailure()) return;
+  }
+}

@@ -338,3 +338,25 @@ TEST(SimOverhead, IterationOverheadLengthensEveryIteration) {
   c.iteration_overhead_ns = -1;
   EXPECT_THROW(sc::simulate(long_then_short(), c), sc::SimError);
 }
+
+// Late binding (issue 19 item 8): on 2 GPUs under SRTF, C arrives while A and B run and
+// ranks after both (more work left), so it runs on neither at once: it waits host-wide
+// and takes the first GPU that frees (A's, at 100 s) instead of being bound at arrival
+// to a GPU where it would wait. D, shorter than what runs, is placed at once and
+// preempts A. The makespan stays within D's one second of FIFO's. (Bound at arrival,
+// C was admitted to A's GPU at 1 s and waited there: the first check fails.)
+TEST(SimLateBinding, AJobWaitsHostWideUntilAGpuRunsIt) {
+  const std::vector<sc::TraceJob> t{job("A", 0, 1, 100'000), job("B", 0, 1, 110'000),
+                                    job("C", 1, 1, 150'000), job("D", 2, 1, 1'000)};
+  for (bool coalesce : {true, false}) {
+    const sc::SimResult r = run(t, {PolicyKind::srtf, LaneModel::automatic, 2}, coalesce);
+    const sc::SimResult f = run(t, {PolicyKind::fifo, LaneModel::automatic, 2}, coalesce);
+    const auto& a = r.jobs[0];
+    const auto& c = r.jobs[2];
+    const auto& d = r.jobs[3];
+    EXPECT_GE(c.admit, a.finish - kMs) << "C was bound before a GPU could run it";
+    EXPECT_EQ(c.gpu, a.gpu);
+    EXPECT_LE(d.admit, 2 * kSec + kMs);  // shorter than A and B: placed at once
+    EXPECT_LE(r.summary.makespan_s, f.summary.makespan_s + 1.0 + 1e-3);
+  }
+}

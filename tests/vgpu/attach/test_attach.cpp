@@ -426,3 +426,68 @@ TEST(Attach, AttachingAgainContinuesTheNumbering) {
   EXPECT_EQ(field(s, "iterations_done"), "1");
   EXPECT_EQ(field(s, "in_flight"), "0");
 }
+
+// Swap requests (issue 15) through /salus/ctl's manual trigger: salusd writes
+// the request, the program answers through its gate and doorbell, status and
+// log follow; a session with an unanswered swap-out is not granted.
+TEST(Attach, SwapRequestsAndAnswersGoThroughTheGate) {
+  auto b = make_broker(sched::PolicyKind::fair, 2);
+  Program p;
+  const SessionId id = attached_session(*b, p);
+  const std::string name = std::to_string(id);
+  std::string reply, why;
+  p.request(1);
+  ASSERT_TRUE(p.granted(1));
+  EXPECT_EQ(b->admin_command("swap out " + name, reply, why), EBUSY) << "iteration 1 is running";
+  p.complete(1, 1000);
+  auto status_is = [&](const std::string& key, const std::string& want) {
+    for (int i = 0; i < 400; ++i) {
+      if (field(b->render_status(id), key) == want) return true;
+      std::this_thread::sleep_for(5ms);
+    }
+    return false;
+  };
+  ASSERT_TRUE(status_is("in_flight", "0"));
+  EXPECT_EQ(b->admin_command("swap in " + name, reply, why), EALREADY);
+  ASSERT_EQ(b->admin_command("swap out " + name, reply, why), 0);
+  EXPECT_NE(reply.find("swap-out of " + name + " asked"), std::string::npos) << reply;
+  EXPECT_EQ(ld(p.g->swap_request), SALUS_SWAP_REQ_OUT);
+  EXPECT_EQ(ld(p.g->swap_seq), 1u);
+  EXPECT_EQ(field(b->render_status(id), "swap_error"), "pending");
+  EXPECT_EQ(b->admin_command("swap out " + name, reply, why), EBUSY) << "one request at a time";
+  // Not granted while its swap-out is unanswered.
+  p.request(2);
+  EXPECT_FALSE(p.granted(2, 100ms));
+  // The program answers: swapped.
+  st(p.g->swap_state, SALUS_SWAP_SWAPPED);
+  st(p.g->swapped_bytes, std::uint64_t{6} << 20);
+  st(p.g->swap_result, 0);
+  st(p.g->swaps_out, std::uint64_t{1});
+  st(p.g->swap_ns, std::uint64_t{2'500'000});
+  st(p.g->swap_done_seq, 1u);
+  p.ring();
+  ASSERT_TRUE(status_is("swap_error", "-"));
+  const std::string s = b->render_status(id);
+  EXPECT_EQ(field(s, "residency"), "swapped");
+  EXPECT_EQ(field(s, "memory_swapped"), std::to_string(6u << 20));
+  EXPECT_EQ(field(s, "swaps_out"), "1");
+  EXPECT_EQ(field(s, "swap_ms"), "2.500");
+  EXPECT_NE(b->render_log(id).find("swap-out done"), std::string::npos);
+  EXPECT_NE(b->render_metrics().find("salus_session_memory_swapped_bytes{session=\"" + name),
+            std::string::npos);
+  EXPECT_TRUE(p.granted(2)) << "granted once the answer came (the shim swaps in first)";
+  EXPECT_EQ(b->admin_command("swap out " + name, reply, why), EBUSY) << "iteration 2 runs";
+  // A swap-in asked while it runs is a prefetch; a failure is reported as such.
+  ASSERT_EQ(b->admin_command("swap in " + name, reply, why), 0);
+  EXPECT_EQ(ld(p.g->swap_request), SALUS_SWAP_REQ_IN);
+  st(p.g->swap_result, -ENOMEM);
+  st(p.g->swap_done_seq, 2u);
+  p.ring();
+  ASSERT_TRUE(status_is("swap_error", "ENOMEM"));
+  EXPECT_NE(last_log(*b, id).find("swap-in failed: ENOMEM"), std::string::npos) << last_log(*b, id);
+  // Bad targets.
+  EXPECT_EQ(b->admin_command("swap out nosuch", reply, why), ENOENT);
+  EXPECT_EQ(b->admin_command("swap sideways " + name, reply, why), EINVAL);
+  const auto hosted = static_cast<SessionId>(b->create_session(me(), ""));
+  EXPECT_EQ(b->admin_command("swap out " + std::to_string(hosted), reply, why), ENOTCONN);
+}

@@ -14,11 +14,17 @@
 // For libsalus-shim's tests (tests/vgpu/cuda/test_shim.cpp) it also has what a
 // program's own CUDA use reaches: the driver entry points at several versions
 // (cuGetProcAddress v1 and v2, cuMemGetInfo v1 and v2), a few exported symbols
-// for dlsym, stream-ordered allocation, VMM handles, managed memory, the other
+// for dlsym, stream-ordered allocation, VMM with real memory (memfd-backed
+// handles, reservations, mappings, access, POSIX-fd export and import), the
+// synchronous copies, managed memory, the other
 // launch calls, and the legacy NULL stream, which salusd must never use and
 // which is therefore emulated only with SALUS_MOCK_LEGACY_STREAM=1 in the
 // environment.
 #include <cuda.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -101,10 +107,15 @@ struct State {
   std::map<std::uintptr_t, std::size_t> pinned;
   std::map<std::uintptr_t, std::size_t> registered;  // the caller's memory, page-locked
   std::size_t used = 0;
-  std::vector<MockStream*> streams;                         // of the current generation
-  MockStream* legacy = nullptr;                             // the NULL stream, made on first use
-  std::map<std::uintptr_t, void*> mapped;                   // VMM mappings: address -> MockHandle
-  std::uintptr_t next_va = std::uintptr_t{0x7e0000000000};  // cuMemAddressReserve
+  std::vector<MockStream*> streams;  // of the current generation
+  MockStream* legacy = nullptr;      // the NULL stream, made on first use
+  // VMM: reservations (address -> size, real PROT_NONE host mappings), mappings
+  // (address -> MockHandle) and the mapped ranges with access set, which kernels
+  // and copies may touch (address -> size).
+  std::map<std::uintptr_t, std::size_t> reserved;
+  std::map<std::uintptr_t, void*> mapped;
+  std::map<std::uintptr_t, std::size_t> accessible;
+  std::size_t pinned_bytes = 0;  // cuMemHostAlloc, for SALUS_MOCK_HOST_LIMIT
 };
 // Never destroyed: detached stream threads may still wait on it at exit.
 State& g = *new State;
@@ -153,7 +164,7 @@ void fault_locked(CUresult r) {
 // For kernels: device memory they touch must be allocated, or the context faults.
 bool device_ok(std::uint64_t p, std::size_t n) {
   std::lock_guard lk(g.mu);
-  if (range_in(g.device, p, n)) return true;
+  if (range_in(g.device, p, n) || range_in(g.accessible, p, n)) return true;
   fault_locked(CUDA_ERROR_ILLEGAL_ADDRESS);
   return false;
 }
@@ -333,6 +344,8 @@ CUresult push_and_wait(std::unique_lock<std::mutex>& lk, MockStream* s, std::fun
   return *done ? CUDA_SUCCESS : g.sticky;
 }
 
+void unmap_all_locked();  // VMM, below
+
 void destroy_everything_locked(std::unique_lock<std::mutex>& lk) {
   ++g.gen;
   for (MockStream* s : g.streams) {
@@ -347,11 +360,12 @@ void destroy_everything_locked(std::unique_lock<std::mutex>& lk) {
   });
   g.streams.clear();  // threads were detached; objects leak on purpose (stale handles abort)
   g.legacy = nullptr;
-  g.mapped.clear();
+  unmap_all_locked();
   for (auto& [p, n] : g.device) std::free(reinterpret_cast<void*>(p));
   for (auto& [p, n] : g.pinned) std::free(reinterpret_cast<void*>(p));
   g.device.clear();
   g.pinned.clear();
+  g.pinned_bytes = 0;
   g.registered.clear();  // registrations die with the context; the memory is the caller's
   g.used = 0;
   g.sticky = CUDA_SUCCESS;
@@ -505,10 +519,16 @@ CUresult m_cuMemFree(CUdeviceptr p) {
 }
 CUresult m_cuMemHostAlloc(void** p, std::size_t n, unsigned) {
   ENTER();
+  // SALUS_MOCK_HOST_LIMIT=BYTES: pinned host memory runs out there (the shim's
+  // swap tests: a failing host allocation must leave the data on the device).
+  if (const char* lim = std::getenv("SALUS_MOCK_HOST_LIMIT");
+      lim != nullptr && g.pinned_bytes + n > std::strtoull(lim, nullptr, 10))
+    return CUDA_ERROR_OUT_OF_MEMORY;
   void* mem = std::malloc(n);
   if (mem == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
   std::memset(mem, 0xcd, n);
   g.pinned[reinterpret_cast<std::uintptr_t>(mem)] = n;
+  g.pinned_bytes += n;
   *p = mem;
   return CUDA_SUCCESS;
 }
@@ -517,12 +537,13 @@ CUresult m_cuMemFreeHost(void* p) {
   auto it = g.pinned.find(reinterpret_cast<std::uintptr_t>(p));
   if (it == g.pinned.end()) misuse("cuMemFreeHost of %p, not a pinned allocation", p);
   std::free(p);
+  g.pinned_bytes -= it->second;
   g.pinned.erase(it);
   return CUDA_SUCCESS;
 }
 
 void check_device_range(CUdeviceptr p, std::size_t n, const char* what) {
-  if (n != 0 && !range_in(g.device, p, n))
+  if (n != 0 && !range_in(g.device, p, n) && !range_in(g.accessible, p, n))
     misuse("%s of %zu bytes at %#llx is outside every allocation", what, n, p);
 }
 bool is_pinned(const void* p, std::size_t n) {
@@ -831,6 +852,11 @@ CUresult m_cuLaunchHostFunc(CUstream h, CUhostFn fn, void* user) {
 
 // ---- what a program's own CUDA use reaches (libsalus-shim's tests) ----
 
+CUresult m_cuCtxGetDevice(CUdevice* d) {
+  if (t_current != the_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+  *d = 0;
+  return CUDA_SUCCESS;
+}
 CUresult m_cuCtxGetCurrent(CUcontext* c) {
   *c = t_current;
   return CUDA_SUCCESS;
@@ -880,63 +906,242 @@ CUresult m_cuMemPoolTrimTo(CUmemoryPool pool, std::size_t) {
 CUresult m_cuMemAllocManaged(CUdeviceptr* p, std::size_t n, unsigned) {
   return m_cuMemAlloc(p, n);
 }
-// VMM: a physical handle counts in `used` from cuMemCreate until it is released
-// and unmapped everywhere, as on a real GPU.
+// VMM, with real memory: a physical handle is a memfd (so it can be exported
+// as a POSIX file descriptor and imported by another process, which then sees
+// the same bytes), a reservation is a PROT_NONE host mapping, cuMemMap maps the
+// memfd there with MAP_FIXED (no access until cuMemSetAccess, as on a GPU), and
+// cuMemUnmap puts PROT_NONE back. Device pointers are therefore host addresses
+// the kernels and copies use directly. A handle counts in `used` from
+// cuMemCreate until it is released and unmapped everywhere; an imported handle
+// counts nothing (the memory is its exporter's).
+constexpr std::size_t kGranularity = std::size_t{2} << 20;
 struct MockHandle {
   std::size_t size;
+  int fd = -1;
   int maps = 0;
   bool released = false;
+  bool imported = false;
+  bool exportable = false;
 };
+MockHandle* handle_of(CUmemGenericAllocationHandle h) {
+  auto* m = reinterpret_cast<MockHandle*>(h);
+  if (m == nullptr) misuse("null VMM handle");
+  return m;
+}
+// Copies through device memory take SALUS_MOCK_COPY_US_PER_MIB microseconds per
+// MiB (default 0): slow enough for a test to kill a program in the middle of one.
+void copy_delay(std::size_t n) {
+  static const unsigned long long us = [] {
+    const char* v = std::getenv("SALUS_MOCK_COPY_US_PER_MIB");
+    return v == nullptr ? 0ULL : std::strtoull(v, nullptr, 10);
+  }();
+  if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us * (n >> 20)));
+}
+CUresult m_cuMemGetAllocationGranularity(std::size_t* gran, const CUmemAllocationProp* prop,
+                                         CUmemAllocationGranularity_flags) {
+  if (gran == nullptr || prop == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  *gran = kGranularity;
+  return CUDA_SUCCESS;
+}
 CUresult m_cuMemCreate(CUmemGenericAllocationHandle* h, std::size_t n,
                        const CUmemAllocationProp* prop, unsigned long long flags) {
   ENTER();
-  if (prop == nullptr || flags != 0 || n == 0) return CUDA_ERROR_INVALID_VALUE;
+  if (prop == nullptr || flags != 0 || n == 0 || n % kGranularity != 0)
+    return CUDA_ERROR_INVALID_VALUE;
   if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
     return CUDA_ERROR_INVALID_DEVICE;
   if (n > kTotalMemory - g.used) return CUDA_ERROR_OUT_OF_MEMORY;
+  const int fd = ::memfd_create("mock-vmm", MFD_CLOEXEC);
+  if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(n)) != 0) {
+    if (fd >= 0) ::close(fd);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
+  // Fresh device memory is not zero: a test that reads back zeros proves nothing.
+  if (void* tmp = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      tmp != MAP_FAILED) {
+    std::memset(tmp, 0xab, n);
+    ::munmap(tmp, n);
+  }
   g.used += n;
-  *h = reinterpret_cast<CUmemGenericAllocationHandle>(keep(new MockHandle{n}));
+  auto* m = keep(new MockHandle{n, fd});
+  m->exportable = (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0;
+  *h = reinterpret_cast<CUmemGenericAllocationHandle>(m);
   return CUDA_SUCCESS;
 }
 void drop_handle_locked(MockHandle* m) {
-  if (m->released && m->maps == 0) g.used -= m->size;
+  if (!m->released || m->maps != 0 || m->fd < 0) return;
+  if (!m->imported) g.used -= m->size;
+  ::close(m->fd);
+  m->fd = -1;
 }
 CUresult m_cuMemRelease(CUmemGenericAllocationHandle h) {
   ENTER();
-  auto* m = reinterpret_cast<MockHandle*>(h);
+  auto* m = handle_of(h);
   if (m->released) misuse("cuMemRelease twice");
   m->released = true;
   drop_handle_locked(m);
   return CUDA_SUCCESS;
 }
-CUresult m_cuMemAddressReserve(CUdeviceptr* p, std::size_t n, std::size_t, CUdeviceptr,
-                               unsigned long long) {
+CUresult m_cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h,
+                                        CUmemAllocationHandleType type, unsigned long long flags) {
   ENTER();
-  *p = g.next_va;
-  g.next_va += (n + 0x1fffff) / 0x200000 * 0x200000;
+  auto* m = handle_of(h);
+  if (out == nullptr || flags != 0 || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (m->released || !m->exportable) return CUDA_ERROR_INVALID_VALUE;
+  const int fd = ::fcntl(m->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  *static_cast<int*>(out) = fd;
   return CUDA_SUCCESS;
 }
-CUresult m_cuMemAddressFree(CUdeviceptr, std::size_t) {
+CUresult m_cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void* os_handle,
+                                          CUmemAllocationHandleType type) {
+  ENTER();
+  if (h == nullptr || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    return CUDA_ERROR_INVALID_VALUE;
+  const int fd =
+      ::fcntl(static_cast<int>(reinterpret_cast<std::intptr_t>(os_handle)), F_DUPFD_CLOEXEC, 0);
+  struct stat st {};
+  if (fd < 0 || ::fstat(fd, &st) != 0 || st.st_size <= 0 ||
+      static_cast<std::size_t>(st.st_size) % kGranularity != 0) {
+    if (fd >= 0) ::close(fd);
+    return CUDA_ERROR_INVALID_HANDLE;
+  }
+  auto* m = keep(new MockHandle{static_cast<std::size_t>(st.st_size), fd});
+  m->imported = true;
+  m->exportable = true;
+  *h = reinterpret_cast<CUmemGenericAllocationHandle>(m);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemAddressReserve(CUdeviceptr* p, std::size_t n, std::size_t align, CUdeviceptr,
+                               unsigned long long flags) {
+  ENTER();
+  if (p == nullptr || n == 0 || n % kGranularity != 0 || flags != 0 ||
+      (align != 0 && align % kGranularity != 0))
+    return CUDA_ERROR_INVALID_VALUE;
+  const std::size_t a = std::max(align, kGranularity);
+  // Over-reserve, then trim to an aligned range.
+  void* raw = ::mmap(nullptr, n + a, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
+  const auto base = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t at = (base + a - 1) / a * a;
+  if (at > base) ::munmap(raw, at - base);
+  if (base + n + a > at + n) ::munmap(reinterpret_cast<void*>(at + n), base + n + a - (at + n));
+  g.reserved[at] = n;
+  *p = at;
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemAddressFree(CUdeviceptr p, std::size_t n) {
+  ENTER();
+  auto it = g.reserved.find(p);
+  if (it == g.reserved.end() || it->second != n)
+    misuse("cuMemAddressFree of %#llx, not a reservation", p);
+  auto m = g.mapped.lower_bound(p);
+  if (m != g.mapped.end() && m->first < p + n) misuse("cuMemAddressFree of a range still mapped");
+  ::munmap(reinterpret_cast<void*>(p), n);
+  g.reserved.erase(it);
   return CUDA_SUCCESS;
 }
 CUresult m_cuMemMap(CUdeviceptr p, std::size_t n, std::size_t off, CUmemGenericAllocationHandle h,
                     unsigned long long flags) {
   ENTER();
-  auto* m = reinterpret_cast<MockHandle*>(h);
+  auto* m = handle_of(h);
   if (m->released || off != 0 || n != m->size || flags != 0) return CUDA_ERROR_INVALID_VALUE;
-  if (!g.mapped.emplace(p, m).second) misuse("cuMemMap over a mapping");
+  if (!range_in(g.reserved, p, n)) return CUDA_ERROR_INVALID_VALUE;
+  auto next = g.mapped.lower_bound(p);
+  if ((next != g.mapped.end() && next->first < p + n) ||
+      (next != g.mapped.begin() &&
+       std::prev(next)->first +
+               handle_of(reinterpret_cast<CUmemGenericAllocationHandle>(std::prev(next)->second))
+                   ->size >
+           p))
+    misuse("cuMemMap over a mapping");
+  if (::mmap(reinterpret_cast<void*>(p), n, PROT_NONE, MAP_SHARED | MAP_FIXED, m->fd, 0) ==
+      MAP_FAILED)
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  g.mapped.emplace(p, m);
   ++m->maps;
   return CUDA_SUCCESS;
 }
-CUresult m_cuMemUnmap(CUdeviceptr p, std::size_t n) {
+CUresult m_cuMemSetAccess(CUdeviceptr p, std::size_t n, const CUmemAccessDesc* desc,
+                          std::size_t count) {
   ENTER();
-  for (auto it = g.mapped.lower_bound(p); it != g.mapped.end() && it->first < p + n;) {
-    auto* m = static_cast<MockHandle*>(it->second);
-    --m->maps;
-    drop_handle_locked(m);
-    it = g.mapped.erase(it);
+  if (desc == nullptr || count == 0) return CUDA_ERROR_INVALID_VALUE;
+  int prot = PROT_NONE;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[i].location.id != 0)
+      return CUDA_ERROR_INVALID_DEVICE;
+    if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+      prot = PROT_READ | PROT_WRITE;
+    else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ)
+      prot = PROT_READ;
+  }
+  // Every byte of the range must be mapped.
+  for (std::uintptr_t at = p; at < p + n;) {
+    auto it = g.mapped.find(at);
+    if (it == g.mapped.end()) return CUDA_ERROR_INVALID_VALUE;
+    at += static_cast<MockHandle*>(it->second)->size;
+  }
+  if (::mprotect(reinterpret_cast<void*>(p), n, prot) != 0) return CUDA_ERROR_INVALID_VALUE;
+  for (std::uintptr_t at = p; at < p + n;) {
+    const std::size_t size = static_cast<MockHandle*>(g.mapped[at])->size;
+    if (prot == PROT_NONE)
+      g.accessible.erase(at);
+    else
+      g.accessible[at] = size;
+    at += size;
   }
   return CUDA_SUCCESS;
+}
+// Drops the mapping at `it`, putting the reservation's PROT_NONE back. Caller holds g.mu.
+std::map<std::uintptr_t, void*>::iterator unmap_locked(
+    std::map<std::uintptr_t, void*>::iterator it) {
+  auto* m = static_cast<MockHandle*>(it->second);
+  ::mmap(reinterpret_cast<void*>(it->first), m->size, PROT_NONE,
+         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  g.accessible.erase(it->first);
+  --m->maps;
+  drop_handle_locked(m);
+  return g.mapped.erase(it);
+}
+void unmap_all_locked() {
+  for (auto it = g.mapped.begin(); it != g.mapped.end();) it = unmap_locked(it);
+}
+CUresult m_cuMemUnmap(CUdeviceptr p, std::size_t n) {
+  ENTER();
+  // Unmapping waits for work that may still use the memory, as cuMemFree does.
+  g.cv.wait(lk, [] {
+    return g.sticky != CUDA_SUCCESS ||
+           std::all_of(g.streams.begin(), g.streams.end(),
+                       [](MockStream* s) { return s->queue.empty() && !s->busy; });
+  });
+  for (auto it = g.mapped.lower_bound(p); it != g.mapped.end() && it->first < p + n;)
+    it = unmap_locked(it);
+  return CUDA_SUCCESS;
+}
+// Synchronous copies (the legacy stream's semantics: after earlier work, done on return).
+template <typename Copy>
+CUresult sync_copy(std::unique_lock<std::mutex>& lk, std::size_t n, Copy copy) {
+  g.cv.wait(lk, [] {
+    return g.sticky != CUDA_SUCCESS ||
+           std::all_of(g.streams.begin(), g.streams.end(),
+                       [](MockStream* s) { return s->queue.empty() && !s->busy; });
+  });
+  if (g.sticky != CUDA_SUCCESS) return g.sticky;
+  lk.unlock();
+  copy_delay(n);
+  copy();
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemcpyHtoD(CUdeviceptr dst, const void* src, std::size_t n) {
+  ENTER();
+  check_device_range(dst, n, "cuMemcpyHtoD");
+  return sync_copy(lk, n, [&] { std::memcpy(reinterpret_cast<void*>(dst), src, n); });
+}
+CUresult m_cuMemcpyDtoH(void* dst, CUdeviceptr src, std::size_t n) {
+  ENTER();
+  check_device_range(src, n, "cuMemcpyDtoH");
+  return sync_copy(lk, n, [&] { std::memcpy(dst, reinterpret_cast<const void*>(src), n); });
 }
 CUresult m_cuLaunchKernelEx(const CUlaunchConfig* c, CUfunction f, void** params, void** extra) {
   return m_cuLaunchKernel(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY,
@@ -1023,6 +1228,7 @@ const Entry kEntries[] = {
     V(cuGetProcAddress, cuGetProcAddress_v2, 12000),
     V(cuMemGetInfo, m_cuMemGetInfo_v1, 2000),
     V(cuCtxGetCurrent, m_cuCtxGetCurrent, 4000),
+    V(cuCtxGetDevice, m_cuCtxGetDevice, 2000),
     V(cuMemAllocPitch, m_cuMemAllocPitch, 3020),
     V(cuMemAllocAsync, m_cuMemAllocAsync, 11020),
     V(cuMemAllocFromPoolAsync, m_cuMemAllocFromPoolAsync, 11020),
@@ -1035,6 +1241,12 @@ const Entry kEntries[] = {
     V(cuMemAddressFree, m_cuMemAddressFree, 10020),
     V(cuMemMap, m_cuMemMap, 10020),
     V(cuMemUnmap, m_cuMemUnmap, 10020),
+    V(cuMemSetAccess, m_cuMemSetAccess, 10020),
+    V(cuMemGetAllocationGranularity, m_cuMemGetAllocationGranularity, 10020),
+    V(cuMemExportToShareableHandle, m_cuMemExportToShareableHandle, 10020),
+    V(cuMemImportFromShareableHandle, m_cuMemImportFromShareableHandle, 10020),
+    V(cuMemcpyHtoD, m_cuMemcpyHtoD, 3020),
+    V(cuMemcpyDtoH, m_cuMemcpyDtoH, 3020),
     V(cuLaunchKernelEx, m_cuLaunchKernelEx, 11060),
     V(cuLaunchCooperativeKernel, m_cuLaunchCooperativeKernel, 9000),
     V(cuGraphLaunch, m_cuGraphLaunch, 10000),

@@ -15,9 +15,12 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
+#include <csignal>
 
 #include <algorithm>
 #include <atomic>
@@ -251,6 +254,9 @@ CUresult spin(std::chrono::microseconds d, CUstream s = nullptr) {
 std::uint64_t load(const std::uint64_t& v) {
   return __atomic_load_n(&v, __ATOMIC_ACQUIRE);
 }
+std::uint32_t load32(const std::uint32_t& v) {
+  return __atomic_load_n(&v, __ATOMIC_ACQUIRE);
+}
 template <typename Pred>
 bool eventually(Pred pred, std::chrono::milliseconds limit = 5000ms) {
   const auto end = std::chrono::steady_clock::now() + limit;
@@ -410,6 +416,84 @@ TEST(Memory, VmmHandlesAreChargedUntilReleasedAndUnmapped) {
   EXPECT_EQ(load(g->charged_bytes), base + 2 * kMiB) << "still mapped: the driver keeps it";
   ASSERT_EQ(c.get<PFN_cuMemUnmap_v10020>("cuMemUnmap")(va, 2 * kMiB), CUDA_SUCCESS);
   EXPECT_EQ(load(g->charged_bytes), base);
+}
+
+// What shared lanes need of the driver (docs/design.md, *Movable memory of
+// attached sessions*): a physical allocation exported as a POSIX fd is the same
+// memory wherever it is imported and mapped, also in another process.
+TEST(Memory, VmmHandlesExportAsFdsThatAnotherProcessMaps) {
+  gpu();
+  Cuda& c = cuda();
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  CUmemGenericAllocationHandle h{}, h2{};
+  ASSERT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h, 2 * kMiB, &prop, 0), CUDA_SUCCESS);
+  CUdeviceptr va = 0, va2 = 0;
+  auto reserve = c.get<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve");
+  ASSERT_EQ(reserve(&va, 2 * kMiB, 0, 0, 0), CUDA_SUCCESS);
+  ASSERT_EQ(reserve(&va2, 2 * kMiB, 0, 0, 0), CUDA_SUCCESS);
+  auto map = c.get<PFN_cuMemMap_v10020>("cuMemMap");
+  auto access = c.get<PFN_cuMemSetAccess_v10020>("cuMemSetAccess");
+  CUmemAccessDesc rw{};
+  rw.location = prop.location;
+  rw.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  ASSERT_EQ(map(va, 2 * kMiB, 0, h, 0), CUDA_SUCCESS);
+  ASSERT_EQ(access(va, 2 * kMiB, &rw, 1), CUDA_SUCCESS);
+  const std::uint32_t word = 0x5a1a5a1au;
+  ASSERT_EQ(c.get<PFN_cuMemsetD32Async_v3020>("cuMemsetD32Async")(va, word, 2 * kMiB / 4, nullptr),
+            CUDA_SUCCESS);
+  c.get<PFN_cuCtxSynchronize_v2000>("cuCtxSynchronize")();
+  int fd = -1;
+  ASSERT_EQ(c.get<PFN_cuMemExportToShareableHandle_v10020>("cuMemExportToShareableHandle")(
+                &fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            CUDA_SUCCESS);
+  ASSERT_GE(fd, 0);
+  // Imported here and mapped at a second address: the same bytes.
+  ASSERT_EQ(c.get<PFN_cuMemImportFromShareableHandle_v10020>("cuMemImportFromShareableHandle")(
+                &h2, reinterpret_cast<void*>(static_cast<std::intptr_t>(fd)),
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            CUDA_SUCCESS);
+  ASSERT_EQ(map(va2, 2 * kMiB, 0, h2, 0), CUDA_SUCCESS);
+  ASSERT_EQ(access(va2, 2 * kMiB, &rw, 1), CUDA_SUCCESS);
+  std::uint32_t got = 0;
+  auto dtoh = c.get<PFN_cuMemcpyDtoH_v3020>("cuMemcpyDtoH");
+  ASSERT_EQ(dtoh(&got, va2 + kMiB, 4), CUDA_SUCCESS);
+  EXPECT_EQ(got, word);
+  // Another process with only the fd sees them and writes back.
+  const pid_t child = ::fork();
+  if (child == 0) {
+    void* p = ::mmap(nullptr, 2 * kMiB, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED || static_cast<std::uint32_t*>(p)[7] != word) ::_exit(1);
+    static_cast<std::uint32_t*>(p)[7] = 0xc0ffee;
+    ::_exit(0);
+  }
+  int st = 0;
+  ASSERT_EQ(::waitpid(child, &st, 0), child);
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  ASSERT_EQ(dtoh(&got, va + 7 * 4, 4), CUDA_SUCCESS);
+  EXPECT_EQ(got, 0xc0ffeeu);
+  // A handle made without the POSIX fd type cannot be exported.
+  CUmemAllocationProp plain = prop;
+  plain.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  CUmemGenericAllocationHandle h3{};
+  ASSERT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h3, 2 * kMiB, &plain, 0), CUDA_SUCCESS);
+  int fd3 = -1;
+  EXPECT_EQ(c.get<PFN_cuMemExportToShareableHandle_v10020>("cuMemExportToShareableHandle")(
+                &fd3, h3, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            CUDA_ERROR_INVALID_VALUE);
+  auto unmap = c.get<PFN_cuMemUnmap_v10020>("cuMemUnmap");
+  auto release = c.get<PFN_cuMemRelease_v10020>("cuMemRelease");
+  auto addr_free = c.get<PFN_cuMemAddressFree_v10020>("cuMemAddressFree");
+  EXPECT_EQ(unmap(va, 2 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(unmap(va2, 2 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(release(h), CUDA_SUCCESS);
+  EXPECT_EQ(release(h2), CUDA_SUCCESS);
+  EXPECT_EQ(release(h3), CUDA_SUCCESS);
+  EXPECT_EQ(addr_free(va, 2 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(addr_free(va2, 2 * kMiB), CUDA_SUCCESS);
+  ::close(fd);
 }
 
 TEST(Memory, PastTheBudgetIsOutOfMemoryWithANote) {
@@ -685,6 +769,354 @@ TEST(Yield, AnUnmarkedProgramComesToASliceBoundaryAtItsNextLaunch) {
   ASSERT_EQ(spin(0us), CUDA_SUCCESS);
   EXPECT_EQ(shim_iterations(), 2u);
   __atomic_store_n(&g->yield_requested, 0u, __ATOMIC_RELEASE);
+}
+
+// ---- movable memory (SALUS_SWAP=1; a process of its own) ----
+
+// The program's side of a swap: a thread waits at its boundary (the fake
+// salusd holds the grant back) while the test asks for a swap as salusd would.
+struct Boundary {
+  std::atomic<int> rc{1};
+  std::thread t;
+  std::uint64_t next = 0;
+  void start() {
+    salus_gate* g = salusd->gate();
+    next = load(g->requested) + 1;  // boundary `requested - 1 + 1`: the one after this iteration
+    t = std::thread([this] {
+      bind_context();
+      rc = shim_step();
+    });
+    ASSERT_TRUE(eventually([&] { return load(g->requested) == next; }));
+  }
+  void finish() {
+    salusd->grant(next);
+    t.join();
+    EXPECT_EQ(rc, 0);
+  }
+};
+
+// Asks for a swap (as salusd does: request, then a new seq, then a wake) and
+// waits for the program's report. Returns swap_result.
+int ask_swap(std::uint32_t req) {
+  salus_gate* g = salusd->gate();
+  const std::uint32_t seq = load32(g->swap_seq) + 1;
+  __atomic_store_n(&g->swap_request, req, __ATOMIC_RELEASE);
+  __atomic_store_n(&g->swap_seq, seq, __ATOMIC_RELEASE);
+  __atomic_fetch_add(&g->grant_word, 1, __ATOMIC_RELEASE);
+  ::syscall(SYS_futex, &g->grant_word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  EXPECT_TRUE(eventually([&] { return load32(g->swap_done_seq) == seq; }));
+  return __atomic_load_n(&g->swap_result, __ATOMIC_ACQUIRE);
+}
+
+std::vector<std::uint32_t> pattern(std::size_t bytes, std::uint32_t seed) {
+  std::vector<std::uint32_t> v(bytes / 4);
+  for (std::size_t i = 0; i < v.size(); ++i)
+    v[i] = seed * 2654435761u + static_cast<std::uint32_t>(i);
+  return v;
+}
+void put(CUdeviceptr p, const std::vector<std::uint32_t>& v) {
+  ASSERT_EQ(cuda().get<PFN_cuMemcpyHtoD_v3020>("cuMemcpyHtoD")(p, v.data(), v.size() * 4),
+            CUDA_SUCCESS);
+}
+std::vector<std::uint32_t> get(CUdeviceptr p, std::size_t bytes) {
+  std::vector<std::uint32_t> v(bytes / 4);
+  EXPECT_EQ(cuda().get<PFN_cuMemcpyDtoH_v3020>("cuMemcpyDtoH")(v.data(), p, bytes), CUDA_SUCCESS);
+  return v;
+}
+// The mock's own free figure, not the session's view: the 32-bit cuMemGetInfo
+// of CUDA 2.0 passes through the shim unhooked (and 512 MiB fits).
+std::size_t driver_free() {
+  void* p = nullptr;
+  EXPECT_EQ(cuda().gpa("cuMemGetInfo", &p, 2000, 0, nullptr), CUDA_SUCCESS);
+  EXPECT_FALSE(in_shim(p));
+  unsigned free = 0, total = 0;
+  reinterpret_cast<CUresult (*)(unsigned*, unsigned*)>(p)(&free, &total);
+  return free;
+}
+
+struct Movable {
+  CUdeviceptr a = 0, b = 0;
+  std::size_t a_bytes = 5 * kMiB, b_bytes = 0;
+  std::vector<std::uint32_t> pa, pb;
+  void make() {
+    auto alloc = cuda().get<PFN_cuMemAlloc_v3020>("cuMemAlloc");
+    ASSERT_EQ(alloc(&a, a_bytes), CUDA_SUCCESS);
+    std::size_t pitch = 0;
+    ASSERT_EQ(cuda().get<PFN_cuMemAllocPitch_v3020>("cuMemAllocPitch")(&b, &pitch, 1000, 300, 4),
+              CUDA_SUCCESS);
+    EXPECT_EQ(pitch, 1024u);
+    b_bytes = pitch * 300;
+    pa = pattern(a_bytes, 1);
+    pb = pattern(b_bytes, 2);
+    put(a, pa);
+    put(b, pb);
+  }
+  void check() {
+    EXPECT_TRUE(get(a, a_bytes) == pa) << "contents of a changed";
+    EXPECT_TRUE(get(b, b_bytes) == pb) << "contents of b changed";
+  }
+  void drop() {
+    auto free_ = cuda().get<PFN_cuMemFree_v3020>("cuMemFree");
+    EXPECT_EQ(free_(a), CUDA_SUCCESS);
+    EXPECT_EQ(free_(b), CUDA_SUCCESS);
+  }
+};
+
+TEST(Swap, OutAndInKeepsContentsAddressesAndCharge) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  const std::uint64_t base = load(g->charged_bytes);
+  Movable m;
+  m.make();
+  // Rounded up to the VMM granularity (2 MiB here) and charged so.
+  EXPECT_EQ(load(g->charged_bytes), base + 6 * kMiB + 2 * kMiB);
+  EXPECT_EQ(load(g->unswappable_bytes), base);
+  const std::size_t free_before = driver_free();
+  const CUdeviceptr a = m.a, b = m.b;
+  Boundary k;
+  k.start();
+  ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+  EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_SWAPPED);
+  EXPECT_EQ(load(g->swapped_bytes), 8 * kMiB);
+  EXPECT_EQ(load(g->resident_bytes), base);
+  EXPECT_EQ(load(g->charged_bytes), base + 8 * kMiB) << "the charge stays with the session";
+  EXPECT_EQ(load(g->swaps_out), 1u);
+  EXPECT_EQ(driver_free(), free_before + 8 * kMiB) << "the device memory was given back";
+  EXPECT_EQ(k.rc, 1) << "the program must still wait for its grant";
+  k.finish();  // the grant brings the memory back before the program runs
+  EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_RESIDENT);
+  EXPECT_EQ(load(g->swaps_in), 1u);
+  EXPECT_EQ(load(g->swapped_bytes), 0u);
+  EXPECT_EQ(driver_free(), free_before);
+  EXPECT_EQ(m.a, a);
+  EXPECT_EQ(m.b, b);
+  m.check();
+  EXPECT_GT(load(g->swap_ns), 0u);
+  m.drop();
+  EXPECT_EQ(load(g->charged_bytes), base);
+  salusd->auto_grant = true;
+}
+
+TEST(Swap, ManyRoundsWithAPrefetchKeepEveryByte) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Movable m;
+  m.make();
+  const std::uint64_t outs = load(g->swaps_out), ins = load(g->swaps_in);
+  for (int round = 0; round < 20; ++round) {
+    Boundary k;
+    k.start();
+    ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+    ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0) << "a second request while swapped is a no-op";
+    if (round % 2 == 0) {  // salusd prefetches ahead of the grant
+      ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_IN), 0);
+      EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_RESIDENT);
+    }
+    k.finish();
+    m.check();
+    // The program changes its data between swaps.
+    m.pa = pattern(m.a_bytes, 100 + round);
+    put(m.a, m.pa);
+  }
+  EXPECT_EQ(load(g->swaps_out), outs + 20);
+  EXPECT_EQ(load(g->swaps_in), ins + 20);
+  m.drop();
+  salusd->auto_grant = true;
+}
+
+TEST(Swap, ARunningProgramIsNotSwappedOut) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  Movable m;
+  m.make();
+  // The fake salusd granted ahead: the program holds a grant when it next waits.
+  salusd->auto_grant = false;
+  const std::uint64_t want = load(g->requested) + 1;
+  salusd->grant(want);
+  const std::uint32_t seq = load32(g->swap_seq) + 1;
+  __atomic_store_n(&g->swap_request, SALUS_SWAP_REQ_OUT, __ATOMIC_RELEASE);
+  __atomic_store_n(&g->swap_seq, seq, __ATOMIC_RELEASE);
+  ASSERT_EQ(shim_step(), 0);  // sees the request while granted: refuses it
+  ASSERT_TRUE(eventually([&] { return load32(g->swap_done_seq) == seq; }));
+  EXPECT_EQ(__atomic_load_n(&g->swap_result, __ATOMIC_ACQUIRE), -EBUSY);
+  EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_RESIDENT);
+  m.check();
+  m.drop();
+  salusd->auto_grant = true;
+}
+
+TEST(Swap, NoHostMemoryLeavesTheDataOnTheDeviceWithAClearError) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Movable m;
+  m.a_bytes = 9 * kMiB;  // a size no earlier swap left a pinned buffer for
+  m.make();
+  const std::size_t free_before = driver_free();
+  const std::uint32_t notes = load32(g->note_seq);
+  ::setenv("SALUS_MOCK_HOST_LIMIT", "7340032", 1);  // 7 MiB: the 10 MiB copy cannot be pinned
+  ::unsetenv("SALUS_SWAP_DIR");
+  Boundary k;
+  k.start();
+  EXPECT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), -ENOMEM);
+  ::unsetenv("SALUS_MOCK_HOST_LIMIT");
+  EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_RESIDENT);
+  EXPECT_EQ(load(g->swapped_bytes), 0u);
+  EXPECT_EQ(driver_free(), free_before) << "nothing was released";
+  EXPECT_GT(load32(g->note_seq), notes);
+  EXPECT_NE(std::strstr(g->note, "swap out failed"), nullptr) << g->note;
+  EXPECT_NE(std::strstr(g->note, "everything stays on the GPU"), nullptr) << g->note;
+  k.finish();
+  m.check();
+  m.drop();
+  salusd->auto_grant = true;
+}
+
+TEST(Swap, PastTheHostLimitASpillFileHoldsItAndAFullOneFailsCleanly) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Movable m;
+  m.make();
+  char dir[] = "/tmp/salus-swap-spill-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  ::setenv("SALUS_SWAP_DIR", dir, 1);
+  ::setenv("SALUS_SWAP_HOST_LIMIT", "0", 1);  // everything to the spill file
+  {
+    Boundary k;
+    k.start();
+    ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+    EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_SWAPPED);
+    k.finish();
+    m.check();
+  }
+  // A spill file that cannot grow (RLIMIT_FSIZE stands in for a full disk:
+  // the write fails the same way and must lose nothing).
+  struct rlimit old {};
+  ::getrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 3 * kMiB;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const std::size_t free_before = driver_free();
+  {
+    Boundary k;
+    k.start();
+    EXPECT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), -EFBIG);
+    EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_RESIDENT);
+    EXPECT_EQ(driver_free(), free_before);
+    EXPECT_NE(std::strstr(g->note, "spill file"), nullptr) << g->note;
+    k.finish();
+    m.check();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  ::unsetenv("SALUS_SWAP_HOST_LIMIT");
+  ::unsetenv("SALUS_SWAP_DIR");
+  EXPECT_EQ(::rmdir(dir), 0) << "the spill file is unlinked from the start";
+  m.drop();
+  salusd->auto_grant = true;
+}
+
+TEST(Swap, FreeingSwappedMemoryAndAllocatingWhileSwappedWork) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  const std::uint64_t base = load(g->charged_bytes);
+  Movable m;
+  m.make();
+  Boundary k;
+  k.start();
+  ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+  // Another thread of the program frees one swapped allocation and makes a new one.
+  auto free_ = cuda().get<PFN_cuMemFree_v3020>("cuMemFree");
+  ASSERT_EQ(free_(m.b), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->swapped_bytes), 6 * kMiB);
+  CUdeviceptr c = 0;
+  ASSERT_EQ(cuda().get<PFN_cuMemAlloc_v3020>("cuMemAlloc")(&c, kMiB), CUDA_SUCCESS);
+  auto pc = pattern(2 * kMiB, 7);
+  put(c, pc);
+  k.finish();
+  EXPECT_TRUE(get(m.a, m.a_bytes) == m.pa);
+  EXPECT_TRUE(get(c, 2 * kMiB) == pc);
+  ASSERT_EQ(free_(m.a), CUDA_SUCCESS);
+  ASSERT_EQ(free_(c), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base);
+  salusd->auto_grant = true;
+}
+
+TEST(Swap, StreamOrderedAllocationsMoveTooAndAreFreedInStreamOrder) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Cuda& c = cuda();
+  CUstream s = nullptr;
+  ASSERT_EQ(c.get<PFN_cuStreamCreate_v2000>("cuStreamCreate")(&s, CU_STREAM_NON_BLOCKING),
+            CUDA_SUCCESS);
+  auto alloc_async = c.get<PFN_cuMemAllocAsync_v11020>("cuMemAllocAsync");
+  auto free_async = c.get<PFN_cuMemFreeAsync_v11020>("cuMemFreeAsync");
+  const std::uint64_t base = load(g->charged_bytes), fixed = load(g->unswappable_bytes);
+  CUdeviceptr x = 0;
+  ASSERT_EQ(alloc_async(&x, 3 * kMiB, s), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base + 4 * kMiB);
+  EXPECT_EQ(load(g->unswappable_bytes), fixed) << "movable";
+  auto px = pattern(4 * kMiB, 9);
+  put(x, px);
+  {
+    Boundary k;
+    k.start();
+    ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+    EXPECT_EQ(load(g->swapped_bytes), 4 * kMiB);
+    k.finish();
+  }
+  EXPECT_TRUE(get(x, 4 * kMiB) == px);
+  // Freed in stream order: still mapped while the stream's kernel runs.
+  const std::size_t before = driver_free();
+  ASSERT_EQ(spin(300ms, s), CUDA_SUCCESS);
+  ASSERT_EQ(free_async(x, s), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base) << "refunded when the free is enqueued";
+  CUdeviceptr y = 0;
+  ASSERT_EQ(alloc_async(&y, kMiB, s), CUDA_SUCCESS);  // reaps nothing yet: the kernel runs
+  EXPECT_EQ(driver_free(), before - 2 * kMiB);
+  ASSERT_EQ(c.get<PFN_cuStreamSynchronize_v2000>("cuStreamSynchronize")(s), CUDA_SUCCESS);
+  CUdeviceptr z = 0;
+  ASSERT_EQ(alloc_async(&z, kMiB, s), CUDA_SUCCESS);  // now x is released
+  EXPECT_EQ(driver_free(), before + 4 * kMiB - 4 * kMiB);
+  ASSERT_EQ(free_async(y, s), CUDA_SUCCESS);
+  ASSERT_EQ(free_async(z, s), CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuStreamSynchronize_v2000>("cuStreamSynchronize")(s), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base);
+  salusd->auto_grant = true;
+}
+
+// salusd stopping (or ending the session) while the program is swapped out:
+// the program runs on ungated, with its memory back first. Last of the suite:
+// it leaves the program detached.
+TEST(Swap, LetGoWhileSwappedOutTheMemoryComesBackFirst) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Movable m;
+  m.make();
+  const std::size_t free_before = driver_free();
+  std::atomic<int> rc{1};
+  const std::uint64_t next = load(g->requested) + 1;
+  std::thread t([&] {
+    bind_context();
+    rc = shim_step();
+  });
+  ASSERT_TRUE(eventually([&] { return load(g->requested) == next; }));
+  ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+  EXPECT_EQ(driver_free(), free_before + 8 * kMiB);
+  salusd->set_state(SALUS_GATE_DETACHED);
+  t.join();
+  EXPECT_EQ(rc, -ENOTCONN);
+  EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_RESIDENT);
+  EXPECT_EQ(driver_free(), free_before);
+  m.check();
+  m.drop();
+  salusd->auto_grant = true;
 }
 
 }  // namespace

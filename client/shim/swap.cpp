@@ -1,0 +1,605 @@
+// Movable memory of an attached program (SALUS_SWAP=1): cuMemAlloc_v2 and
+// cuMemAllocPitch_v2 are served from the driver's VMM (an address range
+// reserved for good, a physical handle mapped into it), so the shim owns the
+// physical memory and can move it. Swap-out, asked by salusd while the program
+// waits at the gate: synchronize, copy every allocation to pinned host memory
+// (past SALUS_SWAP_HOST_LIMIT, to an unlinked spill file in SALUS_SWAP_DIR),
+// and only once *every* copy is safe unmap and release the device memory; the
+// address stays reserved. Swap-in: create, map at the same address, set access,
+// copy back, then free the host copies. A failure on the way out frees the
+// copies and leaves everything on the GPU; on the way in it undoes what it
+// mapped and keeps the copies. Why VMM rather than managed memory:
+// docs/design.md, "Movable memory of attached sessions".
+//
+// Nothing here is on the launch path. Allocation and free take the registry's
+// mutex; a swap holds it throughout (another thread's allocation waits).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "client/shim/shim.hpp"
+
+namespace salus::shim {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The VMM and copy entry points, the real driver's (never the hooks: the
+// shim's own memory is charged once, by the allocation hook that asked).
+struct Vmm {
+  bool ok = false;
+  CUresult (*reserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr,
+                      unsigned long long) = nullptr;
+  CUresult (*addr_free)(CUdeviceptr, std::size_t) = nullptr;
+  CUresult (*create)(CUmemGenericAllocationHandle*, std::size_t, const CUmemAllocationProp*,
+                     unsigned long long) = nullptr;
+  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*map)(CUdeviceptr, std::size_t, std::size_t, CUmemGenericAllocationHandle,
+                  unsigned long long) = nullptr;
+  CUresult (*unmap)(CUdeviceptr, std::size_t) = nullptr;
+  CUresult (*set_access)(CUdeviceptr, std::size_t, const CUmemAccessDesc*, std::size_t) = nullptr;
+  CUresult (*granularity)(std::size_t*, const CUmemAllocationProp*,
+                          CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*ctx_get_device)(CUdevice*) = nullptr;
+  CUresult (*ctx_synchronize)() = nullptr;
+  CUresult (*host_alloc)(void**, std::size_t, unsigned) = nullptr;
+  CUresult (*free_host)(void*) = nullptr;
+  CUresult (*dtoh)(void*, CUdeviceptr, std::size_t) = nullptr;
+  CUresult (*htod)(CUdeviceptr, const void*, std::size_t) = nullptr;
+  CUresult (*event_query)(CUevent) = nullptr;
+  CUresult (*event_destroy)(CUevent) = nullptr;
+  std::size_t gran = std::size_t{2} << 20;
+};
+const Vmm& vmm() {
+  static const Vmm v = [] {
+    Vmm r;
+    bool ok = true;
+    auto get = [&](const char* name, auto& out) {
+      void* p = driver_proc(name);
+      if (p == nullptr) ok = false;
+      out = reinterpret_cast<std::remove_reference_t<decltype(out)>>(p);
+    };
+    get("cuMemAddressReserve", r.reserve);
+    get("cuMemAddressFree", r.addr_free);
+    get("cuMemCreate", r.create);
+    get("cuMemRelease", r.release);
+    get("cuMemMap", r.map);
+    get("cuMemUnmap", r.unmap);
+    get("cuMemSetAccess", r.set_access);
+    get("cuMemGetAllocationGranularity", r.granularity);
+    get("cuCtxGetDevice", r.ctx_get_device);
+    get("cuCtxSynchronize", r.ctx_synchronize);
+    get("cuMemHostAlloc", r.host_alloc);
+    get("cuMemFreeHost", r.free_host);
+    get("cuMemcpyDtoH", r.dtoh);
+    get("cuMemcpyHtoD", r.htod);
+    get("cuEventQuery", r.event_query);
+    get("cuEventDestroy", r.event_destroy);
+    r.ok = ok && driver().ok;
+    return r;
+  }();
+  return v;
+}
+
+CUmemAllocationProp device_prop(CUdevice dev) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  return prop;
+}
+
+// One movable allocation. Its address range is reserved from allocation to
+// free; `handle` is 0 while swapped out.
+struct Alloc {
+  std::size_t size = 0;
+  CUdevice dev = 0;
+  CUcontext ctx = nullptr;
+  CUmemGenericAllocationHandle handle = 0;
+  void* host = nullptr;  // pinned copy while swapped (or being swapped)
+  off_t spill_at = -1;   // else its offset in the spill file
+};
+
+struct Registry {
+  std::mutex mu;
+  std::map<CUdeviceptr, Alloc> allocs;
+  bool swapped = false;  // the last swap-out succeeded and no swap-in since
+  int spill_fd = -1;
+  off_t spill_end = 0;
+  std::uint64_t pinned = 0;                 // host bytes held for copies, spare buffers included
+  std::multimap<std::size_t, void*> spare;  // pinned buffers kept for the next swap-out
+  // Freed with cuMemFreeAsync, released once its event (recorded on the
+  // freeing stream) has completed.
+  struct Freed {
+    CUdeviceptr va;
+    Alloc a;
+    CUevent done;
+  };
+  std::vector<Freed> freed;
+  const salus_gate* seq_gate = nullptr;  // the gate done_seq counts on (each attach starts at 0)
+  std::uint32_t done_seq = 0;
+};
+Registry& reg() {
+  static Registry* r = new Registry;  // never destroyed: hooks may run at exit
+  return *r;
+}
+std::atomic<std::uint64_t> g_movable{0};
+std::atomic<std::uint64_t> g_swapped{0};
+
+std::uint64_t env_bytes(const char* name, std::uint64_t dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(v, &end, 10);
+  return end == v ? dflt : n;
+}
+
+// Maps a fresh handle at a.va-to-be: create, map, access. 0 or a CUresult.
+CUresult map_new(const Vmm& d, CUdeviceptr va, Alloc& a) {
+  const CUmemAllocationProp prop = device_prop(a.dev);
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = d.create(&h, a.size, &prop, 0);
+  if (r != CUDA_SUCCESS) return r;
+  r = d.map(va, a.size, 0, h, 0);
+  if (r == CUDA_SUCCESS) {
+    CUmemAccessDesc acc{};
+    acc.location = prop.location;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = d.set_access(va, a.size, &acc, 1);
+    if (r != CUDA_SUCCESS) d.unmap(va, a.size);
+  }
+  if (r != CUDA_SUCCESS) {
+    d.release(h);
+    return r;
+  }
+  a.handle = h;
+  return CUDA_SUCCESS;
+}
+
+// Gives the device memory of a back (its address stays reserved).
+void unmap_release(const Vmm& d, CUdeviceptr va, Alloc& a) {
+  d.unmap(va, a.size);
+  d.release(a.handle);
+  a.handle = 0;
+}
+
+void use_ctx(CUcontext ctx, CUcontext& cur);
+
+// Releases what cuMemFreeAsync freed and its stream has finished with.
+// Caller holds the registry; `cur`: the thread's current context, switched to
+// each allocation's own (null: the caller's context is theirs already).
+void reap_locked(const Vmm& d, Registry& R, CUcontext* cur = nullptr) {
+  for (std::size_t i = 0; i < R.freed.size();) {
+    Registry::Freed& f = R.freed[i];
+    if (cur != nullptr) use_ctx(f.a.ctx, *cur);
+    if (d.event_query(f.done) == CUDA_ERROR_NOT_READY) {
+      ++i;
+      continue;
+    }
+    unmap_release(d, f.va, f.a);
+    d.addr_free(f.va, f.a.size);
+    d.event_destroy(f.done);
+    R.freed[i] = R.freed.back();
+    R.freed.pop_back();
+  }
+}
+
+// Pinned buffers are kept for the next swap-out (SALUS_SWAP_KEEP_PINNED, on
+// by default): pinning gigabytes costs more than copying them, and an
+// iteration-granular swap moves the same allocations again and again.
+bool keep_pinned() {
+  static const bool keep = [] {
+    const char* v = std::getenv("SALUS_SWAP_KEEP_PINNED");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return keep;
+}
+
+void free_spare(const Vmm& d, Registry& R, std::multimap<std::size_t, void*>::iterator it) {
+  d.free_host(it->second);
+  R.pinned -= it->first;
+  R.spare.erase(it);
+}
+
+// A pinned buffer of n bytes for a copy: a kept one of that size, or a new one
+// within the host limit (kept ones of other sizes give way). Caller holds the registry.
+void* take_pinned(const Vmm& d, Registry& R, std::size_t n, std::uint64_t limit) {
+  if (auto it = R.spare.find(n); it != R.spare.end()) {
+    void* p = it->second;
+    R.spare.erase(it);
+    return p;
+  }
+  while (R.pinned + n > limit && !R.spare.empty()) free_spare(d, R, R.spare.begin());
+  if (R.pinned + n > limit) return nullptr;
+  void* p = nullptr;
+  if (d.host_alloc(&p, n, 0) != CUDA_SUCCESS) {
+    if (R.spare.empty()) return nullptr;
+    while (!R.spare.empty()) free_spare(d, R, R.spare.begin());
+    if (d.host_alloc(&p, n, 0) != CUDA_SUCCESS) return nullptr;
+  }
+  R.pinned += n;
+  return p;
+}
+
+// Drops a's host copy, if any, keeping its buffer for reuse when `keep`.
+// Caller holds the registry.
+void drop_copy(const Vmm& d, Registry& R, Alloc& a, bool keep = true) {
+  if (a.host != nullptr) {
+    if (keep && keep_pinned()) {
+      R.spare.emplace(a.size, a.host);
+    } else {
+      d.free_host(a.host);
+      R.pinned -= a.size;
+    }
+    a.host = nullptr;
+  }
+  a.spill_at = -1;
+}
+
+// Sets ctx current if it is not; the caller restores `prev`.
+void use_ctx(CUcontext ctx, CUcontext& cur) {
+  if (ctx != cur && driver().ctx_set_current(ctx) == CUDA_SUCCESS) cur = ctx;
+}
+
+constexpr std::size_t kChunk = std::size_t{8} << 20;  // spill file I/O unit
+
+// Copies a to the spill file through a bounce buffer. 0 or -errno.
+int spill_out(const Vmm& d, Registry& R, CUdeviceptr va, Alloc& a, char* bounce) {
+  if (R.spill_fd < 0) {
+    const char* dir = std::getenv("SALUS_SWAP_DIR");
+    if (dir == nullptr || *dir == '\0') return -ENOMEM;  // no spill place: host memory is all
+    // Unlinked from the start: a killed program leaves nothing on disk.
+    R.spill_fd = ::open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    if (R.spill_fd < 0) return -errno;
+    R.spill_end = 0;
+  }
+  a.spill_at = R.spill_end;
+  for (std::size_t done = 0; done < a.size; done += kChunk) {
+    const std::size_t n = std::min(kChunk, a.size - done);
+    if (d.dtoh(bounce, va + done, n) != CUDA_SUCCESS) return -EIO;
+    for (std::size_t w = 0; w < n;) {
+      const ssize_t k =
+          ::pwrite(R.spill_fd, bounce + w, n - w, a.spill_at + static_cast<off_t>(done + w));
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) return k < 0 ? -errno : -ENOSPC;
+      w += static_cast<std::size_t>(k);
+    }
+  }
+  R.spill_end += static_cast<off_t>(a.size);
+  return 0;
+}
+
+int spill_in(const Vmm& d, Registry& R, CUdeviceptr va, const Alloc& a, char* bounce) {
+  for (std::size_t done = 0; done < a.size; done += kChunk) {
+    const std::size_t n = std::min(kChunk, a.size - done);
+    for (std::size_t got = 0; got < n;) {
+      const ssize_t k =
+          ::pread(R.spill_fd, bounce + got, n - got, a.spill_at + static_cast<off_t>(done + got));
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) return k < 0 ? -errno : -EIO;
+      got += static_cast<std::size_t>(k);
+    }
+    if (d.htod(va + done, bounce, n) != CUDA_SUCCESS) return -EIO;
+  }
+  return 0;
+}
+
+void close_spill(Registry& R) {
+  if (R.spill_fd >= 0) ::close(R.spill_fd);
+  R.spill_fd = -1;
+  R.spill_end = 0;
+}
+
+// Copies every resident allocation off the GPU. 0 or -errno (copies made so
+// far are dropped by the caller). Caller holds the registry.
+int copy_out(const Vmm& d, Registry& R, CUcontext& cur, std::string& why) {
+  const std::uint64_t limit = env_bytes("SALUS_SWAP_HOST_LIMIT", UINT64_MAX);
+  char* bounce = nullptr;
+  int rc = 0;
+  for (auto& [va, a] : R.allocs) {
+    if (a.handle == 0) continue;
+    use_ctx(a.ctx, cur);
+    a.host = take_pinned(d, R, a.size, limit);
+    if (a.host != nullptr) {
+      if (d.dtoh(a.host, va, a.size) != CUDA_SUCCESS) {
+        why = "cuMemcpyDtoH failed";
+        rc = -EIO;
+        break;
+      }
+      continue;
+    }
+    a.host = nullptr;
+    if (bounce == nullptr) bounce = static_cast<char*>(std::malloc(kChunk));
+    rc = bounce == nullptr ? -ENOMEM : spill_out(d, R, va, a, bounce);
+    if (rc != 0) {
+      why = rc == -ENOMEM ? "pinned host memory ran out and no SALUS_SWAP_DIR is set"
+                          : std::string("spill file: ") + std::strerror(-rc);
+      break;
+    }
+  }
+  std::free(bounce);
+  return rc;
+}
+
+void report(salus_gate* g, std::uint32_t seq, int result, std::uint32_t state) {
+  __atomic_store_n(&g->swap_result, result, __ATOMIC_RELAXED);
+  __atomic_store_n(&g->swap_state, state, __ATOMIC_RELAXED);
+  publish();
+  __atomic_store_n(&g->swap_done_seq, seq, __ATOMIC_RELEASE);
+}
+
+void note_failure(const char* what, int rc, const std::string& why) {
+  char line[300];
+  std::snprintf(line, sizeof line, "swap %s failed (%s): %s; %s", what, std::strerror(-rc),
+                why.c_str(),
+                std::strcmp(what, "out") == 0 ? "everything stays on the GPU"
+                                              : "the memory stays on the host");
+  post_note(line);
+}
+
+// Swap-out, all or nothing. Caller holds the registry. 0 or -errno.
+int swap_out_locked(Registry& R, salus_gate* g) {
+  const Vmm& d = vmm();
+  const auto t0 = Clock::now();
+  CUcontext prev = nullptr, cur = nullptr;
+  driver().ctx_get_current(&prev);
+  cur = prev;
+  __atomic_store_n(&g->swap_state, SALUS_SWAP_OUT_BUSY, __ATOMIC_RELAXED);
+  // Nothing of the program's may still run on memory about to move: one
+  // synchronize per context (allocations come in runs of the same one).
+  CUcontext synced = nullptr;
+  for (auto& [va, a] : R.allocs)
+    if (a.handle != 0 && (synced == nullptr || a.ctx != synced)) {
+      use_ctx(a.ctx, cur);
+      d.ctx_synchronize();
+      synced = a.ctx;
+    }
+  reap_locked(d, R, &cur);  // what was freed in stream order is free now
+  std::string why;
+  int rc = copy_out(d, R, cur, why);
+  if (rc != 0) {
+    for (auto& [va, a] : R.allocs)
+      if (a.handle != 0) drop_copy(d, R, a);
+    close_spill(R);
+    note_failure("out", rc, why);
+  } else {
+    std::uint64_t moved = 0;
+    for (auto& [va, a] : R.allocs)
+      if (a.handle != 0) {
+        unmap_release(d, va, a);
+        moved += a.size;
+      }
+    g_swapped.fetch_add(moved);
+    R.swapped = true;
+    __atomic_fetch_add(&g->swaps_out, 1, __ATOMIC_RELAXED);
+  }
+  if (cur != prev) driver().ctx_set_current(prev);
+  __atomic_fetch_add(&g->swap_ns, static_cast<std::uint64_t>((Clock::now() - t0).count()),
+                     __ATOMIC_RELAXED);
+  return rc;
+}
+
+// Swap-in, all or nothing. Caller holds the registry. 0 or -errno.
+int swap_in_locked(Registry& R, salus_gate* g) {
+  const Vmm& d = vmm();
+  const auto t0 = Clock::now();
+  CUcontext prev = nullptr, cur = nullptr;
+  driver().ctx_get_current(&prev);
+  cur = prev;
+  __atomic_store_n(&g->swap_state, SALUS_SWAP_IN_BUSY, __ATOMIC_RELAXED);
+  char* bounce = nullptr;
+  int rc = 0;
+  std::string why;
+  for (auto& [va, a] : R.allocs) {
+    if (a.handle != 0) continue;
+    use_ctx(a.ctx, cur);
+    if (const CUresult r = map_new(d, va, a); r != CUDA_SUCCESS) {
+      rc = r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
+      why = rc == -ENOMEM ? "the GPU has no room for it yet" : "cuMemCreate/cuMemMap failed";
+      break;
+    }
+    if (a.host != nullptr) {
+      rc = d.htod(va, a.host, a.size) == CUDA_SUCCESS ? 0 : -EIO;
+    } else {
+      if (bounce == nullptr) bounce = static_cast<char*>(std::malloc(kChunk));
+      rc = bounce == nullptr ? -ENOMEM : spill_in(d, R, va, a, bounce);
+    }
+    if (rc != 0) {
+      why = "copying back failed";
+      break;
+    }
+  }
+  std::free(bounce);
+  if (rc != 0) {
+    // Undo: what was mapped again goes, the copies stay.
+    for (auto& [va, a] : R.allocs)
+      if (a.handle != 0 && (a.host != nullptr || a.spill_at >= 0)) unmap_release(d, va, a);
+    note_failure("in", rc, why);
+  } else {
+    for (auto& [va, a] : R.allocs) drop_copy(d, R, a);
+    close_spill(R);
+    g_swapped.store(0);
+    R.swapped = false;
+    __atomic_fetch_add(&g->swaps_in, 1, __ATOMIC_RELAXED);
+  }
+  if (cur != prev) driver().ctx_set_current(prev);
+  __atomic_fetch_add(&g->swap_ns, static_cast<std::uint64_t>((Clock::now() - t0).count()),
+                     __ATOMIC_RELAXED);
+  return rc;
+}
+
+}  // namespace
+
+bool swap_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("SALUS_SWAP");
+    if (v == nullptr || std::strcmp(v, "1") != 0) return false;
+    if (vmm().ok) return true;
+    std::fprintf(stderr,
+                 "salus-shim: SALUS_SWAP=1, but the driver has no VMM: memory stays "
+                 "unmovable\n");
+    return false;
+  }();
+  return on;
+}
+
+std::size_t swap_granularity() {
+  static const std::size_t gran = [] {
+    const Vmm& d = vmm();
+    CUdevice dev = 0;
+    std::size_t n = 0;
+    if (d.ctx_get_device(&dev) != CUDA_SUCCESS) dev = 0;
+    const CUmemAllocationProp prop = device_prop(dev);
+    if (d.granularity(&n, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || n == 0)
+      n = d.gran;
+    return n;
+  }();
+  return gran;
+}
+
+CUresult movable_alloc(CUdeviceptr* p, std::size_t n) {
+  const Vmm& d = vmm();
+  Alloc a;
+  a.size = n;
+  if (CUresult r = d.ctx_get_device(&a.dev); r != CUDA_SUCCESS) return r;
+  driver().ctx_get_current(&a.ctx);
+  CUdeviceptr va = 0;
+  if (CUresult r = d.reserve(&va, n, 0, 0, 0); r != CUDA_SUCCESS) return r;
+  if (CUresult r = map_new(d, va, a); r != CUDA_SUCCESS) {
+    d.addr_free(va, n);
+    return r;
+  }
+  Registry& R = reg();
+  std::lock_guard lk(R.mu);
+  reap_locked(d, R);
+  R.allocs[va] = a;
+  g_movable.fetch_add(n);
+  *p = va;
+  return CUDA_SUCCESS;
+}
+
+bool movable_free(CUdeviceptr p, CUresult* r) {
+  if (!swap_enabled()) return false;
+  const Vmm& d = vmm();
+  Registry& R = reg();
+  std::lock_guard lk(R.mu);
+  auto it = R.allocs.find(p);
+  if (it == R.allocs.end()) return false;
+  Alloc& a = it->second;
+  if (a.handle != 0) {
+    // cuMemFree synchronizes the device before it frees; cuMemUnmap and
+    // cuMemRelease do not (work still queued may use the memory), so do it here.
+    if (CUresult sr = d.ctx_synchronize(); sr != CUDA_SUCCESS) {
+      *r = sr;
+      return true;
+    }
+    *r = d.unmap(p, a.size);
+    if (*r != CUDA_SUCCESS) return true;
+    d.release(a.handle);
+  } else {
+    g_swapped.fetch_sub(a.size);
+    drop_copy(d, R, a, false);  // a spilled copy's bytes are left in the file until swap-in
+  }
+  d.addr_free(p, a.size);
+  g_movable.fetch_sub(a.size);
+  R.allocs.erase(it);
+  *r = CUDA_SUCCESS;
+  return true;
+}
+
+bool movable_free_async(CUdeviceptr p, CUstream stream, CUresult* r) {
+  if (!swap_enabled()) return false;
+  const Vmm& d = vmm();
+  Registry& R = reg();
+  std::lock_guard lk(R.mu);
+  auto it = R.allocs.find(p);
+  if (it == R.allocs.end()) return false;
+  Alloc& a = it->second;
+  if (a.handle != 0) {
+    // The stream may still use it: release it after what is queued there.
+    CUevent done = nullptr;
+    *r = driver().event_create(&done, CU_EVENT_DISABLE_TIMING);
+    if (*r == CUDA_SUCCESS) *r = driver().event_record(done, stream);
+    if (*r != CUDA_SUCCESS) {
+      if (done != nullptr) d.event_destroy(done);
+      return true;  // not freed: the program sees the driver's error
+    }
+    R.freed.push_back({p, a, done});
+  } else {
+    // Swapped out: no work can be using it.
+    g_swapped.fetch_sub(a.size);
+    drop_copy(d, R, a, false);
+    d.addr_free(p, a.size);
+  }
+  g_movable.fetch_sub(a.size);
+  R.allocs.erase(it);
+  *r = CUDA_SUCCESS;
+  return true;
+}
+
+bool stream_capturing(CUstream stream) {
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+  const Driver& d = driver();
+  return !d.ok || d.stream_is_capturing(stream, &st) != CUDA_SUCCESS ||
+         st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+std::uint64_t movable_bytes() {
+  return g_movable.load(std::memory_order_acquire);
+}
+std::uint64_t swapped_bytes() {
+  return g_swapped.load(std::memory_order_acquire);
+}
+
+void serve_swap(salus_gate* g, bool running) {
+  const std::uint32_t seq = __atomic_load_n(&g->swap_seq, __ATOMIC_ACQUIRE);
+  Registry& R = reg();
+  std::lock_guard lk(R.mu);
+  if (R.seq_gate != g) {
+    R.seq_gate = g;
+    R.done_seq = 0;
+  }
+  if (seq == R.done_seq) return;
+  R.done_seq = seq;
+  const std::uint32_t req = __atomic_load_n(&g->swap_request, __ATOMIC_ACQUIRE);
+  int rc = 0;
+  if (req == SALUS_SWAP_REQ_OUT) {
+    if (!swap_enabled() || !vmm().ok)
+      rc = -ENOTSUP;  // nothing is movable: the program was started without SALUS_SWAP=1
+    else if (running)
+      rc = -EBUSY;  // only a program waiting at its boundary may lose its memory
+    else if (!R.swapped)
+      rc = swap_out_locked(R, g);
+  } else if (req == SALUS_SWAP_REQ_IN) {
+    if (R.swapped) rc = swap_in_locked(R, g);
+  } else {
+    rc = -EINVAL;
+  }
+  report(g, seq, rc, R.swapped ? SALUS_SWAP_SWAPPED : SALUS_SWAP_RESIDENT);
+  ring_bell();
+}
+
+bool ensure_resident(salus_gate* g) {
+  Registry& R = reg();
+  std::lock_guard lk(R.mu);
+  if (!R.swapped) return true;
+  const int rc = swap_in_locked(R, g);
+  __atomic_store_n(&g->swap_result, rc, __ATOMIC_RELAXED);
+  __atomic_store_n(&g->swap_state, R.swapped ? SALUS_SWAP_SWAPPED : SALUS_SWAP_RESIDENT,
+                   __ATOMIC_RELEASE);
+  publish();
+  ring_bell();
+  return rc == 0;
+}
+
+}  // namespace salus::shim

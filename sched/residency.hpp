@@ -1,0 +1,103 @@
+// Oversubscription's residency planner: which admitted sessions of one GPU keep their
+// persistent memory on the card, who is swapped out to make room for whom, and what a
+// swap costs. One GPU may admit sessions whose needs add up to more than its memory
+// (ArenaOptions::oversubscribe); only the resident set must fit. Swaps happen at
+// iteration boundaries, so memory moves in bulk ahead of a session's turn.
+//
+// The cost model is measured (bytes / measured bandwidth) and bounds thrashing: a
+// session swapped in stays resident for at least a quantum in which its swap time is
+// at most `max_swap_share` of GPU time. Pure and clock-injected: salusd's broker and
+// salus-sim make the same decisions from the same calls (design.md, "Oversubscription").
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+#include "arena/gpu_arena.hpp"
+
+namespace salus::sched {
+
+using arena::Bytes;
+using arena::SessionId;
+using arena::TimeNs;
+
+struct SwapCostModel {
+  // Measured host<->device swap bandwidth, bytes per second, averaged (EWMA). Starts at
+  // a PCIe-4 x16-like prior until the first swap is measured.
+  double bytes_per_s = 12.0e9;
+  std::uint64_t measured = 0;  // swaps that fed the average
+  // Swap time (out and back in) at most this share of the GPU time between swaps.
+  double max_swap_share = 0.10;
+  TimeNs min_quantum_ns = 50'000'000;  // floor, so tiny sessions do not ping-pong
+
+  // Time to move `bytes` one way.
+  TimeNs swap_ns(Bytes bytes) const;
+  // How long a session holding `bytes` stays resident once swapped in, at least.
+  TimeNs quantum_ns(Bytes bytes) const;
+  void observe(Bytes bytes, TimeNs ns);
+};
+
+struct ResidencyStats {
+  std::uint64_t swaps_out = 0;
+  std::uint64_t swaps_in = 0;
+  TimeNs swap_ns = 0;  // time spent in swaps, both ways
+  Bytes bytes_out = 0;
+  Bytes bytes_in = 0;
+};
+
+struct SessionResidency {
+  TimeNs resident_since = 0;  // when it last became resident (admission or swap-in)
+  TimeNs last_ran = 0;        // last dispatch
+  bool evicting = false;      // chosen to leave: not dispatched until it is out
+  bool swapping = false;      // a swap of its memory is in progress (either way)
+  ResidencyStats stats;
+};
+
+// What the caller must start now.
+struct ResidencyPlan {
+  std::vector<SessionId> swap_out;   // resident victims; swap each out once idle
+  std::optional<SessionId> swap_in;  // a swapped session that fits now
+};
+
+class ResidencyPlanner {
+ public:
+  SwapCostModel& cost() { return cost_; }
+  const SwapCostModel& cost() const { return cost_; }
+
+  void add(SessionId id, TimeNs now);
+  void remove(SessionId id);
+  void ran(SessionId id, TimeNs now);
+  bool evicting(SessionId id) const;
+  const SessionResidency* find(SessionId id) const;
+  const ResidencyStats& totals() const { return totals_; }
+
+  // The swap the caller started (`swapping` until swap_*_done).
+  void swap_started(SessionId id);
+  // A swap finished after `ns`, moving `bytes`: counted and fed to the cost model.
+  void swap_out_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now, bool ok);
+  void swap_in_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now);
+
+  // The decision. `wanted`: swapped sessions that a lane would run next, best first.
+  // `swappable(id)`: whether that resident session's kind can be swapped at all (an
+  // attached program without a movable-memory path cannot). A swapped session that
+  // fits is swapped in; otherwise resident sessions whose quantum is over are chosen,
+  // least recently run first, until it would fit. Nothing is chosen while earlier
+  // victims are still leaving, and a session that cannot be made to fit yet waits:
+  // the ones behind it do not overtake it (no starvation by smaller sessions).
+  ResidencyPlan plan(const arena::GpuArena& arena, const std::vector<SessionId>& wanted,
+                     const std::function<bool(SessionId)>& swappable, TimeNs now);
+
+ private:
+  // Victims for `need` more resident bytes, or empty when the quanta do not allow it yet.
+  std::vector<SessionId> victims(const arena::GpuArena& arena, Bytes need, SessionId keep,
+                                 const std::function<bool(SessionId)>& swappable, TimeNs now) const;
+
+  SwapCostModel cost_;
+  std::unordered_map<SessionId, SessionResidency> sessions_;
+  ResidencyStats totals_;
+};
+
+}  // namespace salus::sched

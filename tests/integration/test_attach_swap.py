@@ -1,0 +1,262 @@
+"""Movable memory of attached programs (issue 15), end to end: a real salusd
+(sim backend), swap_program (a CUDA program) with libsalus-shim.so preloaded,
+SALUS_SWAP=1 and the mock libcuda (tests/vgpu/cuda/mock_libcuda.cpp), whose
+VMM is real memory. A second attached session, played by the test through
+client/salus_gate.py, holds the lane under the priority policy so that the
+program waits at its boundary; `swap out SESSION` on /salus/ctl (the manual
+trigger) moves its memory to the host there; its next grant brings it back.
+
+Needs the shim, the mock and swap_program (meson sets SALUS_TEST_SHIM,
+SALUS_TEST_CUDA_MOCK_DIR and SALUS_TEST_SWAP_PROGRAM); skips without them.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import Session, wait_until
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "client"))
+import salus_gate  # noqa: E402
+
+SHIM = os.environ.get("SALUS_TEST_SHIM", "")
+MOCK_DIR = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
+PROGRAM = os.environ.get("SALUS_TEST_SWAP_PROGRAM", "")
+
+pytestmark = pytest.mark.skipif(
+    not (os.path.exists(SHIM) and os.path.isdir(MOCK_DIR) and os.path.exists(PROGRAM)),
+    reason="needs libsalus-shim.so, the mock libcuda and swap_program (built where cuda.h is)")
+
+MIB = 1 << 20
+
+
+def admin(salusd, line):
+    with open(salusd.path("ctl"), "w") as f:
+        f.write(line + "\n")
+
+
+def start_program(salusd, s, mib, iters, go, extra_env=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SALUS_")}
+    env.update({
+        "LD_PRELOAD": SHIM,
+        "LD_LIBRARY_PATH": MOCK_DIR,
+        "SALUS_SHIM_LIBCUDA": os.path.join(MOCK_DIR, "libcuda.so.1"),
+        "SALUS_MOCK_LEGACY_STREAM": "1",
+        "SALUS_SWAP": "1",
+        "SALUS_MOUNT": salusd.mnt,
+        "SALUS_SESSION": os.path.dirname(s.file("ctl")),
+    })
+    env.update(extra_env or {})
+    return subprocess.Popen([PROGRAM, str(mib), str(iters), str(go)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class Holder:
+    """An attached session that takes the lane and keeps it (its iteration 1
+    never completes until release())."""
+
+    def __init__(self, salusd):
+        self.s = Session(salusd)
+        self.s.cmd("need persistent=16M ephemeral=0 priority=10 gpu=0\n")
+        self.gate = salus_gate.Gate()
+        self.gate.g.marking = salus_gate.MARK_EXPLICIT
+        fd = os.open(self.s.file("ctl"), os.O_WRONLY)
+        try:
+            os.write(fd, self.gate.attach_line().encode())
+        finally:
+            os.close(fd)
+
+    def ask(self):
+        self.gate.g.requested = 1
+        self.gate.ring()
+
+    def granted(self):
+        return self.gate.g.granted >= 1
+
+    def release(self):
+        self.gate.g.gpu_ns_total = 1000000
+        self.gate.g.completed = 1
+        self.gate.ring()
+
+    def close(self):
+        self.gate.close()
+        self.s.close()
+
+
+def setup_pair(salusd, tmp_path, mib, iters, extra_env=None):
+    """The program runs iteration 1 with its memory filled; the holder then
+    takes the lane at the program's boundary 1. Returns (session, program, holder)."""
+    with open(salusd.path("policy"), "w") as f:
+        f.write("priority\n")
+    s = Session(salusd)
+    s.cmd(f"need persistent={2 * mib}M ephemeral=0 gpu=0\n")
+    go = tmp_path / "go"
+    p = start_program(salusd, s, mib, iters, go, extra_env)
+    line = p.stdout.readline()
+    assert line.startswith("ready"), (line, p.stderr.read() if p.poll() is not None else "")
+    wait_until(lambda: s.status().get("gate") == "attached")
+    h = Holder(salusd)
+    h.ask()
+    time.sleep(0.05)
+    assert not h.granted(), "the program's iteration 1 holds the lane"
+    go.write_text("")  # the program comes to boundary 1; priority gives the lane to the holder
+    assert wait_until(h.granted, timeout=5)
+    assert wait_until(lambda: s.status()["iterations_requested"] == "2")
+    return s, p, h
+
+
+def test_swap_out_at_the_boundary_and_back_in_at_the_grant(salusd, tmp_path):
+    s, p, h = setup_pair(salusd, tmp_path, 8, 3)
+    try:
+        st = s.status()
+        assert st["residency"] == "resident"
+        charged = int(st["memory_charged"])
+        assert charged == 8 * MIB
+        admin(salusd, f"swap out {os.path.basename(os.path.dirname(s.file('ctl')))}")
+        assert wait_until(lambda: s.status()["residency"] == "swapped"
+                          and s.status()["swap_error"] == "-", timeout=5), s.status()
+        st = s.status()
+        assert st["memory_swapped"] == str(8 * MIB)
+        assert st["memory_resident"] == "0"
+        assert st["memory_charged"] == str(charged), "the charge stays with the session"
+        assert st["swaps_out"] == "1" and st["swap_error"] == "-"
+        assert "swap-out done" in s.read("log")
+        metrics = open(salusd.path("metrics")).read()
+        assert "salus_session_memory_swapped_bytes{" in metrics
+        # A second request for the same state is refused at once.
+        with pytest.raises(OSError) as e:
+            admin(salusd, f"swap out {os.path.basename(os.path.dirname(s.file('ctl')))}")
+        assert e.value.errno in (114, 16)  # EALREADY, or EBUSY while the report is read
+        h.release()  # the holder leaves the lane: the grant brings the memory back
+        for k in (1, 2, 3):
+            assert p.stdout.readline().strip() == f"verified {k}"
+        assert p.wait(timeout=10) == 0
+        st = s.status() if os.path.exists(s.file("status")) else None
+        if st is not None:
+            assert st["swaps_in"] == "1"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        h.close()
+        s.close()
+
+
+def fd_count(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_sigkill_during_a_swap_leaks_nothing_in_salusd(salusd, tmp_path):
+    # Copies crawl (0.5 s per MiB): the program is killed in the middle of one.
+    s, p, h = setup_pair(salusd, tmp_path, 8, 3, {"SALUS_MOCK_COPY_US_PER_MIB": "500000"})
+    name = os.path.basename(os.path.dirname(s.file("ctl")))
+    try:
+        fds = fd_count(salusd.proc.pid)
+        admin(salusd, f"swap out {name}")
+        assert wait_until(lambda: s.status()["residency"] == "swapping-out", timeout=5)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        # The session ends with its program, mid-swap or not.
+        assert wait_until(lambda: not os.path.exists(s.file("status")), timeout=3)
+        # salusd kept nothing of the program's: its gate mapping and fds are gone.
+        assert wait_until(lambda: fd_count(salusd.proc.pid) <= fds - 3, timeout=3), \
+            (fd_count(salusd.proc.pid), fds)
+        h.release()
+        st = open(salusd.path("stats")).read()
+        assert "uptime_s" in st  # still serving
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        h.close()
+        s.close()
+
+
+def test_no_host_memory_is_a_clear_error_and_the_program_runs_on(salusd, tmp_path):
+    s, p, h = setup_pair(salusd, tmp_path, 8, 2, {"SALUS_MOCK_HOST_LIMIT": str(4 * MIB)})
+    name = os.path.basename(os.path.dirname(s.file("ctl")))
+    try:
+        admin(salusd, f"swap out {name}")
+        assert wait_until(lambda: s.status()["swap_error"] == "ENOMEM", timeout=5), s.status()
+        st = s.status()
+        assert st["residency"] == "resident" and st["memory_swapped"] == "0"
+        log = s.read("log")
+        assert "swap-out failed: ENOMEM" in log
+        assert "swap out failed" in log and "everything stays on the GPU" in log
+        h.release()
+        for k in (1, 2):
+            assert p.stdout.readline().strip() == f"verified {k}"
+        assert p.wait(timeout=10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        h.close()
+        s.close()
+
+
+def test_a_program_without_movable_memory_says_so(salusd, tmp_path):
+    s, p, h = setup_pair(salusd, tmp_path, 4, 1, {"SALUS_SWAP": "0"})
+    name = os.path.basename(os.path.dirname(s.file("ctl")))
+    try:
+        admin(salusd, f"swap out {name}")
+        assert wait_until(lambda: s.status()["swap_error"] == "EOPNOTSUPP", timeout=5), \
+            (s.status(), s.read("log"))
+        assert "not movable" in s.read("log")
+        assert s.status()["memory_unswappable"] == str(4 * MIB)
+        h.release()
+        assert p.stdout.readline().strip() == "verified 1"
+        assert p.wait(timeout=10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        h.close()
+        s.close()
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_swap_eval_runs_against_the_mock(tmp_path, spill):
+    """tools/swap_eval.py end to end (its own salusd), with the mock driver:
+    its figures mean nothing here; this keeps the device script working."""
+    tool = os.path.join(HERE, "..", "..", "tools", "swap_eval.py")
+    args = [sys.executable, tool, "--salusd", os.environ["SALUSD"], "--shim", SHIM,
+            "--program", PROGRAM, "--mib", "16", "--rounds", "2",
+            "--libcuda", os.path.join(MOCK_DIR, "libcuda.so.1")]
+    if spill:
+        args += ["--host-limit", "0", "--spill-dir", str(tmp_path)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "baseline pinned cuMemcpyDtoH" in r.stdout
+    assert "swap-out " in r.stdout and "x baseline DtoH" in r.stdout
+    assert "swap-in " in r.stdout
+    assert "contents after the swaps: identical" in r.stdout
+    assert os.listdir(tmp_path) == [], "the spill file is never visible"
+
+
+def test_a_session_is_not_granted_while_its_swap_out_runs(salusd, tmp_path):
+    # Copies crawl (0.1 s per MiB, 0.8 s for the swap-out): the lane frees up in
+    # the middle of it, and the program must not be granted before it answered.
+    s, p, h = setup_pair(salusd, tmp_path, 8, 2, {"SALUS_MOCK_COPY_US_PER_MIB": "100000"})
+    name = os.path.basename(os.path.dirname(s.file("ctl")))
+    try:
+        admin(salusd, f"swap out {name}")
+        assert wait_until(lambda: s.status()["residency"] == "swapping-out", timeout=5)
+        h.release()
+        time.sleep(0.2)
+        st = s.status()
+        assert st["residency"] == "swapping-out", st
+        assert st["iterations_granted"] == "1", "granted into its own swap-out"
+        for k in (1, 2):
+            assert p.stdout.readline().strip() == f"verified {k}"
+        assert p.wait(timeout=20) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        h.close()
+        s.close()

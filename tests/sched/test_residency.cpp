@@ -1,0 +1,268 @@
+// Oversubscription's core: GpuArena's residency (swap out/in, the two bounds) and
+// ResidencyPlanner's decisions (quantum from the swap cost, no thrash, no overtaking),
+// with seeded random event streams checking the invariants after every event.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "arena/gpu_arena.hpp"
+#include "sched/gpu_scheduler.hpp"
+#include "sched/residency.hpp"
+
+namespace salus::sched {
+namespace {
+
+using arena::ArenaError;
+using arena::ArenaOptions;
+using arena::GpuArena;
+using arena::Need;
+using arena::Residency;
+using arena::SwapBuffer;
+
+constexpr Bytes M = Bytes{1} << 20;
+
+ArenaOptions oversub(double r) {
+  ArenaOptions o;
+  o.oversubscribe = r;
+  return o;
+}
+
+TEST(ArenaResidency, RatioOneKeepsEverySessionResident) {
+  GpuArena a(100 * M);
+  ASSERT_EQ(a.request(1, {60 * M, 10 * M}, 0), ArenaError::ok);
+  ASSERT_EQ(a.request(2, {60 * M, 10 * M}, 0), ArenaError::ok);
+  EXPECT_EQ(a.take_admissions().size(), 1u);
+  EXPECT_EQ(a.residency(1), Residency::resident);
+  EXPECT_EQ(a.memory().admit_capacity, 100 * M);
+}
+
+TEST(ArenaResidency, OversubscribedAdmitsBeyondCapacityAndSwaps) {
+  GpuArena a(100 * M, oversub(2.0));
+  ASSERT_EQ(a.request(1, {60 * M, 10 * M}, 0), ArenaError::ok);
+  ASSERT_EQ(a.request(2, {60 * M, 10 * M}, 0), ArenaError::ok);
+  EXPECT_EQ(a.take_admissions().size(), 2u);  // 140 MiB admitted on a 100 MiB card
+  EXPECT_EQ(a.residency(1), Residency::resident);
+  EXPECT_EQ(a.residency(2), Residency::swapped);  // its P did not fit beside session 1
+  EXPECT_EQ(a.alloc_persistent(2, M).error, ArenaError::swapped_out);
+  const auto b1 = a.alloc_persistent(1, 50 * M);
+  ASSERT_EQ(b1.error, ArenaError::ok);
+  std::vector<SwapBuffer> out;
+  EXPECT_EQ(a.swap_in(2, out), ArenaError::no_memory);
+  ASSERT_TRUE(a.begin_swap_out(1, out));
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].buffer, b1.handle);
+  EXPECT_EQ(a.alloc_persistent(1, M).error, ArenaError::swapped_out);
+  a.finish_swap_out(1, 1);
+  EXPECT_EQ(a.residency(1), Residency::swapped);
+  EXPECT_EQ(a.memory().swapped, 50 * M);
+  ASSERT_EQ(a.swap_in(2, out), ArenaError::ok);
+  EXPECT_TRUE(out.empty());  // it held nothing yet
+  ASSERT_EQ(a.alloc_persistent(2, 55 * M).error, ArenaError::ok);
+  // Session 1 comes back under the same handle once session 2 is out.
+  ASSERT_TRUE(a.begin_swap_out(2, out));
+  a.finish_swap_out(2, 2);
+  ASSERT_EQ(a.swap_in(1, out), ArenaError::ok);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(out[0].buffer, b1.handle);
+  EXPECT_EQ(out[0].size, 50 * M);
+  EXPECT_EQ(a.buffer_offset(b1.handle), out[0].offset);
+  EXPECT_EQ(a.check_invariants(), "");
+}
+
+TEST(ArenaResidency, FreeOfASwappedBufferAndLeave) {
+  GpuArena a(100 * M, oversub(1.5));
+  ASSERT_EQ(a.request(1, {40 * M, 10 * M}, 0), ArenaError::ok);
+  const auto b = a.alloc_persistent(1, 30 * M);
+  std::vector<SwapBuffer> out;
+  ASSERT_TRUE(a.begin_swap_out(1, out));
+  a.cancel_swap_out(1);  // the copy failed: nothing moved
+  EXPECT_EQ(a.residency(1), Residency::resident);
+  ASSERT_TRUE(a.begin_swap_out(1, out));
+  a.finish_swap_out(1, 0);
+  a.free_persistent(b.handle);
+  EXPECT_EQ(a.memory().swapped, 0u);
+  a.leave(1, 0);
+  EXPECT_EQ(a.check_invariants(), "");
+}
+
+TEST(ArenaResidency, RunningSessionIsNotSwappedOut) {
+  GpuArena a(100 * M, oversub(2.0));
+  ASSERT_EQ(a.request(1, {40 * M, 10 * M}, 0), ArenaError::ok);
+  const auto adm = a.take_admissions();
+  a.begin_iteration(adm[0].lane, 1, M);
+  std::vector<SwapBuffer> out;
+  EXPECT_FALSE(a.begin_swap_out(1, out));
+  a.end_iteration(adm[0].lane, 1);
+  EXPECT_TRUE(a.begin_swap_out(1, out));
+}
+
+TEST(SwapCost, QuantumKeepsSwapUnderTenPercent) {
+  SwapCostModel c;
+  c.observe(1024 * M, 100'000'000);  // 1 GiB in 100 ms
+  EXPECT_NEAR(c.bytes_per_s, 1024.0 * M / 0.1, 1.0);
+  EXPECT_EQ(c.swap_ns(1024 * M), 100'000'000);
+  EXPECT_EQ(c.quantum_ns(1024 * M), 2'000'000'000);  // 200 ms of swap per 2 s
+  EXPECT_EQ(c.quantum_ns(1), c.min_quantum_ns);
+  c.observe(1024, 1);  // too small to say anything about bandwidth
+  EXPECT_EQ(c.measured, 1u);
+}
+
+TEST(ResidencyPlanner, WaitsForTheQuantumThenEvictsLeastRecentlyRun) {
+  GpuArena a(100 * M, oversub(3.0));
+  ResidencyPlanner p;
+  for (SessionId id : {1, 2, 3}) {
+    ASSERT_EQ(a.request(id, {45 * M, 5 * M}, 0), ArenaError::ok);
+    p.add(id, 0);
+  }
+  a.take_admissions();
+  ASSERT_EQ(a.alloc_persistent(1, 45 * M).error, ArenaError::ok);
+  ASSERT_EQ(a.alloc_persistent(2, 45 * M).error, ArenaError::ok);
+  ASSERT_EQ(a.residency(3), Residency::swapped);
+  p.ran(1, 10);
+  p.ran(2, 5);
+  auto yes = [](SessionId) { return true; };
+  const TimeNs q = p.cost().quantum_ns(45 * M);
+  EXPECT_TRUE(p.plan(a, {3}, yes, q - 1).swap_out.empty());  // too soon: no thrash
+  const ResidencyPlan plan = p.plan(a, {3}, yes, q);
+  ASSERT_EQ(plan.swap_out, std::vector<SessionId>{2});  // ran longest ago
+  EXPECT_TRUE(p.evicting(2));
+  EXPECT_TRUE(p.plan(a, {3}, yes, q).swap_out.empty());  // one step at a time
+  std::vector<SwapBuffer> out;
+  ASSERT_TRUE(a.begin_swap_out(2, out));
+  p.swap_started(2);
+  a.finish_swap_out(2, q);
+  p.swap_out_done(2, 45 * M, 10'000'000, q, true);
+  const ResidencyPlan next = p.plan(a, {3}, yes, q);
+  ASSERT_EQ(next.swap_in, std::optional<SessionId>{3});
+  // A kind that cannot swap (attached without movable memory) is never a victim.
+  EXPECT_TRUE(p.plan(
+                   a, {2}, [](SessionId) { return false; }, 100 * q)
+                  .swap_out.empty());
+}
+
+// Seeded random streams: every call of the residency API in every order, with the
+// arena's invariants (the physical safety condition over the resident set, the
+// admission bound, exact accounting, no overlap) checked after each event, and each
+// buffer's handle and size kept exactly through any number of swaps.
+class RandomStream : public ::testing::TestWithParam<std::uint64_t> {};
+
+TEST_P(RandomStream, InvariantsHold) {
+  const std::uint64_t seed = GetParam();
+  std::mt19937_64 rng(seed);
+  const double ratios[] = {1.0, 1.5, 2.0, 3.0};
+  const double ratio = ratios[seed % 4];
+  GpuArena a(256 * M, oversub(ratio));
+  std::map<SessionId, std::set<arena::BufferHandle>> owned;
+  std::map<arena::BufferHandle, Bytes> sizes;
+  std::map<arena::LaneId, SessionId> busy;
+  SessionId next = 1;
+  std::uint64_t swaps = 0;
+  auto pick = [&]() -> SessionId {
+    if (owned.empty()) return 0;
+    auto it = owned.begin();
+    std::advance(it, rng() % owned.size());
+    return it->first;
+  };
+  for (int ev = 0; ev < 3000; ++ev) {
+    const int op = static_cast<int>(rng() % 9);
+    const SessionId s = pick();
+    std::vector<SwapBuffer> out;
+    switch (op) {
+      case 0:
+        if (owned.size() < 12) {
+          const Need n{(rng() % 96) * M, (rng() % 32 + 1) * M};
+          if (a.request(next, n, ev) == ArenaError::ok) owned[next];
+          ++next;
+        }
+        break;
+      case 1:
+        if (s && std::none_of(busy.begin(), busy.end(), [&](auto& b) { return b.second == s; })) {
+          a.leave(s, ev);
+          for (auto h : owned[s]) sizes.erase(h);
+          owned.erase(s);
+        }
+        break;
+      case 2:
+      case 3:
+        if (s) {
+          const auto r = a.alloc_persistent(s, (rng() % 24 + 1) * M);
+          if (r.error == ArenaError::ok) {
+            owned[s].insert(r.handle);
+            sizes[r.handle] = 1;
+          }
+        }
+        break;
+      case 4:
+        if (s && !owned[s].empty() && a.residency(s) != Residency::swapping_out) {
+          auto h = *owned[s].begin();
+          a.free_persistent(h);
+          owned[s].erase(h);
+        }
+        break;
+      case 5:
+        // salusd swaps only when oversubscribed; at ratio 1 nothing ever leaves the card.
+        if (s && ratio > 1.0 && a.begin_swap_out(s, out)) {
+          ASSERT_EQ(out.size(), owned[s].size());
+          if (rng() % 4 == 0) {
+            a.cancel_swap_out(s);
+          } else {
+            a.finish_swap_out(s, ev);
+            ++swaps;
+          }
+        }
+        break;
+      case 6:
+        if (s && a.residency(s) == Residency::swapped) {
+          const Bytes need = a.swap_in_bytes(s);
+          const Bytes room = a.resident_room();
+          const ArenaError e = a.swap_in(s, out);
+          if (e == ArenaError::ok) {
+            ASSERT_LE(need, room);
+            std::set<arena::BufferHandle> back;
+            for (const auto& b : out) back.insert(b.buffer);
+            ASSERT_EQ(back, owned[s]) << "seed " << seed;  // same handles come back
+          } else {
+            ASSERT_TRUE(e == ArenaError::no_memory || e == ArenaError::fragmented);
+          }
+        }
+        break;
+      case 7:
+        for (const auto& l : a.lanes())
+          if (!l.busy && a.lane_ready(l.id) && !l.sessions.empty()) {
+            a.begin_iteration(l.id, l.sessions.front(), 0);
+            busy[l.id] = l.sessions.front();
+            break;
+          }
+        break;
+      case 8:
+        if (!busy.empty()) {
+          a.end_iteration(busy.begin()->first, ev);
+          busy.erase(busy.begin());
+        }
+        break;
+    }
+    a.take_admissions();
+    // Compaction the broker would run for idle sessions.
+    for (auto& [id, hs] : owned)
+      if (!a.session_idle(id).empty()) a.finish_moves(id, ev);
+    const std::string problem = a.check_invariants();
+    ASSERT_EQ(problem, "") << "seed " << seed << " event " << ev;
+    const arena::MemorySummary m = a.memory();
+    ASSERT_LE(m.resident_reserved + m.lane_total, m.capacity) << "seed " << seed;
+    if (ratio == 1.0) {
+      ASSERT_EQ(m.swapped, 0u);
+    }
+  }
+  if (ratio > 1.0) {
+    EXPECT_GT(swaps, 0u) << "seed " << seed;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, RandomStream, ::testing::Range<std::uint64_t>(1, 41));
+
+}  // namespace
+}  // namespace salus::sched
