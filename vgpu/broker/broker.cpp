@@ -25,6 +25,24 @@ constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pas
 constexpr std::chrono::milliseconds kBusySamplePeriod{100};
 constexpr std::size_t kMaxModuleBytes = 256u << 20;
 
+// Which commands Broker::exec lets through in which session state.
+template <class... Cmds>
+bool is_one_of(const Command& c) {
+  return (std::holds_alternative<Cmds>(c) || ...);
+}
+// Those that do not touch the GPU, so they run while the session is queued or idle.
+bool runs_without_gpu(const Command& c) {
+  return is_one_of<NeedCmd, PriorityCmd, ResetCmd, SyncCmd, BeginCmd, AttachCmd>(c);
+}
+// Those a failed session still takes (reset clears the failure).
+bool runs_after_failure(const Command& c) {
+  return is_one_of<NeedCmd, ResetCmd, PriorityCmd>(c);
+}
+// Those an attached session takes: its work runs in the program.
+bool runs_when_attached(const Command& c) {
+  return is_one_of<NeedCmd, PriorityCmd, ResetCmd, SyncCmd, AttachCmd>(c);
+}
+
 }  // namespace
 
 void run_deferred(std::vector<std::function<void()>>& later) {
@@ -560,23 +578,16 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
   if (stopping_) return fail(ESHUTDOWN, "salusd is shutting down; no new work is accepted");
   const Command& cmd = line.command;
   // Commands that need the GPU wait (without holding a thread) while queued.
-  const bool needs_gpu =
-      !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<PriorityCmd>(cmd) &&
-      !std::holds_alternative<ResetCmd>(cmd) && !std::holds_alternative<SyncCmd>(cmd) &&
-      !std::holds_alternative<BeginCmd>(cmd) && !std::holds_alternative<AttachCmd>(cmd) &&
-      !s.recording;
+  const bool needs_gpu = !runs_without_gpu(cmd) && !s.recording;
   if (needs_gpu && s.state == SessionState::queued) {
     suspend = true;
     return 0;
   }
   if (needs_gpu && s.state == SessionState::idle) return fail(ENXIO, kNoGpuYet);
-  if (s.error && !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
-      !std::holds_alternative<PriorityCmd>(cmd))
+  if (s.error && !runs_after_failure(cmd))
     return fail(EIO, fmt::format("session failed earlier ({}: {}); write `reset` to continue",
                                  strerrorname_np(s.error), s.error_text));
-  if (s.gate && !std::holds_alternative<NeedCmd>(cmd) &&
-      !std::holds_alternative<PriorityCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
-      !std::holds_alternative<SyncCmd>(cmd) && !std::holds_alternative<AttachCmd>(cmd))
+  if (s.gate && !runs_when_attached(cmd))
     return fail(EINVAL, fmt::format("this session is attached (pid {}): its work runs in the "
                                     "program; only need, priority, reset and sync apply",
                                     s.gate->pid));

@@ -103,6 +103,35 @@ int refuse_kernel_fs(int fd, const std::string& path, std::string& why) {
   return EACCES;
 }
 
+// The target of the symlink `probe` (named `name` in `dir`, whose stat is `st`),
+// if the caller may follow it (may_follow_symlink); 0 or a positive errno with why.
+int read_symlink(const CallerCredentials& who, int dir, int probe, const struct stat& st,
+                 const std::string& path, const std::string& name, std::string& out,
+                 std::string& why) {
+  struct stat dst;
+  if (::fstat(dir, &dst) != 0) {
+    const int e = errno;
+    why = fmt::format("{}: fstat: {}", path, std::strerror(e));
+    return e;
+  }
+  if (!may_follow_symlink(who.uid, st.st_uid, dst.st_uid)) {
+    why = fmt::format(
+        "{}: refusing to follow symlink '{}' owned by uid {} in a directory of uid {} (only "
+        "the caller's, root's or the directory owner's symlinks are followed)",
+        path, name, st.st_uid, dst.st_uid);
+    return EACCES;
+  }
+  char target[PATH_MAX];
+  const ssize_t n = ::readlinkat(probe, "", target, sizeof target);
+  if (n <= 0 || static_cast<std::size_t>(n) >= sizeof target) {
+    const int e = n < 0 ? errno : ENOENT;
+    why = fmt::format("{}: readlink '{}': {}", path, name, std::strerror(e));
+    return e;
+  }
+  out.assign(target, static_cast<std::size_t>(n));
+  return 0;
+}
+
 int walk(const CallerCredentials& who, int root, const std::string& path, FileIntent intent,
          CallerFile& out, std::string& why) {
   std::vector<UniqueFd> dirs;  // root first; each entry a child of the one before
@@ -164,27 +193,8 @@ int walk(const CallerCredentials& who, int root, const std::string& path, FileIn
         why = fmt::format("{}: too many levels of symbolic links", path);
         return ELOOP;
       }
-      struct stat dst;
-      if (::fstat(dir, &dst) != 0) {
-        const int e = errno;
-        why = fmt::format("{}: fstat: {}", path, std::strerror(e));
-        return e;
-      }
-      if (!may_follow_symlink(who.uid, st.st_uid, dst.st_uid)) {
-        why = fmt::format(
-            "{}: refusing to follow symlink '{}' owned by uid {} in a directory of uid {} (only "
-            "the caller's, root's or the directory owner's symlinks are followed)",
-            path, name, st.st_uid, dst.st_uid);
-        return EACCES;
-      }
-      char target[PATH_MAX];
-      const ssize_t n = ::readlinkat(probe, "", target, sizeof target);
-      if (n <= 0 || static_cast<std::size_t>(n) >= sizeof target) {
-        const int e = n < 0 ? errno : ENOENT;
-        why = fmt::format("{}: readlink '{}': {}", path, name, std::strerror(e));
-        return e;
-      }
-      const std::string_view t(target, static_cast<std::size_t>(n));
+      std::string t;
+      if (const int rc = read_symlink(who, dir, probe, st, path, name, t, why)) return rc;
       if (t.front() == '/') dirs.resize(1);  // absolute: from the caller's root
       auto more = components(t);
       todo.insert(todo.begin(), more.begin(), more.end());
