@@ -300,8 +300,8 @@ TransferResult TransferEngine::result_of(Active& a) {
     r.why = std::move(a.why);
   } else if (a.finished < a.job->length) {
     r.error = ECANCELED;
-    r.why = fmt::format("{}: cancelled after {} of {} bytes", a.job->shown, a.finished,
-                        a.job->length);
+    r.why =
+        fmt::format("{}: cancelled after {} of {} bytes", a.job->shown, a.finished, a.job->length);
   }
   return r;
 }
