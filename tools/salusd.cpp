@@ -85,29 +85,30 @@ void reset_stop_signals() {
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
 }
 
-// The --oversubscribe ratio, or nullopt with `why` (1 to 16; "2", "1.5").
-std::optional<double> parse_oversubscribe(const std::string& text, std::string& why) {
+// The --oversubscribe ratio (1 to 16; "2", "1.5") into `out`; false with `why`.
+bool parse_oversubscribe(const std::string& text, double& out, std::string& why) {
   char* end = nullptr;
   const double v = text.empty() ? 0.0 : std::strtod(text.c_str(), &end);
   if (text.empty() || *end != '\0' || std::isnan(v)) {
     why = fmt::format("oversubscribe '{}': expected a number from 1 to 16, e.g. 1.5", text);
-    return std::nullopt;
+    return false;
   }
   if (v < 1.0) {
     why = fmt::format(
         "oversubscribe {}: below 1 would admit less than the GPU holds; expected "
         "1 (no oversubscription) to 16",
         text);
-    return std::nullopt;
+    return false;
   }
   if (!(v <= 16.0)) {
     why = fmt::format(
         "oversubscribe {}: expected at most 16 (every admitted byte beyond the "
         "card lives in host memory or the spill file)",
         text);
-    return std::nullopt;
+    return false;
   }
-  return v;
+  out = v;
+  return true;
 }
 
 int fail(const std::string& why) {
@@ -242,7 +243,8 @@ bool validate(const Settings& s, std::string& why) {
   if (!s.mps.empty() && (s.mps_dir.empty() || s.mps_dir[0] != '/'))
     return bad(fmt::format("mps_dir '{}' must be an absolute path", s.mps_dir));
   std::string sub_why;
-  if (!parse_oversubscribe(s.oversubscribe, sub_why)) return bad(sub_why);
+  double ratio = 1.0;
+  if (!parse_oversubscribe(s.oversubscribe, ratio, sub_why)) return bad(sub_why);
   if (!salus::arena::parse_size(s.swap_host_limit))
     return bad(fmt::format("swap_host_limit '{}': expected a size, e.g. 64G", s.swap_host_limit));
   if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, sub_why))
@@ -491,8 +493,9 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s) {
   bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
   bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
   bc.transfers_active = s.transfers_active;
-  std::string why;
-  bc.arena.oversubscribe = parse_oversubscribe(s.oversubscribe, why).value_or(1.0);
+  std::string why;  // validate() accepted it
+  bc.arena.oversubscribe = 1.0;
+  parse_oversubscribe(s.oversubscribe, bc.arena.oversubscribe, why);
   bc.swap_host_limit = *salus::arena::parse_size(s.swap_host_limit);
   return bc;
 }
