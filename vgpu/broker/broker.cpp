@@ -26,6 +26,24 @@ constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pas
 constexpr std::chrono::milliseconds kBusySamplePeriod{100};
 constexpr std::size_t kMaxModuleBytes = 256u << 20;
 
+// Which commands Broker::exec lets through in which session state.
+template <class... Cmds>
+bool is_one_of(const Command& c) {
+  return (std::holds_alternative<Cmds>(c) || ...);
+}
+// Those that do not touch the GPU, so they run while the session is queued or idle.
+bool runs_without_gpu(const Command& c) {
+  return is_one_of<NeedCmd, PriorityCmd, ResetCmd, SyncCmd, BeginCmd, AttachCmd>(c);
+}
+// Those a failed session still takes (reset clears the failure).
+bool runs_after_failure(const Command& c) {
+  return is_one_of<NeedCmd, ResetCmd, PriorityCmd>(c);
+}
+// Those an attached session takes: its work runs in the program.
+bool runs_when_attached(const Command& c) {
+  return is_one_of<NeedCmd, PriorityCmd, ResetCmd, SyncCmd, AttachCmd>(c);
+}
+
 }  // namespace
 
 void run_deferred(std::vector<std::function<void()>>& later) {
@@ -201,9 +219,9 @@ std::optional<SessionId> Broker::find_session(const std::string& dir_name) const
 int Broker::check_access(SessionId id, const Caller& caller) const {
   std::lock_guard lk(mu_);
   const Session* s = get(id);
-  if (!s || s->dead) return -ENOENT;
+  if (!s || s->dead) return ENOENT;
   if (caller.admin || caller.uid == s->uid) return 0;
-  return -EACCES;
+  return EACCES;
 }
 
 std::vector<std::pair<std::string, SessionId>> Broker::list_sessions() const {
@@ -231,7 +249,7 @@ int Broker::kill_session(SessionId id) {
   {
     std::lock_guard lk(mu_);
     Session* s = get(id);
-    if (!s || s->dead) return -ENOENT;
+    if (!s || s->dead) return ENOENT;
     log(*s, "killed by admin");
   }
   end_session(id);
@@ -305,8 +323,7 @@ Broker::OpenedFiles Broker::open_caller_files(const Caller& caller,
     if (!m) continue;
     PendingWrite::ModuleFile f;
     f.path = m->path;
-    const int rc = read_file_as_caller(out.creds, m->path, kMaxModuleBytes, f.image, f.why);
-    f.error = rc < 0 ? -rc : 0;
+    f.error = read_file_as_caller(out.creds, m->path, kMaxModuleBytes, f.image, f.why);
     out.module_files.push_back(std::move(f));
   }
   return out;
@@ -387,17 +404,17 @@ std::uint64_t Broker::submit(
                                                      cmds = commands](CallerIo::Gate& gate) {
           OpenedFiles files;
           if (const int err = CallerIo::isolated([&] { files = open_caller_files(caller, cmds); }))
-            files = could_not_open(cmds, -err);
+            files = could_not_open(cmds, err);
           gate.enter([&] { files_opened(id, wid, std::move(files)); });
         });
-        if (rc < 0) {
-          log(*s, rc == -EAGAIN ? fmt::format("uid {} has too many writes waiting for their "
-                                              "files to open; try again later",
-                                              caller.uid)
-                                : std::string("salusd is shutting down; no new work is accepted"));
-          if (rc == -EAGAIN) ++stats_.quota_rejections;
+        if (rc) {
+          log(*s, rc == EAGAIN ? fmt::format("uid {} has too many writes waiting for their "
+                                             "files to open; try again later",
+                                             caller.uid)
+                               : std::string("salusd is shutting down; no new work is accepted"));
+          if (rc == EAGAIN) ++stats_.quota_rejections;
           ++stats_.command_errors;
-          later.push_back([done = std::move(w.done), rc] { done(-rc, {}); });
+          later.push_back([done = std::move(w.done), rc] { done(rc, {}); });
           ticket = 0;
         }
       }
@@ -564,11 +581,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
   if (stopping_) return fail(ESHUTDOWN, "salusd is shutting down; no new work is accepted");
   const Command& cmd = line.command;
   // Commands that need the GPU wait (without holding a thread) while queued.
-  const bool needs_gpu =
-      !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<PriorityCmd>(cmd) &&
-      !std::holds_alternative<ResetCmd>(cmd) && !std::holds_alternative<SyncCmd>(cmd) &&
-      !std::holds_alternative<BeginCmd>(cmd) && !std::holds_alternative<AttachCmd>(cmd) &&
-      !s.recording;
+  const bool needs_gpu = !runs_without_gpu(cmd) && !s.recording;
   // Attaching needs the GPU too; a session waiting host-wide has none yet.
   const bool host_waiting = s.gpu < 0 && s.state == SessionState::queued;
   if ((needs_gpu || (host_waiting && std::holds_alternative<AttachCmd>(cmd))) &&
@@ -577,13 +590,10 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
     return 0;
   }
   if (needs_gpu && s.state == SessionState::idle) return fail(ENXIO, kNoGpuYet);
-  if (s.error && !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
-      !std::holds_alternative<PriorityCmd>(cmd))
+  if (s.error && !runs_after_failure(cmd))
     return fail(EIO, fmt::format("session failed earlier ({}: {}); write `reset` to continue",
                                  strerrorname_np(s.error), s.error_text));
-  if (s.gate && !std::holds_alternative<NeedCmd>(cmd) &&
-      !std::holds_alternative<PriorityCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
-      !std::holds_alternative<SyncCmd>(cmd) && !std::holds_alternative<AttachCmd>(cmd))
+  if (s.gate && !runs_when_attached(cmd))
     return fail(EINVAL, fmt::format("this session is attached (pid {}): its work runs in the "
                                     "program; only need, priority, reset and sync apply",
                                     s.gate->pid));
