@@ -44,6 +44,14 @@ bool runs_when_attached(const Command& c) {
   return is_one_of<NeedCmd, PriorityCmd, ResetCmd, SyncCmd, AttachCmd>(c);
 }
 
+// `reset`: the session takes commands again, admitted if it still holds a lane.
+void clear_failure(Session& s) {
+  s.error = 0;
+  s.error_text.clear();
+  if (s.state == SessionState::failed)
+    s.state = s.lane ? SessionState::admitted : SessionState::idle;
+}
+
 }  // namespace
 
 void run_deferred(std::vector<std::function<void()>>& later) {
@@ -580,12 +588,11 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
   };
   if (stopping_) return fail(ESHUTDOWN, "salusd is shutting down; no new work is accepted");
   const Command& cmd = line.command;
-  // Commands that need the GPU wait (without holding a thread) while queued.
+  // Commands that need the GPU wait (without holding a thread) while queued; attaching
+  // does too while the session waits host-wide for a GPU (late binding).
   const bool needs_gpu = !runs_without_gpu(cmd) && !s.recording;
-  // Attaching needs the GPU too; a session waiting host-wide has none yet.
-  const bool host_waiting = s.gpu < 0 && s.state == SessionState::queued;
-  if ((needs_gpu || (host_waiting && std::holds_alternative<AttachCmd>(cmd))) &&
-      s.state == SessionState::queued) {
+  const bool attach_waits = s.gpu < 0 && std::holds_alternative<AttachCmd>(cmd);
+  if ((needs_gpu || attach_waits) && s.state == SessionState::queued) {
     suspend = true;
     return 0;
   }
@@ -659,10 +666,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           },
           [&](const ResetCmd&) {
             if (s.error) log(s, fmt::format("line {}: error cleared by reset", ln));
-            s.error = 0;
-            s.error_text.clear();
-            if (s.state == SessionState::failed)
-              s.state = s.lane ? SessionState::admitted : SessionState::idle;
+            clear_failure(s);
             return 0;
           },
           [&](const ModuleCmd& c) { return exec_module(s, c, w, ln); },
