@@ -1,0 +1,183 @@
+// The shared lane of attached sessions (issue 15): who holds the GPU's lane
+// memory, the hand-over (only after the holder's yield report or its exit),
+// and clearing between uids. The rules are in vgpu/attach/shared_lane.hpp.
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include "vgpu/broker/broker.hpp"
+#include "vgpu/broker/broker_gpu.hpp"
+
+namespace salus::vgpu {
+
+namespace {
+
+// A holder asked to yield that does not report within this (it is not at its
+// gate: CPU work, or a hang) loses the memory: salusd drops its reference and
+// makes fresh memory for the others; the holder's mapping keeps the old alive.
+constexpr std::int64_t kLaneReleaseLimitNs = 2'000'000'000;
+// Whose bytes fresh memory may hold: nobody's we know, so it is cleared first.
+constexpr uid_t kUnknownUid = static_cast<uid_t>(-1);
+
+}  // namespace
+
+bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
+  if (!shares_lane(s)) return true;
+  SharedLane& L = g.shared_lane;
+  AttachedGate& gt = *s.gate;
+  if (L.holder == s.id && gate_load(gt.g().lane_grant) == L.generation) return true;
+  if (L.clearing) return false;
+  if (L.holder != 0 && L.holder != s.id) {
+    Session* h = get(L.holder);
+    if (h && h->gate && !h->gate->exited) {
+      if (!L.release_asked) {
+        L.release_asked = true;
+        L.release_asked_at = now();
+        gate_store(h->gate->g().lane_grant, 0u);
+        h->gate->wake();
+      }
+      return false;
+    }
+    L.holder = 0;
+  }
+  // Sized for the largest ephemeral need of the GPU's sharing sessions.
+  Bytes want = 0;
+  for (SessionId id : attached_) {
+    const Session* o = get(id);
+    if (o && o->gpu == s.gpu && shares_lane(*o)) want = std::max(want, o->need.ephemeral);
+  }
+  want = lane_bytes_for(std::max<Bytes>(want, 1));
+  std::string why;
+  if (!L.memory || L.bytes < want) {
+    UniqueFd fd;
+    if (int e = g.device->make_lane_memory(want, fd, why)) {
+      log(s, fmt::format("shared lane: no lane memory on gpu {}: {} ({}); the session runs "
+                         "without it",
+                         g.index, why, strerrorname_np(e)));
+      gt.lane_sock.reset();
+      set_budget(s);
+      return true;
+    }
+    L.memory = std::move(fd);
+    L.bytes = want;
+    ++L.generation;
+    L.dirty_uid = kUnknownUid;
+  }
+  if (L.dirty_uid && *L.dirty_uid != s.uid) {
+    // Another uid's bytes (or unknown ones): zeroed before s may map them.
+    L.clearing = true;
+    Gpu* gp = &g;
+    const int fd = L.memory.get();
+    const Bytes bytes = L.bytes;
+    const SessionId next = s.id;
+    later.push_back([this, gp, fd, bytes, next] { clear_lane(*gp, fd, bytes, next); });
+    return false;
+  }
+  if (gt.lane_sent != L.generation) {
+    if (int e = send_lane_memory(gt.lane_sock.get(), L.memory.get(), L.bytes, L.generation, why)) {
+      log(s, fmt::format("shared lane: {} ({}); the session runs without it", why,
+                         strerrorname_np(e)));
+      gt.lane_sock.reset();
+      set_budget(s);
+      return true;
+    }
+    gt.lane_sent = L.generation;
+  }
+  if (L.holder != s.id) ++L.handovers;
+  L.holder = s.id;
+  L.release_asked = false;
+  L.dirty_uid = s.uid;
+  gate_store(gt.g().lane_bytes, std::uint64_t{L.bytes});
+  gate_store(gt.g().lane_grant, L.generation);
+  return true;
+}
+
+void Broker::clear_lane(Gpu& g, int fd, Bytes bytes, SessionId next) {
+  // Off the broker lock: the device zeroes the memory and synchronizes.
+  std::string why;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int e = g.device->clear_lane_memory(fd, bytes, why);
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - t0)
+                      .count();
+  Deferred later;
+  {
+    std::lock_guard lk(mu_);
+    SharedLane& L = g.shared_lane;
+    L.clearing = false;
+    if (e == 0) {
+      L.dirty_uid.reset();
+      ++L.clears;
+      L.clear_ns += ns;
+    } else {
+      // Never hand over uncleared bytes: drop this memory; the next try makes
+      // fresh memory (cleared in turn).
+      L.memory.reset();
+      L.bytes = 0;
+      if (Session* s = get(next))
+        log(*s, fmt::format("shared lane: clearing failed: {} ({}); making fresh memory", why,
+                            strerrorname_np(e)));
+    }
+    dispatch(g, later);
+  }
+  run_deferred(later);
+}
+
+void Broker::lane_serve(Gpu& g, Session& s) {
+  SharedLane& L = g.shared_lane;
+  if (L.holder != s.id || !L.release_asked || gate_load(s.gate->g().lane_held) != 0) return;
+  L.holder = 0;
+  L.release_asked = false;
+  L.release_wait_ns += now() - L.release_asked_at;
+  kick(g);
+}
+
+void Broker::lane_detach(Session& s) {
+  Gpu* g = gpu_of(s);
+  if (!g || !shares_lane(s)) return;
+  SharedLane& L = g->shared_lane;
+  if (L.holder == s.id) {
+    L.holder = 0;
+    L.release_asked = false;
+    const bool gone = process_exited(s.gate->pidfd.get());
+    if (!gone && gate_load(s.gate->g().lane_held) != 0) {
+      // Alive and maybe still mapped: never hand this memory to anyone again.
+      L.memory.reset();
+      L.bytes = 0;
+      ++L.abandoned;
+      log(s, "shared lane: the program let go of the gate with the lane mapped; its memory "
+             "is abandoned to it and the lane gets fresh memory");
+    }
+  }
+  bool others = false;
+  for (SessionId id : attached_) {
+    const Session* o = get(id);
+    others = others || (o && o != &s && o->gpu == s.gpu && shares_lane(*o));
+  }
+  if (!others && !L.clearing) {
+    L.memory.reset();  // nobody shares the lane any more: give the memory back
+    L.bytes = 0;
+  }
+  kick(*g);
+}
+
+void Broker::lane_tick(Gpu& g, TimeNs t) {
+  SharedLane& L = g.shared_lane;
+  if (!L.release_asked || t - L.release_asked_at < kLaneReleaseLimitNs) return;
+  Session* h = get(L.holder);
+  if (h)
+    log(*h, fmt::format("shared lane: no yield report within {} s; the lane memory is abandoned "
+                        "to this program and the lane gets fresh memory",
+                        kLaneReleaseLimitNs / 1'000'000'000));
+  L.memory.reset();
+  L.bytes = 0;
+  ++L.abandoned;
+  L.holder = 0;
+  L.release_asked = false;
+  kick(g);
+}
+
+}  // namespace salus::vgpu
