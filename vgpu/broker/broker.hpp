@@ -394,6 +394,7 @@ class Broker {
   // Runs from `later` without the lock: zeroes the lane memory, then hands on.
   void clear_lane(Gpu& g, int fd, Bytes bytes, SessionId next);
   bool shares_lane(const Session& s) const { return s.gate && s.gate->lane_sock; }
+  void render_lane_status(const Session& s, const Gpu& g, std::string& out) const;
   // Whether the lane holds an iteration of a session other than `id` that a
   // switch must drain first (either side attached: separate processes).
   bool must_drain(const Lane& lane, const Session& next) const;

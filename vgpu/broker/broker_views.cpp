@@ -183,6 +183,21 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("swap_error", gt.swap_pending ? std::string("pending")
                    : gt.swap_error ? std::string(strerrorname_np(gt.swap_error))
                                    : std::string("-"));
+  render_lane_status(s, g, o);
+}
+
+void Broker::render_lane_status(const Session& s, const Gpu& g, std::string& o) const {
+  // Shared lane (issue 15): off (not opted in), held (its program may map the
+  // lane memory now) or free; the rest are the GPU lane's figures.
+  const SharedLane& L = g.shared_lane;
+  const bool on = shares_lane(s);
+  o += fmt::format("shared_lane: {}\n", !on ? "off" : L.holder == s.id ? "held" : "free");
+  if (!on) return;
+  o += fmt::format(
+      "lane_memory: {}\nlane_handovers: {}\nlane_clears: {}\nlane_clear_ms: {:.3f}\n"
+      "lane_yield_wait_ms: {:.3f}\nlane_abandoned: {}\n",
+      L.bytes, L.handovers, L.clears, static_cast<double>(L.clear_ns) / 1e6,
+      static_cast<double>(L.release_wait_ns) / 1e6, L.abandoned);
 }
 
 std::string Broker::render_log(SessionId id) const {
