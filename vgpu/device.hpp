@@ -175,6 +175,9 @@ class Device {
     why = "this backend cannot clear exported memory";
     return EOPNOTSUPP;
   }
+  // The broker is about to close `fd`: the device lets go of what it holds for
+  // it (the memory lives on while a program still has it mapped).
+  virtual void drop_lane_memory(int fd) { (void)fd; }
 
   // Asks for sink->on_complete(stream, token, ...) once every op enqueued so far
   // on the stream has finished.

@@ -22,6 +22,13 @@ constexpr std::int64_t kLaneReleaseLimitNs = 2'000'000'000;
 // Whose bytes fresh memory may hold: nobody's we know, so it is cleared first.
 constexpr uid_t kUnknownUid = static_cast<uid_t>(-1);
 
+// salusd lets go of the lane memory (the device first, then the fd).
+void drop_memory(Device& dev, SharedLane& L) {
+  if (L.memory) dev.drop_lane_memory(L.memory.get());
+  L.memory.reset();
+  L.bytes = 0;
+}
+
 }  // namespace
 
 bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
@@ -61,6 +68,7 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
       set_budget(s);
       return true;
     }
+    drop_memory(*g.device, L);
     L.memory = std::move(fd);
     L.bytes = want;
     ++L.generation;
@@ -115,8 +123,7 @@ void Broker::clear_lane(Gpu& g, int fd, Bytes bytes, SessionId next) {
     } else {
       // Never hand over uncleared bytes: drop this memory; the next try makes
       // fresh memory (cleared in turn).
-      L.memory.reset();
-      L.bytes = 0;
+      drop_memory(*g.device, L);
       if (Session* s = get(next))
         log(*s, fmt::format("shared lane: clearing failed: {} ({}); making fresh memory", why,
                             strerrorname_np(e)));
@@ -145,8 +152,7 @@ void Broker::lane_detach(Session& s) {
     const bool gone = process_exited(s.gate->pidfd.get());
     if (!gone && gate_load(s.gate->g().lane_held) != 0) {
       // Alive and maybe still mapped: never hand this memory to anyone again.
-      L.memory.reset();
-      L.bytes = 0;
+      drop_memory(*g->device, L);
       ++L.abandoned;
       log(s, "shared lane: the program let go of the gate with the lane mapped; its memory "
              "is abandoned to it and the lane gets fresh memory");
@@ -158,8 +164,7 @@ void Broker::lane_detach(Session& s) {
     others = others || (o && o != &s && o->gpu == s.gpu && shares_lane(*o));
   }
   if (!others && !L.clearing) {
-    L.memory.reset();  // nobody shares the lane any more: give the memory back
-    L.bytes = 0;
+    drop_memory(*g->device, L);  // nobody shares the lane any more: give it back
   }
   kick(*g);
 }
@@ -172,8 +177,7 @@ void Broker::lane_tick(Gpu& g, TimeNs t) {
     log(*h, fmt::format("shared lane: no yield report within {} s; the lane memory is abandoned "
                         "to this program and the lane gets fresh memory",
                         kLaneReleaseLimitNs / 1'000'000'000));
-  L.memory.reset();
-  L.bytes = 0;
+  drop_memory(*g.device, L);
   ++L.abandoned;
   L.holder = 0;
   L.release_asked = false;
