@@ -151,3 +151,36 @@ def test_without_the_opt_in_there_is_no_lane_memory(salusd):
             pa.kill()
             pa.wait()
         a.close()
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_cuda_backend_makes_and_clears_the_lane_memory(isolation):
+    """The cuda backend's path against the mock libcuda: the lane memory is a
+    cuMemCreate handle exported as a POSIX fd by salusd's device (in salusd,
+    or in the GPU's executor process, whose fd salusd takes with pidfd_getfd),
+    cleared with cuMemsetD8 before its first holder (fresh mock memory reads
+    0xab)."""
+    from conftest import Salusd
+    d = Salusd(["--gpu-isolation", isolation, "--cuda-memory-fraction", "0.1"])
+    d.args[d.args.index("--backend") + 1] = "cuda"
+    d.env = {**os.environ, "LD_LIBRARY_PATH": MOCK_DIR}
+    d.start(timeout=120)
+    a, b = session(d, 8), session(d, 8)
+    pa = pb = None
+    try:
+        pa = start(d, a, 1, 8, 4)
+        pb = start(d, b, 2, 8, 4)
+        ra, oa, ea = finish(pa)
+        rb, ob, eb = finish(pb)
+        assert ra == 0 and rb == 0, (oa, ob, a.read("log"), open(d.log_path).read()[-2000:])
+        firsts = [line for line in (oa + ob).splitlines() if line.startswith("first 1 ")]
+        assert "first 1 0" in firsts, firsts  # whoever came first found it cleared
+        assert "0xab" not in oa + ob, "uncleared fresh memory reached a program"
+    finally:
+        for p in (pa, pb):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        a.close()
+        b.close()
+        d.stop()

@@ -76,6 +76,7 @@ struct AttachedGate {
   // when the session did not opt in. See vgpu/attach/shared_lane.hpp.
   UniqueFd lane_sock;
   std::uint32_t lane_sent = 0;  // the lane memory generation whose fd was sent
+  bool lane_off = false;        // the lane failed for this session: granted without it
 };
 
 // What a gate's swap fields say, as salus(5) names it: resident, swapped,

@@ -34,7 +34,7 @@ struct SharedLane {
   bool release_asked = false;      // the holder's lane_grant was set to 0
   std::int64_t release_asked_at = 0;
   std::optional<uid_t> dirty_uid;  // whose bytes may be in it; none: cleared
-  bool clearing = false;           // the device is clearing it (off the broker lock)
+  bool busy = false;               // the device makes or clears it (off the broker lock)
 
   // Figures for status and benchmarks.
   std::uint64_t handovers = 0;     // grants of the lane to a session other than the last

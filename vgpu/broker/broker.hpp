@@ -391,8 +391,11 @@ class Broker {
   void lane_detach(Session& s);
   // A holder that does not report within kLaneReleaseLimitNs loses the memory.
   void lane_tick(Gpu& g, TimeNs t);
-  // Runs from `later` without the lock: zeroes the lane memory, then hands on.
+  // Run from `later` without the lock: make (and clear) new lane memory, or
+  // zero the lane memory; then take the lock and dispatch.
+  void make_lane(Gpu& g, Bytes bytes, SessionId next);
   void clear_lane(Gpu& g, int fd, Bytes bytes, SessionId next);
+  void lane_off(Session& s, const std::string& why);
   bool shares_lane(const Session& s) const { return s.gate && s.gate->lane_sock; }
   void render_lane_status(const Session& s, const Gpu& g, std::string& out) const;
   // Whether the lane holds an iteration of a session other than `id` that a

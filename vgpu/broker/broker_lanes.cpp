@@ -35,8 +35,9 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
   if (!shares_lane(s)) return true;
   SharedLane& L = g.shared_lane;
   AttachedGate& gt = *s.gate;
+  if (gt.lane_off) return true;
   if (L.holder == s.id && gate_load(gt.g().lane_grant) == L.generation) return true;
-  if (L.clearing) return false;
+  if (L.busy) return false;
   if (L.holder != 0 && L.holder != s.id) {
     Session* h = get(L.holder);
     if (h && h->gate && !h->gate->exited) {
@@ -57,39 +58,27 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
     if (o && o->gpu == s.gpu && shares_lane(*o)) want = std::max(want, o->need.ephemeral);
   }
   want = lane_bytes_for(std::max<Bytes>(want, 1));
-  std::string why;
+  Gpu* gp = &g;
+  const SessionId next = s.id;
   if (!L.memory || L.bytes < want) {
-    UniqueFd fd;
-    if (int e = g.device->make_lane_memory(want, fd, why)) {
-      log(s, fmt::format("shared lane: no lane memory on gpu {}: {} ({}); the session runs "
-                         "without it",
-                         g.index, why, strerrorname_np(e)));
-      gt.lane_sock.reset();
-      set_budget(s);
-      return true;
-    }
-    drop_memory(*g.device, L);
-    L.memory = std::move(fd);
-    L.bytes = want;
-    ++L.generation;
-    L.dirty_uid = kUnknownUid;
+    // Made (and cleared: fresh memory holds nobody knows whose bytes) off the
+    // lock: on the cuda backend it is a round trip to the GPU's executor.
+    L.busy = true;
+    later.push_back([this, gp, want, next] { make_lane(*gp, want, next); });
+    return false;
   }
   if (L.dirty_uid && *L.dirty_uid != s.uid) {
-    // Another uid's bytes (or unknown ones): zeroed before s may map them.
-    L.clearing = true;
-    Gpu* gp = &g;
+    // Another uid's bytes: zeroed before s may map them.
+    L.busy = true;
     const int fd = L.memory.get();
     const Bytes bytes = L.bytes;
-    const SessionId next = s.id;
     later.push_back([this, gp, fd, bytes, next] { clear_lane(*gp, fd, bytes, next); });
     return false;
   }
+  std::string why;
   if (gt.lane_sent != L.generation) {
     if (int e = send_lane_memory(gt.lane_sock.get(), L.memory.get(), L.bytes, L.generation, why)) {
-      log(s, fmt::format("shared lane: {} ({}); the session runs without it", why,
-                         strerrorname_np(e)));
-      gt.lane_sock.reset();
-      set_budget(s);
+      lane_off(s, fmt::format("{} ({})", why, strerrorname_np(e)));
       return true;
     }
     gt.lane_sent = L.generation;
@@ -115,7 +104,7 @@ void Broker::clear_lane(Gpu& g, int fd, Bytes bytes, SessionId next) {
   {
     std::lock_guard lk(mu_);
     SharedLane& L = g.shared_lane;
-    L.clearing = false;
+    L.busy = false;
     if (e == 0) {
       L.dirty_uid.reset();
       ++L.clears;
@@ -131,6 +120,46 @@ void Broker::clear_lane(Gpu& g, int fd, Bytes bytes, SessionId next) {
     dispatch(g, later);
   }
   run_deferred(later);
+}
+
+void Broker::make_lane(Gpu& g, Bytes bytes, SessionId next) {
+  // Off the broker lock: new memory from the device, cleared before anyone maps it.
+  UniqueFd fd;
+  std::string why;
+  int e = g.device->make_lane_memory(bytes, fd, why);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (e == 0) e = g.device->clear_lane_memory(fd.get(), bytes, why);
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - t0)
+                      .count();
+  if (e != 0 && fd) g.device->drop_lane_memory(fd.get());
+  Deferred later;
+  {
+    std::lock_guard lk(mu_);
+    SharedLane& L = g.shared_lane;
+    L.busy = false;
+    if (e == 0) {
+      drop_memory(*g.device, L);
+      L.memory = std::move(fd);
+      L.bytes = bytes;
+      ++L.generation;
+      L.dirty_uid.reset();
+      ++L.clears;
+      L.clear_ns += ns;
+    } else if (Session* s = get(next); s && s->gate && !s->gate->exited) {
+      lane_off(*s, fmt::format("no lane memory of {} on gpu {}: {} ({})",
+                               arena::format_size(bytes), g.index, why, strerrorname_np(e)));
+    }
+    dispatch(g, later);
+  }
+  run_deferred(later);
+}
+
+void Broker::lane_off(Session& s, const std::string& why) {
+  // Its admission counted the lane, so it keeps its budget (persistent only):
+  // salus_lane_alloc answers -ENOTCONN and its log says why.
+  s.gate->lane_off = true;
+  log(s, fmt::format("shared lane: {}; the session runs without the lane's memory", why));
 }
 
 void Broker::lane_serve(Gpu& g, Session& s) {
@@ -163,7 +192,7 @@ void Broker::lane_detach(Session& s) {
     const Session* o = get(id);
     others = others || (o && o != &s && o->gpu == s.gpu && shares_lane(*o));
   }
-  if (!others && !L.clearing) {
+  if (!others && !L.busy) {
     drop_memory(*g->device, L);  // nobody shares the lane any more: give it back
   }
   kick(*g);
