@@ -74,8 +74,8 @@ struct Block {
 struct Lane {
   std::mutex mu;
   std::atomic<bool> on{false};  // opted in and attached: read without the lock
-  int sock = -1;  // the program's end of the socket pair
-  int peer = -1;  // salusd's end, until the attach write is done
+  int sock = -1;                // the program's end of the socket pair
+  int peer = -1;                // salusd's end, until the attach write is done
   // The latest memory salusd sent.
   int mem_fd = -1;
   std::uint32_t mem_gen = 0;
@@ -106,8 +106,8 @@ void note_once(Lane& L, const char* what, CUresult r) {
   if (L.reported_fail) return;
   L.reported_fail = true;
   char line[160];
-  std::snprintf(line, sizeof line, "shared lane: %s failed (CUresult %d); running without it",
-                what, static_cast<int>(r));
+  std::snprintf(line, sizeof line, "shared lane: %s failed (CUresult %d); running without it", what,
+                static_cast<int>(r));
   post_note(line);
 }
 

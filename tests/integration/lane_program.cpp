@@ -39,9 +39,10 @@ int main(int argc, char** argv) {
   if (lib == nullptr) return 2;
   gpa = reinterpret_cast<gpa_t>(dlsym(lib, "cuGetProcAddress_v2"));
   auto step = reinterpret_cast<int (*)()>(dlsym(RTLD_DEFAULT, "salus_step"));
-  auto lane_alloc =
-      reinterpret_cast<int (*)(unsigned long long*, size_t)>(dlsym(RTLD_DEFAULT, "salus_lane_alloc"));
-  auto lane_free = reinterpret_cast<int (*)(unsigned long long)>(dlsym(RTLD_DEFAULT, "salus_lane_free"));
+  auto lane_alloc = reinterpret_cast<int (*)(unsigned long long*, size_t)>(
+      dlsym(RTLD_DEFAULT, "salus_lane_alloc"));
+  auto lane_free =
+      reinterpret_cast<int (*)(unsigned long long)>(dlsym(RTLD_DEFAULT, "salus_lane_free"));
   if (gpa == nullptr || step == nullptr || lane_alloc == nullptr || lane_free == nullptr) return 2;
   CUresult (*init)(unsigned);
   CUresult (*retain)(CUcontext*, CUdevice);

@@ -44,7 +44,7 @@ int send_lane_memory(int sock, int memory_fd, Bytes bytes, std::uint32_t generat
   if (n == static_cast<ssize_t>(sizeof msg)) return 0;
   const int e = n < 0 ? errno : EIO;
   why = fmt::format("cannot send the lane memory over the program's lane socket: {}",
-                    e == EAGAIN ? "its buffer is full (the program does not read it)"
+                    e == EAGAIN  ? "its buffer is full (the program does not read it)"
                     : e == EPIPE ? "the program closed its end"
                                  : std::strerror(e));
   return e;

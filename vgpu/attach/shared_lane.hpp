@@ -27,21 +27,21 @@ namespace salus::vgpu {
 using arena::Bytes;
 
 struct SharedLane {
-  UniqueFd memory;                 // the exported handle (a POSIX fd); empty: none yet
-  Bytes bytes = 0;                 // its size
-  std::uint32_t generation = 0;    // bumped for every new memory
-  std::uint64_t holder = 0;        // session that may have it mapped; 0: nobody
-  bool release_asked = false;      // the holder's lane_grant was set to 0
+  UniqueFd memory;               // the exported handle (a POSIX fd); empty: none yet
+  Bytes bytes = 0;               // its size
+  std::uint32_t generation = 0;  // bumped for every new memory
+  std::uint64_t holder = 0;      // session that may have it mapped; 0: nobody
+  bool release_asked = false;    // the holder's lane_grant was set to 0
   std::int64_t release_asked_at = 0;
   std::optional<uid_t> dirty_uid;  // whose bytes may be in it; none: cleared
   bool busy = false;               // the device makes or clears it (off the broker lock)
 
   // Figures for status and benchmarks.
-  std::uint64_t handovers = 0;     // grants of the lane to a session other than the last
+  std::uint64_t handovers = 0;  // grants of the lane to a session other than the last
   std::uint64_t clears = 0;
-  std::int64_t clear_ns = 0;       // device time of clears, summed (wall, salusd side)
+  std::int64_t clear_ns = 0;         // device time of clears, summed (wall, salusd side)
   std::int64_t release_wait_ns = 0;  // from asking a holder to its yield report, summed
-  std::uint64_t abandoned = 0;     // memories dropped because a holder detached alive
+  std::uint64_t abandoned = 0;       // memories dropped because a holder detached alive
 };
 
 // A lane memory's size for `ephemeral` bytes: rounded up to the VMM granularity

@@ -119,8 +119,7 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   log(s, fmt::format("line {}: attached gate={} bell={} of pid {}: gpu {}, budget {}{}", ln,
                      c.gate_fd, c.bell_fd, s.gate->pid, g.index,
                      own == 0 ? std::string("unlimited") : arena::format_size(own),
-                     shares_lane(s) ? fmt::format(", shared lane lane={} ({} ephemeral)",
-                                                  c.lane_fd,
+                     shares_lane(s) ? fmt::format(", shared lane lane={} ({} ephemeral)", c.lane_fd,
                                                   arena::format_size(s.need.ephemeral))
                                     : std::string()));
   // Re-place the need as an attached one (arena_need); admission may wait.

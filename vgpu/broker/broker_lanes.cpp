@@ -97,9 +97,9 @@ void Broker::clear_lane(Gpu& g, int fd, Bytes bytes, SessionId next) {
   std::string why;
   const auto t0 = std::chrono::steady_clock::now();
   const int e = g.device->clear_lane_memory(fd, bytes, why);
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now() - t0)
-                      .count();
+  const auto ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
   Deferred later;
   {
     std::lock_guard lk(mu_);
@@ -129,9 +129,9 @@ void Broker::make_lane(Gpu& g, Bytes bytes, SessionId next) {
   int e = g.device->make_lane_memory(bytes, fd, why);
   const auto t0 = std::chrono::steady_clock::now();
   if (e == 0) e = g.device->clear_lane_memory(fd.get(), bytes, why);
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now() - t0)
-                      .count();
+  const auto ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
   if (e != 0 && fd) g.device->drop_lane_memory(fd.get());
   Deferred later;
   {
@@ -147,8 +147,8 @@ void Broker::make_lane(Gpu& g, Bytes bytes, SessionId next) {
       ++L.clears;
       L.clear_ns += ns;
     } else if (Session* s = get(next); s && s->gate && !s->gate->exited) {
-      lane_off(*s, fmt::format("no lane memory of {} on gpu {}: {} ({})",
-                               arena::format_size(bytes), g.index, why, strerrorname_np(e)));
+      lane_off(*s, fmt::format("no lane memory of {} on gpu {}: {} ({})", arena::format_size(bytes),
+                               g.index, why, strerrorname_np(e)));
     }
     dispatch(g, later);
   }
@@ -183,8 +183,9 @@ void Broker::lane_detach(Session& s) {
       // Alive and maybe still mapped: never hand this memory to anyone again.
       drop_memory(*g->device, L);
       ++L.abandoned;
-      log(s, "shared lane: the program let go of the gate with the lane mapped; its memory "
-             "is abandoned to it and the lane gets fresh memory");
+      log(s,
+          "shared lane: the program let go of the gate with the lane mapped; its memory "
+          "is abandoned to it and the lane gets fresh memory");
     }
   }
   bool others = false;

@@ -529,8 +529,7 @@ class Executor final : public CompletionSink {
   }
   void on(const LaneClearMsg& m) {
     std::string why = "no such lane memory in this executor";
-    const int status =
-        lanes_.count(m.fd) ? dev_->clear_lane_memory(m.fd, m.size, why) : EINVAL;
+    const int status = lanes_.count(m.fd) ? dev_->clear_lane_memory(m.fd, m.size, why) : EINVAL;
     reply(m.request, status, status == 0 ? std::string() : why);
   }
   void on(const LaneDropMsg& m) {

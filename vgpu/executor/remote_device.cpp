@@ -1216,8 +1216,8 @@ int RemoteDevice::make_lane_memory(Bytes size, UniqueFd& out, std::string& why) 
   if (!fd) {
     const int err = errno;
     if (remote >= 0 && put(Msg::lane_drop, LaneDropMsg{remote})) flush();
-    why = fmt::format("taking the lane memory's fd {} from executor pid {}: {}", remote,
-                      child_.pid, std::strerror(err));
+    why = fmt::format("taking the lane memory's fd {} from executor pid {}: {}", remote, child_.pid,
+                      std::strerror(err));
     return err == ENOSYS ? EOPNOTSUPP : EIO;
   }
   lanes_[fd.get()] = LaneMemory{remote, generation_.load()};

@@ -288,8 +288,8 @@ class RemoteDevice final : public Device {
   ModuleHandle next_module_ = 1;
   std::map<RegionId, Region> regions_by_id_;
   struct LaneMemory {
-    int remote_fd = -1;              // the executor's number
-    std::uint64_t generation = 0;    // of the executor that made it
+    int remote_fd = -1;            // the executor's number
+    std::uint64_t generation = 0;  // of the executor that made it
   };
   std::map<int, LaneMemory> lanes_;  // by salusd's fd
   RegionId next_region_ = 1;

@@ -153,8 +153,7 @@ int SimDevice::make_lane_memory(Bytes size, UniqueFd& out, std::string& why) {
 
 int SimDevice::clear_lane_memory(int fd, Bytes size, std::string& why) {
   // Punching the whole file out leaves zeroes (and gives the pages back).
-  if (::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size)) ==
-      0)
+  if (::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size)) == 0)
     return 0;
   const int e = errno;
   why = fmt::format("clearing the lane memory: fallocate: {}", std::strerror(e));

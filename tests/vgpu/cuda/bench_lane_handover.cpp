@@ -137,8 +137,9 @@ int main(int argc, char** argv) {
   CHECK(d.ctx_set_current(ctx));
   CUstream st = nullptr;
   CHECK(d.stream_create(&st, CU_STREAM_NON_BLOCKING));
-  std::printf("mib make_ms map_ms yield_ms clear_ms memset_baseline_ms handover_ms ms_per_gib "
-              "clear_vs_memset\n");
+  std::printf(
+      "mib make_ms map_ms yield_ms clear_ms memset_baseline_ms handover_ms ms_per_gib "
+      "clear_vs_memset\n");
   for (const Bytes mib : sizes_mib) {
     Row row;
     for (int r = 0; r < rounds; ++r) one_round(d, *dev, st, mib << 20, row);
