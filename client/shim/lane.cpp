@@ -201,7 +201,17 @@ bool map_locked(Lane& L, salus_gate* g, std::uint32_t gen) {
   L.ctx = ctx;
   L.gate = g;
   L.nblocks = 0;
-  __atomic_store_n(&g->lane_held, gen, __ATOMIC_RELEASE);
+  // Sequentially consistent against salusd's store of lane_grant = 0 and its
+  // load of lane_held (broker_lanes.cpp): if salusd took the lane back while
+  // we mapped, it may already have handed it on seeing lane_held 0, so give
+  // it back now, before the program touches it.
+  __atomic_store_n(&g->lane_held, gen, __ATOMIC_SEQ_CST);
+  if (__atomic_load_n(&g->lane_grant, __ATOMIC_SEQ_CST) != gen) {
+    unmap_locked(L);
+    __atomic_store_n(&g->lane_held, 0u, __ATOMIC_SEQ_CST);
+    ring_bell();
+    return false;
+  }
   return true;
 }
 

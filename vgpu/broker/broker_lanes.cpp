@@ -41,15 +41,23 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
   if (L.holder != 0 && L.holder != s.id) {
     Session* h = get(L.holder);
     if (h && h->gate && !h->gate->exited) {
+      salus_gate& HG = h->gate->g();
       if (!L.release_asked) {
         L.release_asked = true;
         L.release_asked_at = now();
-        gate_store(h->gate->g().lane_grant, 0u);
+        // Sequentially consistent against the shim's store of lane_held and
+        // its load of lane_grant (client/shim/lane.cpp, map_locked): either
+        // we see it mapped, or it sees the grant gone and unmaps at once.
+        std::atomic_ref<std::uint32_t>(HG.lane_grant).store(0u, std::memory_order_seq_cst);
         h->gate->wake();
       }
-      return false;
+      // Never mapped (or already given back): no report will come, none needed.
+      if (std::atomic_ref<std::uint32_t>(HG.lane_held).load(std::memory_order_seq_cst) != 0)
+        return false;
+      L.release_wait_ns += now() - L.release_asked_at;
     }
     L.holder = 0;
+    L.release_asked = false;
   }
   // Sized for the largest ephemeral need of the GPU's sharing sessions.
   Bytes want = 0;

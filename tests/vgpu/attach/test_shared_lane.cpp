@@ -324,3 +324,19 @@ TEST(SharedLane, BadLaneSocketIsRefused) {
   EXPECT_NE(b->render_log(id).find("SOCK_SEQPACKET"), std::string::npos) << b->render_log(id);
   close(not_seqpacket);
 }
+
+TEST(SharedLane, AHolderThatNeverMappedItNeedsNoReport) {
+  auto b = make_broker();
+  Program a, c;
+  const SessionId ia = attached(*b, a, user(1000));
+  attached(*b, c, user(1000));
+  a.request(1);
+  ASSERT_TRUE(a.granted(1));
+  ASSERT_NE(ld(a.g->lane_grant), 0u);  // a may map it, but never does (lane_held stays 0)
+  c.request(1);
+  a.request(2);
+  a.complete(1);
+  ASSERT_TRUE(c.granted(1, 500ms)) << b->render_log(ia);
+  EXPECT_EQ(ld(a.g->lane_grant), 0u);
+  ASSERT_TRUE(c.take_lane());
+}
