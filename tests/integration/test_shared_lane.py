@@ -184,3 +184,68 @@ def test_cuda_backend_makes_and_clears_the_lane_memory(isolation):
         a.close()
         b.close()
         d.stop()
+
+
+# Runs lane_program as uid 65534 in a session it makes itself (the session is
+# the caller's: its clone fd stays open while the program runs).
+AS_NOBODY = r"""
+import os, subprocess, sys
+mnt, prog, seed, mib, iters = sys.argv[1:6]
+fd = os.open(mnt + "/clone", os.O_RDWR)
+sid = os.read(fd, 64).decode().strip()
+os.write(fd, f"need persistent=8M ephemeral={mib}M gpu=0\n".encode())
+os.environ["SALUS_SESSION"] = f"{mnt}/sessions/{sid}"
+r = subprocess.run([prog, seed, mib, iters], capture_output=True, text=True)
+sys.stdout.write(r.stdout)
+sys.stderr.write(r.stderr)
+sys.exit(r.returncode)
+"""
+
+
+def test_another_uid_never_sees_the_holders_bytes(salusd, tmp_path):
+    import shutil
+    import sys
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("switches to uid 65534: needs root and setpriv")
+    a = session(salusd, 16)
+    hold = tmp_path / "go"
+    pa = start(salusd, a, 1, 16, 2, hold=hold)
+    pb = None
+    try:
+        assert pa.stdout.readline().startswith("first 1")
+        assert pa.stdout.readline().strip() == "holding"  # a's bytes are in the lane now
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SALUS_")}
+        env.update({"LD_PRELOAD": SHIM, "LD_LIBRARY_PATH": MOCK_DIR,
+                    "SALUS_SHIM_LIBCUDA": os.path.join(MOCK_DIR, "libcuda.so.1"),
+                    "SALUS_MOCK_LEGACY_STREAM": "1", "SALUS_SHARED_LANE": "1",
+                    "SALUS_MOUNT": salusd.mnt})
+        pb = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               sys.executable, "-c", AS_NOBODY, salusd.mnt, PROGRAM, "2", "16",
+                               "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd="/")
+        def attached_programs():
+            n = 0
+            for sid in os.listdir(salusd.path("sessions")):
+                try:
+                    with open(salusd.path("sessions", sid, "status")) as f:
+                        n += "\ngate: attached\n" in f.read()
+                except OSError:
+                    pass
+            return n
+        assert wait_until(lambda: attached_programs() == 2, timeout=10)
+        hold.write_text("")
+        rb, ob, eb = finish(pb)
+        ra, oa, ea = finish(pa)
+        assert ra == 0, (oa, ea)
+        assert rb == 0, (ob, eb)
+        # Every time uid 65534 got the lane, a's pattern (first byte 0xb1) was gone.
+        firsts = [line for line in ob.splitlines() if line.startswith("first ")]
+        assert firsts and all(line.endswith(" 0") for line in firsts), firsts
+        # And a, back in the lane after it, found it cleared of 65534's bytes too.
+        assert "first 2 0" in oa, oa
+    finally:
+        for p in (pa, pb):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        a.close()
