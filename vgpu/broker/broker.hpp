@@ -30,6 +30,7 @@
 namespace salus::vgpu {
 
 class MpsControl;
+struct SharedLane;
 
 struct Caller {
   uid_t uid = 0;
@@ -384,6 +385,12 @@ class Broker {
   // (off the lock, through `later`) or hands it over, and says false until s
   // holds it.
   bool lane_ready(Gpu& g, Session& s, Deferred& later);
+  // Whether nobody else holds the lane for s (asking the holder to yield).
+  bool lane_free_for(SharedLane& L, Session& s);
+  // Whether a session other than `other_than` asked for the lane and still
+  // waits for a grant.
+  bool lane_asked_for(const SharedLane& L, SessionId other_than) const;
+  void ask_to_yield(SharedLane& L, Session& holder);
   // The holder's yield report (gate lane_held = 0) frees the lane.
   void lane_serve(Gpu& g, Session& s);
   // s lets go of its gate: the lane is free if its process exited, else its

@@ -31,34 +31,71 @@ void drop_memory(Device& dev, SharedLane& L) {
 
 }  // namespace
 
-bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
-  if (!shares_lane(s)) return true;
-  SharedLane& L = g.shared_lane;
-  AttachedGate& gt = *s.gate;
-  if (gt.lane_off) return true;
-  if (L.holder == s.id && gate_load(gt.g().lane_grant) == L.generation) return true;
-  if (L.busy) return false;
+namespace {
+std::uint32_t lane_held_of(const Session& s) {
+  return std::atomic_ref<std::uint32_t>(s.gate->g().lane_held).load(std::memory_order_seq_cst);
+}
+}  // namespace
+
+bool Broker::lane_asked_for(const SharedLane& L, SessionId other_than) const {
+  if (L.asker == 0 || L.asker == other_than) return false;
+  const Session* w = get(L.asker);
+  return w && w->gate && !w->gate->exited && !w->gate->lane_off &&
+         gate_load(w->gate->g().requested) > w->gate->granted;
+}
+
+void Broker::ask_to_yield(SharedLane& L, Session& h) {
+  L.release_asked = true;
+  L.release_asked_at = now();
+  // Sequentially consistent against the shim's store of lane_held and its
+  // load of lane_grant (client/shim/lane.cpp, map_locked): either we see it
+  // mapped, or it sees the grant gone and unmaps at once.
+  std::atomic_ref<std::uint32_t>(h.gate->g().lane_grant).store(0u, std::memory_order_seq_cst);
+  h.gate->wake();
+}
+
+bool Broker::lane_free_for(SharedLane& L, Session& s) {
+  if (L.holder == s.id && (L.release_asked || lane_asked_for(L, s.id))) {
+    // Another session waits for the lane (sessions of other arena lanes of the
+    // group are dispatched on their own): the holder gets no more grants
+    // until it has yielded, or the two could keep it from each other forever.
+    if (!L.release_asked && s.in_flight == 0) ask_to_yield(L, s);
+    if (lane_held_of(s) != 0 || s.in_flight > 0) return false;
+    L.holder = 0;
+    L.release_asked = false;
+  }
   if (L.holder != 0 && L.holder != s.id) {
     Session* h = get(L.holder);
     if (h && h->gate && !h->gate->exited) {
-      salus_gate& HG = h->gate->g();
-      if (!L.release_asked) {
-        L.release_asked = true;
-        L.release_asked_at = now();
-        // Sequentially consistent against the shim's store of lane_held and
-        // its load of lane_grant (client/shim/lane.cpp, map_locked): either
-        // we see it mapped, or it sees the grant gone and unmaps at once.
-        std::atomic_ref<std::uint32_t>(HG.lane_grant).store(0u, std::memory_order_seq_cst);
-        h->gate->wake();
-      }
-      // Never mapped (or already given back): no report will come, none needed.
-      if (std::atomic_ref<std::uint32_t>(HG.lane_held).load(std::memory_order_seq_cst) != 0)
-        return false;
+      // Never taken back in the middle of an iteration: the holder may map it
+      // only after its grant, and uses it until its boundary. Asked once that
+      // iteration completed (its completion dispatches again).
+      if (!lane_asked_for(L, 0)) L.asker = s.id;
+      if (h->in_flight > 0) return false;
+      if (!L.release_asked) ask_to_yield(L, *h);
+      // A holder that never mapped it (or gave it back) owes no report.
+      if (lane_held_of(*h) != 0) return false;
       L.release_wait_ns += now() - L.release_asked_at;
     }
     L.holder = 0;
     L.release_asked = false;
   }
+  // The session that asked for the lane gets it before the others, while it
+  // still waits for a grant.
+  if (lane_asked_for(L, s.id)) return false;
+  if (L.asker != s.id) L.asker = 0;
+  return true;
+}
+
+bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
+  if (!shares_lane(s)) return true;
+  SharedLane& L = g.shared_lane;
+  AttachedGate& gt = *s.gate;
+  if (gt.lane_off) return true;
+  if (L.holder == s.id && gate_load(gt.g().lane_grant) == L.generation && !lane_asked_for(L, s.id))
+    return true;
+  if (L.busy) return false;
+  if (!lane_free_for(L, s)) return false;
   // Sized for the largest ephemeral need of the GPU's sharing sessions.
   Bytes want = 0;
   for (SessionId id : attached_) {
@@ -93,6 +130,7 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
   }
   if (L.holder != s.id) ++L.handovers;
   L.holder = s.id;
+  if (L.asker == s.id) L.asker = 0;
   L.release_asked = false;
   L.dirty_uid = s.uid;
   gate_store(gt.g().lane_bytes, std::uint64_t{L.bytes});

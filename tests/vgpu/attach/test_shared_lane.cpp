@@ -340,3 +340,34 @@ TEST(SharedLane, AHolderThatNeverMappedItNeedsNoReport) {
   EXPECT_EQ(ld(a.g->lane_grant), 0u);
   ASSERT_TRUE(c.take_lane());
 }
+
+TEST(SharedLane, ALargerNeedGetsLargerMemoryOnceTheLaneIsFree) {
+  auto b = make_broker();
+  Program a, c;
+  const SessionId ia = attached(*b, a, user(1000), "need persistent=8M ephemeral=32M\n");
+  a.request(1);
+  ASSERT_TRUE(a.granted(1));
+  ASSERT_TRUE(a.take_lane());
+  EXPECT_EQ(a.msg.bytes, std::uint64_t{32} << 20);
+  const SessionId ic = attached(*b, c, user(1000), "need persistent=8M ephemeral=64M\n");
+  EXPECT_EQ(field(b->render_status(ic), "state"), "admitted") << b->render_log(ic);
+  c.request(1);
+  a.request(2);
+  a.complete(1);
+  ASSERT_TRUE(eventually([&] { return ld(a.g->lane_grant) == 0u; })) << b->render_log(ia);
+  a.yield_lane();
+  ASSERT_TRUE(c.granted(1)) << b->render_log(ic);
+  ASSERT_TRUE(c.take_lane()) << b->render_log(ic) << b->render_status(ic);
+  EXPECT_EQ(c.msg.bytes, std::uint64_t{64} << 20);
+  EXPECT_GT(c.msg.generation, a.msg.generation);
+  EXPECT_EQ(c.bytes()[0], 0) << "new memory is cleared";
+  // a maps the new memory at its next turn.
+  c.request(2);
+  c.complete(1);
+  ASSERT_TRUE(eventually([&] { return ld(c.g->lane_grant) == 0u; }));
+  c.yield_lane();
+  ASSERT_TRUE(a.granted(2)) << b->render_log(ia);
+  ASSERT_TRUE(a.take_lane());
+  EXPECT_EQ(a.msg.generation, c.msg.generation);
+  EXPECT_EQ(ld(a.g->lane_bytes), std::uint64_t{64} << 20);
+}
