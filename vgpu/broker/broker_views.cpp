@@ -569,6 +569,24 @@ std::string Broker::render_metrics() const {
   m.per_gpu(gpus_, "salus_swap_seconds_total", "counter",
             "Oversubscription: time spent swapping, both directions.",
             [&](const Gpu& g) { return seconds(g.sched.residency().totals().swap_ns); });
+  m.per_gpu(gpus_, "salus_shared_lane_bytes", "gauge",
+            "Shared lane of attached sessions: size of its memory now (0: none).",
+            [&](const Gpu& g) { return str(g.shared_lane.bytes); });
+  m.per_gpu_by(gpus_, "salus_shared_lane_events_total", "counter",
+               "Shared lane of attached sessions: hand-overs, clears, memories abandoned.", "event",
+               [&](const Gpu& g) {
+                 const SharedLane& L = g.shared_lane;
+                 return Labelled{{"handover", str(L.handovers)},
+                                 {"clear", str(L.clears)},
+                                 {"abandoned", str(L.abandoned)}};
+               });
+  m.per_gpu_by(gpus_, "salus_shared_lane_seconds_total", "counter",
+               "Shared lane of attached sessions: time clearing it, and waiting for yields.",
+               "phase", [&](const Gpu& g) {
+                 const SharedLane& L = g.shared_lane;
+                 return Labelled{{"clear", seconds(L.clear_ns)},
+                                 {"yield_wait", seconds(L.release_wait_ns)}};
+               });
   m.per_gpu(gpus_, "salus_gpu_lanes", "gauge", "Lanes open on the GPU.",
             [&](const Gpu& g) { return str(g.sched.arena().memory().lanes); });
   m.per_gpu(gpus_, "salus_gpu_busy_seconds_total", "counter",

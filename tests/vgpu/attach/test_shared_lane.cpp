@@ -213,6 +213,12 @@ TEST(SharedLane, SameUidHandsOverOnlyAfterTheYieldReport) {
   ASSERT_TRUE(a.take_lane());
   EXPECT_EQ(a.bytes()[0], 0x3c);
   EXPECT_NE(b->render_log(ia).find("shared lane"), std::string::npos) << b->render_log(ia);
+  const std::string metrics = b->render_metrics();
+  EXPECT_NE(metrics.find("salus_shared_lane_bytes{gpu=\"0\"} 33554432"), std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("salus_shared_lane_events_total{gpu=\"0\",event=\"handover\"} 3"),
+            std::string::npos)
+      << metrics;
 }
 
 TEST(SharedLane, AnotherUidNeverSeesTheBytes) {
