@@ -168,6 +168,12 @@ void drop_handle_locked(Lane& L) {
 // Maps generation `gen` (what lane_grant says) if salusd sent it. True if mapped.
 bool map_locked(Lane& L, salus_gate* g, std::uint32_t gen) {
   if (L.mapped_gen == gen) return true;
+  if (L.mapped_gen != 0) {
+    // An older memory (salusd abandoned it to us): never used again.
+    unmap_locked(L);
+    __atomic_store_n(&g->lane_held, 0u, __ATOMIC_SEQ_CST);
+    ring_bell();
+  }
   receive_locked(L);
   if (L.mem_gen != gen || L.mem_fd < 0) return false;
   const LaneDriver& d = lane_driver();
