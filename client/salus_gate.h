@@ -63,6 +63,22 @@
  * runs, whatever salusd asked. `budget_bytes`/`charged_bytes` do not change:
  * the session's need is the same wherever its memory is.
  *
+ * Shared lane (opt-in, SALUS_SHARED_LANE=1): the program also makes a Unix
+ * socket pair (SOCK_SEQPACKET) and writes `attach gate=FD bell=FD lane=FD`,
+ * naming salusd's end; salusd takes it with pidfd_getfd like the gate. Sessions
+ * of the lane then share one physical allocation for their ephemeral memory.
+ * salusd sends its fd (a POSIX-fd VMM handle) with one struct salus_lane_msg
+ * by SCM_RIGHTS before it first sets `lane_grant` to that memory's generation
+ * (a new generation: a new message). While `lane_grant` equals the generation,
+ * the program may map the memory and serve its ephemeral allocations from it;
+ * it says so in `lane_held`. When salusd sets `lane_grant` to 0, the program,
+ * at its next wait at the gate, synchronizes its context, unmaps the memory,
+ * sets `lane_held` = 0 and rings: only then (or once the pidfd says the process
+ * exited) does salusd give the lane to another session, clearing it first
+ * (cuMemsetD8 + synchronize in salusd's context) when that session's uid
+ * differs. These fields live in what version 2 reserved: a program that never
+ * names lane= sees 0 there and nothing changes for it.
+ *
  * All counters are naturally aligned and accessed with atomic operations
  * (C11 atomics / std::atomic_ref, or __atomic builtins); fields are owned by
  * one side, as marked. Layout is fixed: grow it only by appending and raising
@@ -71,6 +87,7 @@
 #ifndef SALUS_GATE_H
 #define SALUS_GATE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define SALUS_GATE_MAGIC 0x5441474553554C53ULL /* "SLUSGATE" little-endian */
@@ -118,7 +135,10 @@ struct salus_gate {
   uint64_t quantum_ns;      /* fallback slice length salusd wants, device time */
   uint32_t swap_request;    /* SALUS_SWAP_REQ_*, valid once swap_seq changed (version 2) */
   uint32_t swap_seq;        /* incremented (after swap_request is written) for each request */
-  uint64_t reserved1[3];
+  uint64_t lane_bytes;      /* size of the shared lane memory this session may map (0: none) */
+  uint32_t lane_grant;      /* the lane memory's generation the program may map; 0: must not */
+  uint32_t reserved2;
+  uint64_t reserved1;
 
   /* ---- written by the program ---- */
   uint64_t requested;       /* highest iteration the program wants to start */
@@ -138,7 +158,8 @@ struct salus_gate {
   uint32_t swap_state;         /* SALUS_SWAP_* */
   int32_t swap_result;         /* of that request: 0, or -errno (-ENOMEM: pinned host memory,
                                   -ENOSPC: spill disk full, -EIO: driver, -ENOTSUP: not movable) */
-  uint32_t reserved3;
+  uint32_t lane_held;          /* the lane generation the program has mapped; 0: unmapped and
+                                  synchronized (the yield report of a shared lane) */
   uint64_t resident_bytes;     /* charged bytes now on the GPU */
   uint64_t swapped_bytes;      /* charged bytes now on the host or in the spill file */
   uint64_t swaps_out;          /* swap-outs done */
@@ -151,12 +172,29 @@ struct salus_gate {
 static_assert(sizeof(struct salus_gate) % 8 == 0, "salus_gate: 8-byte multiple");
 #endif
 
+/* The one message of the lane socket, salusd -> program, carrying the lane
+ * memory's fd (SCM_RIGHTS, one fd). */
+#define SALUS_LANE_MAGIC 0x454E414C53554C53ULL /* "SLUSLANE" little-endian */
+struct salus_lane_msg {
+  uint64_t magic;      /* SALUS_LANE_MAGIC */
+  uint64_t bytes;      /* size of the memory (a multiple of the VMM granularity) */
+  uint32_t generation; /* what `lane_grant` will say while the program may map it */
+  uint32_t reserved;
+};
+
 /* The C entry points libsalus-shim.so exports (also through ctypes):
  *   int salus_step(void);        an iteration boundary: ends the running iteration and
  *                                returns once the next one is granted. 0, or -errno when the
  *                                program is not attached (it then runs ungated; never fatal).
  *   int salus_attached(void);    1 while salusd serves the gate, else 0.
  *   uint64_t salus_iterations(void);  boundaries passed so far.
+ * With SALUS_SHARED_LANE=1 (the shared lane, libsalus-shim(3)):
+ *   int salus_lane_alloc(CUdeviceptr *p, size_t n);  ephemeral memory from the lane, valid
+ *                                until the program's next boundary. 0, -ENOTCONN (no lane held
+ *                                now: not attached, not opted in, or outside an iteration),
+ *                                -ENOMEM (the lane is full), -EINVAL.
+ *   int salus_lane_free(unsigned long long p);  gives one back before the boundary (0, -EINVAL).
+ *   uint64_t salus_lane_bytes(void);  size of the lane memory held now (0: none).
  */
 #ifdef __cplusplus
 extern "C" {
@@ -164,6 +202,9 @@ extern "C" {
 int salus_step(void);
 int salus_attached(void);
 uint64_t salus_iterations(void);
+int salus_lane_alloc(unsigned long long* p, size_t n); /* p: a CUdeviceptr */
+int salus_lane_free(unsigned long long p);
+uint64_t salus_lane_bytes(void);
 #ifdef __cplusplus
 }
 #endif

@@ -349,7 +349,7 @@ bool LineParser::parse_need(Command& out) {
 }
 
 bool LineParser::parse_attach(Command& out) {
-  static constexpr std::array<std::string_view, 2> kKeys = {"gate=", "bell="};
+  static constexpr std::array<std::string_view, 3> kKeys = {"gate=", "bell=", "lane="};
   auto& cmd = out.emplace<vgpu::AttachCmd>();
   Options<kKeys.size()> opts{kKeys};
   for (std::string_view token = next(); !token.empty(); token = next()) {
@@ -358,7 +358,7 @@ bool LineParser::parse_attach(Command& out) {
     if (!option(token, opts, i, value)) return false;
     std::uint64_t n = 0;
     if (!unsigned_num(value, kKeys[i], 0, INT32_MAX, n)) return false;
-    (i == 0 ? cmd.gate_fd : cmd.bell_fd) = static_cast<int>(n);
+    (i == 0 ? cmd.gate_fd : i == 1 ? cmd.bell_fd : cmd.lane_fd) = static_cast<int>(n);
   }
   if (!opts.has(0)) return fail(EINVAL, "attach: missing gate=");
   if (!opts.has(1)) return fail(EINVAL, "attach: missing bell=");

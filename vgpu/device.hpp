@@ -13,6 +13,7 @@
 
 #include "arena/size_units.hpp"
 #include "vgpu/host_regions.hpp"
+#include "vgpu/unique_fd.hpp"
 
 namespace salus::vgpu {
 
@@ -152,6 +153,31 @@ class Device {
                               Bytes length) {
     copy_to_staging(stream, regions_.at(region, offset, length, true), src, length);
   }
+
+  // ---- shared lane memory of attached sessions (issue 15) ----
+  // Makes `size` bytes (a multiple of 2 MiB) of device memory that another
+  // process can import and map (cuda: cuMemCreate with
+  // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, in salusd's context, so it
+  // outlives any program) and returns its fd. 0, or an errno with `why`
+  // (EOPNOTSUPP: this backend cannot export memory).
+  virtual int make_lane_memory(Bytes size, UniqueFd& out, std::string& why) {
+    (void)size;
+    (void)out;
+    why = "this backend cannot export device memory to another process";
+    return EOPNOTSUPP;
+  }
+  // Zeroes all of the lane memory `fd` and returns once the zeroes are on the
+  // device (cuMemsetD8 + synchronize). Thread-safe: the broker calls it without
+  // its lock, beside the GPU's worker.
+  virtual int clear_lane_memory(int fd, Bytes size, std::string& why) {
+    (void)fd;
+    (void)size;
+    why = "this backend cannot clear exported memory";
+    return EOPNOTSUPP;
+  }
+  // The broker is about to close `fd`: the device lets go of what it holds for
+  // it (the memory lives on while a program still has it mapped).
+  virtual void drop_lane_memory(int fd) { (void)fd; }
 
   // Asks for sink->on_complete(stream, token, ...) once every op enqueued so far
   // on the stream has finished.

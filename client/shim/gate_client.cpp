@@ -379,9 +379,14 @@ bool try_attach(Client& c, bool reattach) {
   const int bell = g == nullptr ? -1 : ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   int err = g == nullptr ? errno : bell < 0 ? errno : 0;
   if (err == 0) {
-    char line[64];
-    const int len = std::snprintf(line, sizeof line, "attach gate=%d bell=%d\n", c.memfd, bell);
+    char line[96];
+    const int lane = lane_socket_for_attach();  // -1 unless SALUS_SHARED_LANE=1
+    const int len =
+        lane < 0 ? std::snprintf(line, sizeof line, "attach gate=%d bell=%d\n", c.memfd, bell)
+                 : std::snprintf(line, sizeof line, "attach gate=%d bell=%d lane=%d\n", c.memfd,
+                                 bell, lane);
     if (::write(ctl, line, static_cast<std::size_t>(len)) != len) err = errno != 0 ? errno : EIO;
+    lane_attach_done(err == 0);
   }
   ::close(ctl);
   if (err != 0) {
@@ -416,6 +421,7 @@ void go_local(Client& c, salus_gate* g) {
   g_local.marking = c.marking;
   g_gate.store(&g_local, std::memory_order_release);
   g_bell.store(-1);
+  lane_detach(g);  // salusd let go: the lane memory is no longer the program's
   if (c.memfd >= 0) ::close(c.memfd);
   c.memfd = -1;
   c.last_attempt = Clock::now();
@@ -439,6 +445,7 @@ bool wait_grant(Client& c, salus_gate* g, std::uint64_t want) {
     // A swap request is carried out here, while the program waits (never on a
     // launch); a grant brings swapped memory back before the program runs.
     serve_swap(g, granted);
+    serve_lane(g, granted);  // the yield report of a shared lane, or its mapping
     if (granted && !ensure_resident(g)) {
       // No room on the GPU yet (salusd granted too early): wait and try again.
       struct timespec ts {
@@ -500,6 +507,14 @@ int boundary(std::uint32_t marking, CUstream stream) {
   // PRIORITY hand the lane to another session at every boundary.
   if (attached) __atomic_store_n(&g->requested, c.gate_iter + 2, __ATOMIC_RELEASE);
   end_iteration(c, attached ? g : nullptr, attached ? ++c.gate_iter : 0, stream);
+  if (const std::size_t live = lane_boundary(); live > 0) {
+    char line[128];
+    std::snprintf(line, sizeof line,
+                  "shared lane: %zu lane allocation(s) still live at the boundary; they end "
+                  "there (ephemeral)",
+                  live);
+    post_note(line);
+  }
   bool ok = false;
   if (attached) {
     ok = wait_grant(c, g, c.gate_iter + 1);
@@ -519,6 +534,7 @@ void on_fork_child() {
   }
   g_gate.store(&g_local);
   g_bell.store(-1);
+  lane_forget_in_child();
   auto* c = new Client;
   c->forbidden = true;
   c->attempted = true;

@@ -140,4 +140,22 @@ void serve_swap(salus_gate* g, bool running);
 // (device memory not free yet; the result and a note are in the gate).
 bool ensure_resident(salus_gate* g);
 
+// ---- lane.cpp: the shared lane (SALUS_SHARED_LANE=1) ----
+
+// At attach: a fresh socket pair; returns salusd's end (named in lane=), or
+// -1 when the program did not opt in. lane_attach_done closes that end once
+// the attach write is done (salusd took its copy) and, if it failed, ours too.
+int lane_socket_for_attach();
+void lane_attach_done(bool ok);
+// In wait_grant, while the program waits (never on a launch): gives the lane
+// back when salusd asked (synchronize, unmap, lane_held = 0, ring) and maps it
+// when `granted` and salusd grants it.
+void serve_lane(salus_gate* g, bool granted);
+// At every boundary: the iteration's lane allocations end. Returns how many
+// were still live.
+std::size_t lane_boundary();
+// salusd let go: unmap and drop everything of the lane.
+void lane_detach(salus_gate* g);
+void lane_forget_in_child();
+
 }  // namespace salus::shim

@@ -97,19 +97,25 @@ int bench_memutil(int seeds) {
   constexpr arena::Bytes kCap = 16ull << 30;
   constexpr double M = 1 << 20;
   double lanes_sum = 0, static_sum = 0;
-  std::size_t lanes_jobs = 0, static_jobs = 0;
+  std::size_t lanes_jobs = 0, static_jobs = 0, shared_jobs = 0, own_jobs = 0;
   for (int seed = 1; seed <= seeds; ++seed) {
     std::vector<std::size_t> order(mix.size());
     for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::mt19937_64 rng(static_cast<std::uint64_t>(seed));
     std::shuffle(order.begin(), order.end(), rng);
     arena::GpuArena ar(kCap);
+    // Attached sessions (salusd's arena_need): all in the GPU's one attached
+    // lane group; with the shared lane their ephemeral need counts once (the
+    // lane's size), without it each holds P + E as its own.
+    arena::GpuArena shared(kCap), own(kCap);
     double static_used = 0, lane_peaks = 0, static_peaks = 0;
     for (std::size_t i = 0; i < order.size(); ++i) {
       const auto& w = mix[order[i]];
       const auto p = static_cast<arena::Bytes>(w.persistent_mb * M);
       const auto e = static_cast<arena::Bytes>((w.peak_mb - w.persistent_mb) * M);
       ar.request(i + 1, arena::Need{p, e}, 0);
+      shared.request(i + 1, arena::Need{p, e, 1}, 0);
+      own.request(i + 1, arena::Need{p + e, 0, 1}, 0);
       if (static_used + w.peak_mb * M <= static_cast<double>(kCap)) {
         static_used += w.peak_mb * M;
         static_peaks += w.peak_mb * M;
@@ -121,6 +127,8 @@ int bench_memutil(int seeds) {
       lane_peaks += w.peak_mb * M;
       ++lanes_jobs;
     }
+    shared_jobs += shared.take_admissions().size();
+    own_jobs += own.take_admissions().size();
     lanes_sum += lane_peaks / static_cast<double>(kCap);
     static_sum += static_peaks / static_cast<double>(kCap);
   }
@@ -130,6 +138,10 @@ int bench_memutil(int seeds) {
   fmt::print("  static partitioning    admitted peaks / capacity {:.2f}  jobs admitted {:.1f}\n",
              static_sum / seeds, static_cast<double>(static_jobs) / seeds);
   fmt::print("  ratio lanes/static     {:.2f}\n", lanes_sum / static_sum);
+  fmt::print("  attached, shared lane  jobs admitted {:.1f}\n",
+             static_cast<double>(shared_jobs) / seeds);
+  fmt::print("  attached, own memory   jobs admitted {:.1f}\n",
+             static_cast<double>(own_jobs) / seeds);
   return 0;
 }
 

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -99,6 +100,27 @@ int check_gate_file(const UniqueFd& fd, int n, std::string& why) {
   return 0;
 }
 
+// The lane socket must carry whole messages with their fds: a Unix
+// SOCK_SEQPACKET socket (a socket pair the program made).
+int check_lane_socket(const UniqueFd& fd, int n, std::string& why) {
+  int type = 0, domain = 0;
+  socklen_t len = sizeof type;
+  if (::getsockopt(fd.get(), SOL_SOCKET, SO_TYPE, &type, &len) != 0) {
+    why = fmt::format("lane={} is not a socket (it links to '{}')", n, fd_target(fd.get()));
+    return EINVAL;
+  }
+  len = sizeof domain;
+  if (::getsockopt(fd.get(), SOL_SOCKET, SO_DOMAIN, &domain, &len) != 0 || domain != AF_UNIX ||
+      type != SOCK_SEQPACKET) {
+    why = fmt::format(
+        "lane={} is not a Unix SOCK_SEQPACKET socket (domain {}, type {}): make it with "
+        "socketpair(AF_UNIX, SOCK_SEQPACKET, 0, fds)",
+        n, domain, type);
+    return EINVAL;
+  }
+  return 0;
+}
+
 int check_header(const salus_gate& g, std::string& why) {
   const std::uint64_t magic = gate_load(const_cast<salus_gate&>(g).magic);
   const std::uint32_t version = gate_load(const_cast<salus_gate&>(g).version);
@@ -181,7 +203,8 @@ pid_t thread_group_of(pid_t tid) {
   return tgid > 0 ? static_cast<pid_t>(tgid) : -ESRCH;
 }
 
-int take_gate(pid_t tid, int gate_fd, int bell_fd, AttachedGate& out, std::string& why) {
+int take_gate(pid_t tid, int gate_fd, int bell_fd, int lane_fd, AttachedGate& out,
+              std::string& why) {
   if (tid <= 0) {
     why =
         "the writing process is not visible to salusd (pid 0: another pid namespace?); "
@@ -212,6 +235,11 @@ int take_gate(pid_t tid, int gate_fd, int bell_fd, AttachedGate& out, std::strin
     return EINVAL;
   }
   if (int e = check_gate_file(memfd, gate_fd, why)) return e;
+  UniqueFd lane;
+  if (lane_fd >= 0) {
+    if (int e = take_fd(pidfd.get(), lane_fd, "lane", lane, why)) return e;
+    if (int e = check_lane_socket(lane, lane_fd, why)) return e;
+  }
   void* p = ::mmap(nullptr, sizeof(salus_gate), PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
   if (p == MAP_FAILED) {
     const int e = errno;
@@ -225,6 +253,7 @@ int take_gate(pid_t tid, int gate_fd, int bell_fd, AttachedGate& out, std::strin
   out.memfd = std::move(memfd);
   out.bell = std::move(bell);
   out.map = std::move(map);
+  out.lane_sock = std::move(lane);
   return 0;
 }
 

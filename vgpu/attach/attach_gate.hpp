@@ -71,18 +71,26 @@ struct AttachedGate {
   bool swap_pending = false;                         // asked, not answered yet
   std::int64_t swap_asked_at = 0;                    // broker time of the request
   int swap_error = 0;  // errno of the last failed swap, 0 if it succeeded (or none yet)
+
+  // Shared lane (lane=FD): salusd's end of the program's socket pair; empty
+  // when the session did not opt in. See vgpu/attach/shared_lane.hpp.
+  UniqueFd lane_sock;
+  std::uint32_t lane_sent = 0;  // the lane memory generation whose fd was sent
+  bool lane_off = false;        // the lane failed for this session: granted without it
 };
 
 // What a gate's swap fields say, as salus(5) names it: resident, swapped,
 // swapping-out, swapping-in.
 const char* swap_state_name(std::uint32_t state);
 
-// Takes `gate_fd` and `bell_fd` out of the thread group of thread `tid` and
-// checks them: the gate a regular (memfd) file of exactly sizeof(salus_gate),
-// sealed against shrinking and growing, with a valid header; the bell an
-// eventfd. Maps the gate. Returns 0, or an errno with `why` saying what failed.
+// Takes `gate_fd` and `bell_fd` (and `lane_fd` unless -1) out of the thread
+// group of thread `tid` and checks them: the gate a regular (memfd) file of
+// exactly sizeof(salus_gate), sealed against shrinking and growing, with a
+// valid header; the bell an eventfd; the lane a SOCK_SEQPACKET Unix socket.
+// Maps the gate. Returns 0, or an errno with `why` saying what failed.
 // Does no I/O the program can stall: procfs and pidfd calls only.
-int take_gate(pid_t tid, int gate_fd, int bell_fd, AttachedGate& out, std::string& why);
+int take_gate(pid_t tid, int gate_fd, int bell_fd, int lane_fd, AttachedGate& out,
+              std::string& why);
 
 // The thread-group id of thread `tid` (from /proc/TID/status), or -errno.
 pid_t thread_group_of(pid_t tid);

@@ -379,7 +379,8 @@ std::uint64_t Broker::submit(
       if (!at) continue;
       PendingWrite::AttachTaken taken;
       taken.gate = std::make_unique<AttachedGate>();
-      taken.error = take_gate(caller.pid, at->gate_fd, at->bell_fd, *taken.gate, taken.why);
+      taken.error =
+          take_gate(caller.pid, at->gate_fd, at->bell_fd, at->lane_fd, *taken.gate, taken.why);
       if (taken.error) taken.gate.reset();
       attach_gates.emplace(i, std::move(taken));
     }
@@ -1773,7 +1774,7 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
   const auto sid = g.sched.pick(lane_id);
   if (!sid) return false;
   Session* s = get(*sid);
-  if (s && s->gate) return grant_one(g, lane_id, lane, *s);
+  if (s && s->gate) return grant_one(g, lane_id, lane, *s, later);
   if (!s || s->queue.empty()) {
     g.sched.set_runnable(*sid, false);
     return false;

@@ -30,6 +30,7 @@
 namespace salus::vgpu {
 
 class MpsControl;
+struct SharedLane;
 
 struct Caller {
   uid_t uid = 0;
@@ -377,7 +378,33 @@ class Broker {
   arena::Need arena_need(const Session& s, Bytes persistent, Bytes ephemeral) const;
   void set_budget(Session& s);
   // A dispatch of an attached session: a grant through its gate.
-  bool grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s);
+  bool grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s, Deferred& later);
+  // Shared lane of attached sessions (broker_lanes.cpp). Under the lock.
+  // Whether s may be granted as far as the shared lane goes: true at once when
+  // s did not opt in or holds it; else asks the holder to yield it, clears it
+  // (off the lock, through `later`) or hands it over, and says false until s
+  // holds it.
+  bool lane_ready(Gpu& g, Session& s, Deferred& later);
+  // Whether nobody else holds the lane for s (asking the holder to yield).
+  bool lane_free_for(SharedLane& L, Session& s);
+  // Whether a session other than `other_than` asked for the lane and still
+  // waits for a grant.
+  bool lane_asked_for(const SharedLane& L, SessionId other_than) const;
+  void ask_to_yield(SharedLane& L, Session& holder);
+  // The holder's yield report (gate lane_held = 0) frees the lane.
+  void lane_serve(Gpu& g, Session& s);
+  // s lets go of its gate: the lane is free if its process exited, else its
+  // memory is abandoned (it may still be mapped there).
+  void lane_detach(Session& s);
+  // A holder that does not report within kLaneReleaseLimitNs loses the memory.
+  void lane_tick(Gpu& g, TimeNs t);
+  // Run from `later` without the lock: make (and clear) new lane memory, or
+  // zero the lane memory; then take the lock and dispatch.
+  void make_lane(Gpu& g, Bytes bytes, SessionId next);
+  void clear_lane(Gpu& g, int fd, Bytes bytes, SessionId next);
+  void lane_off(Session& s, const std::string& why);
+  bool shares_lane(const Session& s) const { return s.gate && s.gate->lane_sock; }
+  void render_lane_status(const Session& s, const Gpu& g, std::string& out) const;
   // Whether the lane holds an iteration of a session other than `id` that a
   // switch must drain first (either side attached: separate processes).
   bool must_drain(const Lane& lane, const Session& next) const;

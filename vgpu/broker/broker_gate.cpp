@@ -48,6 +48,9 @@ std::string sanitize_note(const salus_gate& g) {
 
 arena::Need Broker::arena_need(const Session& s, Bytes persistent, Bytes ephemeral) const {
   if (!s.gate) return {persistent, ephemeral};
+  // Opted into the shared lane: its ephemeral memory is the lane's, counted
+  // once for the lane as for hosted sessions (broker_lanes.cpp).
+  if (shares_lane(s)) return {persistent, ephemeral, kAttachedGroup};
   // The program's memory is its own (no lane sharing of physical memory for
   // attached sessions): its whole need is persistent, and its lane, shared with
   // the GPU's other attached sessions, holds no ephemeral bytes.
@@ -56,8 +59,11 @@ arena::Need Broker::arena_need(const Session& s, Bytes persistent, Bytes ephemer
 
 void Broker::set_budget(Session& s) {
   if (!s.gate) return;
-  const Bytes total = s.need.persistent + s.need.ephemeral;
-  gate_store(s.gate->g().budget_bytes, total == 0 ? UINT64_MAX : std::uint64_t{total});
+  // A session sharing the lane allocates its ephemeral memory from the lane's,
+  // which is charged to no one's budget: its own allocations are persistent.
+  const Bytes declared = s.need.persistent + s.need.ephemeral;
+  const Bytes own = shares_lane(s) ? s.need.persistent : declared;
+  gate_store(s.gate->g().budget_bytes, declared == 0 ? UINT64_MAX : std::uint64_t{own});
   s.gate->wake();
 }
 
@@ -109,11 +115,13 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   gate_store(G.heartbeat, heartbeat + 1);
   gate_store(G.state, SALUS_GATE_ATTACHED);
   s.gate->wake();
-  log(s, fmt::format("line {}: attached gate={} bell={} of pid {}: gpu {}, budget {}", ln,
+  const Bytes own = s.need.persistent + (shares_lane(s) ? 0 : s.need.ephemeral);
+  log(s, fmt::format("line {}: attached gate={} bell={} of pid {}: gpu {}, budget {}{}", ln,
                      c.gate_fd, c.bell_fd, s.gate->pid, g.index,
-                     s.need.persistent + s.need.ephemeral == 0
-                         ? std::string("unlimited")
-                         : arena::format_size(s.need.persistent + s.need.ephemeral)));
+                     own == 0 ? std::string("unlimited") : arena::format_size(own),
+                     shares_lane(s) ? fmt::format(", shared lane lane={} ({} ephemeral)", c.lane_fd,
+                                                  arena::format_size(s.need.ephemeral))
+                                    : std::string()));
   // Re-place the need as an attached one (arena_need); admission may wait.
   const arena::ArenaError err = g.sched.change_need(
       s.id, arena_need(s, s.need.persistent, s.need.ephemeral), std::nullopt, now());
@@ -147,9 +155,10 @@ bool Broker::must_drain(const Lane& lane, const Session& next) const {
   return false;
 }
 
-bool Broker::grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s) {
+bool Broker::grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s, Deferred& later) {
   // Separate processes share no stream: a switch drains the lane first.
   if (must_drain(lane, s)) return false;
+  if (!lane_ready(g, s, later)) return false;
   AttachedGate& gt = *s.gate;
   // Never grant into an unanswered swap-out (update_runnable keeps the session
   // out of the pick meanwhile): the program would move its memory out and
@@ -226,6 +235,7 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
     log(s, "program: " + sanitize_note(G));
   }
   if (gt.swap_pending && gate_load(G.swap_done_seq) == gt.swap_seq) attached_swap_done(g, s, later);
+  lane_serve(g, s);
   check_waiters(s, later);
   update_runnable(g, s);
 }
@@ -239,6 +249,7 @@ void Broker::detach_gate(Session& s, Deferred& later) {
     log(s, fmt::format("swap-{} unanswered: the program left the gate during it",
                        gt.swap_request == SALUS_SWAP_REQ_OUT ? "out" : "in"));
   gt.swap_pending = false;
+  lane_detach(s);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.bell.get(), nullptr);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.pidfd.get(), nullptr);
   gate_store(gt.g().state, SALUS_GATE_DETACHED);
@@ -366,6 +377,7 @@ void Broker::gate_tick() {
   std::lock_guard lk(mu_);
   ++gate_ticks_;
   const TimeNs t = now();
+  for (auto& g : gpus_) lane_tick(*g, t);
   for (SessionId id : attached_) {
     Session* sp = get(id);
     if (!sp || !sp->gate || sp->gate->exited) continue;

@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "vgpu/attach/shared_lane.hpp"
 #include "vgpu/broker/broker.hpp"
 
 namespace salus::vgpu {
@@ -60,6 +61,7 @@ struct Broker::Gpu {
   std::uint64_t generation = 0;  // the device's context generation last seen
   bool draining = false;
   std::uint32_t placed = 0;  // sessions placed on this GPU
+  SharedLane shared_lane;    // attached sessions' shared ephemeral memory (broker_lanes.cpp)
 
   // Completions from the device and wake-ups for the worker.
   std::mutex cq_mu;

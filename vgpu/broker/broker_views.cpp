@@ -183,6 +183,24 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("swap_error", gt.swap_pending ? std::string("pending")
                    : gt.swap_error ? std::string(strerrorname_np(gt.swap_error))
                                    : std::string("-"));
+  render_lane_status(s, g, o);
+}
+
+void Broker::render_lane_status(const Session& s, const Gpu& g, std::string& o) const {
+  // Shared lane (issue 15): off (not opted in), held (its program may map the
+  // lane memory now) or free; the rest are the GPU lane's figures.
+  const SharedLane& L = g.shared_lane;
+  const bool on = shares_lane(s);
+  o += fmt::format("shared_lane: {}\n", !on                  ? "off"
+                                       : s.gate->lane_off    ? "failed"
+                                       : L.holder == s.id ? "held"
+                                                          : "free");
+  if (!on) return;
+  o += fmt::format(
+      "lane_memory: {}\nlane_handovers: {}\nlane_clears: {}\nlane_clear_ms: {:.3f}\n"
+      "lane_yield_wait_ms: {:.3f}\nlane_abandoned: {}\n",
+      L.bytes, L.handovers, L.clears, static_cast<double>(L.clear_ns) / 1e6,
+      static_cast<double>(L.release_wait_ns) / 1e6, L.abandoned);
 }
 
 std::string Broker::render_log(SessionId id) const {
@@ -551,6 +569,24 @@ std::string Broker::render_metrics() const {
   m.per_gpu(gpus_, "salus_swap_seconds_total", "counter",
             "Oversubscription: time spent swapping, both directions.",
             [&](const Gpu& g) { return seconds(g.sched.residency().totals().swap_ns); });
+  m.per_gpu(gpus_, "salus_shared_lane_bytes", "gauge",
+            "Shared lane of attached sessions: size of its memory now (0: none).",
+            [&](const Gpu& g) { return str(g.shared_lane.bytes); });
+  m.per_gpu_by(gpus_, "salus_shared_lane_events_total", "counter",
+               "Shared lane of attached sessions: hand-overs, clears, memories abandoned.", "event",
+               [&](const Gpu& g) {
+                 const SharedLane& L = g.shared_lane;
+                 return Labelled{{"handover", str(L.handovers)},
+                                 {"clear", str(L.clears)},
+                                 {"abandoned", str(L.abandoned)}};
+               });
+  m.per_gpu_by(gpus_, "salus_shared_lane_seconds_total", "counter",
+               "Shared lane of attached sessions: time clearing it, and waiting for yields.",
+               "phase", [&](const Gpu& g) {
+                 const SharedLane& L = g.shared_lane;
+                 return Labelled{{"clear", seconds(L.clear_ns)},
+                                 {"yield_wait", seconds(L.release_wait_ns)}};
+               });
   m.per_gpu(gpus_, "salus_gpu_lanes", "gauge", "Lanes open on the GPU.",
             [&](const Gpu& g) { return str(g.sched.arena().memory().lanes); });
   m.per_gpu(gpus_, "salus_gpu_busy_seconds_total", "counter",

@@ -121,10 +121,13 @@ struct TransferCmd {
 
 // attach gate=FD bell=FD: the writing process hands salusd its gate (a sealed
 // memfd holding struct salus_gate) and its doorbell (an eventfd); the numbers
-// are file descriptors of the writer, taken with pidfd_getfd.
+// are file descriptors of the writer, taken with pidfd_getfd. lane=FD
+// (optional): the writer's end of a SOCK_SEQPACKET Unix socket pair that opts
+// the session into its lane's shared memory (client/salus_gate.h).
 struct AttachCmd {
   int gate_fd = -1;
   int bell_fd = -1;
+  int lane_fd = -1;
 };
 
 using Command = std::variant<NeedCmd, AllocCmd, FreeCmd, BeginCmd, EndCmd, RunCmd, FillCmd, CopyCmd,

@@ -890,6 +890,97 @@ void CudaDevice::discard(DevOffset offset, Bytes length) {
   if (is_sticky(r)) note_fault(r);  // the recovery clears the whole arena
 }
 
+int CudaDevice::make_lane_memory(Bytes size, UniqueFd& out, std::string& why) {
+  if (drv_.mem_create == nullptr) {
+    why = "the driver has no VMM with POSIX file descriptor handles";
+    return EOPNOTSUPP;
+  }
+  std::shared_lock ctx(ctx_mu_);
+  if (dead_.load()) {
+    why = dead_reason();
+    return EIO;
+  }
+  set_current();
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device_;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = drv_.mem_create(&h, size, &prop, 0);
+  if (r != CUDA_SUCCESS) {
+    why = fmt::format("cuMemCreate of {} bytes: {}", size, drv_.describe(r));
+    return to_errno(r);
+  }
+  int fd = -1;
+  r = drv_.mem_export(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  if (r != CUDA_SUCCESS) {
+    drv_.mem_release(h);
+    why = fmt::format("cuMemExportToShareableHandle: {}", drv_.describe(r));
+    return to_errno(r);
+  }
+  out.reset(fd);
+  std::lock_guard lk(lane_mu_);
+  lane_handles_[fd] = {h, size};
+  return 0;
+}
+
+int CudaDevice::clear_lane_memory(int fd, Bytes size, std::string& why) {
+  CUmemGenericAllocationHandle h = 0;
+  {
+    std::lock_guard lk(lane_mu_);
+    auto it = lane_handles_.find(fd);
+    if (it == lane_handles_.end() || it->second.second != size) {
+      why = "not lane memory of this device";
+      return EINVAL;
+    }
+    h = it->second.first;
+  }
+  std::shared_lock ctx(ctx_mu_);
+  if (dead_.load() || maint_ == nullptr) {
+    why = dead_reason();
+    return EIO;
+  }
+  set_current();
+  CUdeviceptr p = 0;
+  CUresult r = drv_.mem_address_reserve(&p, size, 0, 0, 0);
+  bool mapped = false;
+  if (r == CUDA_SUCCESS) r = drv_.mem_map(p, size, 0, h, 0);
+  mapped = r == CUDA_SUCCESS;
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if (r == CUDA_SUCCESS) r = drv_.mem_set_access(p, size, &access, 1);
+  if (r == CUDA_SUCCESS) {
+    std::lock_guard lock(maint_mu_);
+    r = drv_.memset_d8_async(p, 0, size, maint_);
+    if (r == CUDA_SUCCESS) r = drv_.stream_synchronize(maint_);
+  }
+  if (mapped) drv_.mem_unmap(p, size);
+  if (p != 0) drv_.mem_address_free(p, size);
+  if (r == CUDA_SUCCESS) return 0;
+  why = fmt::format("clearing {} bytes of lane memory: {}", size, drv_.describe(r));
+  if (is_sticky(r)) note_fault(r);
+  return to_errno(r);
+}
+
+void CudaDevice::drop_lane_memory(int fd) {
+  CUmemGenericAllocationHandle h = 0;
+  {
+    std::lock_guard lk(lane_mu_);
+    auto it = lane_handles_.find(fd);
+    if (it == lane_handles_.end()) return;
+    h = it->second.first;
+    lane_handles_.erase(it);
+  }
+  std::shared_lock ctx(ctx_mu_);
+  set_current();
+  // Freed once no program has it mapped any more.
+  if (const CUresult r = drv_.mem_release(h); r != CUDA_SUCCESS)
+    spdlog::error("cuda gpu{}: releasing lane memory: {}", info_.index, drv_.describe(r));
+}
+
 std::int64_t CudaDevice::busy_ns() const {
   std::lock_guard lock(busy_mu_);
   return busy_.total();

@@ -98,6 +98,12 @@ class CudaDevice final : public Device {
   // An async memset on an internal stream; every stream waits for it before its
   // next op, so the caller's thread never waits for the memset itself.
   void discard(DevOffset offset, Bytes length) override;
+  // Shared lane of attached sessions: cuMemCreate with a POSIX-fd handle type
+  // in this device's context; cleared with cuMemsetD8 on the maintenance
+  // stream through a temporary mapping, then synchronized.
+  int make_lane_memory(Bytes size, UniqueFd& out, std::string& why) override;
+  int clear_lane_memory(int fd, Bytes size, std::string& why) override;
+  void drop_lane_memory(int fd) override;
 
   // Union of the completed notify intervals, placed in time by when their
   // completion was seen (BusyUnion); lags by at most one interval per stream.
@@ -321,6 +327,10 @@ class CudaDevice final : public Device {
   mutable std::mutex busy_mu_;
   BusyUnion busy_;
   const std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
+
+  // Shared-lane memory made here (make_lane_memory), by the fd handed out.
+  std::mutex lane_mu_;
+  std::map<int, std::pair<CUmemGenericAllocationHandle, Bytes>> lane_handles_;
 
   std::unique_ptr<Waker> waker_ = std::make_unique<Waker>();
   std::thread poller_;  // last: starts once everything above exists

@@ -148,6 +148,21 @@ bool CudaDriver::load(std::string& why) {
   // Optional: parameter sizes for checking launches; introduced in CUDA 12.4.
   if (version_ >= 12040 && !resolve("cuFuncGetParamInfo", func_get_param_info, 12040).empty())
     func_get_param_info = nullptr;
+  // Optional: VMM for the shared lane; all or none.
+  bool vmm = true;
+  auto opt = [&](const char* name, auto& out) {
+    if (vmm && !resolve(name, out, 10020).empty()) vmm = false;
+  };
+  opt("cuMemCreate", mem_create);
+  opt("cuMemRelease", mem_release);
+  opt("cuMemExportToShareableHandle", mem_export);
+  opt("cuMemImportFromShareableHandle", mem_import);
+  opt("cuMemAddressReserve", mem_address_reserve);
+  opt("cuMemAddressFree", mem_address_free);
+  opt("cuMemMap", mem_map);
+  opt("cuMemUnmap", mem_unmap);
+  opt("cuMemSetAccess", mem_set_access);
+  if (!vmm) mem_create = nullptr;  // make_lane_memory checks this one
 
   if (const CUresult r = init(0); r != CUDA_SUCCESS) {
     why = fmt::format("cuInit failed: {}", error_name(r));

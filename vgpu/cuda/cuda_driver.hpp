@@ -80,6 +80,17 @@ class CudaDriver {
   PFN_cuFuncGetAttribute_v2020 func_get_attribute = nullptr;
   // Drivers before 12.4 lack it; get_function then reports no parameter sizes.
   PFN_cuFuncGetParamInfo_v12040 func_get_param_info = nullptr;
+  // Optional (all or none): VMM with POSIX-fd handles, for the shared lane of
+  // attached sessions (make_lane_memory). Null where the driver lacks one.
+  PFN_cuMemCreate_v10020 mem_create = nullptr;
+  PFN_cuMemRelease_v10020 mem_release = nullptr;
+  PFN_cuMemExportToShareableHandle_v10020 mem_export = nullptr;
+  PFN_cuMemImportFromShareableHandle_v10020 mem_import = nullptr;
+  PFN_cuMemAddressReserve_v10020 mem_address_reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 mem_address_free = nullptr;
+  PFN_cuMemMap_v10020 mem_map = nullptr;
+  PFN_cuMemUnmap_v10020 mem_unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
 
  private:
   CudaDriver() = default;

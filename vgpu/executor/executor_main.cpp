@@ -327,6 +327,12 @@ class Executor final : public CompletionSink {
         return dispatch<RegionCopyMsg>(body, size, true);
       case Msg::copy_to_region:
         return dispatch<RegionCopyMsg>(body, size, false);
+      case Msg::lane_make:
+        return dispatch<LaneMakeMsg>(body, size);
+      case Msg::lane_clear:
+        return dispatch<LaneClearMsg>(body, size);
+      case Msg::lane_drop:
+        return dispatch<LaneDropMsg>(body, size);
       case Msg::notify:
         return dispatch<NotifyMsg>(body, size);
       case Msg::discard:
@@ -509,6 +515,30 @@ class Executor final : public CompletionSink {
     }
   }
 
+  // Shared-lane memory: kept here by its fd until salusd drops it.
+  void on(const LaneMakeMsg& m) {
+    UniqueFd fd;
+    std::string why;
+    const int status = dev_->make_lane_memory(m.size, fd, why);
+    std::vector<std::uint32_t> params;
+    if (status == 0) {
+      params.push_back(static_cast<std::uint32_t>(fd.get()));
+      lanes_[fd.get()] = std::move(fd);
+    }
+    reply(m.request, status, why, params);
+  }
+  void on(const LaneClearMsg& m) {
+    std::string why = "no such lane memory in this executor";
+    const int status = lanes_.count(m.fd) ? dev_->clear_lane_memory(m.fd, m.size, why) : EINVAL;
+    reply(m.request, status, status == 0 ? std::string() : why);
+  }
+  void on(const LaneDropMsg& m) {
+    const auto it = lanes_.find(m.fd);
+    if (it == lanes_.end()) return;
+    dev_->drop_lane_memory(m.fd);
+    lanes_.erase(it);
+  }
+
   // The function's name follows the fixed part of the record.
   void on(const GetFunctionMsg& m, const char* body, std::size_t size) {
     if (size < sizeof m + m.name_length) return;
@@ -552,6 +582,7 @@ class Executor final : public CompletionSink {
   std::vector<std::optional<StreamId>> streams_;  // salusd's id -> the device's
   std::vector<int> errors_;                       // salusd's id -> error for its next notify
   std::unordered_map<ModuleHandle, ModuleHandle> modules_;
+  std::unordered_map<int, UniqueFd> lanes_;  // shared-lane memory, by its fd
   std::unordered_map<FunctionHandle, FunctionHandle> functions_;
   std::vector<std::uint32_t> arg_sizes_;
   struct MappedRegion {

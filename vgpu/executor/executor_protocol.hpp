@@ -44,6 +44,11 @@ enum class Msg : std::uint16_t {
   unmap_region,
   copy_from_region,
   copy_to_region,
+  // Shared-lane memory of attached sessions: made and cleared by the executor's
+  // device; salusd takes the fd named in the reply with pidfd_getfd.
+  lane_make,   // replied to: status, and the executor's fd number as the one param
+  lane_clear,  // replied to once the zeroes are on the device
+  lane_drop,
   // executor -> salusd
   hello = 64,  // first message: the device, or why it could not be opened
   reply,       // to destroy_stream, load_module, get_function
@@ -143,6 +148,20 @@ struct MapRegionMsg {
 };
 struct UnmapRegionMsg {
   RegionId region;
+};
+struct LaneMakeMsg {
+  std::uint64_t request;
+  Bytes size;
+};
+struct LaneClearMsg {
+  std::uint64_t request;
+  std::int32_t fd;  // the executor's, from lane_make's reply
+  std::uint32_t reserved = 0;
+  Bytes size;
+};
+struct LaneDropMsg {
+  std::int32_t fd;
+  std::uint32_t reserved = 0;
 };
 struct RegionCopyMsg {  // copy_from_region and copy_to_region
   StreamId stream;

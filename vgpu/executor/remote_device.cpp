@@ -6,6 +6,7 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -1194,6 +1195,62 @@ int RemoteDevice::map_region(int fd, Bytes size, bool writable, RegionId& out, s
   regions_by_id_[id] = Region{std::move(own), size, writable, false};
   out = id;
   return 0;
+}
+
+int RemoteDevice::make_lane_memory(Bytes size, UniqueFd& out, std::string& why) {
+  std::unique_lock sync(sync_mu_);
+  std::unique_lock lk(mu_);
+  if (const int err = unavailable(why)) return err;
+  const std::uint64_t req = next_request_++;
+  put(Msg::lane_make, LaneMakeMsg{req, size});
+  flush();
+  Reply r;
+  if (const int err = sync_call(lk, req, r, why); err != 0) return err;
+  if (r.status != 0) {
+    why = r.why;
+    return r.status;
+  }
+  const int remote = r.param_sizes.size() == 1 ? static_cast<int>(r.param_sizes[0]) : -1;
+  UniqueFd pidfd(static_cast<int>(::syscall(SYS_pidfd_open, child_.pid, 0)));
+  UniqueFd fd(pidfd ? static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd.get(), remote, 0)) : -1);
+  if (!fd) {
+    const int err = errno;
+    if (remote >= 0 && put(Msg::lane_drop, LaneDropMsg{remote})) flush();
+    why = fmt::format("taking the lane memory's fd {} from executor pid {}: {}", remote, child_.pid,
+                      std::strerror(err));
+    return err == ENOSYS ? EOPNOTSUPP : EIO;
+  }
+  lanes_[fd.get()] = LaneMemory{remote, generation_.load()};
+  out = std::move(fd);
+  return 0;
+}
+
+int RemoteDevice::clear_lane_memory(int fd, Bytes size, std::string& why) {
+  std::unique_lock sync(sync_mu_);
+  std::unique_lock lk(mu_);
+  if (const int err = unavailable(why)) return err;
+  const auto it = lanes_.find(fd);
+  if (it == lanes_.end() || it->second.generation != generation_.load()) {
+    why = "the lane memory belonged to an executor that is gone";
+    return EIO;
+  }
+  const std::uint64_t req = next_request_++;
+  put(Msg::lane_clear, LaneClearMsg{req, it->second.remote_fd, 0, size});
+  flush();
+  Reply r;
+  if (const int err = sync_call(lk, req, r, why); err != 0) return err;
+  if (r.status != 0) why = r.why;
+  return r.status;
+}
+
+void RemoteDevice::drop_lane_memory(int fd) {
+  std::lock_guard lk(mu_);
+  const auto it = lanes_.find(fd);
+  if (it == lanes_.end()) return;
+  // A later executor never had it (and may use the same number for its own).
+  if (state_ == State::running && it->second.generation == generation_.load())
+    put(Msg::lane_drop, LaneDropMsg{it->second.remote_fd});
+  lanes_.erase(it);
 }
 
 void RemoteDevice::unmap_region(RegionId region) {

@@ -100,6 +100,12 @@ class RemoteDevice final : public Device {
   // of the fd is kept so that every new executor maps it again. EAGAIN while an
   // executor is being restarted, ENODEV once the GPU is out of service.
   int map_region(int fd, Bytes size, bool writable, RegionId& out, std::string& why) override;
+  // Shared-lane memory, made and cleared by the executor; its fd taken out of
+  // the executor with pidfd_getfd. Lost with the executor (a clear then fails
+  // and the broker makes fresh memory).
+  int make_lane_memory(Bytes size, UniqueFd& out, std::string& why) override;
+  int clear_lane_memory(int fd, Bytes size, std::string& why) override;
+  void drop_lane_memory(int fd) override;
   void unmap_region(RegionId region) override;
   void copy_from_region(StreamId stream, DevOffset dst, RegionId region, Bytes offset,
                         Bytes length) override;
@@ -281,6 +287,11 @@ class RemoteDevice final : public Device {
   std::map<ModuleHandle, Module> modules_;
   ModuleHandle next_module_ = 1;
   std::map<RegionId, Region> regions_by_id_;
+  struct LaneMemory {
+    int remote_fd = -1;            // the executor's number
+    std::uint64_t generation = 0;  // of the executor that made it
+  };
+  std::map<int, LaneMemory> lanes_;  // by salusd's fd
   RegionId next_region_ = 1;
   std::uint64_t next_ticket_ = 1;
   std::uint64_t next_request_ = 1;

@@ -1,5 +1,11 @@
 #include "vgpu/sim/sim_device.hpp"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <stdexcept>
 #include <system_error>
 #include <utility>
@@ -132,6 +138,26 @@ void SimDevice::copy_from_host(StreamId stream, DevOffset dst, const void* host,
 
 void SimDevice::notify(StreamId stream, std::uint64_t token) {
   enqueue(stream, NotifyOp{token});
+}
+
+int SimDevice::make_lane_memory(Bytes size, UniqueFd& out, std::string& why) {
+  UniqueFd fd(::memfd_create("salus-lane", MFD_CLOEXEC));
+  if (!fd || ::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
+    const int e = errno;
+    why = fmt::format("lane memory of {} bytes: {}", size, std::strerror(e));
+    return e;
+  }
+  out = std::move(fd);
+  return 0;
+}
+
+int SimDevice::clear_lane_memory(int fd, Bytes size, std::string& why) {
+  // Punching the whole file out leaves zeroes (and gives the pages back).
+  if (::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size)) == 0)
+    return 0;
+  const int e = errno;
+  why = fmt::format("clearing the lane memory: fallocate: {}", std::strerror(e));
+  return e;
 }
 
 void SimDevice::discard(DevOffset offset, Bytes length) {

@@ -62,6 +62,10 @@ class SimDevice final : public Device {
   // Takes effect immediately, not in stream order: the caller has already made
   // sure no queued op still uses the range.
   void discard(DevOffset offset, Bytes length) override;
+  // Lane memory is a memfd (host memory, as all of the sim's), which the mock
+  // libcuda imports as a VMM handle; cleared by punching it out (zeroes).
+  int make_lane_memory(Bytes size, UniqueFd& out, std::string& why) override;
+  int clear_lane_memory(int fd, Bytes size, std::string& why) override;
 
   // Wall time during which at least one data or kernel op was executing on any
   // stream (notify markers do not count).

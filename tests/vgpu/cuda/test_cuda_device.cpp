@@ -36,6 +36,7 @@ using salus::vgpu::LaunchDims;
 using salus::vgpu::ModuleHandle;
 using salus::vgpu::StreamId;
 using salus::vgpu::cuda::CudaDevice;
+using salus::vgpu::cuda::CudaDriver;
 
 constexpr Bytes kMiB = Bytes{1} << 20;
 
@@ -764,3 +765,49 @@ TEST_F(CudaDeviceTest, RecoversWhileAnotherThreadKeepsEnqueueing) {
 }
 
 }  // namespace
+
+// The shared lane of attached sessions (issue 15): memory another process can
+// import (a POSIX fd), cleared to zero by the device. The test imports the fd
+// itself, as the shim does, maps it, scribbles and checks the clear.
+TEST_F(CudaDeviceTest, LaneMemoryIsExportableAndClearsToZero) {
+  std::string why;
+  const CudaDriver* d = CudaDriver::get(why);
+  ASSERT_NE(d, nullptr) << why;
+  if (d->mem_create == nullptr) GTEST_SKIP() << "the driver has no VMM with POSIX fd handles";
+  CUcontext ctx = nullptr;  // the program's side runs in a context of its own thread
+  ASSERT_EQ(d->primary_ctx_retain(&ctx, 0), CUDA_SUCCESS);
+  ASSERT_EQ(d->ctx_set_current(ctx), CUDA_SUCCESS);
+  CUstream st = nullptr;
+  ASSERT_EQ(d->stream_create(&st, CU_STREAM_NON_BLOCKING), CUDA_SUCCESS);
+  const Bytes n = Bytes{4} << 20;
+  salus::vgpu::UniqueFd fd;
+  ASSERT_EQ(dev_->make_lane_memory(n, fd, why), 0) << why;
+  ASSERT_TRUE(fd);
+  CUmemGenericAllocationHandle h = 0;
+  ASSERT_EQ(d->mem_import(&h, reinterpret_cast<void*>(static_cast<std::intptr_t>(fd.get())),
+                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            CUDA_SUCCESS);
+  CUdeviceptr p = 0;
+  ASSERT_EQ(d->mem_address_reserve(&p, n, 0, 0, 0), CUDA_SUCCESS);
+  ASSERT_EQ(d->mem_map(p, n, 0, h, 0), CUDA_SUCCESS);
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = 0;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  ASSERT_EQ(d->mem_set_access(p, n, &access, 1), CUDA_SUCCESS);
+  std::vector<std::uint8_t> host(n, 0x5a);
+  ASSERT_EQ(d->memcpy_htod_async(p, host.data(), n, st), CUDA_SUCCESS);
+  ASSERT_EQ(d->stream_synchronize(st), CUDA_SUCCESS);
+  ASSERT_EQ(dev_->clear_lane_memory(fd.get(), n, why), 0) << why;
+  std::fill(host.begin(), host.end(), 0xee);
+  ASSERT_EQ(d->memcpy_dtoh_async(host.data(), p, n, st), CUDA_SUCCESS);
+  ASSERT_EQ(d->stream_synchronize(st), CUDA_SUCCESS);
+  EXPECT_EQ(std::count(host.begin(), host.end(), 0), static_cast<std::ptrdiff_t>(n));
+  EXPECT_EQ(dev_->clear_lane_memory(fd.get(), n + 1, why), EINVAL);
+  EXPECT_EQ(d->mem_unmap(p, n), CUDA_SUCCESS);
+  EXPECT_EQ(d->mem_address_free(p, n), CUDA_SUCCESS);
+  EXPECT_EQ(d->mem_release(h), CUDA_SUCCESS);
+  dev_->drop_lane_memory(fd.get());
+  d->stream_destroy(st);
+  d->primary_ctx_release(0);
+}
