@@ -538,6 +538,53 @@ void gate_families(MetricsText& m, const Sessions& sessions_) {
              [](salus_gate& G) { return gate_load(G.oom_refusals); });
 }
 
+// The memory families: the arena by class, oversubscription's swaps and the
+// shared lane of attached sessions.
+template <class Gpus>
+void memory_families(MetricsText& m, const Gpus& gpus) {
+  using Labelled = MetricsText::Labelled;
+  auto str = [](auto v) { return fmt::format("{}", v); };
+  auto seconds = [](TimeNs ns) { return fmt::format("{:.9f}", static_cast<double>(ns) / 1e9); };
+  m.per_gpu_by(gpus, "salus_gpu_memory_bytes", "gauge", "GPU arena bytes by class.", "class",
+               [&](const auto& g) {
+                 const auto mem = g.sched.arena().memory();
+                 return Labelled{{"capacity", str(mem.capacity)},
+                                 {"persistent", str(mem.persistent_used)},
+                                 {"reserved", str(mem.persistent_reserved)},
+                                 {"ephemeral", str(mem.lane_total)},
+                                 {"free", str(mem.free)},
+                                 {"resident", str(mem.persistent_used - mem.swapped)},
+                                 {"swapped", str(mem.swapped)}};
+               });
+  m.per_gpu_by(gpus, "salus_swaps_total", "counter",
+               "Oversubscription: swaps of sessions' persistent memory, by direction.", "direction",
+               [&](const auto& g) {
+                 const auto& t = g.sched.residency().totals();
+                 return Labelled{{"out", str(t.swaps_out)}, {"in", str(t.swaps_in)}};
+               });
+  m.per_gpu(gpus, "salus_swap_seconds_total", "counter",
+            "Oversubscription: time spent swapping, both directions.",
+            [&](const auto& g) { return seconds(g.sched.residency().totals().swap_ns); });
+  m.per_gpu(gpus, "salus_shared_lane_bytes", "gauge",
+            "Shared lane of attached sessions: size of its memory now (0: none).",
+            [&](const auto& g) { return str(g.shared_lane.bytes); });
+  m.per_gpu_by(gpus, "salus_shared_lane_events_total", "counter",
+               "Shared lane of attached sessions: hand-overs, clears, memories abandoned.", "event",
+               [&](const auto& g) {
+                 const SharedLane& L = g.shared_lane;
+                 return Labelled{{"handover", str(L.handovers)},
+                                 {"clear", str(L.clears)},
+                                 {"abandoned", str(L.abandoned)}};
+               });
+  m.per_gpu_by(
+      gpus, "salus_shared_lane_seconds_total", "counter",
+      "Shared lane of attached sessions: time clearing it, and waiting for yields.", "phase",
+      [&](const auto& g) {
+        const SharedLane& L = g.shared_lane;
+        return Labelled{{"clear", seconds(L.clear_ns)}, {"yield_wait", seconds(L.release_wait_ns)}};
+      });
+}
+
 }  // namespace
 
 std::string Broker::render_metrics() const {
@@ -549,44 +596,7 @@ std::string Broker::render_metrics() const {
   auto str = [](auto v) { return fmt::format("{}", v); };
   auto seconds = [](TimeNs ns) { return fmt::format("{:.9f}", static_cast<double>(ns) / 1e9); };
 
-  m.per_gpu_by(gpus_, "salus_gpu_memory_bytes", "gauge", "GPU arena bytes by class.", "class",
-               [&](const Gpu& g) {
-                 const auto mem = g.sched.arena().memory();
-                 return Labelled{{"capacity", str(mem.capacity)},
-                                 {"persistent", str(mem.persistent_used)},
-                                 {"reserved", str(mem.persistent_reserved)},
-                                 {"ephemeral", str(mem.lane_total)},
-                                 {"free", str(mem.free)},
-                                 {"resident", str(mem.persistent_used - mem.swapped)},
-                                 {"swapped", str(mem.swapped)}};
-               });
-  m.per_gpu_by(gpus_, "salus_swaps_total", "counter",
-               "Oversubscription: swaps of sessions' persistent memory, by direction.", "direction",
-               [&](const Gpu& g) {
-                 const auto& t = g.sched.residency().totals();
-                 return Labelled{{"out", str(t.swaps_out)}, {"in", str(t.swaps_in)}};
-               });
-  m.per_gpu(gpus_, "salus_swap_seconds_total", "counter",
-            "Oversubscription: time spent swapping, both directions.",
-            [&](const Gpu& g) { return seconds(g.sched.residency().totals().swap_ns); });
-  m.per_gpu(gpus_, "salus_shared_lane_bytes", "gauge",
-            "Shared lane of attached sessions: size of its memory now (0: none).",
-            [&](const Gpu& g) { return str(g.shared_lane.bytes); });
-  m.per_gpu_by(gpus_, "salus_shared_lane_events_total", "counter",
-               "Shared lane of attached sessions: hand-overs, clears, memories abandoned.", "event",
-               [&](const Gpu& g) {
-                 const SharedLane& L = g.shared_lane;
-                 return Labelled{{"handover", str(L.handovers)},
-                                 {"clear", str(L.clears)},
-                                 {"abandoned", str(L.abandoned)}};
-               });
-  m.per_gpu_by(gpus_, "salus_shared_lane_seconds_total", "counter",
-               "Shared lane of attached sessions: time clearing it, and waiting for yields.",
-               "phase", [&](const Gpu& g) {
-                 const SharedLane& L = g.shared_lane;
-                 return Labelled{{"clear", seconds(L.clear_ns)},
-                                 {"yield_wait", seconds(L.release_wait_ns)}};
-               });
+  memory_families(m, gpus_);
   m.per_gpu(gpus_, "salus_gpu_lanes", "gauge", "Lanes open on the GPU.",
             [&](const Gpu& g) { return str(g.sched.arena().memory().lanes); });
   m.per_gpu(gpus_, "salus_gpu_busy_seconds_total", "counter",

@@ -42,6 +42,29 @@ struct Resolver {
   }
 };
 
+// The entry points salusd can run without: each is nulled when the driver
+// lacks it, and its feature checks that pointer.
+void resolve_optional(CudaDriver& d, const Resolver& resolve) {
+  // Optional: parameter sizes for checking launches; introduced in CUDA 12.4.
+  if (d.version() >= 12040 && !resolve("cuFuncGetParamInfo", d.func_get_param_info, 12040).empty())
+    d.func_get_param_info = nullptr;
+  // Optional: VMM for the shared lane; all or none.
+  bool vmm = true;
+  auto opt = [&](const char* name, auto& out) {
+    if (vmm && !resolve(name, out, 10020).empty()) vmm = false;
+  };
+  opt("cuMemCreate", d.mem_create);
+  opt("cuMemRelease", d.mem_release);
+  opt("cuMemExportToShareableHandle", d.mem_export);
+  opt("cuMemImportFromShareableHandle", d.mem_import);
+  opt("cuMemAddressReserve", d.mem_address_reserve);
+  opt("cuMemAddressFree", d.mem_address_free);
+  opt("cuMemMap", d.mem_map);
+  opt("cuMemUnmap", d.mem_unmap);
+  opt("cuMemSetAccess", d.mem_set_access);
+  if (!vmm) d.mem_create = nullptr;  // make_lane_memory checks this one
+}
+
 std::once_flag g_once;
 const CudaDriver* g_driver = nullptr;
 std::string g_why;
@@ -145,24 +168,7 @@ bool CudaDriver::load(std::string& why) {
     why = err;
     return false;
   }
-  // Optional: parameter sizes for checking launches; introduced in CUDA 12.4.
-  if (version_ >= 12040 && !resolve("cuFuncGetParamInfo", func_get_param_info, 12040).empty())
-    func_get_param_info = nullptr;
-  // Optional: VMM for the shared lane; all or none.
-  bool vmm = true;
-  auto opt = [&](const char* name, auto& out) {
-    if (vmm && !resolve(name, out, 10020).empty()) vmm = false;
-  };
-  opt("cuMemCreate", mem_create);
-  opt("cuMemRelease", mem_release);
-  opt("cuMemExportToShareableHandle", mem_export);
-  opt("cuMemImportFromShareableHandle", mem_import);
-  opt("cuMemAddressReserve", mem_address_reserve);
-  opt("cuMemAddressFree", mem_address_free);
-  opt("cuMemMap", mem_map);
-  opt("cuMemUnmap", mem_unmap);
-  opt("cuMemSetAccess", mem_set_access);
-  if (!vmm) mem_create = nullptr;  // make_lane_memory checks this one
+  resolve_optional(*this, resolve);
 
   if (const CUresult r = init(0); r != CUDA_SUCCESS) {
     why = fmt::format("cuInit failed: {}", error_name(r));
