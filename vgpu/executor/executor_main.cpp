@@ -705,7 +705,7 @@ ssize_t receive(int socket, std::vector<char>& buf, int& fd) {
       if (fd < 0)
         fd = got;
       else
-        ::close(got);
+        UniqueFd extra(got);  // one fd per message: more is the peer's mistake
     }
   }
   return n;

@@ -14,6 +14,8 @@
 
 #include <fmt/format.h>
 
+#include "vgpu/unique_fd.hpp"
+
 namespace salus::vgpu::executor {
 namespace {
 
@@ -24,23 +26,21 @@ constexpr int kSocketBuffer = 4 << 20;
 }  // namespace
 
 int create_staging(std::uint64_t bytes, std::string& why) {
-  const int fd = ::memfd_create("salus-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) {
+  UniqueFd fd(::memfd_create("salus-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd) {
     why = fmt::format("memfd_create: {}", std::strerror(errno));
     return -1;
   }
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
     why = fmt::format("sizing the staging area to {} bytes: {}", bytes, std::strerror(errno));
-    ::close(fd);
     return -1;
   }
   // Neither side may shrink it under the other's mapping (SIGBUS).
-  if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     why = fmt::format("sealing the staging area: {}", std::strerror(errno));
-    ::close(fd);
     return -1;
   }
-  return fd;
+  return fd.release();
 }
 
 int spawn_executor(const std::string& exe, const std::vector<std::string>& args, int staging_fd,
@@ -51,6 +51,7 @@ int spawn_executor(const std::string& exe, const std::vector<std::string>& args,
     why = fmt::format("socketpair: {}", std::strerror(err));
     return err;
   }
+  UniqueFd ours(sv[0]), theirs(sv[1]);
   for (int fd : sv) {
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &kSocketBuffer, sizeof kSocketBuffer);
     ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &kSocketBuffer, sizeof kSocketBuffer);
@@ -78,8 +79,6 @@ int spawn_executor(const std::string& exe, const std::vector<std::string>& args,
   if (pid < 0) {
     const int err = errno;
     why = fmt::format("fork: {}", std::strerror(err));
-    ::close(sv[0]);
-    ::close(sv[1]);
     return err;
   }
   if (pid == 0) {
@@ -97,9 +96,9 @@ int spawn_executor(const std::string& exe, const std::vector<std::string>& args,
     ::execv(path, argv.data());
     ::_exit(127);
   }
-  ::close(sv[1]);
+  theirs.reset();
   out.pid = pid;
-  out.socket = sv[0];
+  out.socket = ours.release();
   return 0;
 }
 
