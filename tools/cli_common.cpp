@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cctype>
 
+#include "vgpu/unique_fd.hpp"
+
 namespace salus::cli {
 
 // Quotes a word for sh if it needs quoting.
@@ -49,22 +51,19 @@ std::string mount_hint(const Ctx& ctx, int err) {
 // Reads a whole file into `out`; 0 or an errno. Synthetic files are snapshots taken
 // at open, so one open and reads to EOF give a consistent view.
 int try_read(const std::string& path, std::string& out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno;
+  const vgpu::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return errno;
   out.clear();
   char buf[65536];
   for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof buf);
+    const ssize_t n = ::read(fd.get(), buf, sizeof buf);
     if (n < 0) {
       if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      return err;
+      return errno;
     }
     if (n == 0) break;
     out.append(buf, static_cast<std::size_t>(n));
   }
-  ::close(fd);
   return 0;
 }
 
@@ -76,12 +75,10 @@ std::string read_file(const Ctx& ctx, const std::string& path) {
 
 // One write() of `text`; 0 or an errno.
 int try_write(const std::string& path, std::string_view text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-  if (fd < 0) return errno;
-  const ssize_t n = ::write(fd, text.data(), text.size());
-  const int err = n < 0 ? errno : 0;
-  ::close(fd);
-  return err;
+  const vgpu::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+  if (!fd) return errno;
+  const ssize_t n = ::write(fd.get(), text.data(), text.size());
+  return n < 0 ? errno : 0;
 }
 
 using KeyValues = std::map<std::string, std::string>;

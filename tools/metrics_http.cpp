@@ -107,26 +107,26 @@ std::unique_ptr<MetricsHttpServer> MetricsHttpServer::start(const ListenAddress&
     why = fmt::format("{}: {}", address.host, ::gai_strerror(rc));
     return nullptr;
   }
-  int fd = -1;
+  vgpu::UniqueFd fd;
   int err = 0;
-  for (addrinfo* ai = found; ai != nullptr && fd < 0; ai = ai->ai_next) {
-    fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
-    if (fd < 0) {
+  for (addrinfo* ai = found; ai != nullptr && !fd; ai = ai->ai_next) {
+    fd.reset(
+        ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol));
+    if (!fd) {
       err = errno;
       continue;
     }
     // A restarted salusd can take the port back at once, whatever TIME_WAIT
     // connections its predecessor left.
     const int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd, 16) != 0) {
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd.get(), 16) != 0) {
       err = errno;
-      ::close(fd);
-      fd = -1;
+      fd.reset();
     }
   }
   ::freeaddrinfo(found);
-  if (fd < 0) {
+  if (!fd) {
     why = fmt::format("cannot listen on {}:{}: {}{}", address.host, address.port,
                       std::strerror(err ? err : EADDRNOTAVAIL),
                       err == EAFNOSUPPORT
@@ -137,22 +137,22 @@ std::unique_ptr<MetricsHttpServer> MetricsHttpServer::start(const ListenAddress&
   }
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
-  const int stop_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (stop_fd < 0) {
+  ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
+  vgpu::UniqueFd stop_fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!stop_fd) {
     why = fmt::format("eventfd: {}", std::strerror(errno));
-    ::close(fd);
     return nullptr;
   }
-  std::unique_ptr<MetricsHttpServer> s(
-      new MetricsHttpServer(fd, stop_fd, std::move(render), format_address(ss)));
+  std::unique_ptr<MetricsHttpServer> s(new MetricsHttpServer(
+      std::move(fd), std::move(stop_fd), std::move(render), format_address(ss)));
   s->thread_ = std::thread([p = s.get()] { p->loop(); });
   return s;
 }
 
-MetricsHttpServer::MetricsHttpServer(int listen_fd, int stop_fd, Render render, std::string local)
-    : listen_fd_(listen_fd),
-      stop_fd_(stop_fd),
+MetricsHttpServer::MetricsHttpServer(vgpu::UniqueFd listen_fd, vgpu::UniqueFd stop_fd,
+                                     Render render, std::string local)
+    : listen_fd_(std::move(listen_fd)),
+      stop_fd_(std::move(stop_fd)),
       render_(std::move(render)),
       local_(std::move(local)) {}
 
@@ -163,16 +163,16 @@ MetricsHttpServer::~MetricsHttpServer() {
 void MetricsHttpServer::stop() {
   if (stopped_.exchange(true)) return;
   const std::uint64_t one = 1;
-  if (::write(stop_fd_, &one, sizeof one) < 0)
+  if (::write(stop_fd_.get(), &one, sizeof one) < 0)
     spdlog::warn("metrics: cannot wake the server thread: {}", std::strerror(errno));
   if (thread_.joinable()) thread_.join();
-  ::close(listen_fd_);
-  ::close(stop_fd_);
+  listen_fd_.reset();
+  stop_fd_.reset();
 }
 
 void MetricsHttpServer::loop() {
   for (;;) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0) {
       if (errno == EINTR) continue;
       spdlog::error("metrics: poll failed, no longer serving: {}", std::strerror(errno));
@@ -180,12 +180,13 @@ void MetricsHttpServer::loop() {
     }
     if (fds[1].revents != 0) return;
     if ((fds[0].revents & POLLIN) == 0) continue;
-    const int client = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (client < 0) {
+    const vgpu::UniqueFd client(
+        ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!client) {
       // Out of descriptors or memory: the connection stays queued and poll
       // would report it again at once, so pause rather than spin.
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-        pollfd stop{stop_fd_, POLLIN, 0};
+        pollfd stop{stop_fd_.get(), POLLIN, 0};
         ::poll(&stop, 1, 100);
       }
       continue;
@@ -193,13 +194,12 @@ void MetricsHttpServer::loop() {
     // Nothing may escape the thread (rendering can throw std::bad_alloc); a
     // failed client is dropped and the next one served.
     try {
-      serve_client(client);
+      serve_client(client.get());
     } catch (const std::exception& e) {
       spdlog::warn("metrics: request failed: {}", e.what());
     } catch (...) {
       spdlog::warn("metrics: request failed");
     }
-    ::close(client);
   }
 }
 
@@ -208,7 +208,7 @@ void MetricsHttpServer::serve_client(int fd) {
   // timeout, error or stop().
   auto wait = [&](short events, Clock::time_point deadline) {
     for (;;) {
-      pollfd fds[2] = {{fd, events, 0}, {stop_fd_, POLLIN, 0}};
+      pollfd fds[2] = {{fd, events, 0}, {stop_fd_.get(), POLLIN, 0}};
       const int n = ::poll(fds, 2, remaining_ms(deadline));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0 || fds[1].revents != 0) return false;

@@ -9,6 +9,8 @@
 #include <string>
 #include <thread>
 
+#include "vgpu/unique_fd.hpp"
+
 namespace salus::tools {
 
 struct ListenAddress {
@@ -40,12 +42,13 @@ class MetricsHttpServer {
   const std::string& local_address() const { return local_; }
 
  private:
-  MetricsHttpServer(int listen_fd, int stop_fd, Render render, std::string local);
+  MetricsHttpServer(vgpu::UniqueFd listen_fd, vgpu::UniqueFd stop_fd, Render render,
+                    std::string local);
   void loop();
   void serve_client(int fd);
 
-  int listen_fd_;
-  int stop_fd_;  // eventfd: readable once stop() was called
+  vgpu::UniqueFd listen_fd_;
+  vgpu::UniqueFd stop_fd_;  // eventfd: readable once stop() was called
   Render render_;
   std::string local_;
   std::thread thread_;

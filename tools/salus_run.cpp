@@ -37,6 +37,7 @@
 #include "cli_common.hpp"
 #include "salus_config.hpp"
 #include "salus_run_options.hpp"
+#include "vgpu/unique_fd.hpp"
 
 namespace {
 
@@ -101,24 +102,17 @@ std::optional<std::string> find_data(const std::string& sub, const std::string& 
 
 // A clone session owned by salus-run: it ends when `fd` closes.
 struct Session {
-  int fd = -1;
+  salus::vgpu::UniqueFd fd;
   std::string id, dir;  // dir: sessions/ID
-  Session() = default;
-  Session(const Session&) = delete;
-  Session& operator=(const Session&) = delete;
-  ~Session() { close(); }
-  void close() {
-    if (fd >= 0) ::close(fd);
-    fd = -1;
-  }
+  void close() { fd.reset(); }
 };
 
 void open_session(const Ctx& ctx, Session& s) {
   const std::string clone = ctx.path("clone");
-  s.fd = ::open(clone.c_str(), O_RDWR | O_CLOEXEC);
-  if (s.fd < 0) fail_file(ctx, clone, errno);
+  s.fd.reset(::open(clone.c_str(), O_RDWR | O_CLOEXEC));
+  if (!s.fd) fail_file(ctx, clone, errno);
   char buf[64];
-  const ssize_t n = ::read(s.fd, buf, sizeof buf - 1);
+  const ssize_t n = ::read(s.fd.get(), buf, sizeof buf - 1);
   if (n <= 0) fail_file(ctx, clone, n < 0 ? errno : EIO, "reading the session id");
   s.id.assign(buf, static_cast<std::size_t>(n));
   if (const auto nl = s.id.find('\n'); nl != std::string::npos) s.id.erase(nl);
@@ -127,7 +121,7 @@ void open_session(const Ctx& ctx, Session& s) {
 
 void send(const Ctx& ctx, Session& s, const std::string& line) {
   const std::string text = line + "\n";
-  if (::write(s.fd, text.data(), text.size()) < 0) {
+  if (::write(s.fd.get(), text.data(), text.size()) < 0) {
     const int err = errno;
     const std::string why = last_log_line(ctx, s.dir);
     fail_file(ctx, ctx.path(s.dir + "/ctl"), err, why.empty() ? line : line + ": " + why);
@@ -152,32 +146,26 @@ std::optional<KeyValues> wait_admitted(const Ctx& ctx, const Session& s, SignalF
   const auto start = std::chrono::steady_clock::now();
   bool told = false;
   for (;;) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) fail_file(ctx, path, errno);
+    const salus::vgpu::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) fail_file(ctx, path, errno);
     std::string text;
     char buf[8192];
-    for (ssize_t r; (r = ::read(fd, buf, sizeof buf)) > 0;)
+    for (ssize_t r; (r = ::read(fd.get(), buf, sizeof buf)) > 0;)
       text.append(buf, static_cast<std::size_t>(r));
     KeyValues kv = parse_kv(text, ": ");
     const std::string state = get(kv, "state");
-    if (state == "admitted") {
-      ::close(fd);
-      return kv;
-    }
-    if (state == "failed") {
-      ::close(fd);
+    if (state == "admitted") return kv;
+    if (state == "failed")
       fail(fmt::format("session {} failed before the program started: {}", s.id,
                        last_log_line(ctx, s.dir)));
-    }
     const auto waited = std::chrono::steady_clock::now() - start;
     if (!told && waited > std::chrono::seconds(1)) {
       warn(fmt::format("session {} is queued for admission on gpu {} (it waits for memory)", s.id,
                        get(kv, "gpu")));
       told = true;
     }
-    pollfd p[2] = {{fd, POLLIN, 0}, {sigs.fd(), POLLIN, 0}};
+    pollfd p[2] = {{fd.get(), POLLIN, 0}, {sigs.fd(), POLLIN, 0}};
     const int r = ::poll(p, 2, 1000);
-    ::close(fd);
     if (r < 0 && errno != EINTR) fail(fmt::format("poll: {}", std::strerror(errno)));
     if (p[1].revents) {
       while (auto si = sigs.take())
@@ -356,6 +344,8 @@ RunResult run_child(const Ctx& ctx, Session& s, const RunOptions& o, ChildEnv en
   int oom_pipe[2] = {-1, -1};
   if (o.retry_on_oom && ::pipe2(oom_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
     fail(fmt::format("pipe: {}", std::strerror(errno)));
+  const salus::vgpu::UniqueFd oom_read(oom_pipe[0]);
+  salus::vgpu::UniqueFd oom_write(oom_pipe[1]);
   env.oom_fd = oom_pipe[1];
   const pid_t child = ::fork();
   if (child < 0) fail(fmt::format("fork: {}", std::strerror(errno)));
@@ -363,7 +353,7 @@ RunResult run_child(const Ctx& ctx, Session& s, const RunOptions& o, ChildEnv en
     if (oom_pipe[1] >= 0) ::fcntl(oom_pipe[1], F_SETFD, 0);  // inherited by the program
     exec_child(env, o.command, sigs.old_mask());
   }
-  if (oom_pipe[1] >= 0) ::close(oom_pipe[1]);
+  oom_write.reset();  // the program holds the only write end: EOF when it exits
   RunResult res;
   std::optional<Measure> measure;
   if (o.measure) measure.emplace(o);
@@ -395,7 +385,6 @@ RunResult run_child(const Ctx& ctx, Session& s, const RunOptions& o, ChildEnv en
   if (oom_pipe[0] >= 0) {
     char b[64];
     if (::read(oom_pipe[0], b, sizeof b) > 0) res.oom_reported = true;
-    ::close(oom_pipe[0]);
   }
   res.rc = exit_status_of(wstatus);
   if (measure && res.rc == 0) measure->finish();

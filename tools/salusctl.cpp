@@ -40,6 +40,7 @@
 #include "cli_common.hpp"
 #include "salus_config.hpp"
 #include "tools/cdi_spec.hpp"
+#include "vgpu/unique_fd.hpp"
 
 namespace {
 
@@ -50,16 +51,15 @@ constexpr const char* kAdminOnly = "only root and members of salusd's --admin-gr
 
 std::string ctl_command(const Ctx& ctx, const std::string& line) {
   const std::string path = ctx.path("ctl");
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) fail_file(ctx, path, errno, errno == EACCES ? kAdminOnly : "");
+  const salus::vgpu::UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  if (!fd) fail_file(ctx, path, errno, errno == EACCES ? kAdminOnly : "");
   const std::string text = line + "\n";
-  const ssize_t n = ::write(fd, text.data(), text.size());
+  const ssize_t n = ::write(fd.get(), text.data(), text.size());
   const int err = n < 0 ? errno : 0;
   std::string reply;
   char buf[4096];
-  for (ssize_t r; (r = ::read(fd, buf, sizeof buf)) > 0;)
+  for (ssize_t r; (r = ::read(fd.get(), buf, sizeof buf)) > 0;)
     reply.append(buf, static_cast<std::size_t>(r));
-  ::close(fd);
   // salusd answers a failed line with "error ENAME: REASON": that is the
   // message, not the errno's text, which for ENOENT would read as if ctl
   // itself were missing.
@@ -852,6 +852,7 @@ int cmd_run(const Ctx& ctx, RunOptions o) {
     std::atomic<int> wait_err{0};
     int pipefd[2];
     if (::pipe2(pipefd, O_CLOEXEC) != 0) fail(fmt::format("pipe: {}", std::strerror(errno)));
+    const salus::vgpu::UniqueFd woken(pipefd[0]), wake(pipefd[1]);
     std::thread waiter([&] {
       wait_err = try_read(path + "/wait", result);
       const char b = 1;
@@ -869,8 +870,6 @@ int cmd_run(const Ctx& ctx, RunOptions o) {
       }
     }
     waiter.join();
-    ::close(pipefd[0]);
-    ::close(pipefd[1]);
     if (sig) return 128 + sig;
     if (wait_err) {
       const std::string why = last_log_line(ctx, dir);
@@ -900,22 +899,25 @@ struct CdiOptions {
 // engine reading the spec directory never sees half a spec.
 void write_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(fmt::format("{}: {}", tmp, std::strerror(errno)));
+  salus::vgpu::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!fd) fail(fmt::format("{}: {}", tmp, std::strerror(errno)));
   std::size_t done = 0;
   while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    const ssize_t n = ::write(fd.get(), text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int err = errno;
-      ::close(fd);
+      fd.reset();
       ::unlink(tmp.c_str());
       fail(fmt::format("{}: {}", tmp, std::strerror(err)));
     }
     done += static_cast<std::size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
+  // fsync reports the write-back errors; close after it has nothing left to say.
+  const int sync_err = ::fsync(fd.get()) == 0 ? 0 : errno;
+  fd.reset();
+  if (sync_err != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = sync_err != 0 ? sync_err : errno;
     ::unlink(tmp.c_str());
     fail(fmt::format("{}: {}", path, std::strerror(err)));
   }
