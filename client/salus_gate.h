@@ -141,31 +141,31 @@ struct salus_gate {
   uint64_t reserved1;
 
   /* ---- written by the program ---- */
-  uint64_t requested;       /* highest iteration the program wants to start */
-  uint64_t completed;       /* iterations whose GPU work has finished (in order) */
-  uint64_t gpu_ns_total;    /* device time of completed iterations, summed */
-  uint64_t charged_bytes;   /* device memory charged now */
-  uint64_t peak_bytes;      /* the most ever charged */
-  uint64_t launches;        /* kernel launches seen (relaxed) */
-  uint64_t gate_waits;      /* boundaries that had to wait for a grant */
-  uint64_t gate_wait_ns;    /* time spent waiting, summed */
-  uint64_t oom_refusals;    /* allocations refused for the budget */
-  uint32_t marking;         /* SALUS_MARK_* */
-  uint32_t note_seq;        /* incremented after `note` is rewritten */
+  uint64_t requested;               /* highest iteration the program wants to start */
+  uint64_t completed;               /* iterations whose GPU work has finished (in order) */
+  uint64_t gpu_ns_total;            /* device time of completed iterations, summed */
+  uint64_t charged_bytes;           /* device memory charged now */
+  uint64_t peak_bytes;              /* the most ever charged */
+  uint64_t launches;                /* kernel launches seen (relaxed) */
+  uint64_t gate_waits;              /* boundaries that had to wait for a grant */
+  uint64_t gate_wait_ns;            /* time spent waiting, summed */
+  uint64_t oom_refusals;            /* allocations refused for the budget */
+  uint32_t marking;                 /* SALUS_MARK_* */
+  uint32_t note_seq;                /* incremented after `note` is rewritten */
   char note[SALUS_GATE_NOTE_BYTES]; /* one line for the session log (NUL-terminated) */
   /* swap (version 2), the program's report; written before swap_done_seq */
-  uint32_t swap_done_seq;      /* the swap_seq of the last request carried out (or refused) */
-  uint32_t swap_state;         /* SALUS_SWAP_* */
-  int32_t swap_result;         /* of that request: 0, or -errno (-ENOMEM: pinned host memory,
-                                  -ENOSPC: spill disk full, -EIO: driver, -ENOTSUP: not movable) */
-  uint32_t lane_held;          /* the lane generation the program has mapped; 0: unmapped and
-                                  synchronized (the yield report of a shared lane) */
-  uint64_t resident_bytes;     /* charged bytes now on the GPU */
-  uint64_t swapped_bytes;      /* charged bytes now on the host or in the spill file */
-  uint64_t swaps_out;          /* swap-outs done */
-  uint64_t swaps_in;           /* swap-ins done */
-  uint64_t swap_ns;            /* wall time of all swaps, summed */
-  uint64_t unswappable_bytes;  /* charged bytes the shim cannot move (see libsalus-shim(3)) */
+  uint32_t swap_done_seq;     /* the swap_seq of the last request carried out (or refused) */
+  uint32_t swap_state;        /* SALUS_SWAP_* */
+  int32_t swap_result;        /* of that request: 0, or -errno (-ENOMEM: pinned host memory,
+                                 -ENOSPC: spill disk full, -EIO: driver, -ENOTSUP: not movable) */
+  uint32_t lane_held;         /* the lane generation the program has mapped; 0: unmapped and
+                                 synchronized (the yield report of a shared lane) */
+  uint64_t resident_bytes;    /* charged bytes now on the GPU */
+  uint64_t swapped_bytes;     /* charged bytes now on the host or in the spill file */
+  uint64_t swaps_out;         /* swap-outs done */
+  uint64_t swaps_in;          /* swap-ins done */
+  uint64_t swap_ns;           /* wall time of all swaps, summed */
+  uint64_t unswappable_bytes; /* charged bytes the shim cannot move (see libsalus-shim(3)) */
 };
 
 #ifdef __cplusplus

@@ -135,9 +135,12 @@ NumStatus parse_double(std::string_view text, double& out) {
 
 NumStatus parse_size(std::string_view text, arena::Bytes& out) {
   switch (arena::parse_size(text, out)) {
-    case arena::SizeParse::ok: return NumStatus::ok;
-    case arena::SizeParse::out_of_range: return NumStatus::range;
-    case arena::SizeParse::malformed: break;
+    case arena::SizeParse::ok:
+      return NumStatus::ok;
+    case arena::SizeParse::out_of_range:
+      return NumStatus::range;
+    case arena::SizeParse::malformed:
+      break;
   }
   return looks_negative(text) ? NumStatus::negative : NumStatus::bad;
 }

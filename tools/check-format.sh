@@ -5,9 +5,9 @@
 #   tools/check-format.sh          list them and their count; exit 1 if any
 #   tools/check-format.sh --count  print only the count; exit 0
 #
-# Format only the files you change (clang-format -i FILE): other branches edit
-# the rest. Needs clang-format and git; without them it says so and exits 77
-# (meson's "skipped").
+# The check_format test runs it: every tracked file stays formatted
+# (clang-format -i FILE on what you change). Needs clang-format and git; without
+# them it says so and exits 77 (meson's "skipped").
 set -u
 cd "$(dirname "$0")/.." || exit 2
 count_only=0

@@ -191,10 +191,10 @@ void Broker::render_lane_status(const Session& s, const Gpu& g, std::string& o) 
   // lane memory now) or free; the rest are the GPU lane's figures.
   const SharedLane& L = g.shared_lane;
   const bool on = shares_lane(s);
-  o += fmt::format("shared_lane: {}\n", !on                  ? "off"
-                                       : s.gate->lane_off    ? "failed"
-                                       : L.holder == s.id ? "held"
-                                                          : "free");
+  o += fmt::format("shared_lane: {}\n", !on                ? "off"
+                                        : s.gate->lane_off ? "failed"
+                                        : L.holder == s.id ? "held"
+                                                           : "free");
   if (!on) return;
   o += fmt::format(
       "lane_memory: {}\nlane_handovers: {}\nlane_clears: {}\nlane_clear_ms: {:.3f}\n"

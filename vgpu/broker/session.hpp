@@ -221,14 +221,14 @@ struct Session {
   std::deque<WorkItem> dispatched;  // fully dispatched, some instances in flight
   std::uint64_t in_flight = 0;      // instances on the device
   std::optional<LaneId> in_flight_lane;
-  bool moving = false;                 // its persistent buffers are being compacted
-  bool transferring = false;           // an upload/download is with the transfer engine
+  bool moving = false;        // its persistent buffers are being compacted
+  bool transferring = false;  // an upload/download is with the transfer engine
   // Oversubscription (broker_swap.cpp): while swapped out, each persistent buffer's
   // bytes live in a staging block (pinned host memory on cuda), by arena handle.
   std::unordered_map<arena::BufferHandle, StagingPool::Block> host_copies;
-  Bytes host_bytes = 0;         // what host_copies hold, counted in Gpu::host_swapped
-  bool swapping = false;        // a swap of its memory is in progress (either way)
-  bool wants_resident = false;  // a write or transfer waits for its memory to come back
+  Bytes host_bytes = 0;                // what host_copies hold, counted in Gpu::host_swapped
+  bool swapping = false;               // a swap of its memory is in progress (either way)
+  bool wants_resident = false;         // a write or transfer waits for its memory to come back
   std::uint64_t queued_instances = 0;  // counted against the uid's quota
   std::uint64_t submitted_seq = 0;
   std::uint64_t completed_seq = 0;

@@ -6,8 +6,8 @@
 
 #include <string>
 
-#include "vgpu/caller/caller_files.hpp"
 #include "vgpu/broker/command.hpp"
+#include "vgpu/caller/caller_files.hpp"
 
 namespace salus::vgpu {
 
