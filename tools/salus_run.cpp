@@ -250,6 +250,7 @@ void mps_env(const Ctx& ctx, const std::string& gpu, const KeyValues& status, co
 
 struct ChildEnv {
   std::string session, mount, shim, visible, automark_dir, python_dir;
+  std::string need_after_restart;  // SALUS_NEED: the shim's `need` after a salusd restart
   // Set on a GPU where salusd runs MPS (empty otherwise): the server's pipe
   // directory, the memory limit (the session's budget), the SM share.
   std::string mps_pipe, mps_memory_limit, mps_threads;
@@ -269,6 +270,7 @@ void prepend_env(const char* name, const std::string& value, char sep) {
   pthread_sigmask(SIG_SETMASK, &mask, nullptr);
   ::setenv("SALUS_SESSION", e.session.c_str(), 1);
   ::setenv("SALUS_MOUNT", e.mount.c_str(), 1);
+  ::setenv("SALUS_NEED", e.need_after_restart.c_str(), 1);
   if (!e.shim.empty()) prepend_env("LD_PRELOAD", e.shim, ':');
   ::setenv("CUDA_VISIBLE_DEVICES", e.visible.c_str(), 1);
   if (!e.python_dir.empty()) prepend_env("PYTHONPATH", e.python_dir, ':');
@@ -457,6 +459,7 @@ RunResult run_once(const Ctx& ctx, const RunOptions& o, const std::string& need,
   ChildEnv env = base;
   env.session = ctx.path(s.dir);
   env.visible = visible_device(ctx, get(*st, "gpu"));
+  env.need_after_restart = salus::run::need_after_restart(need, get(*st, "gpu"));
   mps_env(ctx, get(*st, "gpu"), *st, o, env.mps_pipe, env.mps_memory_limit, env.mps_threads);
   RunResult r = run_child(ctx, s, o, env, sigs);
   if (o.verbose) warn(fmt::format("{} exited with status {}", o.command[0], r.rc));

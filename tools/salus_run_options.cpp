@@ -126,6 +126,20 @@ std::string need_line(const RunOptions& o, const std::string& persistent,
   return line;
 }
 
+std::string need_after_restart(std::string_view need_line, std::string_view gpu) {
+  constexpr std::string_view kVerb = "need ";
+  if (need_line.substr(0, kVerb.size()) == kVerb) need_line.remove_prefix(kVerb.size());
+  std::string out;
+  while (!need_line.empty()) {
+    const std::size_t end = std::min(need_line.find(' '), need_line.size());
+    const std::string_view word = need_line.substr(0, end);
+    need_line.remove_prefix(std::min(end + 1, need_line.size()));
+    if (word.empty() || word.substr(0, 4) == "gpu=") continue;
+    out.append(word).push_back(' ');
+  }
+  return out.append("gpu=").append(gpu);
+}
+
 std::pair<unsigned long long, unsigned long long> measured_need(unsigned long long peak,
                                                                 unsigned long long held) {
   constexpr unsigned long long MiB = 1ULL << 20;

@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,11 @@ std::optional<std::string> parse_args(int argc, char** argv, RunOptions& o, std:
 // `need persistent=P ephemeral=E [iters=] [priority=] [gpu=] [hints...]`.
 std::string need_line(const RunOptions& o, const std::string& persistent,
                       const std::string& ephemeral, const std::optional<std::string>& gpu);
+
+// The words of `need` a restarted salusd gets when the shim makes the session
+// again ($SALUS_NEED, libsalus-shim(3)): `need_line` without its leading
+// "need ", pinned to `gpu`, the GPU the program's context is on.
+std::string need_after_restart(std::string_view need_line, std::string_view gpu);
 
 // --measure's rule: from the peak charged over the first K iterations and the
 // least charged seen after iteration 1 (memory held across iterations), the

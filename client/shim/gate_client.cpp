@@ -101,6 +101,11 @@ struct Client {
   Clock::time_point attached_at{};  // of the last successful attach
   Clock::time_point last_attempt{};
   int reported_errno = 0;
+  // A clone session made again after a salusd restart (remake_session): its
+  // directory, and the clone descriptor held for the program's life, so that
+  // the session ends with the program as the one salus-run made would have.
+  std::string remade_dir;
+  int clone_fd = -1;
 
   std::mutex qmu;  // the completion queue and the event pool
   Cond qcv;
@@ -282,22 +287,64 @@ double salusd_uptime_s() {
   return -1;
 }
 
-// After salusd restarted, the session is gone: make it again, under the same
-// name, with `need` from $SALUS_NEED. Only on a mounted salus (FUSE), so that
-// nothing is created in the empty mount point of a stopped salusd.
-void recreate_session(const std::string& dir) {
+bool all_digits(std::string_view name) {
+  return !name.empty() && name.find_first_not_of("0123456789") == std::string_view::npos;
+}
+
+// A descriptor of a fresh clone session with `need $SALUS_NEED` written, or -1.
+// Its directory goes to `c.remade_dir`; the descriptor stays in `c.clone_fd`.
+int remake_clone_session(Client& c, const std::string& mount) {
+  const int fd = ::open((mount + "/clone").c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char id[32];
+  const ssize_t n = ::read(fd, id, sizeof id - 1);
+  const std::string need = env("SALUS_NEED");
+  const std::string line = "need " + need + "\n";
+  if (n <= 0 || (!need.empty() &&
+                 ::write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size()))) {
+    const int err = n <= 0 || errno == 0 ? EIO : errno;
+    ::close(fd);  // the half-made session ends here
+    errno = err;
+    return -1;
+  }
+  std::string_view name(id, static_cast<std::size_t>(n));
+  while (!name.empty() && name.back() == '\n') name.remove_suffix(1);
+  if (c.clone_fd >= 0) ::close(c.clone_fd);  // the dead salusd's session
+  c.clone_fd = fd;
+  c.remade_dir = mount + "/sessions/" + std::string(name);
+  std::fprintf(stderr, "salus-shim: salusd restarted; the session is made again as %s\n",
+               c.remade_dir.c_str());
+  return ::dup(fd);  // written to and closed like a ctl
+}
+
+// After salusd restarted, the session is gone: make it again with `need` from
+// $SALUS_NEED, and return a descriptor to attach through (or -1). A named
+// session is made again under its name; a clone session (an all-digit name,
+// as salus-run and `salusctl run` make) cannot be, so the shim opens a clone
+// session of its own. Only on a mounted salus (FUSE), so that nothing is
+// created in the empty mount point of a stopped salusd.
+int remake_session(Client& c, const std::string& dir) {
   struct statfs fs {};
   const std::string m = env("SALUS_MOUNT");
   constexpr long kFuseSuperMagic = 0x65735546;
-  if (::statfs(m.c_str(), &fs) != 0 || fs.f_type != kFuseSuperMagic) return;
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return;
+  if (::statfs(m.c_str(), &fs) != 0 || fs.f_type != kFuseSuperMagic) {
+    errno = ENOENT;  // no salusd mounted there: the session is still gone
+    return -1;
+  }
+  const std::string_view name = std::string_view(dir).substr(dir.rfind('/') + 1);
+  if (all_digits(name)) return remake_clone_session(c, m);
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) return -1;
+  std::fprintf(stderr, "salus-shim: salusd restarted; the session is made again as %s\n",
+               dir.c_str());
   const std::string need = env("SALUS_NEED");
-  if (need.empty()) return;
-  const int fd = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
-  if (fd < 0) return;
-  const std::string line = "need " + need + "\n";
-  [[maybe_unused]] ssize_t n = ::write(fd, line.data(), line.size());
-  ::close(fd);
+  if (!need.empty()) {
+    const int fd = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    const std::string line = "need " + need + "\n";
+    [[maybe_unused]] ssize_t n = ::write(fd, line.data(), line.size());
+    ::close(fd);
+  }
+  return ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
 }
 
 // A sealed memfd holding a filled-in gate, mapped; null on failure.
@@ -352,7 +399,7 @@ void go_local(Client& c, salus_gate* g);
 bool try_attach(Client& c, bool reattach) {
   c.attempted = true;
   c.last_attempt = Clock::now();
-  const std::string dir = session_dir();
+  const std::string dir = c.remade_dir.empty() ? session_dir() : c.remade_dir;
   if (c.forbidden || dir.empty()) return false;
   int ctl = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
   if (ctl < 0 && errno == ENOENT && reattach && c.ever_attached) {
@@ -367,8 +414,7 @@ bool try_attach(Client& c, bool reattach) {
       report(c, dir, ENOENT);
       return false;
     }
-    if (up >= 0) recreate_session(dir);
-    ctl = ::open((dir + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
+    if (up >= 0) ctl = remake_session(c, dir);
   }
   if (ctl < 0) {
     report(c, dir, errno);
@@ -535,6 +581,9 @@ void on_fork_child() {
   g_gate.store(&g_local);
   g_bell.store(-1);
   lane_forget_in_child();
+  // The parent's re-made session ends with the parent, not with this child.
+  if (Client* parent = g_client.load(); parent != nullptr && parent->clone_fd >= 0)
+    ::close(parent->clone_fd);
   auto* c = new Client;
   c->forbidden = true;
   c->attempted = true;

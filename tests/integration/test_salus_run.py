@@ -315,3 +315,60 @@ def test_retry_on_oom_runs_once_more_alone(salusd_factory, tmp_path):
         assert r.returncode == 1 and "running it once more" not in r.stderr
     finally:
         stop(hold)
+
+
+STEPS = """
+import ctypes, sys, time
+step = ctypes.CDLL(None).salus_step
+gated = 0
+for i in range(int(sys.argv[1])):
+    gated += step() == 0
+    time.sleep(0.02)
+print("done", gated, flush=True)
+"""
+
+
+@needs_shim
+def test_salusd_killed_mid_run_the_program_finishes_and_reattaches_after_restart(
+        salusd_factory, tmp_path):
+    d = salusd_factory(gpus=2).start()
+    prog = tmp_path / "steps.py"
+    prog.write_text(STEPS)
+    p = subprocess.Popen([SALUS_RUN, "--mount", d.mnt, "--no-automark", "--gpu", "1",
+                          "--persistent", "3M", "--ephemeral", "5M", "--iters", "400", "--",
+                          PY, str(prog), "400"], env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        def attached_on_salusd(min_iters):
+            for sid in sessions(d):
+                st = status(d, sid) or {}
+                if st.get("kind") == "attached" and int(st.get("iterations_done", "0")) >= min_iters:
+                    return sid, st
+            return None
+
+        assert wait_until(lambda: attached_on_salusd(3), timeout=10), d.daemon_log()
+        pid = attached_on_salusd(3)[1]["pid"]
+        d.proc.kill()  # SIGKILL: no goodbye to the program
+        d.proc.wait()
+        time.sleep(2.5)  # past the shim's 2 s heartbeat limit: it runs on ungated
+        assert p.poll() is None, p.communicate()
+        subprocess.run(["fusermount3", "-u", "-z", d.mnt], check=True)
+        d.log.close()
+        d._start(10)
+        # The shim makes its session again (a clone session of its own: salus-run's
+        # was one), with salus-run's need pinned to the GPU its context is on,
+        # and is gated again.
+        assert wait_until(lambda: attached_on_salusd(2), timeout=10), d.daemon_log()
+        sid2, st2 = attached_on_salusd(2)
+        assert (st2["pid"], st2["gpu"]) == (pid, "1")
+        assert (st2["persistent"], st2["ephemeral"]) == (str(3 << 20), str(5 << 20))
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert "running ungated" in err
+        assert f"session is made again as {d.mnt}/sessions/{sid2}" in err, err
+        gated = int(out.split()[-1])
+        assert 5 <= gated < 400, out  # gated before the kill and after the restart only
+        # The made-again session ends with the program, as salus-run's own did.
+        assert wait_until(lambda: sessions(d) == [], timeout=3), sessions(d)
+    finally:
+        stop(p)

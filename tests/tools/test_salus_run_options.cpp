@@ -69,3 +69,12 @@ TEST(SalusRunMeasure, NothingChargedGetsTheFloorAndHeldNeverPassesThePeak) {
 }
 
 }  // namespace
+
+TEST(SalusRunRestart, TheNeedIsPinnedToTheGpuTheProgramRunsOn) {
+  using salus::run::need_after_restart;
+  EXPECT_EQ(need_after_restart("need persistent=1M ephemeral=2M iters=5 gpu=any name=x", "1"),
+            "persistent=1M ephemeral=2M iters=5 name=x gpu=1");
+  EXPECT_EQ(need_after_restart("need persistent=0 ephemeral=3G", "0"),
+            "persistent=0 ephemeral=3G gpu=0");
+  EXPECT_EQ(need_after_restart("need  persistent=1M  gpu=2 ", "2"), "persistent=1M gpu=2");
+}
