@@ -835,6 +835,8 @@ int cmd_run(const Ctx& ctx, RunOptions o) {
     pthread_sigmask(SIG_SETMASK, &sigs.old_mask(), nullptr);
     ::setenv("SALUS_SESSION", path.c_str(), 1);
     ::setenv("SALUS_MOUNT", ctx.mount.c_str(), 1);
+    // What the shim writes to the session it makes again after a salusd restart.
+    if (need.rfind("need ", 0) == 0) ::setenv("SALUS_NEED", need.c_str() + 5, 1);
     std::vector<char*> argv;
     for (auto& w : o.command) argv.push_back(w.data());
     argv.push_back(nullptr);

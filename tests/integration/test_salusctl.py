@@ -339,9 +339,10 @@ def test_top_live_refreshes_in_place(salusd):
 def test_run_creates_a_named_session_and_returns_the_status(salusd):
     r = ctl(salusd, "run", "--persistent", "1M", "--ephemeral", "4M", "--iters", "5",
             "--priority", "3", "--", "sh", "-c",
-            'cat "$SALUS_SESSION/status"; echo "mount=$SALUS_MOUNT";'
+            'cat "$SALUS_SESSION/status"; echo "mount=$SALUS_MOUNT"; echo "need=$SALUS_NEED";'
             'printf "begin\\nspin 100\\nend x5\\n" > "$SALUS_SESSION/ctl"; exit 7')
     assert r.returncode == 7, r.stderr
+    assert "need=persistent=1M ephemeral=4M iters=5 priority=3\n" in r.stdout, r.stdout
     st = dict(l.split(": ", 1) for l in r.stdout.splitlines() if ": " in l)
     assert re.fullmatch(r"run-\d+", st["name"])
     assert st["persistent"] == str(1 << 20) and st["ephemeral"] == str(4 << 20)
@@ -358,9 +359,10 @@ def test_run_creates_a_named_session_and_returns_the_status(salusd):
 def test_run_without_need_lets_the_command_declare(salusd):
     r = ctl(salusd, "run", "--name", "mine", "--", "sh", "-c",
             'grep state "$SALUS_SESSION/status"; echo "need persistent=0 ephemeral=1M" > '
-            '"$SALUS_SESSION/ctl" && grep state "$SALUS_SESSION/status"')
+            '"$SALUS_SESSION/ctl" && grep state "$SALUS_SESSION/status"; '
+            'echo "need=${SALUS_NEED-unset}"')
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["state:", "idle", "state:", "admitted"]
+    assert r.stdout.split() == ["state:", "idle", "state:", "admitted", "need=unset"]
     assert "mine" not in os.listdir(salusd.path("sessions"))
 
 
