@@ -88,6 +88,13 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
     to.io = caller_io_.get();
     g->transfers =
         std::make_unique<TransferEngine>(*g->device, *g->staging, to, static_cast<int>(i));
+    if (!config_.swap_dir.empty()) {
+      std::string why;
+      g->spill = SpillFile::open(config_.swap_dir, why);
+      if (!g->spill)
+        spdlog::warn("gpu {}: no spill file ({}): past the swap host limit, swap-outs are refused",
+                     i, why);
+    }
     gpus_.push_back(std::move(g));
   }
   for (auto& g : gpus_) {
@@ -252,6 +259,8 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
     if (pin.retired && on_gpu(handle))
       g->device->discard(g->sched.arena().buffer_offset(handle), pin.size);
   if (g) g->host_swapped -= std::min(g->host_swapped, s.host_bytes);
+  if (g && g->spill && s.spill_bytes) g->spill->release(s.spill_off, s.spill_bytes);
+  s.spill_bytes = 0;
   if (g) {
     for (auto& [name, m] : s.modules) g->device->unload_module(m.handle);
     g->transfers->forget_session(s.id);
