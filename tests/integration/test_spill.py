@@ -132,3 +132,32 @@ def test_a_full_spill_disk_fails_the_swap_out_and_loses_nothing(tmp_path):
             d.stop()
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_stop_with_a_spilled_named_session_saves_it_and_restart_restores_it(tmp_path):
+    state, swap_dir = tmp_path / "state", tmp_path / "swap"
+    swap_dir.mkdir()
+    args = ["--oversubscribe", "2", "--state-dir", str(state), "--swap-host-limit", "1M",
+            "--swap-dir", str(swap_dir)]
+    hashes = {}
+    d = Salusd(extra_args=args, sim_memory="64M", gpus=1).start()
+    try:
+        for name in ("sa", "sb"):
+            os.mkdir(d.path("sessions", name))
+            with open(d.path("sessions", name, "ctl"), "w") as f:
+                f.write("need persistent=36M ephemeral=2M gpu=0\nalloc w 36M\n")
+            data = hashlib.shake_256(name.encode()).digest(36 * M)
+            with open(d.path("sessions", name, "mem", "w"), "r+b", buffering=0) as f:
+                f.write(data)
+            hashes[name] = hashlib.sha256(data).hexdigest()
+        assert int(memory(d)["spilled"]) == 36 * M  # one of them is in the file at the stop
+    finally:
+        d.stop(timeout=30)
+    assert os.listdir(swap_dir) == []
+    d = Salusd(extra_args=args, sim_memory="64M", gpus=1).start(timeout=60)
+    try:
+        for name, h in hashes.items():
+            with open(d.path("sessions", name, "mem", "w"), "rb") as f:
+                assert hashlib.sha256(f.read()).hexdigest() == h, name
+    finally:
+        d.stop(timeout=30)
