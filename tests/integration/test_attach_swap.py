@@ -260,3 +260,66 @@ def test_a_session_is_not_granted_while_its_swap_out_runs(salusd, tmp_path):
             p.wait()
         h.close()
         s.close()
+
+
+def test_residency_swaps_attached_programs_that_do_not_fit_together(tmp_path):
+    """Wiring to residency (design.md): two SALUS_SWAP=1 programs of 40M each on a
+    64M card at --oversubscribe 2 are both admitted and run to completion, taking
+    turns through swaps the planner asks for; a third without SALUS_SWAP answers
+    ENOTSUP once and is never asked again."""
+    from conftest import Salusd
+    d = Salusd(extra_args=["--oversubscribe", "2", "--policy", "fair"], sim_memory="64M",
+               gpus=1).start()
+    procs = []
+    sessions = []
+    try:
+        # Each program prints "ready" inside its granted iteration 1: the go file is
+        # there from the start, so the first one does not hold the lane waiting.
+        go = tmp_path / "go"
+        go.write_text("")
+        for i in range(2):
+            s = Session(d)
+            s.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+            sessions.append(s)
+            procs.append(start_program(d, s, 40, 6, go))
+        for p in procs:
+            out, err = p.communicate(timeout=15)
+            assert p.returncode == 0, (out, err)
+            assert out.count("verified") == 6, out
+        # The programs' sessions ended with them; the GPU's counters remain.
+        with open(d.path("metrics")) as f:
+            metrics = f.read()
+        outs = [ln for ln in metrics.splitlines()
+                if ln.startswith('salus_swaps_total{gpu="0",direction="out"}')]
+        assert outs and int(outs[0].split()[-1]) >= 1, metrics
+        assert 'salus_gpu_memory_bytes{gpu="0",class="swapped"} 0' in metrics
+        # The unmovable one: asked once, answers ENOTSUP, never asked again.
+        a = Session(d)
+        a.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+        b = Session(d)
+        b.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+        pa = start_program(d, a, 40, 20, go, {"SALUS_SWAP": "0"})
+        pb = start_program(d, b, 40, 20, go)
+        sessions += [a, b]
+        procs += [pa, pb]
+        # Its log goes with its session when it exits: keep the last one read.
+        last = ""
+        while pa.poll() is None:
+            try:
+                last = a.read("log")
+            except OSError:
+                pass
+            time.sleep(0.005)
+        out, err = pa.communicate(timeout=60)
+        assert pa.returncode == 0, (out, err)
+        out, err = pb.communicate(timeout=60)
+        assert pb.returncode == 0, (out, err)
+        assert last.count("swap-out failed") <= 1, last
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in sessions:
+            s.close()
+        d.stop()

@@ -71,6 +71,11 @@ struct AttachedGate {
   bool swap_pending = false;                         // asked, not answered yet
   std::int64_t swap_asked_at = 0;                    // broker time of the request
   int swap_error = 0;  // errno of the last failed swap, 0 if it succeeded (or none yet)
+  // The pending request came from the residency planner (Broker::swap_out/swap_in),
+  // not from /salus/ctl: its answer completes the residency bookkeeping.
+  bool swap_for_residency = false;
+  // The program answered ENOTSUP (no SALUS_SWAP=1): never asked again.
+  bool unswappable = false;
 };
 
 // What a gate's swap fields say, as salus(5) names it: resident, swapped,

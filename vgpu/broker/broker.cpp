@@ -1353,7 +1353,8 @@ void Broker::update_runnable(Gpu& g, Session& s) {
     // An attached session wants an iteration when it requested more than granted.
     // Not while a swap-out it was asked for is unanswered (broker_gate.cpp).
     const bool wants = !s.gate->exited && gate_load(s.gate->g().requested) > s.gate->granted &&
-                       !(s.gate->swap_pending && s.gate->swap_request == SALUS_SWAP_REQ_OUT);
+                       !(s.gate->swap_pending && s.gate->swap_request == SALUS_SWAP_REQ_OUT) &&
+                       !s.swapping;  // a prefetch (swap-in) is granted when it is answered
     g.sched.set_runnable(s.id, wants && !s.dead && s.lane && s.state == SessionState::admitted &&
                                    !(s.in_flight > 0 && s.in_flight_lane != s.lane));
     return;

@@ -354,6 +354,9 @@ class Broker {
   int swap_in(Gpu& g, Session& s);
   int hosted_swap_out(Gpu& g, Session& s);
   int hosted_swap_in(Gpu& g, Session& s);
+  int attached_swap_out(Gpu& g, Session& s);
+  int attached_swap_in(Gpu& g, Session& s);
+  void attached_residency_done(Gpu& g, Session& s, Deferred& later);
   // The spill file's part (broker_swap.cpp): swap-in of a spilled session, the
   // file write or read of the swap job under `token` (its answer comes back as a
   // completion on the swap stream), and the end of a swap-out.

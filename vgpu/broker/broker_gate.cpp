@@ -239,6 +239,10 @@ void Broker::detach_gate(Session& s, Deferred& later) {
     log(s, fmt::format("swap-{} unanswered: the program left the gate during it",
                        gt.swap_request == SALUS_SWAP_REQ_OUT ? "out" : "in"));
   gt.swap_pending = false;
+  if (gt.swap_for_residency) {  // the residency bookkeeping ends as a failed swap
+    gt.swap_error = ENOTCONN;
+    if (Gpu* g = gpu_of(s)) attached_residency_done(*g, s, later);
+  }
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.bell.get(), nullptr);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.pidfd.get(), nullptr);
   gate_store(gt.g().state, SALUS_GATE_DETACHED);
@@ -298,9 +302,9 @@ void Broker::attached_swap_done(Gpu& g, Session& s, Deferred& later) {
   // swapped session comes back at its next grant (grant_one needs nothing
   // more: the shim brings it back before the program runs). grant_one held
   // the session back while the swap-out was unanswered: dispatch again.
+  if (gt.swap_for_residency) attached_residency_done(g, s, later);
   update_runnable(g, s);
   kick(g);
-  (void)later;
 }
 
 int Broker::admin_swap(const std::string& name, bool out, std::string& reply, std::string& why) {

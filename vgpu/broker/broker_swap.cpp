@@ -16,21 +16,105 @@ namespace salus::vgpu {
 
 bool Broker::swappable(const Session& s) const {
   if (s.dead || s.swapping) return false;
-  // Attached programs own their memory in their own CUDA context: salusd can move it
-  // only through the gate (issue 15, attach-swap). Until that path is wired here they
-  // stay resident, counted in the resident set like any other session.
-  if (s.gate) return false;
+  // Attached programs own their memory in their own CUDA context: salusd moves it
+  // only through the gate, and only while the program can answer and has not said
+  // its memory is not movable.
+  if (s.gate) return !s.gate->exited && !s.gate->unswappable && !s.gate->swap_pending;
   return true;
 }
 
 int Broker::swap_out(Gpu& g, Session& s) {
-  if (s.gate) return ENOTSUP;  // attach-swap: call the gate's swap-out request here
+  if (s.gate) return attached_swap_out(g, s);
   return hosted_swap_out(g, s);
 }
 
 int Broker::swap_in(Gpu& g, Session& s) {
-  if (s.gate) return ENOTSUP;  // attach-swap: call the gate's swap-in request here
+  if (s.gate) return attached_swap_in(g, s);
   return hosted_swap_in(g, s);
+}
+
+// An attached victim: the arena keeps its ranges (swapping_out) until the program
+// answers; attached_swap_done frees them only on success. EBUSY while an iteration
+// or another request is in flight (asked again at the next pass).
+int Broker::attached_swap_out(Gpu& g, Session& s) {
+  AttachedGate& gt = *s.gate;
+  if (gt.unswappable) return ENOTSUP;
+  if (gt.exited) return ENOTCONN;
+  if (gt.swap_pending || s.swapping) return EBUSY;
+  arena::GpuArena& ar = g.sched.arena();
+  std::vector<arena::SwapBuffer> bufs;
+  if (!ar.begin_swap_out(s.id, bufs)) return EBUSY;
+  const int err = request_attached_swap(s, true);
+  if (err == EALREADY) {  // already out (an admin swap): only the bookkeeping is left
+    ar.finish_swap_out(s.id, now());
+    g.sched.residency().swap_started(s.id);
+    g.sched.residency().swap_out_done(s.id, 0, 1, now(), true);
+    return 0;
+  }
+  if (err != 0) {
+    ar.cancel_swap_out(s.id);
+    return err;
+  }
+  gt.swap_for_residency = true;
+  s.swapping = true;
+  g.sched.residency().swap_started(s.id);
+  return 0;
+}
+
+// Prefetch of an attached session before its grant: room is taken in the arena
+// first (EAGAIN without it), then the program is asked to bring its memory back;
+// it is not granted until the answer (s.swapping holds it back).
+int Broker::attached_swap_in(Gpu& g, Session& s) {
+  AttachedGate& gt = *s.gate;
+  if (gt.exited) return ENOTCONN;
+  if (gt.swap_pending || s.swapping) return EBUSY;
+  arena::GpuArena& ar = g.sched.arena();
+  std::vector<arena::SwapBuffer> placed;
+  const arena::ArenaError e = ar.swap_in(s.id, placed);
+  if (e == arena::ArenaError::fragmented) kick(g);
+  if (e != arena::ArenaError::ok) return EAGAIN;
+  g.sched.residency().swap_started(s.id);
+  const int err = request_attached_swap(s, false);
+  if (err != 0) {
+    // EALREADY: its memory is back already (a grant brought it); anything else:
+    // the grant will bring it back (the shim never runs without its memory).
+    g.sched.residency().swap_in_done(s.id, 0, 1, now());
+    s.wants_resident = false;
+    update_runnable(g, s);
+    return 0;
+  }
+  gt.swap_for_residency = true;
+  s.swapping = true;
+  return 0;
+}
+
+// The residency side of an attached program's answer (from attached_swap_done).
+void Broker::attached_residency_done(Gpu& g, Session& s, Deferred& later) {
+  AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  gt.swap_for_residency = false;
+  s.swapping = false;
+  arena::GpuArena& ar = g.sched.arena();
+  const TimeNs t = now();
+  const TimeNs took = std::max<TimeNs>(t - gt.swap_asked_at, 1);
+  const Bytes moved = gate_load(G.swapped_bytes);
+  if (gt.swap_request == SALUS_SWAP_REQ_OUT) {
+    const bool ok = gt.swap_error == 0;
+    if (ok)
+      ar.finish_swap_out(s.id, t);  // the program's memory is off the GPU: room is free
+    else
+      ar.cancel_swap_out(s.id);
+    if (gt.swap_error == ENOTSUP && !gt.unswappable) {
+      gt.unswappable = true;
+      log(s, "not movable: counted resident from now on and never asked to swap again");
+    }
+    g.sched.residency().swap_out_done(s.id, moved, took, t, ok);
+  } else {
+    g.sched.residency().swap_in_done(s.id, gate_load(G.resident_bytes), took, t);
+    s.wants_resident = false;
+  }
+  update_runnable(g, s);
+  maybe_finalize(s, later);
 }
 
 void Broker::want_resident(Gpu& g, Session& s) {
