@@ -353,7 +353,7 @@ bool snapshotted(Inode in) {
   }
 }
 
-// The content of a snapshotted file now; -ENOENT if it is gone.
+// The content of a snapshotted file now: 0, or ENOENT if it is gone.
 int render(Broker& b, Inode in, std::string& content, std::uint64_t& version) {
   if (in.kind == Kind::top_file) {
     switch (static_cast<TopFile>(in.sub)) {
@@ -367,11 +367,11 @@ int render(Broker& b, Inode in, std::string& content, std::uint64_t& version) {
         content = b.render_policy();
         return 0;
       default:
-        return -ENOENT;
+        return ENOENT;
     }
   }
   if (in.kind == Kind::gpu_file) {
-    if (in.id >= b.gpu_count()) return -ENOENT;
+    if (in.id >= b.gpu_count()) return ENOENT;
     switch (static_cast<GpuFile>(in.sub)) {
       case GpuFile::info:
         content = b.render_gpu_info(in.id);
@@ -386,10 +386,10 @@ int render(Broker& b, Inode in, std::string& content, std::uint64_t& version) {
         content = b.render_gpu_queue(in.id);
         return 0;
       default:
-        return -ENOENT;
+        return ENOENT;
     }
   }
-  if (in.kind != Kind::session_file || !b.session_owner(in.id)) return -ENOENT;
+  if (in.kind != Kind::session_file || !b.session_owner(in.id)) return ENOENT;
   if (static_cast<SessionFile>(in.sub) == SessionFile::status) {
     version = b.status_version(in.id);
     content = b.render_status(in.id);
@@ -399,7 +399,8 @@ int render(Broker& b, Inode in, std::string& content, std::uint64_t& version) {
   return 0;
 }
 
-// Attributes of an inode; -ENOENT if what it names is gone.
+// Attributes of an inode: 0, or ENOENT (ESTALE for a dropped snapshot) if what
+// it names is gone.
 int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
   std::memset(&st, 0, sizeof st);
   st.st_ino = encode(in);
@@ -415,7 +416,7 @@ int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
       return 0;
     case Kind::snapshot_file: {
       const auto snap = fs.snapshots().find(encode(in));
-      if (!snap) return -ESTALE;
+      if (!snap) return ESTALE;
       if (int rc = fill_attr(fs, snap->origin, st)) return rc;
       st.st_ino = encode(in);
       st.st_size = static_cast<off_t>(snap->content->size());
@@ -448,7 +449,7 @@ int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
           st.st_gid = admin_gid;
           return 0;
         default:
-          return -ENOENT;
+          return ENOENT;
       }
     case Kind::clone_file:
       st.st_mode = S_IFREG | 0666;
@@ -458,13 +459,13 @@ int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
       st.st_nlink = 2;
       return 0;
     case Kind::gpu_dir:
-      if (in.id >= b.gpu_count()) return -ENOENT;
+      if (in.id >= b.gpu_count()) return ENOENT;
       st.st_mode = S_IFDIR | 0555;
       st.st_nlink = 2;
       return 0;
     case Kind::gpu_file:
       if (in.id >= b.gpu_count() || in.sub >= static_cast<std::uint32_t>(GpuFile::count))
-        return -ENOENT;
+        return ENOENT;
       st.st_mode = S_IFREG | 0444;
       return 0;
     case Kind::sessions_dir:
@@ -476,18 +477,18 @@ int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
     case Kind::mem_dir:
     case Kind::mem_file: {
       const auto owner = b.session_owner(in.id);
-      if (!owner) return -ENOENT;
+      if (!owner) return ENOENT;
       st.st_uid = owner->first;
       st.st_gid = owner->second;
       if (in.kind == Kind::session_dir || in.kind == Kind::mem_dir) {
         st.st_mode = S_IFDIR | 0700;
         st.st_nlink = 2;
       } else if (in.kind == Kind::session_file) {
-        if (in.sub >= static_cast<std::uint32_t>(SessionFile::count)) return -ENOENT;
+        if (in.sub >= static_cast<std::uint32_t>(SessionFile::count)) return ENOENT;
         st.st_mode = S_IFREG | (static_cast<SessionFile>(in.sub) == SessionFile::ctl ? 0600 : 0400);
       } else {
         const auto buf = b.buffer_by_id(in.id, in.sub);
-        if (!buf) return -ENOENT;
+        if (!buf) return ENOENT;
         st.st_mode = S_IFREG | 0600;
         st.st_size = static_cast<off_t>(buf->size);
         st.st_blocks = static_cast<blkcnt_t>((buf->size + 511) / 512);
@@ -495,7 +496,7 @@ int fill_attr(Filesystem& fs, Inode in, struct stat& st) {
       return 0;
     }
   }
-  return -ENOENT;
+  return ENOENT;
 }
 
 void reply_entry(fuse_req_t req, Filesystem& fs, Inode in) {
@@ -504,7 +505,7 @@ void reply_entry(fuse_req_t req, Filesystem& fs, Inode in) {
   const int rc = fill_attr(fs, in, e.attr);
   if (rc) {
     if (in.kind == Kind::snapshot_file) fs.snapshots().erase(encode(in));
-    fuse_reply_err(req, -rc);
+    fuse_reply_err(req, rc);
     return;
   }
   const bool fixed = in.kind == Kind::top_file || in.kind == Kind::gpus_dir ||
@@ -556,7 +557,7 @@ std::optional<Inode> child(Filesystem& fs, Inode parent, const std::string& name
     }
     case Kind::session_dir: {
       if (int rc = b.check_access(parent.id, caller)) {
-        err = -rc;
+        err = rc;
         return std::nullopt;
       }
       for (std::uint32_t f = 0; f < static_cast<std::uint32_t>(SessionFile::count); ++f)
@@ -567,7 +568,7 @@ std::optional<Inode> child(Filesystem& fs, Inode parent, const std::string& name
     }
     case Kind::mem_dir: {
       if (int rc = b.check_access(parent.id, caller)) {
-        err = -rc;
+        err = rc;
         return std::nullopt;
       }
       const auto buf = b.find_buffer(parent.id, name);
@@ -595,7 +596,7 @@ void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Snapshots::Entry snap{*in, nullptr, 0};
   std::string content;
   if (int rc = render(fs.broker(), *in, content, snap.version)) {
-    fuse_reply_err(req, -rc);
+    fuse_reply_err(req, rc);
     return;
   }
   snap.content = std::make_shared<const std::string>(std::move(content));
@@ -620,7 +621,7 @@ void op_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
   struct stat st;
   const Inode in = decode(ino);
   if (int rc = fill_attr(fs, in, st)) {
-    fuse_reply_err(req, -rc);
+    fuse_reply_err(req, rc);
     return;
   }
   const bool dynamic = in.kind >= Kind::session_dir;
@@ -644,7 +645,7 @@ void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, f
       }
       struct stat st;
       if (int rc = fill_attr(fs, in, st)) {
-        fuse_reply_err(req, -rc);
+        fuse_reply_err(req, rc);
         return;
       }
       fuse_reply_attr(req, &st, kDynamicTimeout);
@@ -654,7 +655,7 @@ void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set, f
   // Shell redirections truncate command files; there is nothing to truncate.
   struct stat st;
   if (int rc = fill_attr(fs, in, st)) {
-    fuse_reply_err(req, -rc);
+    fuse_reply_err(req, rc);
     return;
   }
   fuse_reply_attr(req, &st, kDynamicTimeout);
@@ -694,7 +695,7 @@ void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       break;
     case Kind::session_dir:
       if (int rc = b.check_access(in.id, caller)) {
-        fuse_reply_err(req, -rc);
+        fuse_reply_err(req, rc);
         return;
       }
       for (std::uint32_t f = 0; f < static_cast<std::uint32_t>(SessionFile::count); ++f)
@@ -704,7 +705,7 @@ void op_opendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       break;
     case Kind::mem_dir:
       if (int rc = b.check_access(in.id, caller)) {
-        fuse_reply_err(req, -rc);
+        fuse_reply_err(req, rc);
         return;
       }
       for (const auto& buf : b.list_buffers(in.id))
@@ -768,7 +769,7 @@ void op_rmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
     return;
   }
   if (int rc = b.check_access(*id, caller_of(req, fs.options()))) {
-    fuse_reply_err(req, -rc);
+    fuse_reply_err(req, rc);
     return;
   }
   // A clone session belongs to its open file; it ends when that file closes.
@@ -854,7 +855,7 @@ void open_snapshot(fuse_req_t req, fuse_file_info* fi, Filesystem& fs, Inode in,
   of->ino = snap->origin;  // read, write and poll treat it as the file it shows
   if (snap->origin.kind == Kind::session_file) {
     if (int rc = fs.broker().check_access(snap->origin.id, caller)) {
-      fuse_reply_err(req, -rc);
+      fuse_reply_err(req, rc);
       return;
     }
     of->session = snap->origin.id;
@@ -920,14 +921,14 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
         return;
       }
       if (int rc = render(b, in, of->content, of->version)) {
-        fuse_reply_err(req, -rc);
+        fuse_reply_err(req, rc);
         return;
       }
       break;
     case Kind::session_file:
     case Kind::mem_file: {
       if (int rc = b.check_access(in.id, caller)) {
-        fuse_reply_err(req, -rc);
+        fuse_reply_err(req, rc);
         return;
       }
       of->session = in.id;
@@ -1134,7 +1135,7 @@ void op_create(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t, fuse
   fuse_entry_param e;
   std::memset(&e, 0, sizeof e);
   if (int rc = fill_attr(fs, in, e.attr)) {
-    fuse_reply_err(req, -rc);
+    fuse_reply_err(req, rc);
     return;
   }
   e.ino = encode(in);
@@ -1270,9 +1271,17 @@ int statfs_errno(const std::string& path, std::chrono::milliseconds limit) {
   return answer.get();
 }
 
-std::string dead_mount(const std::string& path) {
-  return fmt::format("mountpoint {} is busy: a dead FUSE mount is there; run `fusermount3 -u {}`",
-                     path, path);
+// ENOTCONN, with the way out in `why`: a FUSE mount whose daemon died is there.
+int dead_mount(const std::string& path, std::string& why) {
+  why = fmt::format("mountpoint {} is busy: a dead FUSE mount is there; run `fusermount3 -u {}`",
+                    path, path);
+  return ENOTCONN;
+}
+
+// `why` = "mountpoint <path>: strerror(err)"; returns `err`.
+int failed(int err, const std::string& path, std::string& why) {
+  why = fmt::format("mountpoint {}: {}", path, std::strerror(err));
+  return err;
 }
 
 }  // namespace
@@ -1284,37 +1293,41 @@ Filesystem::~Filesystem() {
   unmount();
 }
 
-std::optional<std::string> Filesystem::mount() {
-  if (::access("/dev/fuse", R_OK | W_OK) != 0)
-    return fmt::format(
+int Filesystem::mount(std::string& why) {
+  if (::access("/dev/fuse", R_OK | W_OK) != 0) {
+    const int e = errno;
+    why = fmt::format(
         "cannot use /dev/fuse: {} (load the fuse module, or give the container "
         "--device /dev/fuse)",
-        std::strerror(errno));
+        std::strerror(e));
+    return e;
+  }
+  const std::string& mp = options_.mountpoint;
   char resolved[PATH_MAX];
   struct stat st;
-  if (::stat(options_.mountpoint.c_str(), &st) != 0) {
-    if (errno == ENOTCONN) return dead_mount(options_.mountpoint);
-    if (errno != ENOENT)
-      return fmt::format("mountpoint {}: {}", options_.mountpoint, std::strerror(errno));
-    if (::mkdir(options_.mountpoint.c_str(), 0755) != 0) {
+  if (::stat(mp.c_str(), &st) != 0) {
+    if (errno == ENOTCONN) return dead_mount(mp, why);
+    if (errno != ENOENT) return failed(errno, mp, why);
+    if (::mkdir(mp.c_str(), 0755) != 0) {
       // Only the last component is created: say so rather than a bare ENOENT.
       const int err = errno;
-      return fmt::format("mountpoint {}: cannot create it: {}{}", options_.mountpoint,
-                         std::strerror(err),
-                         err == ENOENT ? " (salusd creates the mountpoint, not its parents)" : "");
+      why = fmt::format("mountpoint {}: cannot create it: {}{}", mp, std::strerror(err),
+                        err == ENOENT ? " (salusd creates the mountpoint, not its parents)" : "");
+      return err;
     }
   } else if (!S_ISDIR(st.st_mode)) {
-    return fmt::format("mountpoint {} is not a directory", options_.mountpoint);
+    why = fmt::format("mountpoint {} is not a directory", mp);
+    return ENOTDIR;
   }
-  if (!::realpath(options_.mountpoint.c_str(), resolved))
-    return fmt::format("mountpoint {}: {}", options_.mountpoint, std::strerror(errno));
+  if (!::realpath(mp.c_str(), resolved)) return failed(errno, mp, why);
   if (const auto type = mounted_at(resolved)) {
     if (type->rfind("fuse", 0) == 0 && statfs_errno(resolved, std::chrono::seconds(2)) == ENOTCONN)
-      return dead_mount(resolved);
-    return fmt::format(
+      return dead_mount(resolved, why);
+    why = fmt::format(
         "mountpoint {} is busy: something is already mounted there (another "
         "salusd?)",
         resolved);
+    return EBUSY;
   }
   std::vector<std::string> argv_s = {"salusd", "-o",
                                      "allow_other,default_permissions,fsname=salus,subtype=salus"};
@@ -1323,15 +1336,19 @@ std::optional<std::string> Filesystem::mount() {
   for (auto& a : argv_s) argv.push_back(a.data());
   fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
   session_ = fuse_session_new(&args, &kOps, sizeof kOps, this);
-  if (!session_) return std::string("could not create the FUSE session (see messages above)");
+  if (!session_) {
+    why = "could not create the FUSE session (see messages above)";
+    return EIO;
+  }
   if (fuse_session_mount(session_, resolved) != 0) {
     fuse_session_destroy(session_);
     session_ = nullptr;
-    return fmt::format("could not mount at {} (see messages above)", resolved);
+    why = fmt::format("could not mount at {} (see messages above)", resolved);
+    return EIO;
   }
   options_.mountpoint = resolved;
   mounted_ = true;
-  return std::nullopt;
+  return 0;
 }
 
 int Filesystem::serve() {

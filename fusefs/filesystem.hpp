@@ -28,9 +28,10 @@ class Filesystem {
   Filesystem(vgpu::Broker& broker, FilesystemOptions options);
   ~Filesystem();
 
-  // Checks the mountpoint and /dev/fuse, then mounts. On failure returns a
-  // one-line reason (and mounts nothing).
-  std::optional<std::string> mount();
+  // Checks the mountpoint and /dev/fuse, then mounts. Returns 0, or a positive
+  // errno with a one-line reason in `why` (and mounts nothing): ENOTCONN for a
+  // dead FUSE mount, EBUSY for a live mount, the syscall's errno otherwise.
+  int mount(std::string& why);
   // Serves requests until unmount() or a signal handler calls exit(); returns 0 on
   // a clean exit.
   int serve();

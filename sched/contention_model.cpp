@@ -27,6 +27,7 @@ ContentionModel::KernelId ContentionModel::start(TimeNs now, double util, TimeNs
   const KernelId id = next_id_++;
   kernels_.push_back(Kernel{id, util, static_cast<double>(std::max<TimeNs>(alone_ns, 0))});
   total_util_ += util;
+  note_activity();
   return id;
 }
 
@@ -48,6 +49,7 @@ std::vector<ContentionModel::KernelId> ContentionModel::advance(TimeNs now) {
     ids.push_back(k.id);
   }
   if (kernels_.empty()) total_util_ = 0.0;  // no drift once idle
+  note_activity();
   return ids;
 }
 
@@ -59,6 +61,7 @@ void ContentionModel::cancel(KernelId id, TimeNs now) {
   total_util_ -= it->util;
   kernels_.erase(it);
   if (kernels_.empty()) total_util_ = 0.0;
+  note_activity();
 }
 
 std::optional<TimeNs> ContentionModel::next_completion() const {

@@ -7,6 +7,8 @@
 #include <optional>
 #include <vector>
 
+#include "sched/activity_window.hpp"
+
 namespace salus::sched {
 
 using TimeNs = std::int64_t;
@@ -37,6 +39,12 @@ class ContentionModel {
   // Time during which at least one kernel ran, up to the last advance.
   TimeNs busy_ns() const { return busy_ns_; }
 
+  // Records min(1, total util) over time from now on, keeping `keep_ns` of history, for
+  // CARMA's risk filter (salus-sim --risk-filter): the compute activity that NVML's
+  // utilization.gpu and dcgm's SMACT stand for on a real GPU. Off (and free) by default.
+  void track_activity(TimeNs keep_ns) { activity_.emplace(keep_ns); }
+  const ActivityWindow* activity() const { return activity_ ? &*activity_ : nullptr; }
+
  private:
   struct Kernel {
     KernelId id;
@@ -44,6 +52,9 @@ class ContentionModel {
     double remaining_ns;  // alone-time still to do
   };
   void progress_to(TimeNs now);
+  void note_activity() {
+    if (activity_) activity_->set(last_, total_util_ < 1.0 ? total_util_ : 1.0);
+  }
 
   std::vector<Kernel> kernels_;
   KernelId next_id_ = 1;
@@ -51,6 +62,7 @@ class ContentionModel {
   TimeNs last_ = 0;
   bool started_ = false;
   TimeNs busy_ns_ = 0;
+  std::optional<ActivityWindow> activity_;
 };
 
 }  // namespace salus::sched

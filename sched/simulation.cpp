@@ -375,6 +375,9 @@ class Engine {
     // and exclusive placement gives one job per GPU whatever the lane model.
     if (lanes_ == LaneModel::exclusive) cfg_.placement = Placement::exclusive;
     if (cfg_.placement == Placement::exclusive) lanes_ = LaneModel::exclusive;
+    // Exclusive: jobs take idle GPUs in arrival order (the host-wide queue strictly FIFO).
+    if (cfg_.placement == Placement::exclusive)
+      host_options_.queue_mode = arena::QueueMode::strict_fifo;
     arena::ArenaOptions opts;  // salusd's defaults: bounded bypass, Algorithm 1
     if (lanes_ == LaneModel::exclusive) {
       // Alone on its GPU, a job gets its own lane; keep admission strictly ordered.
@@ -393,6 +396,13 @@ class Engine {
       gpus_.emplace_back(cfg_.gpu_memory, cfg_.policy, opts);
       gpus_.back().sched.residency().cost().bytes_per_s = cfg_.swap_gbps * 1e9;
     }
+    views_.resize(cfg_.gpus);
+    if (cfg_.risk.enabled) {
+      if (!(cfg_.risk.window_s >= 1 && cfg_.risk.window_s <= 3600))
+        throw SimError("the risk window must be between 1 and 3600 s");
+      const auto keep = static_cast<TimeNs>(std::llround((cfg_.risk.window_s + 1) * 1e9));
+      for (Gpu& gpu : gpus_) gpu.model.track_activity(keep);
+    }
     usable_ = cfg_.gpu_memory & ~(arena::kAlignment - 1);
     load(trace);
   }
@@ -401,9 +411,8 @@ class Engine {
 
  private:
   void load(const std::vector<TraceJob>& trace);
-  // The placement among the GPUs with eligible[g] (all when empty).
-  std::uint32_t choose_gpu(const std::vector<char>& eligible = {});
-  void place_waiting(TimeNs t);
+  void fill_views(TimeNs t);
+  PlacementOptions placement_options() const { return {cfg_.placement, cfg_.risk}; }
   void place_host(TimeNs t);
   double runs_below(const Gpu& gpu) const;
   void submit(std::uint32_t g, Job& j, TimeNs t);
@@ -454,21 +463,21 @@ class Engine {
   Bytes usable_ = 0;
   std::vector<Job> jobs_;
   std::vector<Gpu> gpus_;
-  std::vector<std::size_t> order_;         // jobs by arrival
-  std::size_t pos_ = 0;                    // next in order_ to arrive
-  std::deque<std::size_t> cluster_queue_;  // exclusive placement: jobs without a GPU
+  std::vector<std::size_t> order_;  // jobs by arrival
+  std::size_t pos_ = 0;             // next in order_ to arrive
   // Late binding (issue 19 item 8): every other placement keeps jobs in one host-wide
   // queue, in the policy's order with the arena's bypass bound, and places a job on a
   // GPU only once one admits it at once. Keyed by job id; arrival = position in order_.
   arena::AdmissionQueue host_queue_;
   arena::ArenaOptions host_options_;
-  std::vector<char> eligible_;  // scratch for place_host()
   std::priority_queue<HeapEntry, std::vector<HeapEntry>, std::greater<>> heap_;
   std::vector<LaneId> started_;  // scratch for dispatch()
   // Jobs whose last iteration ended this instant; they leave after its decisions.
   std::vector<std::pair<std::uint32_t, SessionId>> leaving_;
   std::vector<Keyed> turns_;  // scratch heap for forecast_turns()
-  std::uint64_t rr_next_ = 0;
+  std::size_t rr_next_ = 0;
+  std::vector<GpuView> views_;   // scratch for place_host()
+  std::vector<double> samples_;  // scratch for the risk filter
   SimCounters counters_;
   std::vector<WorkTimeline> work_;
 };
@@ -539,62 +548,34 @@ void Engine::load(const std::vector<TraceJob>& trace) {
 
 // ---------------------------------------------------------------- placement
 
-std::uint32_t Engine::choose_gpu(const std::vector<char>& eligible) {
-  const std::uint32_t n = cfg_.gpus;
-  auto ok = [&](std::uint32_t g) { return eligible.empty() || eligible[g]; };
-  if (cfg_.placement == Placement::rr) {
-    // The next eligible GPU in turn.
-    for (std::uint32_t k = 0; k < n; ++k) {
-      const auto g = static_cast<std::uint32_t>((rr_next_ + k) % n);
-      if (!ok(g)) continue;
-      rr_next_ += k + 1;
-      return g;
-    }
-    return static_cast<std::uint32_t>(rr_next_++ % n);
-  }
-  // Free memory by the arena's accounting, less what already waits for admission there.
-  auto available = [this](std::uint32_t g) {
+// This instant's view of each GPU for the shared placement rule (sched/placement.hpp):
+// the arena's free memory less what waits there, the summed util of the jobs placed
+// there (lug), and, with the risk filter, CARMA's score of the compute activity the
+// contention model recorded over the window, one sample a second.
+void Engine::fill_views(TimeNs t) {
+  // rr and exclusive ignore the filter (placement.hpp): no need to score.
+  const bool risk =
+      cfg_.risk.enabled && (cfg_.placement == Placement::magm || cfg_.placement == Placement::lug);
+  const auto window = static_cast<std::size_t>(std::max(1.0, std::round(cfg_.risk.window_s)));
+  for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
     const Gpu& gpu = gpus_[g];
-    return static_cast<std::int64_t>(gpu.sched.arena().memory().free) - gpu.waiting_bytes;
-  };
-  std::uint32_t best = 0;
-  while (best + 1 < n && !ok(best)) ++best;
-  std::int64_t best_avail = available(best);
-  for (std::uint32_t g = best + 1; g < n; ++g) {
-    if (!ok(g)) continue;
-    const std::int64_t avail = available(g);
-    bool better = false;
-    if (cfg_.placement == Placement::lug) {
-      const double a = gpus_[g].placed_util, b = gpus_[best].placed_util;
-      better = a < b - 1e-12 || (std::abs(a - b) <= 1e-12 && avail > best_avail);
-    } else {
-      better = avail > best_avail;
+    GpuView& v = views_[g];
+    v.capacity = usable_;
+    v.available = static_cast<std::int64_t>(gpu.sched.arena().memory().free) - gpu.waiting_bytes;
+    v.load = gpu.placed_util;
+    v.placed = gpu.placed_jobs;
+    v.eligible = true;
+    v.sm_activity.reset();
+    if (risk && gpu.model.activity()) {
+      gpu.model.activity()->samples(t, 1'000'000'000, window, samples_);
+      v.sm_activity = risk_score(samples_);
     }
-    if (better) {
-      best = g;
-      best_avail = avail;
-    }
-  }
-  return best;
-}
-
-void Engine::place_waiting(TimeNs t) {
-  while (!cluster_queue_.empty()) {
-    std::optional<std::uint32_t> idle;
-    for (std::uint32_t g = 0; g < cfg_.gpus && !idle; ++g)
-      if (gpus_[g].placed_jobs == 0) idle = g;
-    if (!idle) return;
-    Job& j = jobs_[cluster_queue_.front()];
-    cluster_queue_.pop_front();
-    submit(*idle, j, t);
   }
 }
 
 // One pass over the host-wide queue, as the arena passes over its own: in the policy's
 // order, each job that some GPU admits now goes to the one placement picks among those.
 void Engine::place_host(TimeNs t) {
-  if (host_queue_.empty()) return;
-  eligible_.assign(cfg_.gpus, 0);
   auto bounds = [this] {
     arena::AdmissionBounds b{0, 0, -std::numeric_limits<double>::infinity()};
     for (const Gpu& gpu : gpus_) {
@@ -605,19 +586,18 @@ void Engine::place_host(TimeNs t) {
     }
     return b;
   };
-  host_queue_.admit(host_options_.queue_mode, host_options_.max_bypass, bounds,
-                    [&](const arena::QueuedRequest& q) {
-                      Job& j = job_of(q.session);
-                      bool any = false;
-                      for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
-                        eligible_[g] = q.key < runs_below(gpus_[g]) &&
-                                       gpus_[g].sched.arena().would_admit(j.declared);
-                        any = any || eligible_[g];
-                      }
-                      if (!any) return false;
-                      submit(choose_gpu(eligible_), j, t);
-                      return true;
-                    });
+  auto admits = [this](const arena::QueuedRequest& q, std::uint32_t g) {
+    return q.key < runs_below(gpus_[g]) &&
+           gpus_[g].sched.arena().would_admit(job_of(q.session).declared);
+  };
+  auto place = [&](const arena::QueuedRequest& q, std::uint32_t g, const PlacementChoice& c) {
+    if (c.risky) ++counters_.risky_skips;
+    submit(g, job_of(q.session), t);
+  };
+  sched::bind_late(
+      host_queue_, host_options_.queue_mode, host_options_.max_bypass, bounds,
+      std::span<GpuView>(views_), placement_options(), rr_next_,
+      [&](std::span<GpuView>) { fill_views(t); }, admits, place);
 }
 
 // Under SRTF and PRIORITY one job of a shared lane runs at a time: a job placed on a GPU
@@ -1374,9 +1354,7 @@ SimResult Engine::run() {
     // Within an instant: arrivals first, so that a boundary at the same time sees them.
     for (; pos < order_.size() && jobs_[order_[pos]].arrival == t; ++pos) {
       Job& j = jobs_[order_[pos]];
-      if (cfg_.placement == Placement::exclusive) {
-        cluster_queue_.push_back(j.index);
-      } else if (cfg_.gpus == 1) {
+      if (cfg_.gpus == 1 && cfg_.placement != Placement::exclusive) {
         // One GPU: binding early costs nothing, and the GPU's own queue (salusd's) keeps
         // the scheduler's arrival order the trace's.
         submit(0, j, t);
@@ -1385,8 +1363,11 @@ SimResult Engine::run() {
         in.arrival = pos;
         in.priority = j.spec->priority;
         in.iters = j.spec->iters;
+        // Exclusive placement: arrival order, whatever the policy.
+        const double key = cfg_.placement == Placement::exclusive ? static_cast<double>(pos)
+                                                                  : admission_key(cfg_.policy, in);
         host_queue_.push(j.id, pos, t, arena::align_up(j.declared.persistent),
-                         arena::align_up(j.declared.ephemeral), admission_key(cfg_.policy, in));
+                         arena::align_up(j.declared.ephemeral), key);
       }
     }
     place_host(t);
@@ -1395,7 +1376,6 @@ SimResult Engine::run() {
       heap_.pop();
       if (e.epoch == gpus_[e.gpu].epoch) complete(e.gpu, t);
     }
-    place_waiting(t);
     place_host(t);
     for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       if (!gpus_[g].touched) continue;
@@ -1407,7 +1387,6 @@ SimResult Engine::run() {
     if (leaving_.empty()) continue;
     for (const auto& [g, id] : leaving_) depart(g, id, t);
     leaving_.clear();
-    place_waiting(t);
     place_host(t);
     for (std::uint32_t g = 0; g < cfg_.gpus; ++g) {
       if (!gpus_[g].touched) continue;

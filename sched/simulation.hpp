@@ -44,6 +44,10 @@ struct SimConfig {
   std::uint32_t gpus = 1;
   arena::Bytes gpu_memory = arena::Bytes{16} << 30;
   Placement placement = Placement::magm;
+  // CARMA's interference filter for magm and lug; the compute activity is the contention
+  // model's summed util (capped at 1), sampled once a virtual second over the window.
+  // The model has no memory-bandwidth figure, so max_mem does not apply here.
+  RiskFilter risk;
   LaneModel lanes = LaneModel::automatic;
   // Runs of iterations whose scheduling cannot change before the next event are simulated
   // as one kernel and replayed into the scheduler, boundary by boundary, at their end.
@@ -96,6 +100,8 @@ struct SimCounters {
   std::uint64_t switches = 0;
   std::uint64_t preemptions = 0;
   std::uint64_t max_lanes = 0;  // most lanes one GPU had at once
+  // Placements where the risk filter left a GPU out.
+  std::uint64_t risky_skips = 0;
   std::uint64_t swaps_out = 0;  // oversubscription
   std::uint64_t swaps_in = 0;
   std::int64_t swap_ns = 0;  // GPU time spent swapping

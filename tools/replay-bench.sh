@@ -11,8 +11,11 @@
 #        DEPTH (salusd --pipeline-depth, 1), TIE (seconds, 0.05),
 #        KERNEL_US (salus-replay --kernel-us: spins of at most this many us, 0 = one),
 #        OVERHEAD_US (salus-sim --iteration-overhead-us; default: measured here first),
-#        BACKEND_ARGS (salusd flags; default --backend sim --sim-gpus 1 --sim-memory 16G;
-#        on a GPU, e.g. --backend cuda --cuda-memory-fraction 0.2)
+#        GPUS (1: GPUs of the default sim backend, and salus-sim --gpus; with more, jobs
+#        bind late to a GPU in both, and replay-compare also counts the jobs that ran
+#        on the same GPU), MEMORY (16G: per sim GPU), PLACEMENT (magm),
+#        BACKEND_ARGS (salusd flags; default --backend sim --sim-gpus GPUS --sim-memory
+#        MEMORY; on a GPU, e.g. --backend cuda --cuda-memory-fraction 0.2)
 #
 # The overhead is salusd's host-side cost per iteration boundary on this machine at
 # this depth: one job of 1 ms iterations is replayed alone with 200 and 1200 iterations,
@@ -28,7 +31,9 @@ policies=("$@")
 here=$(cd "$(dirname "$0")" && pwd)
 salusd=$build/tools/salusd salus_sim=$build/tools/salus-sim
 [ -x "$salusd" ] || salusd=$build/salusd salus_sim=$build/salus-sim
-read -r -a backend_args <<<"${BACKEND_ARGS:---backend sim --sim-gpus 1 --sim-memory 16G}"
+gpus=${GPUS:-1}
+placement=${PLACEMENT:-magm}
+read -r -a backend_args <<<"${BACKEND_ARGS:---backend sim --sim-gpus $gpus --sim-memory ${MEMORY:-16G}}"
 trace=${TRACE:-$here/../traces/online-100.csv}
 scale=${SCALE:-256}
 depth=${DEPTH:-1}
@@ -56,8 +61,8 @@ trap cleanup EXIT INT TERM
 start_salusd() {  # LOG: a fresh daemon, so no run inherits another's lanes or clocks
   mnt=$(mktemp -d /tmp/salus-replay-bench.XXXXXX)
   # --state-dir '': no named session of another run (or of the host) comes back.
-  "$salusd" "${backend_args[@]}" --log-level warn --pipeline-depth "$depth" --mount "$mnt" \
-    --state-dir '' >"$1" 2>&1 &
+  "$salusd" "${backend_args[@]}" --placement "$placement" --log-level warn \
+    --pipeline-depth "$depth" --mount "$mnt" --state-dir '' >"$1" 2>&1 &
   dpid=$!
   for _ in $(seq 600); do [ -e "$mnt/version" ] && break; sleep 0.1; done
   [ -e "$mnt/version" ] || { echo "replay-bench: salusd did not mount $mnt" >&2; exit 1; }
@@ -96,6 +101,7 @@ for p in "${policies[@]}"; do
 done
 
 "$salus_sim" --trace "$out/scaled.csv" --policy all --lanes algorithm1 --gpu-memory "$capacity" \
+  --gpus "$gpus" --placement "$placement" \
   --iteration-overhead-us "$overhead" --jobs-out "$out/sim-all.csv" >"$out/sim.summary"
 for p in "${policies[@]}"; do
   echo "== $p (salusd --pipeline-depth $depth, scale $scale, salus-sim --iteration-overhead-us $overhead)"

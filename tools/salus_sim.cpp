@@ -38,6 +38,9 @@ struct Options {
   std::uint32_t gpus = 1;
   std::string gpu_memory = "16G";
   std::string placement = "magm";
+  bool risk_filter = false;
+  double risk_max_sm = 0.80;
+  double risk_window_s = 30;
   std::string lanes = "auto";
   std::string jobs_out;
   double share_window_s = 0;
@@ -123,6 +126,16 @@ void add_flags(CLI::App& app, Options& o) {
          "--placement", o.placement,
          "GPU placement: magm, lug, rr, or exclusive (one job per GPU; implied by exclusive lanes)")
       ->capture_default_str();
+  app.add_flag("--risk-filter", o.risk_filter,
+               "CARMA's risk filter for magm and lug: skip GPUs whose compute activity over "
+               "the window scores at or above --risk-max-sm");
+  app.add_option("--risk-max-sm", o.risk_max_sm, "the risk filter's compute threshold (0 to 1)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--risk-window-s", o.risk_window_s,
+                 "the risk filter's window in virtual seconds (1 to 3600)")
+      ->capture_default_str()
+      ->check(CLI::Range(1.0, 3600.0));
   app.add_option(
          "--lanes", o.lanes,
          "lane model: auto (fifo: exclusive, pack: algorithm1, srtf/fair/priority: shared), "
@@ -189,6 +202,9 @@ int make_config(const Options& o, std::vector<PolicyKind>& policies, sc::SimConf
   if (!placement)
     return usage(fmt::format("unknown placement '{}' (magm, lug, rr, exclusive)", o.placement));
   base.placement = *placement;
+  base.risk.enabled = o.risk_filter;
+  base.risk.max_sm = o.risk_max_sm;
+  base.risk.window_s = o.risk_window_s;
   const auto lanes = sc::lane_model_from_string(o.lanes);
   if (!lanes)
     return usage(
@@ -232,13 +248,14 @@ void print_stats(PolicyKind policy, const sc::SimResult& res, double wall) {
   std::fprintf(
       stderr,
       "salus-sim: %s: lanes %s, placement %s, %zu jobs, %llu iterations, %llu kernels, "
-      "%llu events, %llu decisions, %llu preemptions, max %llu lanes, %.3f s wall\n",
+      "%llu events, %llu decisions, %llu preemptions, max %llu lanes, %llu risky skips, %.3f s "
+      "wall\n",
       std::string(sc::to_string(policy)).c_str(), std::string(sc::to_string(res.lanes)).c_str(),
       std::string(sc::to_string(res.config.placement)).c_str(), res.jobs.size(),
       static_cast<unsigned long long>(c.iterations), static_cast<unsigned long long>(c.kernels),
       static_cast<unsigned long long>(c.events), static_cast<unsigned long long>(c.decisions),
       static_cast<unsigned long long>(c.preemptions), static_cast<unsigned long long>(c.max_lanes),
-      wall);
+      static_cast<unsigned long long>(c.risky_skips), wall);
   if (res.config.oversubscribe > 1.0)
     std::fprintf(stderr, "salus-sim: %s: %llu swaps out, %llu swaps in, %.3f s swapping\n",
                  std::string(sc::to_string(policy)).c_str(),

@@ -13,8 +13,51 @@
 #include "sched/trace.hpp"
 #include "sched/trace_generator.hpp"
 
+namespace {
+
+namespace sc = salus::sched;
+
+// --shape: the defaults of a trace of a known shape; what the user set stays.
+void apply_shape(const std::string& shape, const CLI::App& app, sc::GeneratorConfig& c) {
+  auto unset = [&app](const char* name) { return app.count(name) == 0; };
+  if (shape == "cluster" || shape == "year") {
+    // year: the cluster's load per GPU (8 GPUs, a job every 400 s) on 100 GPUs for 365 days.
+    const bool year = shape == "year";
+    if (unset("--jobs")) c.jobs = year ? 985500 : 15264;
+    if (unset("--interarrival")) c.mean_interarrival_s = year ? 32 : 400;
+    if (unset("--duration-mean")) c.duration_mean_s = 3000;
+    if (unset("--duration-sigma")) c.duration_sigma = 2;
+    if (unset("--duration-max")) c.max_duration_s = 30 * 86400.0;
+  } else if (shape == "burst") {
+    if (unset("--jobs")) c.jobs = 100000;
+    if (unset("--interarrival")) c.mean_interarrival_s = 0;
+    if (unset("--duration-mean")) c.duration_mean_s = 60;
+    if (unset("--duration-sigma")) c.duration_sigma = 1;
+  }
+}
+
+// --arrivals: comma-separated times in seconds, appended to `out`; false (and a
+// message on stderr) for one that is not a number.
+bool parse_arrivals(const std::string& arrivals, std::vector<double>& out) {
+  if (arrivals.empty()) return true;
+  std::stringstream ss(arrivals);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    try {
+      std::size_t used = 0;
+      out.push_back(std::stod(item, &used));
+      if (used != item.size()) throw std::invalid_argument(item);
+    } catch (const std::exception&) {
+      std::fprintf(stderr, "salus-trace-gen: bad arrival time '%s'\n", item.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  namespace sc = salus::sched;
   sc::GeneratorConfig c;
   std::string out_path, arrivals;
   std::uint64_t iters = 0;
@@ -74,38 +117,10 @@ int main(int argc, char** argv) {
                                w.util);
     return 0;
   }
-  // A shape sets what the user did not.
-  auto unset = [&app](const char* name) { return app.count(name) == 0; };
-  if (shape == "cluster" || shape == "year") {
-    // year: the cluster's load per GPU (8 GPUs, a job every 400 s) on 100 GPUs for 365 days.
-    const bool year = shape == "year";
-    if (unset("--jobs")) c.jobs = year ? 985500 : 15264;
-    if (unset("--interarrival")) c.mean_interarrival_s = year ? 32 : 400;
-    if (unset("--duration-mean")) c.duration_mean_s = 3000;
-    if (unset("--duration-sigma")) c.duration_sigma = 2;
-    if (unset("--duration-max")) c.max_duration_s = 30 * 86400.0;
-  } else if (shape == "burst") {
-    if (unset("--jobs")) c.jobs = 100000;
-    if (unset("--interarrival")) c.mean_interarrival_s = 0;
-    if (unset("--duration-mean")) c.duration_mean_s = 60;
-    if (unset("--duration-sigma")) c.duration_sigma = 1;
-  }
+  apply_shape(shape, app, c);
   if (iters > 0) c.iters = iters;
   if (util > 0) c.util = util;
-  if (!arrivals.empty()) {
-    std::stringstream ss(arrivals);
-    std::string item;
-    while (std::getline(ss, item, ',')) {
-      try {
-        std::size_t used = 0;
-        c.arrivals.push_back(std::stod(item, &used));
-        if (used != item.size()) throw std::invalid_argument(item);
-      } catch (const std::exception&) {
-        std::fprintf(stderr, "salus-trace-gen: bad arrival time '%s'\n", item.c_str());
-        return 2;
-      }
-    }
-  }
+  if (!parse_arrivals(arrivals, c.arrivals)) return 2;
   std::vector<sc::TraceJob> jobs;
   try {
     jobs = sc::generate_trace(c);

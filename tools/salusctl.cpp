@@ -945,6 +945,47 @@ int cmd_cdi(const Ctx& ctx, const CdiOptions& o) {
   return 0;
 }
 
+namespace {
+
+// The `run` subcommand's options, bound to `o`.
+void add_run(CLI::App& app, RunOptions& o) {
+  auto* run = app.add_subcommand(
+      "run", "Run a command in a named session: salusctl run [OPTIONS] -- CMD [ARGS...]");
+  run->add_option("--persistent", o.persistent, "Persistent memory, e.g. 512M");
+  run->add_option("--ephemeral", o.ephemeral, "Ephemeral (per-iteration) memory, e.g. 1G");
+  run->add_option("--iters", o.iters, "Declared iterations (used by srtf)");
+  run->add_option("--priority", o.priority, "Priority (used by the priority policy)");
+  run->add_option("--gpu", o.gpu, "GPU index or 'any' (default $SALUS_GPU, if set)");
+  run->add_option("--name", o.name, "Session name (default run-<pid>)");
+  run->add_flag("-v,--verbose", o.verbose, "Report the session's result on stderr");
+  run->add_option("CMD", o.command, "The command and its arguments, after --")->required();
+}
+
+// The `cdi` subcommand's options, bound to `o`.
+void add_cdi(CLI::App& app, CdiOptions& o) {
+  auto* cdi = app.add_subcommand(
+      "cdi", "Write a CDI spec (podman/containerd/CRI-O --device KIND=GPU|any) for this host");
+  cdi->add_option("-o,--output", o.output,
+                  "File to write, e.g. /etc/cdi/salus.json (default: standard output)");
+  cdi->add_option("--kind", o.kind, "CDI kind VENDOR/CLASS (default salus.io/gpu)");
+  cdi->add_option("--shim", o.shim,
+                  "libsalus-shim.so to bind and LD_PRELOAD in containers, if it exists "
+                  "(default " SALUS_LIBDIR "/libsalus-shim.so; empty: none)");
+}
+
+// --mount without trailing slashes and absolute, so that the paths `run` hands
+// to its command work from any directory.
+std::string absolute_mount(std::string mount) {
+  while (mount.size() > 1 && mount.back() == '/') mount.pop_back();
+  if (!mount.empty() && mount[0] != '/') {
+    char cwd[PATH_MAX];
+    if (::getcwd(cwd, sizeof cwd)) mount = std::string(cwd) + "/" + mount;
+  }
+  return mount;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   Ctx ctx;
   const char* env_mount = std::getenv("SALUS_MOUNT");
@@ -986,26 +1027,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.05, 3600.0));
   top->add_flag("--once", once, "Print one frame (rates over one interval) and exit");
   RunOptions run_opts;
-  auto* run = app.add_subcommand(
-      "run", "Run a command in a named session: salusctl run [OPTIONS] -- CMD [ARGS...]");
-  run->add_option("--persistent", run_opts.persistent, "Persistent memory, e.g. 512M");
-  run->add_option("--ephemeral", run_opts.ephemeral, "Ephemeral (per-iteration) memory, e.g. 1G");
-  run->add_option("--iters", run_opts.iters, "Declared iterations (used by srtf)");
-  run->add_option("--priority", run_opts.priority, "Priority (used by the priority policy)");
-  run->add_option("--gpu", run_opts.gpu, "GPU index or 'any' (default $SALUS_GPU, if set)");
-  run->add_option("--name", run_opts.name, "Session name (default run-<pid>)");
-  run->add_flag("-v,--verbose", run_opts.verbose, "Report the session's result on stderr");
-  run->add_option("CMD", run_opts.command, "The command and its arguments, after --")->required();
-
+  add_run(app, run_opts);
   CdiOptions cdi_opts;
-  auto* cdi = app.add_subcommand(
-      "cdi", "Write a CDI spec (podman/containerd/CRI-O --device KIND=GPU|any) for this host");
-  cdi->add_option("-o,--output", cdi_opts.output,
-                  "File to write, e.g. /etc/cdi/salus.json (default: standard output)");
-  cdi->add_option("--kind", cdi_opts.kind, "CDI kind VENDOR/CLASS (default salus.io/gpu)");
-  cdi->add_option("--shim", cdi_opts.shim,
-                  "libsalus-shim.so to bind and LD_PRELOAD in containers, if it exists "
-                  "(default " SALUS_LIBDIR "/libsalus-shim.so; empty: none)");
+  add_cdi(app, cdi_opts);
 
   try {
     app.parse(argc, argv);
@@ -1013,13 +1037,7 @@ int main(int argc, char** argv) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
   }
-  while (mount.size() > 1 && mount.back() == '/') mount.pop_back();
-  // Absolute, so that the paths `run` hands to its command work from any directory.
-  if (!mount.empty() && mount[0] != '/') {
-    char cwd[PATH_MAX];
-    if (::getcwd(cwd, sizeof cwd)) mount = std::string(cwd) + "/" + mount;
-  }
-  ctx.mount = mount;
+  ctx.mount = absolute_mount(std::move(mount));
 
   try {
     if (app.got_subcommand("status")) return cmd_status(ctx);

@@ -45,6 +45,7 @@ struct Settings {
   std::string sim_memory = "16G";
   std::string policy = "fair";
   std::string placement = "magm";
+  salus::sched::RiskFilter risk;  // CARMA's filter for magm and lug (NVML, cuda backend)
   std::string admin_group;
   std::string log_level = "info";
   std::string config;
@@ -88,29 +89,30 @@ void reset_stop_signals() {
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
 }
 
-// The --oversubscribe ratio, or nullopt with `why` (1 to 16; "2", "1.5").
-std::optional<double> parse_oversubscribe(const std::string& text, std::string& why) {
+// The --oversubscribe ratio (1 to 16; "2", "1.5") into `out`; false with `why`.
+bool parse_oversubscribe(const std::string& text, double& out, std::string& why) {
   char* end = nullptr;
   const double v = text.empty() ? 0.0 : std::strtod(text.c_str(), &end);
   if (text.empty() || *end != '\0' || std::isnan(v)) {
     why = fmt::format("oversubscribe '{}': expected a number from 1 to 16, e.g. 1.5", text);
-    return std::nullopt;
+    return false;
   }
   if (v < 1.0) {
     why = fmt::format(
         "oversubscribe {}: below 1 would admit less than the GPU holds; expected "
         "1 (no oversubscription) to 16",
         text);
-    return std::nullopt;
+    return false;
   }
   if (!(v <= 16.0)) {
     why = fmt::format(
         "oversubscribe {}: expected at most 16 (every admitted byte beyond the "
         "card lives in host memory or the spill file)",
         text);
-    return std::nullopt;
+    return false;
   }
-  return v;
+  out = v;
+  return true;
 }
 
 int fail(const std::string& why) {
@@ -118,50 +120,65 @@ int fail(const std::string& why) {
   return 1;
 }
 
-// `mps = [0, 2]` or `mps = "all"`.
-std::optional<std::string> load_mps(const toml::table& t, Settings& s) {
+// `mps = [0, 2]` or `mps = "all"`. False with `why` for anything else.
+bool load_mps(const toml::table& t, Settings& s, std::string& why) {
   const toml::node* n = t.get("mps");
-  if (!n) return std::nullopt;
+  if (!n) return true;
   s.mps.clear();
   if (auto v = n->value<std::string>()) {
     s.mps.push_back(*v);
   } else if (const toml::array* a = n->as_array()) {
     for (const auto& e : *a) {
       const auto i = e.value<std::int64_t>();
-      if (!i) return std::string("mps: expected GPU indices, e.g. mps = [0, 1], or \"all\"");
+      if (!i) {
+        why = "mps: expected GPU indices, e.g. mps = [0, 1], or \"all\"";
+        return false;
+      }
       s.mps.push_back(std::to_string(*i));
     }
   } else {
-    return std::string("mps: expected a list of GPU indices or \"all\"");
+    why = "mps: expected a list of GPU indices or \"all\"";
+    return false;
   }
-  return std::nullopt;
+  return true;
 }
 
 // Reads the config file into `s`; flags given on the command line win later.
-std::optional<std::string> load_config(const std::string& path, Settings& s) {
+// False with `why` for a file that cannot be read or parsed, or a bad `mps`.
+bool load_config(const std::string& path, Settings& s, std::string& why) {
   toml::table t;
   try {
     t = toml::parse_file(path);
   } catch (const toml::parse_error& e) {
-    return fmt::format("config {}: {} (line {})", path, e.description(), e.source().begin.line);
+    why = fmt::format("config {}: {} (line {})", path, e.description(), e.source().begin.line);
+    return false;
   }
   s.mount = t["mount"].value_or(s.mount);
   s.backend = t["backend"].value_or(s.backend);
   s.policy = t["policy"].value_or(s.policy);
   s.placement = t["placement"].value_or(s.placement);
+  s.risk.enabled = t["risk"]["filter"].value_or(s.risk.enabled);
+  s.risk.max_sm = t["risk"]["max_sm"].value_or(s.risk.max_sm);
+  s.risk.max_mem = t["risk"]["max_mem"].value_or(s.risk.max_mem);
+  s.risk.window_s = t["risk"]["window_s"].value_or(s.risk.window_s);
   s.admin_group = t["admin_group"].value_or(s.admin_group);
   s.log_level = t["log_level"].value_or(s.log_level);
   s.pipeline_depth = t["pipeline_depth"].value_or(s.pipeline_depth);
   s.shutdown_grace_ms = t["shutdown_grace_ms"].value_or(s.shutdown_grace_ms);
   s.metrics_listen = t["metrics_listen"].value_or(s.metrics_listen);
   s.state_dir = t["state_dir"].value_or(s.state_dir);
-  if (auto err = load_mps(t, s)) return fmt::format("config {}: {}", path, *err);
+  if (!load_mps(t, s, why)) {
+    why = fmt::format("config {}: {}", path, why);
+    return false;
+  }
   s.mps_dir = t["mps_dir"].value_or(s.mps_dir);
   if (const toml::node* n = t.get("oversubscribe")) {
     if (auto d = n->value<double>())
       s.oversubscribe = fmt::format("{}", *d);
-    else
-      return fmt::format("config {}: oversubscribe: expected a number, e.g. 1.5", path);
+    else {
+      why = fmt::format("config {}: oversubscribe: expected a number, e.g. 1.5", path);
+      return false;
+    }
   }
   s.swap_host_limit = t["swap_host_limit"].value_or(s.swap_host_limit);
   s.swap_dir = t["swap_dir"].value_or(s.swap_dir);
@@ -179,61 +196,74 @@ std::optional<std::string> load_config(const std::string& path, Settings& s) {
   s.transfer_chunk = t["transfers"]["chunk"].value_or(s.transfer_chunk);
   s.transfers_active = t["transfers"]["active"].value_or(s.transfers_active);
   s.segment_cache = t["transfers"]["segment_cache"].value_or(s.segment_cache);
-  return std::nullopt;
+  return true;
 }
 
-std::optional<std::string> validate(const Settings& s) {
+// Checks every setting, from flags and config alike; false with the first bad
+// one in `why`.
+bool validate(const Settings& s, std::string& why) {
+  auto bad = [&why](std::string text) {
+    why = std::move(text);
+    return false;
+  };
   auto one_of = [](const std::string& v, std::initializer_list<const char*> allowed) {
     for (const char* a : allowed)
       if (v == a) return true;
     return false;
   };
   if (!one_of(s.backend, {"auto", "cuda", "sim"}))
-    return fmt::format("backend '{}': expected auto, cuda or sim", s.backend);
+    return bad(fmt::format("backend '{}': expected auto, cuda or sim", s.backend));
   if (!one_of(s.gpu_isolation, {"auto", "process", "thread"}))
-    return fmt::format("gpu_isolation '{}': expected process or thread", s.gpu_isolation);
+    return bad(fmt::format("gpu_isolation '{}': expected process or thread", s.gpu_isolation));
   if (!salus::sched::policy_from_string(s.policy))
-    return fmt::format("policy '{}': expected fifo, pack, srtf, fair or priority", s.policy);
+    return bad(fmt::format("policy '{}': expected fifo, pack, srtf, fair or priority", s.policy));
   if (!salus::sched::placement_from_string(s.placement))
-    return fmt::format("placement '{}': expected magm, lug, rr or exclusive", s.placement);
+    return bad(fmt::format("placement '{}': expected magm, lug, rr or exclusive", s.placement));
+  if (!(s.risk.max_sm >= 0 && s.risk.max_sm <= 1) || !(s.risk.max_mem >= 0 && s.risk.max_mem <= 1))
+    return bad(fmt::format("risk max_sm {} / max_mem {}: expected 0 to 1", s.risk.max_sm,
+                           s.risk.max_mem));
+  if (!(s.risk.window_s >= 1 && s.risk.window_s <= 3600))
+    return bad(fmt::format("risk window_s {}: expected 1 to 3600", s.risk.window_s));
   if (!one_of(s.log_level, {"trace", "debug", "info", "warn", "error"}))
-    return fmt::format("log_level '{}': expected trace, debug, info, warn or error", s.log_level);
+    return bad(
+        fmt::format("log_level '{}': expected trace, debug, info, warn or error", s.log_level));
   if (s.sim_gpus < 1 || s.sim_gpus > 64)
-    return fmt::format("sim gpus {}: expected 1 to 64", s.sim_gpus);
+    return bad(fmt::format("sim gpus {}: expected 1 to 64", s.sim_gpus));
   if (s.pipeline_depth < 1 || s.pipeline_depth > 64)
-    return fmt::format("pipeline_depth {}: expected 1 to 64", s.pipeline_depth);
-  if (s.shutdown_grace_ms < 0) return std::string("shutdown_grace_ms must not be negative");
+    return bad(fmt::format("pipeline_depth {}: expected 1 to 64", s.pipeline_depth));
+  if (s.shutdown_grace_ms < 0) return bad("shutdown_grace_ms must not be negative");
   if (!(s.cuda_memory_fraction > 0.0 && s.cuda_memory_fraction <= 1.0))
-    return fmt::format("cuda memory_fraction {}: expected more than 0 and at most 1",
-                       s.cuda_memory_fraction);
+    return bad(fmt::format("cuda memory_fraction {}: expected more than 0 and at most 1",
+                           s.cuda_memory_fraction));
   if (s.quotas.bytes_per_write < 64 || s.quotas.bytes_per_write > 1024 * 1024)
-    return fmt::format("quotas.bytes_per_write {}: expected 64 to 1048576",
-                       s.quotas.bytes_per_write);
+    return bad(
+        fmt::format("quotas.bytes_per_write {}: expected 64 to 1048576", s.quotas.bytes_per_write));
   const auto chunk = salus::arena::parse_size(s.transfer_chunk);
   if (!chunk || *chunk < (64u << 10) || *chunk > (256u << 20))
-    return fmt::format("transfers.chunk '{}': expected a size from 64K to 256M", s.transfer_chunk);
+    return bad(
+        fmt::format("transfers.chunk '{}': expected a size from 64K to 256M", s.transfer_chunk));
   if (s.transfers_active < 1 || s.transfers_active > salus::vgpu::TransferEngine::kMaxActive)
-    return fmt::format("transfers.active {}: expected 1 to {}", s.transfers_active,
-                       salus::vgpu::TransferEngine::kMaxActive);
+    return bad(fmt::format("transfers.active {}: expected 1 to {}", s.transfers_active,
+                           salus::vgpu::TransferEngine::kMaxActive));
   if (!salus::arena::parse_size(s.segment_cache))
-    return fmt::format("transfers.segment_cache '{}': expected a size, e.g. 4G or 0",
-                       s.segment_cache);
-  if (s.quotas.transfers_per_uid < 1)
-    return std::string("quotas.transfers_per_uid must be at least 1");
+    return bad(fmt::format("transfers.segment_cache '{}': expected a size, e.g. 4G or 0",
+                           s.segment_cache));
+  if (s.quotas.transfers_per_uid < 1) return bad("quotas.transfers_per_uid must be at least 1");
   if (s.mount.empty() || s.mount[0] != '/')
-    return fmt::format("mount '{}' must be an absolute path", s.mount);
+    return bad(fmt::format("mount '{}' must be an absolute path", s.mount));
   for (const auto& g : s.mps)
     if (g != "all" && (g.empty() || g.size() > 4 || g.find_first_not_of("0123456789") != g.npos))
-      return fmt::format("mps '{}': expected GPU indices (e.g. 0,1) or all", g);
+      return bad(fmt::format("mps '{}': expected GPU indices (e.g. 0,1) or all", g));
   if (!s.mps.empty() && (s.mps_dir.empty() || s.mps_dir[0] != '/'))
-    return fmt::format("mps_dir '{}' must be an absolute path", s.mps_dir);
-  std::string why;
-  if (!parse_oversubscribe(s.oversubscribe, why)) return why;
+    return bad(fmt::format("mps_dir '{}' must be an absolute path", s.mps_dir));
+  std::string sub_why;
+  double ratio = 1.0;
+  if (!parse_oversubscribe(s.oversubscribe, ratio, sub_why)) return bad(sub_why);
   if (!salus::arena::parse_size(s.swap_host_limit))
-    return fmt::format("swap_host_limit '{}': expected a size, e.g. 64G", s.swap_host_limit);
-  if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, why))
-    return fmt::format("metrics_listen {}", why);
-  return std::nullopt;
+    return bad(fmt::format("swap_host_limit '{}': expected a size, e.g. 64G", s.swap_host_limit));
+  if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, sub_why))
+    return bad(fmt::format("metrics_listen {}", sub_why));
+  return true;
 }
 
 // Every command-line flag, bound to its setting; the config file's keys are in
@@ -255,6 +285,14 @@ void add_flags(CLI::App& flags, Settings& s) {
       ->check(CLI::IsMember({"fifo", "pack", "srtf", "fair", "priority"}));
   flags.add_option("--placement", s.placement, "magm, lug, rr or exclusive (for gpu=any)")
       ->check(CLI::IsMember({"magm", "lug", "rr", "exclusive"}));
+  flags.add_flag("--risk-filter", s.risk.enabled,
+                 "magm and lug skip GPUs that NVML shows busy (CARMA's risk filter)");
+  flags.add_option("--risk-max-sm", s.risk.max_sm, "risk threshold on SM activity, 0 to 1")
+      ->capture_default_str();
+  flags.add_option("--risk-max-mem", s.risk.max_mem, "risk threshold on memory activity, 0 to 1")
+      ->capture_default_str();
+  flags.add_option("--risk-window-s", s.risk.window_s, "risk window in seconds (1 to 3600)")
+      ->capture_default_str();
   flags.add_option("--admin-group", s.admin_group, "Group whose members may use the admin files");
   flags.add_option("--log-level", s.log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error"}));
@@ -321,8 +359,8 @@ bool parse_settings(int argc, char** argv, Settings& s, int& exit_code) {
     if (a.rfind("--config=", 0) == 0) s.config = a.substr(9);
   }
   if (!s.config.empty()) {
-    if (auto err = load_config(s.config, s)) {
-      exit_code = fail(*err);
+    if (std::string why; !load_config(s.config, s, why)) {
+      exit_code = fail(why);
       return false;
     }
   }
@@ -335,8 +373,8 @@ bool parse_settings(int argc, char** argv, Settings& s, int& exit_code) {
     return false;
   }
   // Values from the config file get the same checks as flags.
-  if (auto why = validate(s)) {
-    exit_code = fail(*why);
+  if (std::string why; !validate(s, why)) {
+    exit_code = fail(why);
     return false;
   }
   return true;
@@ -404,11 +442,13 @@ bool open_devices(const Settings& s, salus::arena::Bytes sim_memory, Devices& d,
 
 // NVML readings for the cuda backend's GPUs, found by UUID. Optional: without
 // libnvidia-ml.so.1 gpus/N/info says why and the metrics leave them out.
-std::unique_ptr<salus::vgpu::GpuTelemetry> start_telemetry(const Devices& d) {
+// One sample a second; the risk filter scores the last `window` of them.
+std::unique_ptr<salus::vgpu::GpuTelemetry> start_telemetry(const Devices& d, std::size_t window) {
   if (d.backend != "cuda") return nullptr;
   std::vector<std::string> uuids;
   for (const auto& dev : d.list) uuids.push_back(dev->info().uuid);
-  auto sampler = std::make_unique<salus::vgpu::nvml::NvmlSampler>(std::move(uuids));
+  auto sampler = std::make_unique<salus::vgpu::nvml::NvmlSampler>(
+      std::move(uuids), std::chrono::seconds(1), salus::vgpu::nvml::NvmlReader::kLibrary, window);
   for (std::size_t i = 0; i < d.list.size(); ++i) {
     const auto t = sampler->snapshot(i);
     if (t.available)
@@ -475,13 +515,15 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s) {
   salus::vgpu::BrokerConfig bc;
   bc.policy = *salus::sched::policy_from_string(s.policy);
   bc.placement = *salus::sched::placement_from_string(s.placement);
+  bc.risk = s.risk;
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
   bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
   bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
   bc.transfers_active = s.transfers_active;
-  std::string why;
-  bc.arena.oversubscribe = parse_oversubscribe(s.oversubscribe, why).value_or(1.0);
+  std::string why;  // validate() accepted it
+  bc.arena.oversubscribe = 1.0;
+  parse_oversubscribe(s.oversubscribe, bc.arena.oversubscribe, why);
   bc.swap_host_limit = *salus::arena::parse_size(s.swap_host_limit);
   bc.swap_dir = s.swap_dir;
   return bc;
@@ -540,7 +582,10 @@ int main(int argc, char** argv) {
   // Declared before the broker: stopped after it (and on every early return).
   MpsDaemons mps;
   if (std::string why; !start_mps(s, devices, mps, why)) return fail(why);
-  auto telemetry = start_telemetry(devices);
+  auto telemetry = start_telemetry(devices, static_cast<std::size_t>(std::lround(s.risk.window_s)));
+  if (s.risk.enabled && !telemetry)
+    spdlog::warn("--risk-filter: the {} backend has no NVML readings; the filter leaves no GPU out",
+                 devices.backend);
   const std::string backend = devices.backend;
   const bool isolated =
       s.gpu_isolation == "process" || (s.gpu_isolation == "auto" && backend == "cuda");
@@ -570,10 +615,10 @@ int main(int argc, char** argv) {
   fo.admin_group = admin_gid;
   fo.debug = s.fuse_debug;
   salus::fusefs::Filesystem fs(broker, fo);
-  if (auto err = fs.mount()) {
+  if (std::string why; fs.mount(why)) {
     if (metrics_http) metrics_http->stop();
     broker.shutdown(std::chrono::milliseconds(0));
-    return fail(*err);
+    return fail(why);
   }
   spdlog::info("salusd {} serving {} with {} {} GPU(s), policy {}, gpu isolation {}", SALUS_VERSION,
                fs.options().mountpoint, broker.gpu_count(), backend, s.policy,

@@ -35,6 +35,13 @@ struct GpuTelemetrySnapshot {
   std::string error;  // when available: why the last sample lacked a reading, or ""
 };
 
+// CARMA's risk scores (sched::risk_score) of the readings over the sampler's window, for
+// the placement's risk filter. Absent until a reading has been sampled.
+struct GpuRisk {
+  std::optional<double> sm;   // of sm_util
+  std::optional<double> mem;  // of mem_util
+};
+
 // The broker asks for snapshots when it renders gpus/N/info and metrics; an
 // implementation must answer from a cache, without calling into the driver,
 // because a FUSE thread is waiting. Thread-safe.
@@ -43,6 +50,8 @@ class GpuTelemetry {
   virtual ~GpuTelemetry() = default;
   // `gpu` is the broker's index (DeviceInfo::index).
   virtual GpuTelemetrySnapshot snapshot(std::size_t gpu) const = 0;
+  // Answered from the cache too, without allocating: placement asks under the broker's lock.
+  virtual GpuRisk risk(std::size_t /*gpu*/) const { return {}; }
 };
 
 }  // namespace salus::vgpu

@@ -27,34 +27,29 @@ def busybox_static():
     return BUSYBOX
 
 
-def sendfile_all(path):
+def pipe_all(path, move):
+    """All of `path` as it arrives through a pipe, `move(src_fd, pipe_w)` at a time
+    (sendfile or splice), until it moves 0 bytes."""
     with open(path, "rb") as src:
         r, w = os.pipe()
         try:
             out = b""
             while True:
-                n = os.sendfile(w, src.fileno(), None, 1 << 16)
+                n = move(src.fileno(), w)
                 if n == 0:
                     return out
                 out += os.read(r, n)
         finally:
             os.close(r)
             os.close(w)
+
+
+def sendfile_all(path):
+    return pipe_all(path, lambda src, w: os.sendfile(w, src, None, 1 << 16))
 
 
 def splice_all(path):
-    with open(path, "rb") as src:
-        r, w = os.pipe()
-        try:
-            out = b""
-            while True:
-                n = os.splice(src.fileno(), w, 1 << 16)
-                if n == 0:
-                    return out
-                out += os.read(r, n)
-        finally:
-            os.close(r)
-            os.close(w)
+    return pipe_all(path, lambda src, w: os.splice(src, w, 1 << 16))
 
 
 def names(text):

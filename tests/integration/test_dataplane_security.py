@@ -4,48 +4,23 @@ directory, or follow a symlink planted in /tmp, and what it may do, it does as
 nobody. Each case runs a client as uid 65534 (setpriv) and checks the errno of
 its write and the reason in its session log."""
 import errno
-import json
 import os
 import shutil
 import stat
-import subprocess
 import tempfile
 
 import pytest
 
+import nobody
 from conftest import start_on_backend
+from nobody import NOBODY, last_line, skip_unless_root_with_setpriv
 
-NOBODY = 65534
 BACKEND = os.environ.get("SALUS_TEST_BACKEND", "sim")
-
-# Runs as nobody: opens a session, then each command in its own write; prints,
-# per command, the errno (0 for success) and the session's last log line.
-CLIENT = r"""
-import json, os, sys
-os.umask(0o027)
-mnt, commands = sys.argv[1], json.loads(sys.argv[2])
-fd = os.open(mnt + "/clone", os.O_RDWR)
-sid = os.read(fd, 64).decode().strip()
-os.write(fd, b"need persistent=8M ephemeral=1M\nalloc w 1M\n")
-out = []
-for c in commands:
-    try:
-        os.write(fd, (c + "\nsync\n").encode())
-        err = 0
-    except OSError as e:
-        err = e.errno
-    with open(f"{mnt}/sessions/{sid}/log") as f:
-        out.append([err, f.read().splitlines()[-1]])
-print(json.dumps(out))
-"""
 
 
 @pytest.fixture(autouse=True)
 def need_root():
-    if os.geteuid() != 0:
-        pytest.skip("these tests switch to uid 65534 and need root")
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed")
+    skip_unless_root_with_setpriv()
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +44,8 @@ def scratch():
 
 
 def as_nobody(daemon, *commands):
-    r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                        "/usr/bin/python3", "-c", CLIENT, daemon.mnt, json.dumps(commands)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return [(err, line) for err, line in json.loads(r.stdout)]
+    """[(errno, last log line)] per command; files nobody creates get umask 027."""
+    return [(err, last_line(log)) for err, log in nobody.as_nobody(daemon.mnt, *commands, umask=0o027)]
 
 
 def shm_segment(made, mode, owner=0, size=4096):

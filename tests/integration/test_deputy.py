@@ -5,7 +5,6 @@ process it cannot see (outside its pid namespace, which FUSE reports as pid 0).
 Clients run as uid 65534 (setpriv) and check the errno of each write and the
 reason in the session log."""
 import errno
-import json
 import os
 import shutil
 import signal
@@ -17,36 +16,11 @@ import glob
 import pytest
 
 from conftest import Salusd, children, alive, is_mounted
-
-NOBODY = 65534
-
-# Runs as nobody: opens a session, then each command in its own write; prints,
-# per command, the errno (0 for success) and the session's whole log.
-CLIENT = r"""
-import json, os, sys
-mnt, commands = sys.argv[1], json.loads(sys.argv[2])
-fd = os.open(mnt + "/clone", os.O_RDWR)
-sid = os.read(fd, 64).decode().strip()
-os.write(fd, b"need persistent=8M ephemeral=1M\nalloc w 1M\n")
-out = []
-for c in commands:
-    try:
-        os.write(fd, (c + "\nsync\n").encode())
-        err = 0
-    except OSError as e:
-        err = e.errno
-    with open(f"{mnt}/sessions/{sid}/log") as f:
-        out.append([err, f.read()])
-print(json.dumps(out))
-"""
-
+from nobody import as_nobody, last_line, skip_unless_root_with_setpriv
 
 @pytest.fixture(autouse=True)
 def need_root():
-    if os.geteuid() != 0:
-        pytest.skip("these tests switch to uid 65534 and need root")
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is not installed")
+    skip_unless_root_with_setpriv()
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +36,6 @@ def scratch():
     os.chmod(d, 0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-def as_nobody(mnt, *commands):
-    r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                        "/usr/bin/python3", "-c", CLIENT, mnt, json.dumps(commands)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return [(err, log) for err, log in json.loads(r.stdout)]
-
-
-def last_line(log):
-    return log.splitlines()[-1]
 
 
 def test_sysfs_config_space_is_refused(daemon):

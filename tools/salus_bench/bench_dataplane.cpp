@@ -176,6 +176,35 @@ Pair measure(std::size_t n, int repeat, const std::function<void()>& base,
   return {percentile(b, 0.5), percentile(p, 0.5), percentile(r, 0.5)};
 }
 
+// One result line of the report, and its ratio against the baseline.
+void row(const char* what, double g, const std::string& note = "") {
+  fmt::print("  {:<32} {:8.2f} GB/s{}\n", what, g, note);
+}
+std::string vs(const Pair& p, const char* base, const char* target) {
+  return p.ratio > 0 ? fmt::format("  {:.2f} x {}{}", p.ratio, base, target) : std::string();
+}
+
+// Files through the caller-I/O threads, against plain read()/write() of the same files.
+void bench_files(Clone& c, std::size_t n, const Options& o, char* host, const std::string& file,
+                 const std::string& out_file, const std::string& seg_path) {
+  auto cmd = [&](const std::string& text) { return [&c, text] { write_all(c.fd, text); }; };
+  const auto fup = cmd(fmt::format("upload w file:{} {}\nsync\n", file, n));
+  const auto fdown = cmd(fmt::format("download w file:{} {}\nsync\n", out_file, n));
+  const Pair file_up = measure(
+      n, o.repeat, [&] { plain_io(file, n, true, host, true); }, fup);
+  const Pair file_down = measure(
+      n, o.repeat, [&] { plain_io(out_file, n, false, host, true); }, fdown);
+  const Pair cached = measure(n, o.repeat, nullptr, [&] { plain_io(file, n, true, host, false); });
+  const Pair tmpfs =
+      measure(n, o.repeat, nullptr, [&] { plain_io(seg_path, n, true, host, true); });
+  row("baseline: read() into memory", file_up.base_gbps);
+  row("file upload", file_up.path_gbps, vs(file_up, "read()", " (target >= 0.80)"));
+  row("baseline: write() from memory", file_down.base_gbps);
+  row("file download", file_down.path_gbps, vs(file_down, "write()", ""));
+  row("(read() into one cached 8M block)", cached.path_gbps);
+  row("(read() of the shm segment, tmpfs)", tmpfs.path_gbps);
+}
+
 int bench_dataplane(Target& t, const Options& o) {
   const auto size = arena::parse_size(o.size);
   if (!size || *size == 0) die("--size: not a size");
@@ -215,12 +244,6 @@ int bench_dataplane(Target& t, const Options& o) {
 
   fmt::print("dataplane backend={} size={} chunk={} rounds={} (medians; ratios per round)\n",
              o.backend, arena::format_size(n), o.chunk, o.repeat);
-  auto row = [](const char* what, double g, const std::string& note = "") {
-    fmt::print("  {:<32} {:8.2f} GB/s{}\n", what, g, note);
-  };
-  auto vs = [](const Pair& p, const char* base, const char* target) {
-    return p.ratio > 0 ? fmt::format("  {:.2f} x {}{}", p.ratio, base, target) : std::string();
-  };
   auto cmd = [&](const std::string& text) { return [&c, text] { write_all(c.fd, text); }; };
 
   // Shared memory, against memcpy (sim) or pinned cuMemcpy (cuda).
@@ -258,23 +281,7 @@ int bench_dataplane(Target& t, const Options& o) {
     row(o.backend == "sim" ? "baseline: memcpy out" : "baseline: DtoH, pinned", shm_down.base_gbps);
   row("shm download", shm_down.path_gbps, vs(shm_down, base_name, ""));
 
-  // Files through the caller-I/O threads, against plain read()/write() of the same files.
-  const auto fup = cmd(fmt::format("upload w file:{} {}\nsync\n", file, n));
-  const auto fdown = cmd(fmt::format("download w file:{} {}\nsync\n", out_file, n));
-  const Pair file_up = measure(
-      n, o.repeat, [&] { plain_io(file, n, true, host.p, true); }, fup);
-  const Pair file_down = measure(
-      n, o.repeat, [&] { plain_io(out_file, n, false, host.p, true); }, fdown);
-  const Pair cached =
-      measure(n, o.repeat, nullptr, [&] { plain_io(file, n, true, host.p, false); });
-  const Pair tmpfs =
-      measure(n, o.repeat, nullptr, [&] { plain_io(seg_path, n, true, host.p, true); });
-  row("baseline: read() into memory", file_up.base_gbps);
-  row("file upload", file_up.path_gbps, vs(file_up, "read()", " (target >= 0.80)"));
-  row("baseline: write() from memory", file_down.base_gbps);
-  row("file download", file_down.path_gbps, vs(file_down, "write()", ""));
-  row("(read() into one cached 8M block)", cached.path_gbps);
-  row("(read() of the shm segment, tmpfs)", tmpfs.path_gbps);
+  bench_files(c, n, o, host.p, file, out_file, seg_path);
 
   // mem/ files, reported next to the shared-memory baseline.
   const std::string mem = c.dir + "/mem/w";
@@ -288,8 +295,8 @@ int bench_dataplane(Target& t, const Options& o) {
 }  // namespace
 
 void add_dataplane_benches(CLI::App& app, Registry& r) {
-  auto* cmd = app.add_subcommand(
-      "dataplane", "Bandwidth of mem/, shm and file transfers against baselines");
+  auto* cmd = app.add_subcommand("dataplane",
+                                 "Bandwidth of mem/, shm and file transfers against baselines");
   auto o = std::make_shared<Options>();
   cmd->add_option("--size", o->size, "Buffer size (default 1G)");
   cmd->add_option("--backend", o->backend, "sim or cuda (default sim)")

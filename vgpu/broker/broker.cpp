@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -24,6 +25,32 @@ Overloaded(Ts...) -> Overloaded<Ts...>;
 constexpr std::uint32_t kInlineBudget = 512;  // empty iterations per worker pass
 constexpr std::chrono::milliseconds kBusySamplePeriod{100};
 constexpr std::size_t kMaxModuleBytes = 256u << 20;
+
+// Which commands Broker::exec lets through in which session state.
+template <class... Cmds>
+bool is_one_of(const Command& c) {
+  return (std::holds_alternative<Cmds>(c) || ...);
+}
+// Those that do not touch the GPU, so they run while the session is queued or idle.
+bool runs_without_gpu(const Command& c) {
+  return is_one_of<NeedCmd, PriorityCmd, ResetCmd, SyncCmd, BeginCmd, AttachCmd>(c);
+}
+// Those a failed session still takes (reset clears the failure).
+bool runs_after_failure(const Command& c) {
+  return is_one_of<NeedCmd, ResetCmd, PriorityCmd>(c);
+}
+// Those an attached session takes: its work runs in the program.
+bool runs_when_attached(const Command& c) {
+  return is_one_of<NeedCmd, PriorityCmd, ResetCmd, SyncCmd, AttachCmd>(c);
+}
+
+// `reset`: the session takes commands again, admitted if it still holds a lane.
+void clear_failure(Session& s) {
+  s.error = 0;
+  s.error_text.clear();
+  if (s.state == SessionState::failed)
+    s.state = s.lane ? SessionState::admitted : SessionState::idle;
+}
 
 }  // namespace
 
@@ -207,9 +234,9 @@ std::optional<SessionId> Broker::find_session(const std::string& dir_name) const
 int Broker::check_access(SessionId id, const Caller& caller) const {
   std::lock_guard lk(mu_);
   const Session* s = get(id);
-  if (!s || s->dead) return -ENOENT;
+  if (!s || s->dead) return ENOENT;
   if (caller.admin || caller.uid == s->uid) return 0;
-  return -EACCES;
+  return EACCES;
 }
 
 std::vector<std::pair<std::string, SessionId>> Broker::list_sessions() const {
@@ -237,7 +264,7 @@ int Broker::kill_session(SessionId id) {
   {
     std::lock_guard lk(mu_);
     Session* s = get(id);
-    if (!s || s->dead) return -ENOENT;
+    if (!s || s->dead) return ENOENT;
     log(*s, "killed by admin");
   }
   end_session(id);
@@ -271,7 +298,9 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
   const SessionId id = s.id;
   ++stats_.sessions_ended;
   attached_.erase(id);
-  sessions_.erase(id);  // `s` is gone from here on
+  const bool host_waiting = host_queue_.remove(id);
+  sessions_.erase(id);                    // `s` is gone from here on
+  if (host_waiting) bind_waiting(later);  // it may have held back others (bypass bound)
   if (g) {
     g->sched.leave(id, now());  // frees its persistent buffers, lane and queue slot
     sync_lanes(*g, later);
@@ -311,8 +340,7 @@ Broker::OpenedFiles Broker::open_caller_files(const Caller& caller,
     if (!m) continue;
     PendingWrite::ModuleFile f;
     f.path = m->path;
-    const int rc = read_file_as_caller(out.creds, m->path, kMaxModuleBytes, f.image, f.why);
-    f.error = rc < 0 ? -rc : 0;
+    f.error = read_file_as_caller(out.creds, m->path, kMaxModuleBytes, f.image, f.why);
     out.module_files.push_back(std::move(f));
   }
   return out;
@@ -393,17 +421,17 @@ std::uint64_t Broker::submit(
                                                      cmds = commands](CallerIo::Gate& gate) {
           OpenedFiles files;
           if (const int err = CallerIo::isolated([&] { files = open_caller_files(caller, cmds); }))
-            files = could_not_open(cmds, -err);
+            files = could_not_open(cmds, err);
           gate.enter([&] { files_opened(id, wid, std::move(files)); });
         });
-        if (rc < 0) {
-          log(*s, rc == -EAGAIN ? fmt::format("uid {} has too many writes waiting for their "
-                                              "files to open; try again later",
-                                              caller.uid)
-                                : std::string("salusd is shutting down; no new work is accepted"));
-          if (rc == -EAGAIN) ++stats_.quota_rejections;
+        if (rc) {
+          log(*s, rc == EAGAIN ? fmt::format("uid {} has too many writes waiting for their "
+                                             "files to open; try again later",
+                                             caller.uid)
+                               : std::string("salusd is shutting down; no new work is accepted"));
+          if (rc == EAGAIN) ++stats_.quota_rejections;
           ++stats_.command_errors;
-          later.push_back([done = std::move(w.done), rc] { done(-rc, {}); });
+          later.push_back([done = std::move(w.done), rc] { done(rc, {}); });
           ticket = 0;
         }
       }
@@ -569,24 +597,19 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
   };
   if (stopping_) return fail(ESHUTDOWN, "salusd is shutting down; no new work is accepted");
   const Command& cmd = line.command;
-  // Commands that need the GPU wait (without holding a thread) while queued.
-  const bool needs_gpu =
-      !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<PriorityCmd>(cmd) &&
-      !std::holds_alternative<ResetCmd>(cmd) && !std::holds_alternative<SyncCmd>(cmd) &&
-      !std::holds_alternative<BeginCmd>(cmd) && !std::holds_alternative<AttachCmd>(cmd) &&
-      !s.recording;
-  if (needs_gpu && s.state == SessionState::queued) {
+  // Commands that need the GPU wait (without holding a thread) while queued; attaching
+  // does too while the session waits host-wide for a GPU (late binding).
+  const bool needs_gpu = !runs_without_gpu(cmd) && !s.recording;
+  const bool attach_waits = s.gpu < 0 && std::holds_alternative<AttachCmd>(cmd);
+  if ((needs_gpu || attach_waits) && s.state == SessionState::queued) {
     suspend = true;
     return 0;
   }
   if (needs_gpu && s.state == SessionState::idle) return fail(ENXIO, kNoGpuYet);
-  if (s.error && !std::holds_alternative<NeedCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
-      !std::holds_alternative<PriorityCmd>(cmd))
+  if (s.error && !runs_after_failure(cmd))
     return fail(EIO, fmt::format("session failed earlier ({}: {}); write `reset` to continue",
                                  strerrorname_np(s.error), s.error_text));
-  if (s.gate && !std::holds_alternative<NeedCmd>(cmd) &&
-      !std::holds_alternative<PriorityCmd>(cmd) && !std::holds_alternative<ResetCmd>(cmd) &&
-      !std::holds_alternative<SyncCmd>(cmd) && !std::holds_alternative<AttachCmd>(cmd))
+  if (s.gate && !runs_when_attached(cmd))
     return fail(EINVAL, fmt::format("this session is attached (pid {}): its work runs in the "
                                     "program; only need, priority, reset and sync apply",
                                     s.gate->pid));
@@ -642,6 +665,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           [&](const PriorityCmd& c) {
             s.priority = c.priority;
             s.need.priority = c.priority;
+            if (host_queue_.contains(s.id)) rekey_host_queue();
             if (Gpu* g = gpu_of(s)) {
               g->sched.set_priority(s.id, c.priority);
               // A waiting session moves in the queue (issue 19 item 7) and may be admitted.
@@ -651,10 +675,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           },
           [&](const ResetCmd&) {
             if (s.error) log(s, fmt::format("line {}: error cleared by reset", ln));
-            s.error = 0;
-            s.error_text.clear();
-            if (s.state == SessionState::failed)
-              s.state = s.lane ? SessionState::admitted : SessionState::idle;
+            clear_failure(s);
             return 0;
           },
           [&](const ModuleCmd& c) { return exec_module(s, c, w, ln); },
@@ -683,46 +704,14 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
         return fail(ENODEV, fmt::format("gpu={} does not exist (this host has {} GPU{})", *c.gpu,
                                         gpus_.size(), gpus_.size() == 1 ? "" : "s"));
       gpu = *c.gpu;
+      // Waiting host-wide and now naming a GPU: it leaves the host-wide queue for that one.
+      if (host_queue_.remove(s.id)) s.state = SessionState::idle;
+    } else if (gpus_.size() > 1 || config_.placement == Placement::exclusive) {
+      // Exclusive waits for an idle GPU, even on a host of one.
+      return queue_any(s, c, p, e, ln, later);
     } else {
-      gpu = -1;
-      double best = -1.0;
-      for (std::size_t i = 0; i < gpus_.size(); ++i) {
-        const Gpu& g = *gpus_[i];
-        if (g.draining) continue;
-        const auto m = g.sched.arena().memory();
-        if (p + e > m.capacity) continue;
-        double score = 0.0;
-        switch (config_.placement) {
-          case Placement::magm:
-            score = static_cast<double>(m.free);
-            break;
-          case Placement::lug:
-            score = 1.0 - static_cast<double>(g.device->busy_ns()) /
-                              static_cast<double>(std::max<TimeNs>(now(), 1));
-            break;
-          case Placement::rr:
-            score =
-                static_cast<double>((i + gpus_.size() - rr_next_ % gpus_.size()) % gpus_.size()) *
-                -1.0;
-            break;
-          case Placement::exclusive:
-            score = g.placed == 0 ? 1.0 : -0.5;
-            if (g.placed != 0) continue;
-            break;
-        }
-        if (score > best) {
-          best = score;
-          gpu = static_cast<int>(i);
-        }
-      }
-      if (gpu < 0) {
-        return fail(ENOMEM, fmt::format("persistent={} + ephemeral={} fits no GPU{}",
-                                        arena::format_size(p), arena::format_size(e),
-                                        config_.placement == Placement::exclusive
-                                            ? " with no other session (placement exclusive)"
-                                            : ""));
-      }
-      ++rr_next_;
+      gpu = place_any(s, p, e, ln);
+      if (gpu < 0) return -gpu;
     }
   } else if (c.gpu && *c.gpu != kAnyGpu && *c.gpu != s.gpu) {
     return fail(
@@ -779,6 +768,193 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
         fmt::format("line {}: queued on gpu {} at position {}: waiting for memory", ln, gpu, pos));
   }
   return 0;
+}
+
+// Each GPU's state now, for the shared placement rule (sched/placement.hpp). MAGM's
+// figure is the arena's free memory less what already waits in its queue, the same as
+// salus-sim's (docs/design.md).
+void Broker::fill_views() {
+  views_.resize(gpus_.size());
+  const bool risk = config_.risk.enabled && telemetry_ &&
+                    (config_.placement == Placement::magm || config_.placement == Placement::lug);
+  for (std::size_t i = 0; i < gpus_.size(); ++i) {
+    const Gpu& g = *gpus_[i];
+    sched::GpuView& v = views_[i];
+    const auto m = g.sched.arena().memory();
+    std::int64_t waiting = 0;
+    if (m.queued > 0)
+      for (const auto& q : g.sched.arena().queue())
+        waiting += static_cast<std::int64_t>(q.need.persistent + q.need.ephemeral);
+    v.capacity = m.capacity;
+    v.available = static_cast<std::int64_t>(m.free) - waiting;
+    v.load = static_cast<double>(g.device->busy_ns()) /
+             static_cast<double>(std::max<TimeNs>(now(), 1));  // busy since salusd started
+    v.placed = g.placed;
+    v.draining = g.draining;
+    v.eligible = true;
+    v.sm_activity.reset();
+    v.mem_activity.reset();
+    if (risk) {
+      const GpuRisk r = telemetry_->risk(i);
+      v.sm_activity = r.sm;
+      v.mem_activity = r.mem;
+    }
+  }
+}
+
+// `need gpu=any` on a one-GPU host: placed at once. Returns the GPU, or -errno after
+// logging why.
+int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
+  fill_views();
+  const sched::PlacementChoice c = sched::choose_gpu(
+      views_, p + e, sched::PlacementOptions{config_.placement, config_.risk}, rr_next_);
+  if (!c.gpu) {
+    log(s, fmt::format("line {}: need: persistent={} + ephemeral={} fits no GPU{}", ln,
+                       arena::format_size(p), arena::format_size(e),
+                       config_.placement == Placement::exclusive
+                           ? " with no other session (placement exclusive)"
+                           : ""));
+    return -ENOMEM;
+  }
+  rr_next_ = c.next_rr;
+  if (c.risk_ignored)
+    log(s, fmt::format("line {}: need: every GPU that fits is busy past the risk thresholds; "
+                       "placed on gpu {} anyway",
+                       ln, *c.gpu));
+  return static_cast<int>(*c.gpu);
+}
+
+// A first `need gpu=any` (or a later one while it still waits) on a host of several GPUs:
+// the session waits host-wide, ranked by the policy's admission key, and bind_waiting
+// places it. It must fit some GPU that admits new sessions, or it would wait forever.
+int Broker::queue_any(Session& s, const NeedCmd& c, Bytes p, Bytes e, std::uint32_t ln,
+                      Deferred& later) {
+  Bytes largest = 0;
+  for (const auto& g : gpus_)
+    if (!g->draining) largest = std::max(largest, g->sched.arena().capacity());
+  if (p + e > largest) {
+    log(s,
+        fmt::format("line {}: need: persistent={} + ephemeral={} fits no GPU that admits "
+                    "new sessions (the largest holds {})",
+                    ln, arena::format_size(p), arena::format_size(e), arena::format_size(largest)));
+    return ENOMEM;
+  }
+  if (c.name && !c.name->empty()) s.need.name = c.name;
+  s.need.persistent = p;
+  s.need.ephemeral = e;
+  if (c.iters) s.need.iters = c.iters;
+  if (c.priority) {
+    s.priority = *c.priority;
+    s.need.priority = c.priority;
+  }
+  if (const auto q = host_queue_.find(s.id)) {
+    host_queue_.set_need(s.id, p, e);
+    host_queue_.set_key(s.id, host_key(s, q->arrival));
+  } else {
+    const std::uint64_t arrival = host_arrivals_++;
+    host_queue_.push(s.id, arrival, now(), p, e, host_key(s, arrival));
+    s.queued_at = now();
+  }
+  s.error = 0;
+  s.error_text.clear();
+  s.state = SessionState::queued;
+  bind_waiting(later);
+  if (s.gpu < 0)
+    log(s, fmt::format("line {}: queued host-wide at position {}: no GPU admits it now", ln,
+                       host_queue_position(s.id)));
+  return 0;
+}
+
+// One late-binding pass (sched::bind_late, salus-sim's too). Each session bound here is
+// admitted by its GPU at once (the pass binds it only where the arena would admit it);
+// the broker's side of that admission runs after the pass, which must not see the host
+// queue change under it.
+void Broker::bind_waiting(Deferred& later) {
+  if (binding_ || host_queue_.empty()) return;
+  binding_ = true;
+  views_.resize(gpus_.size());  // before the span over it is taken
+  std::vector<std::uint32_t> touched;
+  auto bounds = [this] {
+    arena::AdmissionBounds b{0, 0, std::numeric_limits<double>::infinity()};
+    for (const auto& g : gpus_) {
+      if (g->draining) continue;
+      const arena::AdmissionBounds a = g->sched.arena().admission_bounds();
+      b.room = std::max(b.room, a.room);
+      b.total = std::max(b.total, a.total);
+    }
+    return b;
+  };
+  auto admits = [this](const arena::QueuedRequest& q, std::uint32_t gi) {
+    const Gpu& g = *gpus_[gi];
+    const Session* s = get(q.session);
+    return s && !g.draining &&
+           g.sched.arena().would_admit(arena_need(*s, q.persistent, q.ephemeral));
+  };
+  auto place = [&](const arena::QueuedRequest& q, std::uint32_t gi, const sched::PlacementChoice&) {
+    if (Session* s = get(q.session); s && bind_to(*s, gi)) touched.push_back(gi);
+  };
+  // Exclusive: idle GPUs go to the waiting sessions in arrival order (as in salus-sim).
+  const arena::QueueMode mode = config_.placement == Placement::exclusive
+                                    ? arena::QueueMode::strict_fifo
+                                    : config_.arena.queue_mode;
+  sched::bind_late(
+      host_queue_, mode, config_.arena.max_bypass, bounds, std::span<sched::GpuView>(views_),
+      sched::PlacementOptions{config_.placement, config_.risk}, rr_next_,
+      [this](std::span<sched::GpuView>) { fill_views(); }, admits, place);
+  for (std::uint32_t gi : touched) handle_admissions(*gpus_[gi], later);
+  binding_ = false;
+}
+
+// Binds a session waiting host-wide to GPU `gi`, as exec_need binds a first `need`.
+bool Broker::bind_to(Session& s, std::uint32_t gi) {
+  Gpu& g = *gpus_[gi];
+  const arena::Need need = arena_need(s, s.need.persistent, s.need.ephemeral);
+  const arena::ArenaError err = g.sched.arrive(s.id, need, s.priority, s.need.iters, now());
+  if (err != arena::ArenaError::ok) {
+    s.error = EIO;
+    s.error_text = fmt::format("rejected by gpu {}: {}", gi, arena::to_string(err));
+    s.state = SessionState::failed;
+    log(s, fmt::format("need: {}", s.error_text));
+    return false;
+  }
+  ++g.placed;
+  s.gpu_generation = g.device->generation();
+  s.gpu = static_cast<int>(gi);
+  set_budget(s);
+  s.lane.reset();
+  log(s, fmt::format("placed on gpu {} after {:.1f} ms in the host-wide queue", gi,
+                     static_cast<double>(now() - s.queued_at) / 1e6));
+  update_runnable(g, s);
+  return true;
+}
+
+void Broker::rekey_host_queue() {
+  std::vector<std::pair<SessionId, std::uint64_t>> waiting;
+  host_queue_.for_each(
+      [&](const arena::QueuedRequest& q) { waiting.emplace_back(q.session, q.arrival); });
+  for (const auto& [id, arrival] : waiting)
+    if (const Session* s = get(id)) host_queue_.set_key(id, host_key(*s, arrival));
+}
+
+// The host-wide queue's order: the policy's admission key (sched::admission_key), or
+// arrival order under exclusive placement.
+double Broker::host_key(const Session& s, std::uint64_t arrival) const {
+  if (config_.placement == Placement::exclusive) return static_cast<double>(arrival);
+  sched::RankInputs in;
+  in.arrival = arrival;
+  in.priority = s.priority;
+  in.iters = s.need.iters;
+  return sched::admission_key(config_.policy, in);
+}
+
+std::string Broker::host_queue_position(SessionId id) const {
+  if (!host_queue_.contains(id)) return {};
+  std::size_t pos = 0, at = 0;
+  host_queue_.for_each([&](const arena::QueuedRequest& q) {
+    ++pos;
+    if (q.session == id) at = pos;
+  });
+  return fmt::format("{} of {}", at, host_queue_.size());
 }
 
 int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& suspend) {
@@ -1317,6 +1493,7 @@ void Broker::handle_admissions(Gpu& g, Deferred& later, bool kick_worker) {
   }
   sync_lanes(g, later);
   if (kick_worker) kick(g);
+  bind_waiting(later);  // what left this GPU may make room for a session waiting host-wide
 }
 
 // Keeps one stream per arena lane: new lanes get a stream now, streams of deleted

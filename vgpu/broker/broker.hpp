@@ -21,10 +21,10 @@
 
 #include "sched/gpu_scheduler.hpp"
 #include "sched/placement.hpp"
+#include "vgpu/broker/session.hpp"
 #include "vgpu/caller/caller_io.hpp"
 #include "vgpu/device.hpp"
 #include "vgpu/gpu_telemetry.hpp"
-#include "vgpu/broker/session.hpp"
 #include "vgpu/transfer/transfer_engine.hpp"
 
 namespace salus::vgpu {
@@ -52,6 +52,7 @@ using sched::Placement;
 struct BrokerConfig {
   sched::PolicyKind policy = sched::PolicyKind::fair;
   Placement placement = Placement::magm;
+  sched::RiskFilter risk;  // CARMA's filter for magm and lug, fed by NVML (telemetry)
   arena::ArenaOptions arena;
   Quotas quotas;
   // Iterations kept queued on a lane's stream ahead of the running one, so the
@@ -260,6 +261,19 @@ class Broker {
   bool run_write(Session& s, PendingWrite& w, Deferred& later);
   int exec(Session& s, const CommandLine& line, PendingWrite& w, bool& suspend, Deferred& later);
   int exec_need(Session& s, const NeedCmd& cmd, std::uint32_t line, Deferred& later);
+  int place_any(Session& s, Bytes persistent, Bytes ephemeral, std::uint32_t line);
+  // Late binding (issue 19 item 8): on a host of several GPUs a first `need gpu=any` waits
+  // in host_queue_ and is bound to a GPU by bind_waiting (sched::bind_late, the code
+  // salus-sim runs) once one admits it.
+  int queue_any(Session& s, const NeedCmd& cmd, Bytes persistent, Bytes ephemeral,
+                std::uint32_t line, Deferred& later);
+  void bind_waiting(Deferred& later);
+  void rekey_host_queue();  // after a policy change: the host-wide queue follows it
+  double host_key(const Session& s, std::uint64_t arrival) const;
+  bool bind_to(Session& s, std::uint32_t gpu);
+  void fill_views();
+  // "N of M" for a session in the host-wide queue, else empty.
+  std::string host_queue_position(SessionId id) const;
   // 0 or a positive errno; sets `suspend` when the line must wait (compaction,
   // memory still pinned by submitted work) and run again.
   int exec_alloc(Session& s, const AllocCmd& cmd, std::uint32_t line, bool& suspend);
@@ -417,6 +431,10 @@ class Broker {
   std::uint64_t next_token_ = 1;
   std::uint64_t next_ticket_ = 1;  // held writes and waits, for cancel_request
   std::size_t rr_next_ = 0;
+  std::vector<sched::GpuView> views_;  // scratch for place_any and bind_waiting
+  arena::AdmissionQueue host_queue_;   // gpu=any sessions bound to no GPU yet
+  std::uint64_t host_arrivals_ = 0;    // their arrival order
+  bool binding_ = false;               // bind_waiting is running: no nested pass
   BrokerStats stats_;
   std::atomic<bool> stopping_{false};
   bool stopped_ = false;

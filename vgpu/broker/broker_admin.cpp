@@ -112,6 +112,8 @@ int Broker::set_policy(const std::string& text, std::string& why) {
       if (s->gate) gate_store(s->gate->g().quantum_ns, static_cast<std::uint64_t>(*quantum_ns));
   }
   if (placement) config_.placement = *placement;
+  if (queue) config_.arena.queue_mode = *queue;  // the host-wide queue's mode too
+  rekey_host_queue();
   for (auto& g : gpus_) {
     g->sched.set_policy(*kind);
     if (queue) g->sched.arena().set_queue_mode(*queue);

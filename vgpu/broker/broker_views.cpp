@@ -53,6 +53,9 @@ std::string Broker::render_status(SessionId id) const {
   kv("uid", s->uid);
   kv("state", to_string(s->state));
   kv("gpu", s->gpu < 0 ? std::string("-") : std::to_string(s->gpu));
+  // gpu=any on several GPUs: bound to none until one admits it (late binding).
+  const std::string host_pos = host_queue_position(s->id);
+  kv("host_queue", host_pos.empty() ? std::string("-") : host_pos);
   std::string lane = "-", lane_offset = "-", lane_size = "-";
   Bytes persistent_used = 0;
   std::string rank = "-";
@@ -474,6 +477,51 @@ class MetricsText {
   std::string o_;
 };
 
+// The families of attached sessions: what their programs report through the
+// gate (render_metrics, one helper per family group).
+template <class Sessions>
+void gate_families(MetricsText& m, const Sessions& sessions_) {
+  m.per_gate(sessions_, "salus_session_memory_charged_bytes", "gauge",
+             "Attached session: device memory its program holds now.",
+             [](salus_gate& G) { return gate_load(G.charged_bytes); });
+  m.per_gate(sessions_, "salus_session_memory_peak_bytes", "gauge",
+             "Attached session: the most device memory its program held.",
+             [](salus_gate& G) { return gate_load(G.peak_bytes); });
+  m.per_gate(sessions_, "salus_session_memory_budget_bytes", "gauge",
+             "Attached session: device memory its program may hold (-1: unlimited).",
+             [](salus_gate& G) {
+               const std::uint64_t b = gate_load(G.budget_bytes);
+               return b == UINT64_MAX ? std::string("-1") : std::to_string(b);
+             });
+  m.per_gate(sessions_, "salus_session_memory_swapped_bytes", "gauge",
+             "Attached session: its device memory now on the host (swapped out).",
+             [](salus_gate& G) { return gate_load(G.swapped_bytes); });
+  m.per_gate(sessions_, "salus_session_swaps_out_total", "counter",
+             "Attached session: swap-outs its program carried out.",
+             [](salus_gate& G) { return gate_load(G.swaps_out); });
+  m.per_gate(sessions_, "salus_session_swaps_in_total", "counter",
+             "Attached session: swap-ins its program carried out.",
+             [](salus_gate& G) { return gate_load(G.swaps_in); });
+  m.per_gate(sessions_, "salus_session_swap_seconds_total", "counter",
+             "Attached session: time its program spent moving memory out and in.",
+             [](salus_gate& G) {
+               return fmt::format("{:.6f}", static_cast<double>(gate_load(G.swap_ns)) / 1e9);
+             });
+  m.per_gate(sessions_, "salus_session_gate_waits_total", "counter",
+             "Attached session: iteration boundaries that waited for a grant.",
+             [](salus_gate& G) { return gate_load(G.gate_waits); });
+  m.per_gate(sessions_, "salus_session_gate_wait_seconds_total", "counter",
+             "Attached session: time its boundaries waited for grants.", [](salus_gate& G) {
+               return fmt::format("{:.9f}", static_cast<double>(gate_load(G.gate_wait_ns)) / 1e9);
+             });
+  m.per_gate(sessions_, "salus_session_launches_total", "counter",
+             "Attached session: kernel launches its program made.",
+             [](salus_gate& G) { return gate_load(G.launches); });
+  m.per_gate(sessions_, "salus_session_oom_refusals_total", "counter",
+             "Attached session: allocations refused for its budget.",
+             [](salus_gate& G) { return gate_load(G.oom_refusals); });
+}
+
 }  // namespace
 
 std::string Broker::render_metrics() const {
@@ -497,8 +545,8 @@ std::string Broker::render_metrics() const {
                                  {"swapped", str(mem.swapped)}};
                });
   m.per_gpu_by(gpus_, "salus_swaps_total", "counter",
-               "Oversubscription: swaps of sessions' persistent memory, by direction.",
-               "direction", [&](const Gpu& g) {
+               "Oversubscription: swaps of sessions' persistent memory, by direction.", "direction",
+               [&](const Gpu& g) {
                  const auto& t = g.sched.residency().totals();
                  return Labelled{{"out", str(t.swaps_out)}, {"in", str(t.swaps_in)}};
                });
@@ -550,46 +598,7 @@ std::string Broker::render_metrics() const {
                   if (s.state == SessionState::queued) waited += now() - s.queued_at;
                   return seconds(waited);
                 });
-  // Attached sessions: what their programs report through the gate.
-  m.per_gate(sessions_, "salus_session_memory_charged_bytes", "gauge",
-             "Attached session: device memory its program holds now.",
-             [](salus_gate& G) { return gate_load(G.charged_bytes); });
-  m.per_gate(sessions_, "salus_session_memory_peak_bytes", "gauge",
-             "Attached session: the most device memory its program held.",
-             [](salus_gate& G) { return gate_load(G.peak_bytes); });
-  m.per_gate(sessions_, "salus_session_memory_budget_bytes", "gauge",
-             "Attached session: device memory its program may hold (-1: unlimited).",
-             [](salus_gate& G) {
-               const std::uint64_t b = gate_load(G.budget_bytes);
-               return b == UINT64_MAX ? std::string("-1") : std::to_string(b);
-             });
-  m.per_gate(sessions_, "salus_session_memory_swapped_bytes", "gauge",
-             "Attached session: its device memory now on the host (swapped out).",
-             [](salus_gate& G) { return gate_load(G.swapped_bytes); });
-  m.per_gate(sessions_, "salus_session_swaps_out_total", "counter",
-             "Attached session: swap-outs its program carried out.",
-             [](salus_gate& G) { return gate_load(G.swaps_out); });
-  m.per_gate(sessions_, "salus_session_swaps_in_total", "counter",
-             "Attached session: swap-ins its program carried out.",
-             [](salus_gate& G) { return gate_load(G.swaps_in); });
-  m.per_gate(sessions_, "salus_session_swap_seconds_total", "counter",
-             "Attached session: time its program spent moving memory out and in.",
-             [](salus_gate& G) {
-               return fmt::format("{:.6f}", static_cast<double>(gate_load(G.swap_ns)) / 1e9);
-             });
-  m.per_gate(sessions_, "salus_session_gate_waits_total", "counter",
-             "Attached session: iteration boundaries that waited for a grant.",
-             [](salus_gate& G) { return gate_load(G.gate_waits); });
-  m.per_gate(sessions_, "salus_session_gate_wait_seconds_total", "counter",
-             "Attached session: time its boundaries waited for grants.", [](salus_gate& G) {
-               return fmt::format("{:.9f}", static_cast<double>(gate_load(G.gate_wait_ns)) / 1e9);
-             });
-  m.per_gate(sessions_, "salus_session_launches_total", "counter",
-             "Attached session: kernel launches its program made.",
-             [](salus_gate& G) { return gate_load(G.launches); });
-  m.per_gate(sessions_, "salus_session_oom_refusals_total", "counter",
-             "Attached session: allocations refused for its budget.",
-             [](salus_gate& G) { return gate_load(G.oom_refusals); });
+  gate_families(m, sessions_);
   m.single("salus_sessions", "gauge", "Live sessions.", sessions_.size());
   m.single("salus_iterations_total", "counter", "Iterations finished on all GPUs.",
            stats_.iterations);

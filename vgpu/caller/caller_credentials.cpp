@@ -1,4 +1,5 @@
 #include "vgpu/caller/caller_credentials.hpp"
+#include "vgpu/unique_fd.hpp"
 
 #include <fcntl.h>
 #include <linux/capability.h>
@@ -61,14 +62,15 @@ CallerCredentials CallerCredentials::capture(const CallerIdentity& who) {
     return c;
   }
   const std::string path = fmt::format("/proc/{}/status", who.pid);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return c;
   char buf[8192];
   ssize_t n;
-  do {
-    n = ::read(fd, buf, sizeof buf - 1);
-  } while (n < 0 && errno == EINTR);
-  ::close(fd);
+  {
+    const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return c;
+    do {
+      n = ::read(fd.get(), buf, sizeof buf - 1);
+    } while (n < 0 && errno == EINTR);
+  }
   if (n <= 0) return c;
   buf[n] = '\0';
   if (const char* u = status_field(buf, "\nUmask:"))

@@ -20,6 +20,7 @@ namespace {
 
 // One step of a walk: `name` is a single component, looked up in `dir` without
 // following anything, as the thread's current (the caller's) credentials.
+// Returns the fd, or -errno.
 int open_step(int dir, const std::string& name, int flags, mode_t mode = 0) {
   open_how how;
   std::memset(&how, 0, sizeof how);
@@ -43,7 +44,7 @@ const char* kind_of(mode_t m) {
 // Only regular files are data: a directory is EISDIR, anything else EINVAL.
 int not_regular(mode_t m, const std::string& shown, std::string& why) {
   why = fmt::format("{}: {}, not a regular file", shown, kind_of(m));
-  return S_ISDIR(m) ? -EISDIR : -EINVAL;
+  return S_ISDIR(m) ? EISDIR : EINVAL;
 }
 
 std::deque<std::string> components(std::string_view path) {
@@ -70,13 +71,13 @@ int open_regular(int dir, const std::string& name, FileIntent intent, const std:
   if (fd < 0) {
     why = fd == -ELOOP ? fmt::format("{}: became a symlink while being opened", shown)
                        : fmt::format("{}: {}", shown, std::strerror(-fd));
-    return fd;
+    return -fd;
   }
   UniqueFd file(fd);
   if (::fstat(fd, &out.st) != 0) {
     const int e = errno;
     why = fmt::format("{}: fstat: {}", shown, std::strerror(e));
-    return -e;
+    return e;
   }
   if (!S_ISREG(out.st.st_mode)) return not_regular(out.st.st_mode, shown, why);
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
@@ -91,7 +92,7 @@ int refuse_kernel_fs(int fd, const std::string& path, std::string& why) {
   if (::fstatfs(fd, &fs) != 0) {
     const int e = errno;
     why = fmt::format("{}: fstatfs: {}", path, std::strerror(e));
-    return -e;
+    return e;
   }
   const char* kind = kernel_filesystem(fs.f_type);
   if (!kind) return 0;
@@ -99,7 +100,36 @@ int refuse_kernel_fs(int fd, const std::string& path, std::string& why) {
       "{}: refused: it leads into {}, a kernel filesystem; salusd never opens files in /proc, "
       "/sys or the like for a session",
       path, kind);
-  return -EACCES;
+  return EACCES;
+}
+
+// The target of the symlink `probe` (named `name` in `dir`, whose stat is `st`),
+// if the caller may follow it (may_follow_symlink); 0 or a positive errno with why.
+int read_symlink(const CallerCredentials& who, int dir, int probe, const struct stat& st,
+                 const std::string& path, const std::string& name, std::string& out,
+                 std::string& why) {
+  struct stat dst;
+  if (::fstat(dir, &dst) != 0) {
+    const int e = errno;
+    why = fmt::format("{}: fstat: {}", path, std::strerror(e));
+    return e;
+  }
+  if (!may_follow_symlink(who.uid, st.st_uid, dst.st_uid)) {
+    why = fmt::format(
+        "{}: refusing to follow symlink '{}' owned by uid {} in a directory of uid {} (only "
+        "the caller's, root's or the directory owner's symlinks are followed)",
+        path, name, st.st_uid, dst.st_uid);
+    return EACCES;
+  }
+  char target[PATH_MAX];
+  const ssize_t n = ::readlinkat(probe, "", target, sizeof target);
+  if (n <= 0 || static_cast<std::size_t>(n) >= sizeof target) {
+    const int e = n < 0 ? errno : ENOENT;
+    why = fmt::format("{}: readlink '{}': {}", path, name, std::strerror(e));
+    return e;
+  }
+  out.assign(target, static_cast<std::size_t>(n));
+  return 0;
 }
 
 int walk(const CallerCredentials& who, int root, const std::string& path, FileIntent intent,
@@ -110,7 +140,7 @@ int walk(const CallerCredentials& who, int root, const std::string& path, FileIn
     if (fd < 0) {
       const int e = errno;
       why = fmt::format("{}: {}", path, std::strerror(e));
-      return -e;
+      return e;
     }
     dirs.emplace_back(fd);
   }
@@ -134,7 +164,7 @@ int walk(const CallerCredentials& who, int root, const std::string& path, FileIn
         if (::syscall(SYS_faccessat2, dir, "", W_OK | X_OK, AT_EMPTY_PATH | AT_EACCESS) != 0) {
           const int e = errno;
           why = fmt::format("{}: cannot create it: {}", path, std::strerror(e));
-          return -e;
+          return e;
         }
         out.dir = std::move(dirs.back());
         out.name = name;
@@ -142,7 +172,7 @@ int walk(const CallerCredentials& who, int root, const std::string& path, FileIn
       }
       why = fmt::format("{}: {}{}", path, std::strerror(-probe),
                         last ? std::string() : fmt::format(" (at '{}')", name));
-      return probe;
+      return -probe;
     }
     UniqueFd entry(probe);
     // What lies on /proc, /sys, debugfs... answers to capabilities and to the
@@ -152,38 +182,19 @@ int walk(const CallerCredentials& who, int root, const std::string& path, FileIn
     if (::fstat(probe, &st) != 0) {
       const int e = errno;
       why = fmt::format("{}: fstat '{}': {}", path, name, std::strerror(e));
-      return -e;
+      return e;
     }
     if (S_ISLNK(st.st_mode)) {
       if (last && intent != FileIntent::read) {
         why = fmt::format("{}: is a symlink; salusd never writes through one", path);
-        return -ELOOP;
+        return ELOOP;
       }
       if (++links > kMaxSymlinks) {
         why = fmt::format("{}: too many levels of symbolic links", path);
-        return -ELOOP;
+        return ELOOP;
       }
-      struct stat dst;
-      if (::fstat(dir, &dst) != 0) {
-        const int e = errno;
-        why = fmt::format("{}: fstat: {}", path, std::strerror(e));
-        return -e;
-      }
-      if (!may_follow_symlink(who.uid, st.st_uid, dst.st_uid)) {
-        why = fmt::format(
-            "{}: refusing to follow symlink '{}' owned by uid {} in a directory of uid {} (only "
-            "the caller's, root's or the directory owner's symlinks are followed)",
-            path, name, st.st_uid, dst.st_uid);
-        return -EACCES;
-      }
-      char target[PATH_MAX];
-      const ssize_t n = ::readlinkat(probe, "", target, sizeof target);
-      if (n <= 0 || static_cast<std::size_t>(n) >= sizeof target) {
-        const int e = n < 0 ? errno : ENOENT;
-        why = fmt::format("{}: readlink '{}': {}", path, name, std::strerror(e));
-        return -e;
-      }
-      const std::string_view t(target, static_cast<std::size_t>(n));
+      std::string t;
+      if (const int rc = read_symlink(who, dir, probe, st, path, name, t, why)) return rc;
       if (t.front() == '/') dirs.resize(1);  // absolute: from the caller's root
       auto more = components(t);
       todo.insert(todo.begin(), more.begin(), more.end());
@@ -192,7 +203,7 @@ int walk(const CallerCredentials& who, int root, const std::string& path, FileIn
     if (!last) {
       if (!S_ISDIR(st.st_mode)) {
         why = fmt::format("{}: '{}' is not a directory", path, name);
-        return -ENOTDIR;
+        return ENOTDIR;
       }
       dirs.push_back(std::move(entry));
       continue;
@@ -201,7 +212,7 @@ int walk(const CallerCredentials& who, int root, const std::string& path, FileIn
     return open_regular(dir, name, intent, path, out, why);
   }
   why = fmt::format("{}: a directory, not a regular file", path);
-  return -EISDIR;
+  return EISDIR;
 }
 
 }  // namespace
@@ -254,27 +265,27 @@ int open_caller_file(const CallerCredentials& who, const std::string& path, File
   out = CallerFile{};
   if (path.empty() || path[0] != '/') {
     why = fmt::format("'{}' is not an absolute path", path);
-    return -EINVAL;
+    return EINVAL;
   }
   if (who.refused) {
     why = fmt::format("{}: {}", path, who.refused_why);
-    return -who.refused;
+    return who.refused;
   }
   const std::string root = who.root_path();
   UniqueFd root_fd(::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
   if (!root_fd) {
     const int e = errno;
     why = fmt::format("cannot reach the caller's root {}: {}", root, std::strerror(e));
-    return -e;
+    return e;
   }
   ThreadCredentials creds(who);
   if (!creds.ok()) {
     why = "could not take on the caller's credentials";
-    return -EPERM;
+    return EPERM;
   }
   if (const int rc = refuse_kernel_fs(root_fd.get(), path, why)) return rc;
   const int rc = walk(who, root_fd.get(), path, intent, out, why);
-  if (rc < 0) out = CallerFile{};
+  if (rc) out = CallerFile{};
   return rc;
 }
 
@@ -283,16 +294,16 @@ int create_caller_file(const CallerCredentials& who, CallerFile& f, const std::s
   if (f.exists()) return 0;
   if (who.refused) {
     why = fmt::format("{}: {}", shown, who.refused_why);
-    return -who.refused;
+    return who.refused;
   }
   if (!f.dir) {
     why = fmt::format("{}: nowhere to create it", shown);
-    return -EINVAL;
+    return EINVAL;
   }
   ThreadCredentials creds(who);
   if (!creds.ok()) {
     why = "could not take on the caller's credentials";
-    return -EPERM;
+    return EPERM;
   }
   // 0600 first, so the file is never more open than meant, then the final mode.
   const int fd = open_step(f.dir.get(), f.name, O_WRONLY | O_CREAT | O_EXCL | O_NOCTTY, 0600);
@@ -301,25 +312,25 @@ int create_caller_file(const CallerCredentials& who, CallerFile& f, const std::s
     const int probe = open_step(f.dir.get(), f.name, O_PATH);
     if (probe < 0) {
       why = fmt::format("{}: {}", shown, std::strerror(-probe));
-      return probe;
+      return -probe;
     }
     UniqueFd entry(probe);
     struct stat st;
     if (::fstat(probe, &st) != 0) {
       const int e = errno;
       why = fmt::format("{}: fstat: {}", shown, std::strerror(e));
-      return -e;
+      return e;
     }
     if (S_ISLNK(st.st_mode)) {
       why = fmt::format("{}: became a symlink; salusd never writes through one", shown);
-      return -ELOOP;
+      return ELOOP;
     }
     if (!S_ISREG(st.st_mode)) return not_regular(st.st_mode, shown, why);
     return open_regular(f.dir.get(), f.name, FileIntent::write_existing, shown, f, why);
   }
   if (fd < 0) {
     why = fmt::format("{}: cannot create it: {}", shown, std::strerror(-fd));
-    return fd;
+    return -fd;
   }
   f.fd.reset(fd);
   ::fchmod(fd, 0666 & ~who.umask);
@@ -334,7 +345,7 @@ int read_file_as_caller(const CallerCredentials& who, const std::string& path, s
   if (const int rc = open_caller_file(who, path, FileIntent::read, f, why)) return rc;
   if (static_cast<std::size_t>(f.st.st_size) > limit) {
     why = fmt::format("{}: {} bytes is more than the {} allowed", path, f.st.st_size, limit);
-    return -EFBIG;
+    return EFBIG;
   }
   out.resize(static_cast<std::size_t>(f.st.st_size));
   std::size_t done = 0;
@@ -344,7 +355,7 @@ int read_file_as_caller(const CallerCredentials& who, const std::string& path, s
     if (n <= 0) {
       const int e = n < 0 ? errno : EIO;
       why = fmt::format("{}: read failed: {}", path, std::strerror(e));
-      return -e;
+      return e;
     }
     done += static_cast<std::size_t>(n);
   }

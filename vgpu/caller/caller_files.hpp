@@ -46,7 +46,7 @@ struct CallerFile {
 inline constexpr int kMaxSymlinks = 40;  // like the kernel's MAXSYMLINKS
 
 // Resolves `path` (absolute, as the caller sees it) and opens it as the caller.
-// Returns 0, or -errno with a one-line reason in `why`:
+// Returns 0, or a positive errno with a one-line reason in `why`:
 //   ENOENT, ENOTDIR, EACCES (permissions, or an untrusted symlink), ELOOP (too
 //   many symlinks, or for writes a symlink as the last component: salusd never
 //   writes through one), EISDIR a directory, EINVAL a FIFO, socket or device,
@@ -61,11 +61,12 @@ int open_caller_file(const CallerCredentials& who, const std::string& path, File
 // Creates the file open_caller_file found missing, as the caller, with mode
 // 0666 & ~umask (what a shell redirection would give), without following a
 // symlink; if it appeared meanwhile, opens it if it is a regular file. `shown` is
-// the path for messages. Returns 0 (f.fd is open) or -errno with `why`.
+// the path for messages. Returns 0 (f.fd is open) or a positive errno with `why`.
 int create_caller_file(const CallerCredentials& who, CallerFile& f, const std::string& shown,
                        std::string& why);
 
 // Reads a whole regular file as the caller, up to `limit` bytes (EFBIG beyond).
+// Returns 0, or a positive errno with `why` (the errors of open_caller_file).
 int read_file_as_caller(const CallerCredentials& who, const std::string& path, std::size_t limit,
                         std::vector<std::uint8_t>& out, std::string& why);
 

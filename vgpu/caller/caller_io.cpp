@@ -164,7 +164,7 @@ constexpr std::size_t kIsolatedStack = 1u << 20;
 int CallerIo::isolated(const std::function<void()>& fn) {
   void* stack = ::mmap(nullptr, kIsolatedStack, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
-  if (stack == MAP_FAILED) return -errno;
+  if (stack == MAP_FAILED) return errno;
   IsolatedArg arg{&fn, ::getpid()};
   // CLONE_VFORK: this thread sleeps (killably) until the task exits. No exit
   // signal: salusd's other children are reaped by pid, and so is this one.
@@ -173,7 +173,7 @@ int CallerIo::isolated(const std::function<void()>& fn) {
   if (pid < 0) {
     const int err = errno;
     ::munmap(stack, kIsolatedStack);
-    return -err;
+    return err;
   }
   while (::waitpid(pid, nullptr, __WALL) < 0 && errno == EINTR) {
   }
@@ -207,9 +207,9 @@ CallerIo::~CallerIo() {
 int CallerIo::post(uid_t uid, Job job) {
   {
     std::lock_guard lk(st_->mu);
-    if (st_->closed) return -ESHUTDOWN;
+    if (st_->closed) return ESHUTDOWN;
     auto& u = st_->uids[uid];
-    if (u.queued.size() >= st_->opt.queued_per_uid) return -EAGAIN;
+    if (u.queued.size() >= st_->opt.queued_per_uid) return EAGAIN;
     u.queued.push_back(std::move(job));
   }
   spawn_if_needed(st_);

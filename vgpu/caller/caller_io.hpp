@@ -65,13 +65,13 @@ class CallerIo {
 
   // Runs `fn` in a task of its own that shares this process's memory and file
   // descriptors (clone with CLONE_VM | CLONE_FILES | CLONE_VFORK) and returns
-  // when it is done: 0, or -errno if no task could be made. For the blocking
+  // when it is done: 0, or a positive errno if no task could be made. For the blocking
   // part of a job only: `fn` must not take locks that other threads hold for
   // long, and must not throw.
   static int isolated(const std::function<void()>& fn);
 
-  // Queues `job` for `uid`. 0, -EAGAIN when the uid has too many waiting, or
-  // -ESHUTDOWN once closed. The job runs with no lock held and may block.
+  // Queues `job` for `uid`. 0, EAGAIN when the uid has too many waiting, or
+  // ESHUTDOWN once closed. The job runs with no lock held and may block.
   int post(uid_t uid, Job job);
   // Refuses new jobs, drops the waiting ones, and waits for Gate::enter calls
   // in progress; jobs stuck elsewhere are abandoned. Idempotent.

@@ -1,4 +1,5 @@
 #include "vgpu/sim/sim_modules.hpp"
+#include "vgpu/unique_fd.hpp"
 
 #include <dlfcn.h>
 #include <elf.h>
@@ -104,18 +105,17 @@ int SimModule::load(const std::vector<std::uint8_t>& image, std::shared_ptr<SimM
     return EINVAL;
   }
 
-  int fd = ::memfd_create("salus-sim-module", MFD_CLOEXEC);
-  if (fd < 0) {
+  UniqueFd fd(::memfd_create("salus-sim-module", MFD_CLOEXEC));
+  if (!fd) {
     const int err = errno;
     why = fmt::format("memfd_create: {}", std::strerror(err));
     return err;
   }
   for (std::size_t done = 0; done < image.size();) {
-    const ssize_t n = ::write(fd, image.data() + done, image.size() - done);
+    const ssize_t n = ::write(fd.get(), image.data() + done, image.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const int err = n < 0 ? errno : EIO;
-      ::close(fd);
       why = fmt::format("writing the module to memory: {}", std::strerror(err));
       return err;
     }
@@ -126,27 +126,24 @@ int SimModule::load(const std::vector<std::uint8_t>& image, std::shared_ptr<SimM
   // dlopen of the same name would hand back that stale object: move to an fd
   // number no loaded object is known by.
   for (int attempt = 0;; ++attempt) {
-    const std::string path = fmt::format("/proc/self/fd/{}", fd);
+    const std::string path = fmt::format("/proc/self/fd/{}", fd.get());
     if (void* stale = ::dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD); stale != nullptr) {
       ::dlclose(stale);  // drop the reference RTLD_NOLOAD just took
-      const int higher = attempt < 64 ? ::fcntl(fd, F_DUPFD_CLOEXEC, fd + 1) : -1;
+      const int higher = attempt < 64 ? ::fcntl(fd.get(), F_DUPFD_CLOEXEC, fd.get() + 1) : -1;
       if (higher < 0) {
-        ::close(fd);
         why = "no free file descriptor name to load the module under";
         return EMFILE;
       }
-      ::close(fd);
-      fd = higher;
+      fd.reset(higher);
       continue;
     }
     ::dlerror();  // clear
     void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (handle == nullptr) {
       why = dl_error();
-      ::close(fd);
       return EINVAL;
     }
-    out.reset(new SimModule(handle, fd));
+    out.reset(new SimModule(handle, fd.release()));
     return 0;
   }
 }

@@ -38,12 +38,12 @@ TransferEndpoint open_transfer_endpoint(const CallerCredentials& who, const Tran
     // for direct copies; a write-only segment still works, through staging.
     int rc =
         open_caller_file(who, path, up ? FileIntent::read : FileIntent::read_write, ep.file, why);
-    if (rc == -EACCES && !up)
+    if (rc == EACCES && !up)
       rc = open_caller_file(who, path, FileIntent::write_existing, ep.file, why);
-    if (rc == -ENOENT)
+    if (rc == ENOENT)
       return fail(ENOENT, fmt::format("{}: no such segment ({} in the caller's mount namespace)",
                                       ep.shown, path));
-    if (rc < 0) return fail(-rc, fmt::format("{}: {}", ep.shown, why));
+    if (rc) return fail(rc, fmt::format("{}: {}", ep.shown, why));
     // Segments are mapped and copied from by the engine and the device, where
     // a page fault must never wait for a filesystem: only memory will do
     // (a bind mount over /dev/shm in the caller's namespace could be anything).
@@ -64,7 +64,7 @@ TransferEndpoint open_transfer_endpoint(const CallerCredentials& who, const Tran
   }
   const int rc =
       open_caller_file(who, cmd.source, up ? FileIntent::read : FileIntent::write, ep.file, why);
-  if (rc < 0) return fail(-rc, fmt::format("file:{}", why));
+  if (rc) return fail(rc, fmt::format("file:{}", why));
   if (up) {
     const auto size = static_cast<Bytes>(ep.file.st.st_size);
     if (end > size)

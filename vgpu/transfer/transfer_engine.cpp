@@ -195,39 +195,57 @@ void TransferEngine::start_waiting() {
 
 // One turn of the engine loop; false once it is time to stop.
 bool TransferEngine::step() {
-  std::vector<DeviceDone> device_done;
-  std::vector<std::uint64_t> forgotten;
-  std::vector<std::function<void()>> io_done;
-  bool stopping = false;
+  Inbox in;
+  if (!take_inbox(in)) return false;
+  handle_inbox(in);
+  start_waiting();
+  for (Active& a : active_) pump(a);
+  retire_over();
+  const bool freed = !finished_.empty();  // a waiting job may start now
+  report_finished();
+  if (note_idle()) return true;  // the destructor waits: ends at the next step
+  if (!sync_done_.empty() || (freed && !waiting_.empty())) return true;
+  std::uint64_t v;
+  [[maybe_unused]] const auto n = ::read(mailbox_->wake.get(), &v, sizeof v);
+  return true;
+}
+
+// Takes what the other threads handed over; false once the destructor asked
+// the loop to end and nothing is left.
+bool TransferEngine::take_inbox(Inbox& in) {
   {
     std::lock_guard lk(mu_);
     for (auto& j : incoming_) waiting_.push_back(std::move(j));
     incoming_.clear();
-    device_done.swap(device_done_);
-    forgotten.swap(forgotten_);
-    stopping = stopping_;
+    in.device_done.swap(device_done_);
+    in.forgotten.swap(forgotten_);
+    in.stopping = stopping_;
     if (quit_ && active_.empty() && waiting_.empty()) return false;
   }
-  {
-    std::lock_guard lk(mailbox_->mu);
-    io_done.swap(mailbox_->done);
-  }
-  if (!forgotten.empty()) {
+  std::lock_guard lk(mailbox_->mu);
+  in.io_done.swap(mailbox_->done);
+  return true;
+}
+
+void TransferEngine::handle_inbox(Inbox& in) {
+  if (!in.forgotten.empty()) {
     for (Segment& seg : segments_)
-      if (std::find(forgotten.begin(), forgotten.end(), seg.session) != forgotten.end())
+      if (std::find(in.forgotten.begin(), in.forgotten.end(), seg.session) != in.forgotten.end())
         seg.transient = true;
     drop_segments(false);
   }
-  for (const DeviceDone& d : device_done) on_device_done(d);
-  for (auto& fn : io_done) fn();
+  for (const DeviceDone& d : in.device_done) on_device_done(d);
+  for (auto& fn : in.io_done) fn();
   // on_file_done may fail to post the next request, which lands in sync_done_.
   for (auto& [slot, res] : std::exchange(sync_done_, {})) on_file_done(*slot, res);
-  if (stopping) {
+  if (in.stopping) {
     for (Active& a : active_) a.job->cancel.store(true);
     for (auto& j : waiting_) j->cancel.store(true);
   }
-  start_waiting();
-  for (Active& a : active_) pump(a);
+}
+
+// Moves every transfer that is over from active_ to finished_.
+void TransferEngine::retire_over() {
   for (auto it = active_.begin(); it != active_.end();) {
     if (!over(*it)) {
       ++it;
@@ -235,86 +253,94 @@ bool TransferEngine::step() {
     }
     Active& a = *it;
     if (a.segment) {
-      // The pages were the file's when the copies began; if the file shrank
-      // meanwhile, some of them were zeros (see HostRegions) or went nowhere.
-      // (Segments are on tmpfs, so fstat never waits.)
-      struct stat now {};
-      const Bytes end = a.job->file_offset + a.job->length;
-      if (!a.error && a.finished == a.job->length && ::fstat(a.job->file.fd.get(), &now) == 0 &&
-          static_cast<Bytes>(now.st_size) < end)
-        fail(a, EIO,
-             fmt::format("{}: the segment shrank to {} bytes while it was being copied (the "
-                         "transfer needs {}); nothing it moved can be trusted",
-                         a.job->shown, now.st_size, end));
-      if (!a.job->upload && ::fstat(a.segment->fd.get(), &now) == 0 &&
-          static_cast<Bytes>(now.st_size) == a.segment->size) {
-        // Our own writes through the mapping moved its ctime (tmpfs updates it
-        // on write faults); the pages are the same, so its mappings stay.
-        for (Segment& seg : segments_)
-          if (seg.dev == a.segment->dev && seg.ino == a.segment->ino && seg.size == a.segment->size)
-            seg.ctime_ns = ctime_ns(now);
-      }
+      check_segment_after(a);
       if (a.error) a.segment->transient = true;  // a guard may have replaced its pages
       release_segment(a.segment);
       a.segment = nullptr;
     }
-    TransferResult r;
-    r.bytes = a.finished;
-    r.device_ns = a.device_ns;
-    r.elapsed_ns = now_ns() - a.started_ns;
-    if (a.error) {
-      r.error = a.error;
-      r.why = std::move(a.why);
-    } else if (a.finished < a.job->length) {
-      r.error = ECANCELED;
-      r.why = fmt::format("{}: cancelled after {} of {} bytes", a.job->shown, a.finished,
-                          a.job->length);
-    }
+    TransferResult r = result_of(a);
     stream_busy_[a.stream_index] = false;
     a.job->file = CallerFile{};  // closes it (requests abandoned in flight hold a dup)
     finished_.emplace_back(std::move(a.job), std::move(r));
     it = active_.erase(it);  // its staging blocks go back to the pool
   }
-  const bool freed = !finished_.empty();  // a waiting job may start now
+}
+
+// A finished transfer through a segment: fails it if the segment shrank
+// meanwhile, and keeps the segment's mappings after a download's own writes.
+void TransferEngine::check_segment_after(Active& a) {
+  // The pages were the file's when the copies began; if the file shrank
+  // meanwhile, some of them were zeros (see HostRegions) or went nowhere.
+  // (Segments are on tmpfs, so fstat never waits.)
+  struct stat now {};
+  const Bytes end = a.job->file_offset + a.job->length;
+  if (!a.error && a.finished == a.job->length && ::fstat(a.job->file.fd.get(), &now) == 0 &&
+      static_cast<Bytes>(now.st_size) < end)
+    fail(a, EIO,
+         fmt::format("{}: the segment shrank to {} bytes while it was being copied (the "
+                     "transfer needs {}); nothing it moved can be trusted",
+                     a.job->shown, now.st_size, end));
+  if (!a.job->upload && ::fstat(a.segment->fd.get(), &now) == 0 &&
+      static_cast<Bytes>(now.st_size) == a.segment->size) {
+    // Our own writes through the mapping moved its ctime (tmpfs updates it
+    // on write faults); the pages are the same, so its mappings stay.
+    for (Segment& seg : segments_)
+      if (seg.dev == a.segment->dev && seg.ino == a.segment->ino && seg.size == a.segment->size)
+        seg.ctime_ns = ctime_ns(now);
+  }
+}
+
+TransferResult TransferEngine::result_of(Active& a) {
+  TransferResult r;
+  r.bytes = a.finished;
+  r.device_ns = a.device_ns;
+  r.elapsed_ns = now_ns() - a.started_ns;
+  if (a.error) {
+    r.error = a.error;
+    r.why = std::move(a.why);
+  } else if (a.finished < a.job->length) {
+    r.error = ECANCELED;
+    r.why =
+        fmt::format("{}: cancelled after {} of {} bytes", a.job->shown, a.finished, a.job->length);
+  }
+  return r;
+}
+
+// Publishes the counts, then calls the finished transfers' callbacks.
+void TransferEngine::report_finished() {
   {
     // Before the callbacks: whoever they wake sees the transfer gone.
     std::lock_guard lk(mu_);
     stats_.active = static_cast<unsigned>(active_.size());
     stats_.waiting = static_cast<unsigned>(waiting_.size() + incoming_.size());
-  }
-  if (!finished_.empty()) {
-    {
-      std::lock_guard lk(mu_);
-      for (const auto& [job, r] : finished_) {
-        if (r.error == 0)
-          ++stats_.completed;
-        else if (r.error == ECANCELED)
-          ++stats_.cancelled;
-        else
-          ++stats_.failed;
-      }
+    for (const auto& [job, r] : finished_) {
+      if (r.error == 0)
+        ++stats_.completed;
+      else if (r.error == ECANCELED)
+        ++stats_.cancelled;
+      else
+        ++stats_.failed;
     }
-    for (auto& [job, r] : finished_) {
-      try {
-        if (job->done) job->done(std::move(r));
-      } catch (const std::exception& e) {
-        spdlog::error("gpu {}: a transfer's completion threw: {}", gpu_, e.what());
-      } catch (...) {
-        spdlog::error("gpu {}: a transfer's completion threw", gpu_);
-      }
+  }
+  for (auto& [job, r] : finished_) {
+    try {
+      if (job->done) job->done(std::move(r));
+    } catch (const std::exception& e) {
+      spdlog::error("gpu {}: a transfer's completion threw: {}", gpu_, e.what());
+    } catch (...) {
+      spdlog::error("gpu {}: a transfer's completion threw", gpu_);
     }
-    finished_.clear();
   }
-  {
-    std::lock_guard lk(mu_);
-    idle_ = stopping_ && active_.empty() && waiting_.empty() && incoming_.empty();
-    if (idle_) quiet_.notify_all();
-    if (quit_ && idle_) return true;  // ends at the next step
-  }
-  if (!sync_done_.empty() || (freed && !waiting_.empty())) return true;
-  std::uint64_t v;
-  [[maybe_unused]] const auto n = ::read(mailbox_->wake.get(), &v, sizeof v);
-  return true;
+  finished_.clear();
+}
+
+// Records whether the engine is idle while stopping (stop() waits for that);
+// true when the destructor is waiting to end the loop.
+bool TransferEngine::note_idle() {
+  std::lock_guard lk(mu_);
+  idle_ = stopping_ && active_.empty() && waiting_.empty() && incoming_.empty();
+  if (idle_) quiet_.notify_all();
+  return quit_ && idle_;
 }
 
 void TransferEngine::start(std::shared_ptr<TransferJob> job) {
@@ -368,16 +394,16 @@ void TransferEngine::start(std::shared_ptr<TransferJob> job) {
       res = err;
     mb->post([this, c, res] { created(*c, res); });
   });
-  if (rc < 0) created(*c, rc);
+  if (rc) created(*c, rc);
 }
 
 void TransferEngine::created(Create& c, int rc) {
   if (c.abandoned) return;  // cancelled meanwhile; the file goes with `c`
   Active& a = *c.active;
   auto keep = std::move(a.create);  // `c` lives until this returns
-  if (rc < 0) {
-    if (c.why.empty()) c.why = fmt::format("{}: {}", c.shown, std::strerror(-rc));
-    return fail(a, -rc, std::move(c.why));
+  if (rc) {
+    if (c.why.empty()) c.why = fmt::format("{}: {}", c.shown, std::strerror(rc));
+    return fail(a, rc, std::move(c.why));
   }
   a.job->file = std::move(c.file);
   a.fd = std::make_shared<UniqueFd>(::fcntl(a.job->file.fd.get(), F_DUPFD_CLOEXEC, 0));
@@ -511,12 +537,12 @@ void TransferEngine::file_io(Slot& s) {
   s.state = Slot::State::file;
   const int rc = io_.post(job.who.uid, [this, io, mb = mailbox_](CallerIo::Gate&) {
     int res = 0;
-    if (const int err = CallerIo::isolated([&] { res = run_file_io(*io); })) res = err;
+    if (const int err = CallerIo::isolated([&] { res = run_file_io(*io); })) res = -err;
     mb->post([this, io, res] {
       if (!io->abandoned) on_file_done(*io->slot, res);
     });
   });
-  if (rc < 0) sync_done_.emplace_back(&s, rc);
+  if (rc) sync_done_.emplace_back(&s, -rc);  // on_file_done takes a count or -errno
 }
 
 void TransferEngine::device_copy(Slot& s) {

@@ -139,7 +139,7 @@ class TransferEngine {
     enum class State : std::uint8_t { idle, file, device } state = State::idle;
     Bytes offset = 0;  // within the transfer
     Bytes length = 0;
-    Bytes done = 0;  // file bytes of this chunk done so far
+    Bytes done = 0;              // file bytes of this chunk done so far
     std::shared_ptr<FileIo> io;  // its read or write with CallerIo, while state == file
   };
   struct Active {
@@ -153,8 +153,8 @@ class TransferEngine {
     bool cancelled = false;
     std::int64_t device_ns = 0;
     std::int64_t started_ns = 0;
-    Segment* segment = nullptr;  // direct: copies from/to its pages, no staging
-    char* view = nullptr;        // device memory in reach: file I/O straight into it
+    Segment* segment = nullptr;      // direct: copies from/to its pages, no staging
+    char* view = nullptr;            // device memory in reach: file I/O straight into it
     std::shared_ptr<UniqueFd> fd;    // the file, for its reads and writes in flight
     std::shared_ptr<Create> create;  // a download's missing file, being created
     Bytes eof = ~Bytes{0};           // the lowest file offset a read found the end at
@@ -165,8 +165,23 @@ class TransferEngine {
     std::int64_t device_ns;
   };
 
+  // What the other threads handed the engine since its last turn.
+  struct Inbox {
+    std::vector<DeviceDone> device_done;
+    std::vector<std::uint64_t> forgotten;  // sessions whose segments may go
+    std::vector<std::function<void()>> io_done;
+    bool stopping = false;
+  };
+
   void run();
   bool step();
+  bool take_inbox(Inbox& in);
+  void handle_inbox(Inbox& in);
+  void retire_over();
+  void check_segment_after(Active& a);
+  TransferResult result_of(Active& a);
+  void report_finished();
+  bool note_idle();
   void wake();
   void start_waiting();
   void start(std::shared_ptr<TransferJob> job);

@@ -19,6 +19,7 @@
 
 #include "client/salus_gate.h"
 #include "fusefs/command_parser.hpp"
+#include "tests/support/broker_driver.hpp"
 #include "vgpu/broker/broker.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
@@ -45,17 +46,7 @@ Caller me() {
 
 std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text,
                                 const Caller& who = me()) {
-  auto parsed = fusefs::parse_commands(text);
-  std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> perr;
-  if (parsed.error) perr = {parsed.error->line, {parsed.error->error, parsed.error->message}};
-  std::promise<std::pair<int, std::string>> p;
-  auto f = p.get_future();
-  b.submit(id, who, text.size(), std::move(parsed.commands), std::move(perr),
-           [&p](int err, std::string reply) {
-             p.set_value({err, std::move(reply)});
-           });
-  if (f.wait_for(10s) != std::future_status::ready) return {ETIMEDOUT, {}};
-  return f.get();
+  return test::run_commands(b, id, text, who);
 }
 
 std::string field(const std::string& text, const std::string& key) {

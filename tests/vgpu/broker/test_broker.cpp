@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "fusefs/command_parser.hpp"
+#include "tests/support/broker_driver.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
 using namespace salus;
@@ -43,25 +44,11 @@ const Caller kAlice{1000, 1000, ::getpid(), false};
 // Submits text and waits for the (possibly deferred) reply.
 std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text,
                                 const Caller& who = kRoot) {
-  auto parsed = fusefs::parse_commands(text);
-  std::optional<std::pair<std::uint32_t, std::pair<int, std::string>>> perr;
-  if (parsed.error) perr = {parsed.error->line, {parsed.error->error, parsed.error->message}};
-  std::promise<std::pair<int, std::string>> p;
-  auto f = p.get_future();
-  b.submit(id, who, text.size(), std::move(parsed.commands), std::move(perr),
-           [&p](int err, std::string reply) {
-             p.set_value({err, std::move(reply)});
-           });
-  if (f.wait_for(10s) != std::future_status::ready) return {ETIMEDOUT, {}};
-  return f.get();
+  return test::run_commands(b, id, text, who);
 }
 
 std::pair<int, std::string> wait_for(Broker& b, SessionId id) {
-  std::promise<std::pair<int, std::string>> p;
-  auto f = p.get_future();
-  b.wait(id, [&p](int err, std::string text) { p.set_value({err, std::move(text)}); });
-  if (f.wait_for(10s) != std::future_status::ready) return {ETIMEDOUT, {}};
-  return f.get();
+  return test::wait_session(b, id);
 }
 
 std::string field(const std::string& text, const std::string& key) {
@@ -93,7 +80,7 @@ TEST(Broker, FailedLineKeepsEarlierLinesAndLogsTheReason) {
 TEST(Broker, OtherUidIsRefused) {
   auto b = make_broker();
   const auto id = static_cast<SessionId>(b->create_session(kRoot, ""));
-  EXPECT_EQ(b->check_access(id, kAlice), -EACCES);
+  EXPECT_EQ(b->check_access(id, kAlice), EACCES);
   EXPECT_EQ(run(*b, id, "need persistent=1M ephemeral=1M\n", kAlice).first, EACCES);
   EXPECT_EQ(b->check_access(id, kRoot), 0);
 }

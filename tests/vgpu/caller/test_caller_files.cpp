@@ -101,7 +101,7 @@ TEST_F(CallerFilesTest, ReadsARegularFile) {
 TEST_F(CallerFilesTest, ResolvesDotsWithoutLeavingTheRoot) {
   make_file("a", "abc");
   CallerFile f;
-  ASSERT_EQ(open(root(), "/../../.." + dir_ + "/./x/../a", FileIntent::read, f), -ENOENT)
+  ASSERT_EQ(open(root(), "/../../.." + dir_ + "/./x/../a", FileIntent::read, f), ENOENT)
       << "x does not exist, so x/.. does not either: " << why_;
   fs::create_directory(path("x"));
   ASSERT_EQ(open(root(), "/../../.." + dir_ + "/./x/../a", FileIntent::read, f), 0) << why_;
@@ -110,16 +110,16 @@ TEST_F(CallerFilesTest, ResolvesDotsWithoutLeavingTheRoot) {
 
 TEST_F(CallerFilesTest, RejectsWhatIsNotARegularFile) {
   CallerFile f;
-  EXPECT_EQ(open(root(), path("missing"), FileIntent::read, f), -ENOENT);
+  EXPECT_EQ(open(root(), path("missing"), FileIntent::read, f), ENOENT);
   EXPECT_NE(why_.find("No such file"), std::string::npos) << why_;
-  EXPECT_EQ(open(root(), dir_, FileIntent::read, f), -EISDIR);
-  EXPECT_EQ(open(root(), "/", FileIntent::read, f), -EISDIR);
+  EXPECT_EQ(open(root(), dir_, FileIntent::read, f), EISDIR);
+  EXPECT_EQ(open(root(), "/", FileIntent::read, f), EISDIR);
   // A FIFO nobody writes to would block a plain open: it must fail at once.
   ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0666), 0);
-  EXPECT_EQ(open(root(), path("fifo"), FileIntent::read, f), -EINVAL);
+  EXPECT_EQ(open(root(), path("fifo"), FileIntent::read, f), EINVAL);
   EXPECT_NE(why_.find("a FIFO"), std::string::npos) << why_;
-  EXPECT_EQ(open(root(), path("fifo"), FileIntent::write, f), -EINVAL);
-  EXPECT_EQ(open(root(), "/dev/null", FileIntent::read, f), -EINVAL);
+  EXPECT_EQ(open(root(), path("fifo"), FileIntent::write, f), EINVAL);
+  EXPECT_EQ(open(root(), "/dev/null", FileIntent::read, f), EINVAL);
   EXPECT_NE(why_.find("a character device"), std::string::npos) << why_;
   const int sock = ::socket(AF_UNIX, SOCK_STREAM, 0);
   sockaddr_un addr{};
@@ -127,11 +127,11 @@ TEST_F(CallerFilesTest, RejectsWhatIsNotARegularFile) {
   const std::string sp = path("sock");
   std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", sp.c_str());
   ASSERT_EQ(::bind(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  EXPECT_EQ(open(root(), sp, FileIntent::read, f), -EINVAL);
+  EXPECT_EQ(open(root(), sp, FileIntent::read, f), EINVAL);
   ::close(sock);
   make_file("file");
-  EXPECT_EQ(open(root(), path("file") + "/x", FileIntent::read, f), -ENOTDIR);
-  EXPECT_EQ(open(root(), "relative/path", FileIntent::read, f), -EINVAL);
+  EXPECT_EQ(open(root(), path("file") + "/x", FileIntent::read, f), ENOTDIR);
+  EXPECT_EQ(open(root(), "relative/path", FileIntent::read, f), EINVAL);
   EXPECT_FALSE(f.exists());
 }
 
@@ -148,9 +148,9 @@ TEST_F(CallerFilesTest, FollowsTrustedSymlinksRelativeAndAbsolute) {
   }
   fs::create_symlink("loop2", path("loop1"));
   fs::create_symlink("loop1", path("loop2"));
-  EXPECT_EQ(open(root(), path("loop1"), FileIntent::read, f), -ELOOP);
+  EXPECT_EQ(open(root(), path("loop1"), FileIntent::read, f), ELOOP);
   fs::create_symlink("nowhere", path("dangling"));
-  EXPECT_EQ(open(root(), path("dangling"), FileIntent::read, f), -ENOENT);
+  EXPECT_EQ(open(root(), path("dangling"), FileIntent::read, f), ENOENT);
 }
 
 TEST_F(CallerFilesTest, RefusesASymlinkPlantedByAnotherUid) {
@@ -160,10 +160,10 @@ TEST_F(CallerFilesTest, RefusesASymlinkPlantedByAnotherUid) {
   ASSERT_EQ(::lchown(path("planted").c_str(), kOther, kOther), 0);
   CallerFile f;
   // The target is readable by everyone; the link is what is refused.
-  EXPECT_EQ(open(as(kNobody), path("planted"), FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(as(kNobody), path("planted"), FileIntent::read, f), EACCES);
   EXPECT_NE(why_.find("refusing to follow symlink 'planted' owned by uid 4242"), std::string::npos)
       << why_;
-  EXPECT_EQ(open(root(), path("planted"), FileIntent::read, f), -EACCES) << "root too";
+  EXPECT_EQ(open(root(), path("planted"), FileIntent::read, f), EACCES) << "root too";
   // Its owner may use it, and so may anyone once the directory is the owner's.
   EXPECT_EQ(open(as(kOther), path("planted"), FileIntent::read, f), 0) << why_;
   ASSERT_EQ(::chown(dir_.c_str(), kOther, kOther), 0);
@@ -174,31 +174,31 @@ TEST_F(CallerFilesTest, RefusesASymlinkPlantedByAnotherUid) {
   make_file("d/x", "x");
   fs::create_symlink(path("d"), path("dirlink"));
   ASSERT_EQ(::lchown(path("dirlink").c_str(), kOther, kOther), 0);
-  EXPECT_EQ(open(as(kNobody), path("dirlink/x"), FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(as(kNobody), path("dirlink/x"), FileIntent::read, f), EACCES);
 }
 
 TEST_F(CallerFilesTest, AppliesTheCallersPermissions) {
   NEED_ROOT();
   const auto secret = make_file("secret", "s", 0600);
   CallerFile f;
-  EXPECT_EQ(open(as(kNobody), secret, FileIntent::read, f), -EACCES);
-  EXPECT_EQ(open(as(kNobody), secret, FileIntent::write, f), -EACCES);
+  EXPECT_EQ(open(as(kNobody), secret, FileIntent::read, f), EACCES);
+  EXPECT_EQ(open(as(kNobody), secret, FileIntent::write, f), EACCES);
   EXPECT_EQ(open(root(), secret, FileIntent::read, f), 0);
   // Groups count: a file of a group the caller is in.
   ASSERT_EQ(::chown(secret.c_str(), 0, 777), 0);
   ::chmod(secret.c_str(), 0640);
   auto member = as(kNobody);
-  EXPECT_EQ(open(member, secret, FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(member, secret, FileIntent::read, f), EACCES);
   member.groups = {777};
   EXPECT_EQ(open(member, secret, FileIntent::read, f), 0) << why_;
   // Search permission on the way is checked too.
   fs::create_directory(path("closed"));
   make_file("closed/f", "f", 0644);
   ::chmod(path("closed").c_str(), 0700);
-  EXPECT_EQ(open(as(kNobody), path("closed/f"), FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(as(kNobody), path("closed/f"), FileIntent::read, f), EACCES);
   // /etc/shadow is the classic.
   if (fs::exists("/etc/shadow")) {
-    EXPECT_EQ(open(as(kNobody), "/etc/shadow", FileIntent::read, f), -EACCES);
+    EXPECT_EQ(open(as(kNobody), "/etc/shadow", FileIntent::read, f), EACCES);
   }
 }
 
@@ -216,16 +216,16 @@ TEST(KernelFilesystems, AreNamedByTheirMagic) {
 // also through a symlink, and the message names only the path the caller gave.
 TEST_F(CallerFilesTest, RefusesKernelFilesystemsEvenThroughASymlink) {
   CallerFile f;
-  EXPECT_EQ(open(root(), "/proc/self/status", FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(root(), "/proc/self/status", FileIntent::read, f), EACCES);
   EXPECT_NE(why_.find("procfs, a kernel filesystem"), std::string::npos) << why_;
-  EXPECT_EQ(open(as(kNobody), "/proc/1/cwd/x", FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(as(kNobody), "/proc/1/cwd/x", FileIntent::read, f), EACCES);
   EXPECT_NE(why_.find("procfs"), std::string::npos) << why_;
   fs::create_symlink("/proc/self/environ", path("env"));
-  EXPECT_EQ(open(root(), path("env"), FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(root(), path("env"), FileIntent::read, f), EACCES);
   EXPECT_EQ(why_.find("environ"), std::string::npos) << why_;
   EXPECT_FALSE(f.exists());
   if (fs::exists("/sys/kernel/uevent_seqnum")) {
-    EXPECT_EQ(open(root(), "/sys/kernel/uevent_seqnum", FileIntent::read, f), -EACCES);
+    EXPECT_EQ(open(root(), "/sys/kernel/uevent_seqnum", FileIntent::read, f), EACCES);
     EXPECT_NE(why_.find("sysfs"), std::string::npos) << why_;
   }
 }
@@ -248,7 +248,7 @@ TEST_F(CallerFilesTest, OpensWithTheCallersCapabilitiesOnly) {
   ASSERT_EQ(::chown(secret.c_str(), kOther, kOther), 0);
   CallerFile f;
   auto bare_root = as(0, 0);  // uid 0 with no capabilities (e.g. a capability-dropped job)
-  EXPECT_EQ(open(bare_root, secret, FileIntent::read, f), -EACCES) << why_;
+  EXPECT_EQ(open(bare_root, secret, FileIntent::read, f), EACCES) << why_;
   EXPECT_EQ(effective_caps(), before);
   EXPECT_EQ(open(root(), secret, FileIntent::read, f), 0) << why_;
   EXPECT_EQ(effective_caps(), before);
@@ -256,8 +256,8 @@ TEST_F(CallerFilesTest, OpensWithTheCallersCapabilitiesOnly) {
   fs::create_directory(path("noexec"));
   make_file("noexec/f", "f", 0644);
   ::chmod(path("noexec").c_str(), 0600);
-  EXPECT_EQ(open(as(kNobody), path("noexec/f"), FileIntent::read, f), -EACCES);
-  EXPECT_EQ(open(bare_root, path("noexec/f"), FileIntent::read, f), -EACCES);
+  EXPECT_EQ(open(as(kNobody), path("noexec/f"), FileIntent::read, f), EACCES);
+  EXPECT_EQ(open(bare_root, path("noexec/f"), FileIntent::read, f), EACCES);
   EXPECT_EQ(open(root(), path("noexec/f"), FileIntent::read, f), 0) << why_;
   EXPECT_EQ(effective_caps(), before);
 }
@@ -271,11 +271,11 @@ TEST_F(CallerFilesTest, RefusesACallerWithoutAPid) {
   EXPECT_TRUE(who.groups.empty());
   EXPECT_EQ(who.caps, 0u);
   CallerFile f;
-  EXPECT_EQ(open(who, p, FileIntent::read, f), -EPERM);
+  EXPECT_EQ(open(who, p, FileIntent::read, f), EPERM);
   EXPECT_NE(why_.find("outside salusd's pid namespace"), std::string::npos) << why_;
-  EXPECT_EQ(open(who, path("new"), FileIntent::write, f), -EPERM);
+  EXPECT_EQ(open(who, path("new"), FileIntent::write, f), EPERM);
   std::vector<std::uint8_t> bytes;
-  EXPECT_EQ(read_file_as_caller(who, p, 1024, bytes, why_), -EPERM);
+  EXPECT_EQ(read_file_as_caller(who, p, 1024, bytes, why_), EPERM);
   // A caller with a pid is read from its /proc entry: this process.
   const auto self = CallerCredentials::capture({::geteuid(), ::getegid(), ::getpid()});
   EXPECT_EQ(self.refused, 0);
@@ -300,9 +300,9 @@ TEST_F(CallerFilesTest, NeverWritesThroughASymlink) {
   make_file("real", "r");
   fs::create_symlink(path("real"), path("link"));
   CallerFile f;
-  EXPECT_EQ(open(root(), path("link"), FileIntent::write, f), -ELOOP);
+  EXPECT_EQ(open(root(), path("link"), FileIntent::write, f), ELOOP);
   EXPECT_NE(why_.find("never writes through"), std::string::npos) << why_;
-  EXPECT_EQ(open(root(), path("link"), FileIntent::write_existing, f), -ELOOP);
+  EXPECT_EQ(open(root(), path("link"), FileIntent::write_existing, f), ELOOP);
   // A symlinked directory on the way is fine: only the last component matters.
   fs::create_symlink(dir_, path("dirlink"));
   EXPECT_EQ(open(root(), path("dirlink/real"), FileIntent::write, f), 0) << why_;
@@ -327,14 +327,14 @@ TEST_F(CallerFilesTest, CreatesAMissingFileLaterAsTheCaller) {
   EXPECT_EQ(st.st_mode & 07777, 0640u) << "0666 & ~umask";
   // write_existing never creates.
   CallerFile g;
-  EXPECT_EQ(open(who, path("other"), FileIntent::write_existing, g), -ENOENT);
+  EXPECT_EQ(open(who, path("other"), FileIntent::write_existing, g), ENOENT);
 }
 
 TEST_F(CallerFilesTest, CreationUsesWhatAppearedMeanwhileOnlyIfItIsARegularFile) {
   CallerFile f;
   ASSERT_EQ(open(root(), path("later"), FileIntent::write, f), 0) << why_;
   fs::create_symlink("/etc/hostname", path("later"));
-  EXPECT_EQ(create_caller_file(root(), f, path("later"), why_), -ELOOP);
+  EXPECT_EQ(create_caller_file(root(), f, path("later"), why_), ELOOP);
   fs::remove(path("later"));
   CallerFile g;
   ASSERT_EQ(open(root(), path("later"), FileIntent::write, g), 0) << why_;
@@ -346,9 +346,9 @@ TEST_F(CallerFilesTest, CreationUsesWhatAppearedMeanwhileOnlyIfItIsARegularFile)
 TEST_F(CallerFilesTest, CannotCreateInADirectoryTheCallerMayNotWrite) {
   NEED_ROOT();
   CallerFile f;
-  EXPECT_EQ(open(as(kNobody), path("nope"), FileIntent::write, f), -EACCES);
+  EXPECT_EQ(open(as(kNobody), path("nope"), FileIntent::write, f), EACCES);
   EXPECT_NE(why_.find("cannot create it"), std::string::npos) << why_;
-  EXPECT_EQ(open(as(kNobody), path("missing-dir/x"), FileIntent::write, f), -ENOENT);
+  EXPECT_EQ(open(as(kNobody), path("missing-dir/x"), FileIntent::write, f), ENOENT);
 }
 
 // ---------------------------------------------------------------- endpoints

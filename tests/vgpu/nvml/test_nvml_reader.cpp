@@ -180,6 +180,23 @@ TEST_F(Nvml, SamplerRefreshesInTheBackground) {
   EXPECT_GT(*s.snapshot(0).readings.energy_j, first);
 }
 
+TEST_F(Nvml, SamplerScoresTheRiskOfItsWindow) {
+  // The mock's readings are constant, so CARMA's score of any window is the reading.
+  NvmlSampler s({kA, kB}, std::chrono::milliseconds(5), NvmlReader::kLibrary, 3);
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (s.rounds() < 5 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_GE(s.rounds(), 5u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    const GpuRisk r = s.risk(i);
+    const GpuReadings t = s.snapshot(i).readings;
+    ASSERT_TRUE(r.sm && r.mem && t.sm_util && t.mem_util);
+    EXPECT_NEAR(*r.sm, *t.sm_util, 1e-12);
+    EXPECT_NEAR(*r.mem, *t.mem_util, 1e-12);
+  }
+  EXPECT_FALSE(s.risk(9).sm);
+}
+
 TEST_F(Nvml, SamplerWithoutLibraryReportsWhyForEveryGpu) {
   NvmlSampler s({kA, kB}, std::chrono::milliseconds(5), "libnvidia-ml-absent.so.1");
   EXPECT_EQ(s.rounds(), 0u) << "nothing to sample, so no thread";
