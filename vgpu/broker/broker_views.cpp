@@ -180,6 +180,7 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("swaps_out", gate_load(G.swaps_out));
   kv("swaps_in", gate_load(G.swaps_in));
   kv("swap_ms", fmt::format("{:.3f}", static_cast<double>(gate_load(G.swap_ns)) / 1e6));
+  kv("swappable", gt.unswappable ? "no" : "yes");  // no: answered ENOTSUP, never asked again
   kv("swap_error", gt.swap_pending ? std::string("pending")
                    : gt.swap_error ? std::string(strerrorname_np(gt.swap_error))
                                    : std::string("-"));
