@@ -323,6 +323,16 @@ int Broker::admin_swap(const std::string& name, bool out, std::string& reply, st
     why = fmt::format("session {} is not an attached program: only those swap on request", name);
     return ENOTCONN;
   }
+  // Swapped out by the residency planner: its room on the GPU is not held, so
+  // asking the program directly would put its memory back beside the resident
+  // set. The planner brings it back when it fits (a prefetch, like any wanted one).
+  Gpu* g = gpu_of(*s);
+  if (!out && g && g->sched.arena().residency(s->id) == arena::Residency::swapped) {
+    want_resident(*g, *s);
+    log(*s, "swap-in asked by admin: the residency planner brings it back when it fits");
+    reply += fmt::format("swap-in of {} queued: it comes back when the GPU has room\n", name);
+    return 0;
+  }
   const int err = request_attached_swap(*s, out);
   if (err != 0) {
     why = fmt::format("swap-{} of {} not asked: {}", out ? "out" : "in", name,
