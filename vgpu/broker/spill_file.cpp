@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -127,10 +128,20 @@ void SpillFile::run() {
       }
     }
     int err = EIO;
+    const auto t0 = std::chrono::steady_clock::now();
     try {
       err = execute(ring, job);
     } catch (const std::exception& e) {
       spdlog::error("swap dir {}: spill job failed: {}", dir_, e.what());
+    }
+    if (job.kind != Job::punch && spdlog::should_log(spdlog::level::debug)) {
+      // The file's own part of a swap, apart from the device copy (tools/spill-bench.py).
+      std::size_t n = 0;
+      for (const Piece& p : job.pieces) n += p.size;
+      spdlog::debug(
+          "spill: {} {} bytes in {:.3f} ms: {}", job.kind == Job::write ? "wrote" : "read", n,
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+          err ? strerrorname_np(err) : "ok");
     }
     if (err && job.kind == Job::punch)
       spdlog::warn("swap dir {}: freeing spilled blocks: {}", dir_, strerrorname_np(err));
