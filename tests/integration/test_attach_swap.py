@@ -377,3 +377,48 @@ def test_residency_asks_a_program_without_salus_swap_once(tmp_path):
         for s in sessions:
             s.close()
         d.stop()
+
+
+def test_stop_with_a_swapped_program_gives_its_memory_back(tmp_path):
+    """salusd stops while the planner has an attached program swapped out: the gate
+    says detached, the shim brings the memory back and the program runs on
+    ungated to the end, every byte checked."""
+    from conftest import Salusd
+    d = Salusd(extra_args=["--oversubscribe", "2", "--policy", "fair"], sim_memory="64M",
+               gpus=1).start()
+    procs = []
+    sessions = []
+    stopped = False
+    try:
+        go = tmp_path / "go"
+        go.write_text("")
+        for _ in range(2):
+            s = Session(d)
+            s.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+            sessions.append(s)
+            procs.append(start_program(d, s, 40, 100, go))
+
+        def one_swapped():
+            try:
+                return any(s.status().get("residency") == "swapped" for s in sessions)
+            except OSError:
+                return False
+        assert wait_until(one_swapped, timeout=20)
+        d.stop()  # the sessions are still open: the stop ends them
+        stopped = True
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, (out, err)
+            assert out.count("verified") == 100, out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in sessions:
+            try:
+                s.close()
+            except OSError:  # ECONNABORTED once salusd has stopped
+                pass
+        if not stopped:
+            d.stop()
