@@ -220,8 +220,8 @@ bool validate(const Settings& s, std::string& why) {
   if (!salus::sched::placement_from_string(s.placement))
     return bad(fmt::format("placement '{}': expected magm, lug, rr or exclusive", s.placement));
   if (!(s.risk.max_sm >= 0 && s.risk.max_sm <= 1) || !(s.risk.max_mem >= 0 && s.risk.max_mem <= 1))
-    return bad(fmt::format("risk max_sm {} / max_mem {}: expected 0 to 1", s.risk.max_sm,
-                           s.risk.max_mem));
+    return bad(
+        fmt::format("risk max_sm {} / max_mem {}: expected 0 to 1", s.risk.max_sm, s.risk.max_mem));
   if (!(s.risk.window_s >= 1 && s.risk.window_s <= 3600))
     return bad(fmt::format("risk window_s {}: expected 1 to 3600", s.risk.window_s));
   if (!one_of(s.log_level, {"trace", "debug", "info", "warn", "error"}))

@@ -336,7 +336,7 @@ int Broker::admin_swap(const std::string& name, bool out, std::string& reply, st
   const int err = request_attached_swap(*s, out);
   if (err != 0) {
     why = fmt::format("swap-{} of {} not asked: {}", out ? "out" : "in", name,
-                      err == EBUSY     ? "an iteration or an earlier request is in flight"
+                      err == EBUSY      ? "an iteration or an earlier request is in flight"
                       : err == EALREADY ? "its memory is already there"
                                         : strerrorname_np(err));
     return err;
