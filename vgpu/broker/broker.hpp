@@ -362,7 +362,8 @@ class Broker {
   void drive_residency(Gpu& g, Deferred& later);
   void finish_swap(Gpu& g, const Completion& c, Deferred& later);
   // One interface per session kind: hosted sessions swap their buffers here;
-  // attached ones through the gate (attach-swap), non-swappable until wired.
+  // attached ones ask their program through the gate (request_attached_swap), and
+  // attached_residency_done completes the residency bookkeeping with its answer.
   bool swappable(const Session& s) const;
   int swap_out(Gpu& g, Session& s);
   int swap_in(Gpu& g, Session& s);

@@ -1,6 +1,7 @@
 // Oversubscription, the broker's side: swapping hosted sessions' persistent buffers
-// between the GPU and host memory at iteration boundaries, as the residency planner
-// (sched/residency.hpp) decides. The copies run on a per-GPU swap stream, like
+// between the GPU and host memory (or the spill file) at iteration boundaries, as the
+// residency planner (sched/residency.hpp) decides, and asking attached programs to
+// move theirs through the gate. The copies run on a per-GPU swap stream, like
 // compaction's moves, and are started and finished by the GPU's worker, never on a
 // FUSE thread. Device memory is freed only once its copy is safe on the host.
 #include <fmt/format.h>
