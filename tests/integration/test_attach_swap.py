@@ -290,10 +290,10 @@ def test_residency_swaps_attached_programs_that_do_not_fit_together(tmp_path):
     procs = []
     sessions = []
     try:
-        # An iteration here costs about as much as a swap of the program's memory,
-        # and a quantum is 20 swap times (design.md): 60 iterations are about two
+        # An iteration here costs about 0.7 swap times of the program's memory, and
+        # a quantum is 20 swap times (design.md): 90 iterations are about three
         # quanta of each, so each program is swapped out at least once.
-        ITERS = 60
+        ITERS = 90
         go = tmp_path / "go"
         go.write_text("")  # no holding back at the start: both iterate at once
         for i in range(2):
