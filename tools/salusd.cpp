@@ -71,6 +71,9 @@ struct Settings {
   // sessions per GPU.
   std::string oversubscribe = "1";
   std::string swap_host_limit = "64G";
+  // Past the host limit, swapped-out bytes spill to an unnamed (O_TMPFILE) file
+  // here, written by salusd; empty: no spill file.
+  std::string swap_dir = "/var/tmp";
 };
 
 // A salusd started with `&` from a script that has no job control inherits
@@ -178,6 +181,7 @@ bool load_config(const std::string& path, Settings& s, std::string& why) {
     }
   }
   s.swap_host_limit = t["swap_host_limit"].value_or(s.swap_host_limit);
+  s.swap_dir = t["swap_dir"].value_or(s.swap_dir);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.gpu_isolation = t["gpu_isolation"].value_or(s.gpu_isolation);
@@ -339,6 +343,9 @@ void add_flags(CLI::App& flags, Settings& s) {
                    "1: no oversubscription). Idle sessions are swapped to host memory");
   flags.add_option("--swap-host-limit", s.swap_host_limit,
                    "Host memory per GPU for swapped-out sessions, e.g. 64G");
+  flags.add_option("--swap-dir", s.swap_dir,
+                   "Past --swap-host-limit, swapped-out bytes spill to an unnamed file here "
+                   "(\"\": refuse such swap-outs)");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -518,6 +525,7 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s) {
   bc.arena.oversubscribe = 1.0;
   parse_oversubscribe(s.oversubscribe, bc.arena.oversubscribe, why);
   bc.swap_host_limit = *salus::arena::parse_size(s.swap_host_limit);
+  bc.swap_dir = s.swap_dir;
   return bc;
 }
 

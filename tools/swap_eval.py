@@ -6,7 +6,8 @@ GPU; the program uses the real one) on a temporary mount, runs swap_program
 SALUS_SWAP=1, holds the program at its iteration boundary with a second
 attached session (client/salus_gate.py, priority policy), and then, ROUNDS
 times: `swap out` (salusd's /salus/ctl) and `swap in`, each timed by the shim
-(the session's swap_ms). Before that the program times a plain pinned
+(the session's swap_ms). With a spill dir, each swap-out comes right after a
+plain write(2) of the same bytes to that directory, its own baseline. Before that the program times a plain pinned
 cuMemcpyDtoH/HtoD of the same size in the same run: the baseline. Finally it
 lets the program run on and check every byte at the same pointer.
 
@@ -100,6 +101,25 @@ def admin(d, line):
         f.write(line + "\n")
 
 
+def plain_write(where, size):
+    """write(2) of `size` fresh bytes in 8 MiB chunks (the shim's spill unit) to an
+    O_TMPFILE file in `where`, after a warm-up write of the same size: seconds-old
+    freed page-cache pages are slow to reuse on a VM (docs/benchmarks.md). Seconds."""
+    data = memoryview(bytes([7]) * size)
+    t = 0.0
+    for _ in range(2):
+        fd = os.open(where, os.O_TMPFILE | os.O_RDWR, 0o600)
+        try:
+            t0 = time.perf_counter()
+            done = 0
+            while done < size:
+                done += os.write(fd, data[done:done + min(8 << 20, size - done)])
+            t = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    return t
+
+
 def swap(d, s, direction, want):
     before = float(s.status()["swap_ms"])
     admin(d, f"swap {direction} {s.id}")
@@ -139,8 +159,10 @@ def run(a, d, out):
         open(go, "w").close()
         wait_until(lambda: holder.g.granted >= 1, 30, "the holder's grant")
         wait_until(lambda: s.status()["iterations_requested"] == "2", 30, "the program's boundary")
-        outs, ins = [], []
+        outs, ins, plains = [], [], []
         for _ in range(a.rounds):
+            if a.spill_dir:  # right before the swap-out that writes the same bytes
+                plains.append(plain_write(a.spill_dir, a.mib << 20))
             outs.append(swap(d, s, "out", "swapped"))
             ins.append(swap(d, s, "in", "resident"))
         holder.g.gpu_ns_total = 1
@@ -159,6 +181,10 @@ def run(a, d, out):
     b_out, b_in = gibs(float(base["dtoh_s"])), gibs(float(base["htod_s"]))
     m_out, m_in = gibs(statistics.median(outs)), gibs(statistics.median(ins))
     first = gibs(outs[0])
+    if plains:
+        p = gibs(statistics.median(plains))
+        out(f"plain write(2) of the same bytes to {a.spill_dir} {p:.2f} GiB/s; swap-out "
+            f"through the spill file {m_out:.2f} GiB/s = {m_out / p:.3f} x plain write")
     out(f"size {a.mib} MiB in one allocation, {a.rounds} rounds (median)"
         + (f", spill past {a.host_limit} bytes to {a.spill_dir}" if a.spill_dir else ""))
     out(f"baseline pinned cuMemcpyDtoH {b_out:.2f} GiB/s, cuMemcpyHtoD {b_in:.2f} GiB/s")

@@ -58,6 +58,11 @@ struct Vmm {
   CUresult (*htod)(CUdeviceptr, const void*, std::size_t) = nullptr;
   CUresult (*event_query)(CUevent) = nullptr;
   CUresult (*event_destroy)(CUevent) = nullptr;
+  // Optional (the spill file's overlapped copy; without them it copies in turns).
+  CUresult (*dtoh_async)(void*, CUdeviceptr, std::size_t, CUstream) = nullptr;
+  CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
+  CUresult (*stream_sync)(CUstream) = nullptr;
+  CUresult (*stream_destroy)(CUstream) = nullptr;
   std::size_t gran = std::size_t{2} << 20;
 };
 const Vmm& vmm() {
@@ -85,7 +90,13 @@ const Vmm& vmm() {
     get("cuMemcpyHtoD", r.htod);
     get("cuEventQuery", r.event_query);
     get("cuEventDestroy", r.event_destroy);
-    r.ok = ok && driver().ok;
+    const bool required = ok;
+    get("cuMemcpyDtoHAsync", r.dtoh_async);
+    get("cuStreamCreate", r.stream_create);
+    get("cuStreamSynchronize", r.stream_sync);
+    get("cuStreamDestroy", r.stream_destroy);
+    if (!ok) r.dtoh_async = nullptr;  // all four or none
+    r.ok = required && driver().ok;
     return r;
   }();
   return v;
@@ -253,8 +264,56 @@ void use_ctx(CUcontext ctx, CUcontext& cur) {
 
 constexpr std::size_t kChunk = std::size_t{8} << 20;  // spill file I/O unit
 
-// Copies a to the spill file through a bounce buffer. 0 or -errno.
-int spill_out(const Vmm& d, Registry& R, CUdeviceptr va, Alloc& a, char* bounce) {
+// What spill_out copies through: two pinned chunks and a stream of its own, so
+// that the next chunk comes off the GPU (cuMemcpyDtoHAsync) while this one is
+// written; or, without them (no pinned memory, an old driver), one malloc'd
+// chunk, copied and written in turns. Freed by its owner (copy_out).
+struct Bounce {
+  char* buf[2] = {nullptr, nullptr};
+  bool pinned = false;
+  CUstream stream = nullptr;
+  bool ok() const { return buf[0] != nullptr; }
+  void make(const Vmm& d) {
+    if (d.dtoh_async && d.stream_create(&stream, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS) {
+      void* p[2] = {nullptr, nullptr};
+      if (d.host_alloc(&p[0], kChunk, 0) == CUDA_SUCCESS &&
+          d.host_alloc(&p[1], kChunk, 0) == CUDA_SUCCESS) {
+        buf[0] = static_cast<char*>(p[0]);
+        buf[1] = static_cast<char*>(p[1]);
+        pinned = true;
+        return;
+      }
+      if (p[0]) d.free_host(p[0]);
+      d.stream_destroy(stream);
+      stream = nullptr;
+    }
+    buf[0] = static_cast<char*>(std::malloc(kChunk));
+  }
+  void drop(const Vmm& d) {
+    if (pinned) {
+      d.stream_sync(stream);  // nothing may still be copying into them
+      d.stream_destroy(stream);
+      d.free_host(buf[0]);
+      d.free_host(buf[1]);
+    } else {
+      std::free(buf[0]);
+    }
+    *this = Bounce{};
+  }
+};
+
+int write_all(int fd, const char* p, std::size_t n, off_t at) {
+  for (std::size_t w = 0; w < n;) {
+    const ssize_t k = ::pwrite(fd, p + w, n - w, at + static_cast<off_t>(w));
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return k < 0 ? -errno : -ENOSPC;
+    w += static_cast<std::size_t>(k);
+  }
+  return 0;
+}
+
+// Copies a to the spill file through the bounce buffers. 0 or -errno.
+int spill_out(const Vmm& d, Registry& R, CUdeviceptr va, Alloc& a, Bounce& b) {
   if (R.spill_fd < 0) {
     const char* dir = std::getenv("SALUS_SWAP_DIR");
     if (dir == nullptr || *dir == '\0') return -ENOMEM;  // no spill place: host memory is all
@@ -264,15 +323,26 @@ int spill_out(const Vmm& d, Registry& R, CUdeviceptr va, Alloc& a, char* bounce)
     R.spill_end = 0;
   }
   a.spill_at = R.spill_end;
-  for (std::size_t done = 0; done < a.size; done += kChunk) {
-    const std::size_t n = std::min(kChunk, a.size - done);
-    if (d.dtoh(bounce, va + done, n) != CUDA_SUCCESS) return -EIO;
-    for (std::size_t w = 0; w < n;) {
-      const ssize_t k =
-          ::pwrite(R.spill_fd, bounce + w, n - w, a.spill_at + static_cast<off_t>(done + w));
-      if (k < 0 && errno == EINTR) continue;
-      if (k <= 0) return k < 0 ? -errno : -ENOSPC;
-      w += static_cast<std::size_t>(k);
+  if (!b.pinned) {
+    for (std::size_t done = 0; done < a.size; done += kChunk) {
+      const std::size_t n = std::min(kChunk, a.size - done);
+      if (d.dtoh(b.buf[0], va + done, n) != CUDA_SUCCESS) return -EIO;
+      if (const int rc = write_all(R.spill_fd, b.buf[0], n, a.spill_at + static_cast<off_t>(done)))
+        return rc;
+    }
+  } else {
+    // Chunk k is in buf[k % 2]: it is written while chunk k + 1 is on its way.
+    if (d.dtoh_async(b.buf[0], va, std::min(kChunk, a.size), b.stream) != CUDA_SUCCESS) return -EIO;
+    for (std::size_t done = 0, k = 0; done < a.size; done += kChunk, ++k) {
+      const std::size_t n = std::min(kChunk, a.size - done);
+      if (d.stream_sync(b.stream) != CUDA_SUCCESS) return -EIO;
+      const std::size_t next = done + kChunk;
+      if (next < a.size && d.dtoh_async(b.buf[(k + 1) % 2], va + next,
+                                        std::min(kChunk, a.size - next), b.stream) != CUDA_SUCCESS)
+        return -EIO;
+      if (const int rc =
+              write_all(R.spill_fd, b.buf[k % 2], n, a.spill_at + static_cast<off_t>(done)))
+        return rc;  // Bounce::drop waits for the copy still on its way
     }
   }
   R.spill_end += static_cast<off_t>(a.size);
@@ -304,7 +374,7 @@ void close_spill(Registry& R) {
 // far are dropped by the caller). Caller holds the registry.
 int copy_out(const Vmm& d, Registry& R, CUcontext& cur, std::string& why) {
   const std::uint64_t limit = env_bytes("SALUS_SWAP_HOST_LIMIT", UINT64_MAX);
-  char* bounce = nullptr;
+  Bounce bounce;
   int rc = 0;
   for (auto& [va, a] : R.allocs) {
     if (a.handle == 0) continue;
@@ -319,15 +389,15 @@ int copy_out(const Vmm& d, Registry& R, CUcontext& cur, std::string& why) {
       continue;
     }
     a.host = nullptr;
-    if (bounce == nullptr) bounce = static_cast<char*>(std::malloc(kChunk));
-    rc = bounce == nullptr ? -ENOMEM : spill_out(d, R, va, a, bounce);
+    if (!bounce.ok()) bounce.make(d);
+    rc = !bounce.ok() ? -ENOMEM : spill_out(d, R, va, a, bounce);
     if (rc != 0) {
       why = rc == -ENOMEM ? "pinned host memory ran out and no SALUS_SWAP_DIR is set"
                           : std::string("spill file: ") + std::strerror(-rc);
       break;
     }
   }
-  std::free(bounce);
+  if (bounce.ok()) bounce.drop(d);
   return rc;
 }
 

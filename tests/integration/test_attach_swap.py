@@ -260,3 +260,165 @@ def test_a_session_is_not_granted_while_its_swap_out_runs(salusd, tmp_path):
             p.wait()
         h.close()
         s.close()
+
+
+def watch(procs, sessions, seen):
+    """Until every program has exited: the largest swaps_out/swaps_in each session
+    showed and the last log read (both go with the session when its program exits)."""
+    while any(p.poll() is None for p in procs):
+        for k, s in enumerate(sessions):
+            try:
+                st = s.status()
+                seen[k]["out"] = max(seen[k]["out"], int(st.get("swaps_out", 0)))
+                seen[k]["in"] = max(seen[k]["in"], int(st.get("swaps_in", 0)))
+                seen[k]["swap_error"] = st.get("swap_error", seen[k]["swap_error"])
+                seen[k]["swappable"] = st.get("swappable", "")
+                seen[k]["log"] = s.read("log")
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.005)
+
+
+def test_residency_swaps_attached_programs_that_do_not_fit_together(tmp_path):
+    """Wiring to residency (design.md): two SALUS_SWAP=1 programs of 40M each on a
+    64M card at --oversubscribe 2 are both admitted and run to completion, taking
+    turns: each is swapped out by the planner at least once and checks every byte
+    of its memory after every grant."""
+    from conftest import Salusd
+    d = Salusd(extra_args=["--oversubscribe", "2", "--policy", "fair"], sim_memory="64M",
+               gpus=1).start()
+    procs = []
+    sessions = []
+    try:
+        # An iteration here costs about 0.7 swap times of the program's memory, and
+        # a quantum is 20 swap times (design.md): 90 iterations are about three
+        # quanta of each, so each program is swapped out at least once.
+        ITERS = 90
+        go = tmp_path / "go"
+        go.write_text("")  # no holding back at the start: both iterate at once
+        for i in range(2):
+            s = Session(d)
+            s.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+            sessions.append(s)
+            procs.append(start_program(d, s, 40, ITERS, go))
+        seen = [{"out": 0, "in": 0, "swap_error": "-", "swappable": "", "log": ""}
+                for _ in sessions]
+        watch(procs, sessions, seen)
+        for p in procs:
+            out, err = p.communicate(timeout=30)
+            assert p.returncode == 0, (out, err)
+            assert out.count("verified") == ITERS, out
+        for k in range(2):
+            assert seen[k]["out"] >= 1 and seen[k]["in"] >= 1, (k, seen[k])
+            assert "swap-out done" in seen[k]["log"], seen[k]["log"]
+        # The programs' sessions ended with them; the GPU's counters remain.
+        with open(d.path("metrics")) as f:
+            metrics = f.read()
+        outs = [ln for ln in metrics.splitlines()
+                if ln.startswith('salus_swaps_total{gpu="0",direction="out"}')]
+        assert outs and int(outs[0].split()[-1]) >= 2, metrics
+        assert 'salus_gpu_memory_bytes{gpu="0",class="swapped"} 0' in metrics
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in sessions:
+            s.close()
+        d.stop()
+
+
+def test_residency_asks_a_program_without_salus_swap_once(tmp_path):
+    """A program started without SALUS_SWAP=1 answers the planner's swap-out with
+    ENOTSUP: it is marked unswappable and never asked again (no retry storm while
+    the session that wants its room waits), and the other one runs after it."""
+    from conftest import Salusd
+    d = Salusd(extra_args=["--oversubscribe", "2", "--policy", "fair"], sim_memory="64M",
+               gpus=1).start()
+    procs = []
+    sessions = []
+    try:
+        # A program's iteration 1 starts when it attaches, so A holds a grant until
+        # its first salus_step(), i.e. until go_a is there.
+        go_a = tmp_path / "go_a"
+        go_b = tmp_path / "go_b"
+        go_b.write_text("")
+        a = Session(d)
+        a.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+        b = Session(d)
+        b.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+        sessions += [a, b]
+        pa = start_program(d, a, 40, 20, go_a, {"SALUS_SWAP": "0"})
+        procs.append(pa)
+        assert pa.stdout.readline().startswith("ready")
+        assert wait_until(lambda: a.status().get("gate") == "attached")
+        pb = start_program(d, b, 40, 5, go_b)
+        procs.append(pb)
+        assert wait_until(lambda: b.status().get("iterations_requested") == "1")
+        time.sleep(0.2)  # past A's residency quantum: B, wanting A's room, makes A a victim
+        assert a.status()["swap_error"] == "-"  # not asked inside its iteration
+        go_a.write_text("")  # A's boundary 1: asked there, it answers ENOTSUP and runs on
+        seen = [{"out": 0, "in": 0, "swap_error": "-", "swappable": "", "log": ""}
+                for _ in sessions]
+        watch(procs, sessions, seen)
+        out, err = pa.communicate(timeout=30)
+        assert pa.returncode == 0 and out.count("verified") == 20, (out, err)
+        out, err = pb.communicate(timeout=30)
+        assert pb.returncode == 0 and out.count("verified") == 5, (out, err)
+        assert seen[0]["swap_error"] == "EOPNOTSUPP" and seen[0]["swappable"] == "no", seen[0]
+        log = seen[0]["log"]
+        assert log.count("swap-out failed: EOPNOTSUPP") == 1, log
+        assert log.count("not movable: counted resident") == 1, log
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in sessions:
+            s.close()
+        d.stop()
+
+
+def test_stop_with_a_swapped_program_gives_its_memory_back(tmp_path):
+    """salusd stops while the planner has an attached program swapped out: the gate
+    says detached, the shim brings the memory back and the program runs on
+    ungated to the end, every byte checked."""
+    from conftest import Salusd
+    d = Salusd(extra_args=["--oversubscribe", "2", "--policy", "fair"], sim_memory="64M",
+               gpus=1).start()
+    procs = []
+    sessions = []
+    stopped = False
+    try:
+        go = tmp_path / "go"
+        go.write_text("")
+        for _ in range(2):
+            s = Session(d)
+            s.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+            sessions.append(s)
+            procs.append(start_program(d, s, 40, 100, go))
+
+        def one_swapped():
+            try:
+                return any(s.status().get("residency") == "swapped" for s in sessions)
+            except OSError:
+                return False
+        assert wait_until(one_swapped, timeout=20)
+        d.stop()  # the sessions are still open: the stop ends them
+        stopped = True
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, (out, err)
+            assert out.count("verified") == 100, out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for s in sessions:
+            try:
+                s.close()
+            except OSError:  # ECONNABORTED once salusd has stopped
+                pass
+        if not stopped:
+            d.stop()

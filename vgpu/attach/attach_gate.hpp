@@ -77,6 +77,11 @@ struct AttachedGate {
   UniqueFd lane_sock;
   std::uint32_t lane_sent = 0;  // the lane memory generation whose fd was sent
   bool lane_off = false;        // the lane failed for this session: granted without it
+  // The pending request came from the residency planner (Broker::swap_out/swap_in),
+  // not from /salus/ctl: its answer completes the residency bookkeeping.
+  bool swap_for_residency = false;
+  // The program answered ENOTSUP (no SALUS_SWAP=1): never asked again.
+  bool unswappable = false;
 };
 
 // What a gate's swap fields say, as salus(5) names it: resident, swapped,

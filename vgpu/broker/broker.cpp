@@ -115,6 +115,13 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
     to.io = caller_io_.get();
     g->transfers =
         std::make_unique<TransferEngine>(*g->device, *g->staging, to, static_cast<int>(i));
+    if (!config_.swap_dir.empty()) {
+      std::string why;
+      g->spill = SpillFile::open(config_.swap_dir, why);
+      if (!g->spill)
+        spdlog::warn("gpu {}: no spill file ({}): past the swap host limit, swap-outs are refused",
+                     i, why);
+    }
     gpus_.push_back(std::move(g));
   }
   for (auto& g : gpus_) {
@@ -279,6 +286,8 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
     if (pin.retired && on_gpu(handle))
       g->device->discard(g->sched.arena().buffer_offset(handle), pin.size);
   if (g) g->host_swapped -= std::min(g->host_swapped, s.host_bytes);
+  if (g && g->spill && s.spill_bytes) g->spill->release(s.spill_off, s.spill_bytes);
+  s.spill_bytes = 0;
   if (g) {
     for (auto& [name, m] : s.modules) g->device->unload_module(m.handle);
     g->transfers->forget_session(s.id);
@@ -1522,7 +1531,8 @@ void Broker::update_runnable(Gpu& g, Session& s) {
     // An attached session wants an iteration when it requested more than granted.
     // Not while a swap-out it was asked for is unanswered (broker_gate.cpp).
     const bool wants = !s.gate->exited && gate_load(s.gate->g().requested) > s.gate->granted &&
-                       !(s.gate->swap_pending && s.gate->swap_request == SALUS_SWAP_REQ_OUT);
+                       !(s.gate->swap_pending && s.gate->swap_request == SALUS_SWAP_REQ_OUT) &&
+                       !s.swapping;  // a prefetch (swap-in) is granted when it is answered
     g.sched.set_runnable(s.id, wants && !s.dead && s.lane && s.state == SessionState::admitted &&
                                    !(s.in_flight > 0 && s.in_flight_lane != s.lane));
     return;

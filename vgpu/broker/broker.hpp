@@ -70,6 +70,9 @@ struct BrokerConfig {
   // Oversubscription: host memory swapped-out sessions may hold in all (per GPU).
   // A swap-out that would pass it is refused and the session stays resident.
   Bytes swap_host_limit = Bytes{64} << 30;
+  // Past the host limit, swap-outs spill to an unnamed file in this directory
+  // (spill_file.hpp); empty: no spill file, such a swap-out is refused.
+  std::string swap_dir;
   // Attached sessions that mark no iterations are asked to yield (a slice
   // boundary) after holding their lane this long while another session waits.
   std::int64_t quantum_ns = 50'000'000;
@@ -360,12 +363,22 @@ class Broker {
   void drive_residency(Gpu& g, Deferred& later);
   void finish_swap(Gpu& g, const Completion& c, Deferred& later);
   // One interface per session kind: hosted sessions swap their buffers here;
-  // attached ones through the gate (attach-swap), non-swappable until wired.
+  // attached ones ask their program through the gate (request_attached_swap), and
+  // attached_residency_done completes the residency bookkeeping with its answer.
   bool swappable(const Session& s) const;
   int swap_out(Gpu& g, Session& s);
   int swap_in(Gpu& g, Session& s);
   int hosted_swap_out(Gpu& g, Session& s);
   int hosted_swap_in(Gpu& g, Session& s);
+  int attached_swap_out(Gpu& g, Session& s);
+  int attached_swap_in(Gpu& g, Session& s);
+  void attached_residency_done(Gpu& g, Session& s, Deferred& later);
+  // The spill file's part (broker_swap.cpp): swap-in of a spilled session, the
+  // file write or read of the swap job under `token` (its answer comes back as a
+  // completion on the swap stream), and the end of a swap-out.
+  int spill_swap_in(Gpu& g, Session& s);
+  void spill_io(Gpu& g, std::uint64_t token, bool write);
+  void end_swap_out(Gpu& g, Session* s, std::uint64_t token, int status, TimeNs took);
   // Marks the session as waiting for its memory (a write's alloc, a transfer).
   void want_resident(Gpu& g, Session& s);
   void render_residency(const Session& s, std::string& out) const;

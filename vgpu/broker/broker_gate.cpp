@@ -249,6 +249,10 @@ void Broker::detach_gate(Session& s, Deferred& later) {
     log(s, fmt::format("swap-{} unanswered: the program left the gate during it",
                        gt.swap_request == SALUS_SWAP_REQ_OUT ? "out" : "in"));
   gt.swap_pending = false;
+  if (gt.swap_for_residency) {  // the residency bookkeeping ends as a failed swap
+    gt.swap_error = ENOTCONN;
+    if (Gpu* g = gpu_of(s)) attached_residency_done(*g, s, later);
+  }
   lane_detach(s);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.bell.get(), nullptr);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.pidfd.get(), nullptr);
@@ -309,9 +313,9 @@ void Broker::attached_swap_done(Gpu& g, Session& s, Deferred& later) {
   // swapped session comes back at its next grant (grant_one needs nothing
   // more: the shim brings it back before the program runs). grant_one held
   // the session back while the swap-out was unanswered: dispatch again.
+  if (gt.swap_for_residency) attached_residency_done(g, s, later);
   update_runnable(g, s);
   kick(g);
-  (void)later;
 }
 
 int Broker::admin_swap(const std::string& name, bool out, std::string& reply, std::string& why) {
@@ -329,6 +333,16 @@ int Broker::admin_swap(const std::string& name, bool out, std::string& reply, st
   if (!s->gate || s->gate->exited) {
     why = fmt::format("session {} is not an attached program: only those swap on request", name);
     return ENOTCONN;
+  }
+  // Swapped out by the residency planner: its room on the GPU is not held, so
+  // asking the program directly would put its memory back beside the resident
+  // set. The planner brings it back when it fits (a prefetch, like any wanted one).
+  Gpu* g = gpu_of(*s);
+  if (!out && g && g->sched.arena().residency(s->id) == arena::Residency::swapped) {
+    want_resident(*g, *s);
+    log(*s, "swap-in asked by admin: the residency planner brings it back when it fits");
+    reply += fmt::format("swap-in of {} queued: it comes back when the GPU has room\n", name);
+    return 0;
   }
   const int err = request_attached_swap(*s, out);
   if (err != 0) {

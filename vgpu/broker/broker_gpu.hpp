@@ -14,6 +14,7 @@
 
 #include "vgpu/attach/shared_lane.hpp"
 #include "vgpu/broker/broker.hpp"
+#include "vgpu/broker/spill_file.hpp"
 
 namespace salus::vgpu {
 
@@ -54,6 +55,13 @@ struct Broker::Gpu {
     TimeNs started = 0;
     Bytes bytes = 0;
     std::vector<std::pair<arena::BufferHandle, StagingPool::Block>> blocks;
+    // Through the spill file: stage 0 is the device copy, 1 the file write (out)
+    // or read (in), 2 the copy back to the device (in).
+    bool spill = false;
+    int stage = 0;
+    off_t spill_off = 0;
+    std::vector<Bytes> sizes;                   // per block: its buffer's size
+    std::vector<std::uint64_t> device_offsets;  // per block, for the copy back
   };
   std::optional<StreamId> swap_stream;
   Bytes host_swapped = 0;  // bytes of this GPU's sessions held in host memory
@@ -78,6 +86,8 @@ struct Broker::Gpu {
   std::unique_ptr<TransferEngine> transfers;
   // Swaps in progress hold staging blocks: destroyed before the pool they go back to.
   std::unordered_map<std::uint64_t, SwapJob> swap_jobs;
+  // Its thread writes and reads swap jobs' blocks: stopped before they go.
+  std::unique_ptr<SpillFile> spill;
 };
 
 }  // namespace salus::vgpu

@@ -1,6 +1,7 @@
 // Oversubscription, the broker's side: swapping hosted sessions' persistent buffers
-// between the GPU and host memory at iteration boundaries, as the residency planner
-// (sched/residency.hpp) decides. The copies run on a per-GPU swap stream, like
+// between the GPU and host memory (or the spill file) at iteration boundaries, as the
+// residency planner (sched/residency.hpp) decides, and asking attached programs to
+// move theirs through the gate. The copies run on a per-GPU swap stream, like
 // compaction's moves, and are started and finished by the GPU's worker, never on a
 // FUSE thread. Device memory is freed only once its copy is safe on the host.
 #include <fmt/format.h>
@@ -16,21 +17,105 @@ namespace salus::vgpu {
 
 bool Broker::swappable(const Session& s) const {
   if (s.dead || s.swapping) return false;
-  // Attached programs own their memory in their own CUDA context: salusd can move it
-  // only through the gate (issue 15, attach-swap). Until that path is wired here they
-  // stay resident, counted in the resident set like any other session.
-  if (s.gate) return false;
+  // Attached programs own their memory in their own CUDA context: salusd moves it
+  // only through the gate, and only while the program can answer and has not said
+  // its memory is not movable.
+  if (s.gate) return !s.gate->exited && !s.gate->unswappable && !s.gate->swap_pending;
   return true;
 }
 
 int Broker::swap_out(Gpu& g, Session& s) {
-  if (s.gate) return ENOTSUP;  // attach-swap: call the gate's swap-out request here
+  if (s.gate) return attached_swap_out(g, s);
   return hosted_swap_out(g, s);
 }
 
 int Broker::swap_in(Gpu& g, Session& s) {
-  if (s.gate) return ENOTSUP;  // attach-swap: call the gate's swap-in request here
+  if (s.gate) return attached_swap_in(g, s);
   return hosted_swap_in(g, s);
+}
+
+// An attached victim: the arena keeps its ranges (swapping_out) until the program
+// answers; attached_swap_done frees them only on success. EBUSY while an iteration
+// or another request is in flight (asked again at the next pass).
+int Broker::attached_swap_out(Gpu& g, Session& s) {
+  AttachedGate& gt = *s.gate;
+  if (gt.unswappable) return ENOTSUP;
+  if (gt.exited) return ENOTCONN;
+  if (gt.swap_pending || s.swapping) return EBUSY;
+  arena::GpuArena& ar = g.sched.arena();
+  std::vector<arena::SwapBuffer> bufs;
+  if (!ar.begin_swap_out(s.id, bufs)) return EBUSY;
+  const int err = request_attached_swap(s, true);
+  if (err == EALREADY) {  // already out (an admin swap): only the bookkeeping is left
+    ar.finish_swap_out(s.id, now());
+    g.sched.residency().swap_started(s.id);
+    g.sched.residency().swap_out_done(s.id, 0, 1, now(), true);
+    return 0;
+  }
+  if (err != 0) {
+    ar.cancel_swap_out(s.id);
+    return err;
+  }
+  gt.swap_for_residency = true;
+  s.swapping = true;
+  g.sched.residency().swap_started(s.id);
+  return 0;
+}
+
+// Prefetch of an attached session before its grant: room is taken in the arena
+// first (EAGAIN without it), then the program is asked to bring its memory back;
+// it is not granted until the answer (s.swapping holds it back).
+int Broker::attached_swap_in(Gpu& g, Session& s) {
+  AttachedGate& gt = *s.gate;
+  if (gt.exited) return ENOTCONN;
+  if (gt.swap_pending || s.swapping) return EBUSY;
+  arena::GpuArena& ar = g.sched.arena();
+  std::vector<arena::SwapBuffer> placed;
+  const arena::ArenaError e = ar.swap_in(s.id, placed);
+  if (e == arena::ArenaError::fragmented) kick(g);
+  if (e != arena::ArenaError::ok) return EAGAIN;
+  g.sched.residency().swap_started(s.id);
+  const int err = request_attached_swap(s, false);
+  if (err != 0) {
+    // EALREADY: its memory is back already (a grant brought it); anything else:
+    // the grant will bring it back (the shim never runs without its memory).
+    g.sched.residency().swap_in_done(s.id, 0, 1, now());
+    s.wants_resident = false;
+    update_runnable(g, s);
+    return 0;
+  }
+  gt.swap_for_residency = true;
+  s.swapping = true;
+  return 0;
+}
+
+// The residency side of an attached program's answer (from attached_swap_done).
+void Broker::attached_residency_done(Gpu& g, Session& s, Deferred& later) {
+  AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  gt.swap_for_residency = false;
+  s.swapping = false;
+  arena::GpuArena& ar = g.sched.arena();
+  const TimeNs t = now();
+  const TimeNs took = std::max<TimeNs>(t - gt.swap_asked_at, 1);
+  const Bytes moved = gate_load(G.swapped_bytes);
+  if (gt.swap_request == SALUS_SWAP_REQ_OUT) {
+    const bool ok = gt.swap_error == 0;
+    if (ok)
+      ar.finish_swap_out(s.id, t);  // the program's memory is off the GPU: room is free
+    else
+      ar.cancel_swap_out(s.id);
+    if (gt.swap_error == ENOTSUP && !gt.unswappable) {
+      gt.unswappable = true;
+      log(s, "not movable: counted resident from now on and never asked to swap again");
+    }
+    g.sched.residency().swap_out_done(s.id, moved, took, t, ok);
+  } else {
+    g.sched.residency().swap_in_done(s.id, gate_load(G.resident_bytes), took, t);
+    s.wants_resident = false;
+  }
+  update_runnable(g, s);
+  maybe_finalize(s, later);
 }
 
 void Broker::want_resident(Gpu& g, Session& s) {
@@ -38,9 +123,10 @@ void Broker::want_resident(Gpu& g, Session& s) {
   kick(g);
 }
 
-// Copies every buffer of an idle resident session to host memory. 0, EBUSY (not at a
-// boundary yet: work, a transfer or a compaction of its own is in flight), or ENOMEM
-// (past the host limit, or no host memory): the session then stays resident.
+// Copies every buffer of an idle resident session to host memory, or, past the host
+// limit, through host memory to the spill file. 0, EBUSY (not at a boundary yet:
+// work, a transfer or a compaction of its own is in flight), or ENOMEM (past the
+// host limit with no spill file, or no host memory): the session then stays resident.
 int Broker::hosted_swap_out(Gpu& g, Session& s) {
   if (s.in_flight > 0 || !s.dispatched.empty() || s.moving || s.transferring || s.swapping)
     return EBUSY;
@@ -49,11 +135,14 @@ int Broker::hosted_swap_out(Gpu& g, Session& s) {
   if (!ar.begin_swap_out(s.id, bufs)) return EBUSY;
   Bytes total = 0;
   for (const arena::SwapBuffer& b : bufs) total += b.size;
-  if (g.host_swapped + total > config_.swap_host_limit) {
+  const bool spill = g.host_swapped + total > config_.swap_host_limit;
+  if (spill && (!g.spill || now() < s.spill_retry_at)) {
     ar.cancel_swap_out(s.id);
-    log(s, fmt::format("swap out: {} would pass the host limit ({} of {} in use); stays resident",
+    log(s, fmt::format("swap out: {} would pass the host limit ({} of {} in use) and {}; stays "
+                       "resident",
                        arena::format_size(total), arena::format_size(g.host_swapped),
-                       arena::format_size(config_.swap_host_limit)));
+                       arena::format_size(config_.swap_host_limit),
+                       g.spill ? "the spill file failed a moment ago" : "there is no spill file"));
     return ENOMEM;
   }
   Gpu::SwapJob job;
@@ -61,6 +150,7 @@ int Broker::hosted_swap_out(Gpu& g, Session& s) {
   job.out = true;
   job.started = now();
   job.bytes = total;
+  job.spill = spill;
   if (!g.swap_stream) g.swap_stream = g.device->create_stream();
   for (const arena::SwapBuffer& b : bufs) {
     StagingPool::Block block = g.staging->acquire(b.size);
@@ -71,13 +161,18 @@ int Broker::hosted_swap_out(Gpu& g, Session& s) {
       return ENOMEM;
     }
     job.blocks.emplace_back(b.buffer, std::move(block));
+    job.sizes.push_back(b.size);
   }
   for (std::size_t i = 0; i < bufs.size(); ++i) {
     pin(s, bufs[i].buffer);  // a free meanwhile waits for the copy
     g.device->copy_to_staging(*g.swap_stream, job.blocks[i].second.data(), bufs[i].offset,
                               bufs[i].size);
   }
-  g.host_swapped += total;
+  // A spilled swap's blocks are transient: the file holds the bytes, not the host.
+  if (spill)
+    job.spill_off = g.spill->reserve(total);
+  else
+    g.host_swapped += total;
   s.swapping = true;
   g.sched.residency().swap_started(s.id);
   const std::uint64_t token = next_token_++;
@@ -90,6 +185,7 @@ int Broker::hosted_swap_out(Gpu& g, Session& s) {
 // when the resident set has no room yet (compaction may have been planned).
 int Broker::hosted_swap_in(Gpu& g, Session& s) {
   if (s.swapping) return EBUSY;
+  if (s.spill_bytes) return spill_swap_in(g, s);
   arena::GpuArena& ar = g.sched.arena();
   std::vector<arena::SwapBuffer> placed;
   const arena::ArenaError e = ar.swap_in(s.id, placed);
@@ -126,33 +222,152 @@ int Broker::hosted_swap_in(Gpu& g, Session& s) {
   return 0;
 }
 
+// Swap-in of a spilled session: staging blocks first (EAGAIN without them, nothing
+// changed), then its buffers are placed and the spill thread reads the file into
+// the blocks; the copy to the device starts when that read completes (finish_swap).
+int Broker::spill_swap_in(Gpu& g, Session& s) {
+  std::unordered_map<arena::BufferHandle, StagingPool::Block> blocks;
+  for (const auto& [h, ext] : s.spilled) {
+    StagingPool::Block b = g.staging->acquire(ext.second);
+    if (!b) return EAGAIN;
+    blocks.emplace(h, std::move(b));
+  }
+  arena::GpuArena& ar = g.sched.arena();
+  std::vector<arena::SwapBuffer> placed;
+  const arena::ArenaError e = ar.swap_in(s.id, placed);
+  if (e == arena::ArenaError::fragmented) kick(g);
+  if (e != arena::ArenaError::ok) return EAGAIN;
+  Gpu::SwapJob job;
+  job.session = s.id;
+  job.out = false;
+  job.started = now();
+  job.spill = true;
+  job.stage = 1;
+  if (!g.swap_stream) g.swap_stream = g.device->create_stream();
+  for (const arena::SwapBuffer& b : placed) {
+    auto it = blocks.find(b.buffer);
+    if (it == blocks.end()) {
+      g.device->discard(b.offset, b.size);  // as in hosted_swap_in: never another's bytes
+      continue;
+    }
+    pin(s, b.buffer);
+    job.bytes += b.size;
+    job.device_offsets.push_back(b.offset);
+    job.sizes.push_back(b.size);
+    job.blocks.emplace_back(b.buffer, std::move(it->second));
+  }
+  s.swapping = true;
+  g.sched.residency().swap_started(s.id);
+  const std::uint64_t token = next_token_++;
+  g.swap_jobs.emplace(token, std::move(job));
+  spill_io(g, token, false);
+  return 0;
+}
+
+// Hands the blocks of the swap job under `token` to the spill thread: written to
+// (or read from) the file at the session's extent. The answer is a completion on
+// the swap stream under the same token, so finish_swap takes it on the worker.
+void Broker::spill_io(Gpu& g, std::uint64_t token, bool write) {
+  Gpu::SwapJob& job = g.swap_jobs.at(token);
+  Session* s = get(job.session);
+  std::vector<SpillFile::Piece> pieces;
+  off_t off = job.spill_off;
+  for (std::size_t i = 0; i < job.blocks.size(); ++i) {
+    const auto& [h, block] = job.blocks[i];
+    const Bytes size = job.sizes[i];
+    if (write) {
+      if (s) s->spilled[h] = {off, size};
+    } else if (s) {
+      off = s->spilled.at(h).first;
+    }
+    pieces.push_back(SpillFile::Piece{block.data(), static_cast<std::size_t>(size), off});
+    off += static_cast<off_t>(size);
+  }
+  Gpu* gp = &g;
+  const StreamId stream = *g.swap_stream;
+  g.spill->submit(write, std::move(pieces), [gp, stream, token](int err) {
+    {
+      std::lock_guard lk(gp->cq_mu);
+      gp->completions.push_back(Completion{stream, token, err, 0});
+    }
+    gp->cq_cv.notify_one();
+  });
+}
+
+// The end of a swap-out (its device copy, and for a spill its file write): on
+// success the device ranges go; on failure everything stays on the device.
+void Broker::end_swap_out(Gpu& g, Session* s, std::uint64_t token, int status, TimeNs took) {
+  Gpu::SwapJob& job = g.swap_jobs.at(token);
+  arena::GpuArena& ar = g.sched.arena();
+  const TimeNs t = now();
+  const bool ok = status == 0 && s;
+  if (ok) {
+    ar.finish_swap_out(s->id, t);  // the copy is safe: the ranges go
+    if (job.spill) {
+      s->spill_off = job.spill_off;
+      s->spill_bytes = job.bytes;
+    } else {
+      for (auto& [h, block] : job.blocks) s->host_copies.emplace(h, std::move(block));
+      s->host_bytes = job.bytes;
+    }
+    s->swap_error = 0;
+  } else {
+    ar.cancel_swap_out(job.session);  // still all there on the device
+    if (job.spill) {
+      g.spill->release(job.spill_off, job.bytes);
+    } else {
+      g.host_swapped -= std::min(g.host_swapped, job.bytes);
+    }
+    if (s) {
+      s->spilled.clear();
+      s->swap_error = status ? status : EIO;
+      if (job.spill) s->spill_retry_at = t + 1'000'000'000;  // no retry storm on a full disk
+      log(*s, fmt::format("swap out failed: {} ({}){}; stays resident",
+                          strerrorname_np(s->swap_error), std::strerror(s->swap_error),
+                          job.spill ? fmt::format(" writing the spill file in {}", g.spill->dir())
+                                    : std::string()));
+    }
+  }
+  g.sched.residency().swap_out_done(job.session, job.bytes, took, t, ok);
+}
+
 void Broker::finish_swap(Gpu& g, const Completion& c, Deferred& later) {
   auto it = g.swap_jobs.find(c.token);
   if (it == g.swap_jobs.end()) return;
-  Gpu::SwapJob job = std::move(it->second);
-  g.swap_jobs.erase(it);
-  arena::GpuArena& ar = g.sched.arena();
-  const TimeNs t = now();
-  const TimeNs took = std::max<TimeNs>(t - job.started, 1);
-  Session* s = get(job.session);
-  if (job.out) {
-    const bool ok = c.status == 0;
-    if (ok && s) {
-      ar.finish_swap_out(s->id, t);  // the device copy is safe: its ranges go
-      for (auto& [h, block] : job.blocks) s->host_copies.emplace(h, std::move(block));
-      s->host_bytes = job.bytes;
-    } else {
-      ar.cancel_swap_out(job.session);  // still all there on the device
-      g.host_swapped -= std::min(g.host_swapped, job.bytes);
-      if (s)
-        log(*s, fmt::format("swap out failed ({}); stays resident", strerrorname_np(c.status)));
+  Gpu::SwapJob& j = it->second;
+  Session* s = get(j.session);
+  // A spill continues: the device copy out is followed by the file write; the file
+  // read in by the copy back to the device (under a fresh token).
+  if (j.spill && c.status == 0 && s && ((j.out && j.stage == 0) || (!j.out && j.stage == 1))) {
+    const bool out = j.out;
+    ++j.stage;
+    if (out) {
+      spill_io(g, c.token, true);
+      return;
     }
-    g.sched.residency().swap_out_done(job.session, job.bytes, took, t, ok && s);
-  } else {
-    g.sched.residency().swap_in_done(job.session, job.bytes, took, t);
+    for (std::size_t i = 0; i < j.blocks.size(); ++i)
+      g.device->copy_from_staging(*g.swap_stream, j.device_offsets[i], j.blocks[i].second.data(),
+                                  j.sizes[i]);
+    g.spill->release(s->spill_off, s->spill_bytes);  // the bytes are in the blocks now
+    s->spilled.clear();
+    s->spill_bytes = 0;
+    const std::uint64_t token = next_token_++;
+    g.swap_jobs.emplace(token, std::move(j));
+    g.swap_jobs.erase(c.token);
+    g.device->notify(*g.swap_stream, token);
+    return;
+  }
+  const TimeNs took = std::max<TimeNs>(now() - j.started, 1);
+  if (j.out) end_swap_out(g, s, c.token, c.status, took);
+  Gpu::SwapJob job = std::move(j);
+  g.swap_jobs.erase(it);
+  if (!job.out) {
+    g.sched.residency().swap_in_done(job.session, job.bytes, took, now());
     if (s && c.status != 0)
       fail_session(*s, c.status ? c.status : EIO,
-                   "swap in: copying its buffers back to the GPU failed", later);
+                   job.stage == 1 ? "swap in: reading its spilled bytes back failed"
+                                  : "swap in: copying its buffers back to the GPU failed",
+                   later);
   }
   if (s) {
     for (const auto& [h, block] : job.blocks) unpin(*s, h);
@@ -217,7 +432,8 @@ void Broker::render_residency(const Session& s, std::string& out) const {
   const char* word = r == arena::Residency::resident
                          ? (s.swapping ? "swapping_in" : "resident")
                          : (r == arena::Residency::swapping_out ? "swapping_out" : "swapped");
-  out += fmt::format("residency: {}\n", word);
+  out += fmt::format("residency: {}\nmemory_spilled: {}\nswap_error: {}\n", word, s.spill_bytes,
+                     s.swap_error ? strerrorname_np(s.swap_error) : "-");
   const sched::SessionResidency* sr = g.sched.residency().find(s.id);
   if (!sr) return;
   const arena::Bytes bytes = g.sched.arena().swap_in_bytes(s.id);

@@ -180,6 +180,7 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("swaps_out", gate_load(G.swaps_out));
   kv("swaps_in", gate_load(G.swaps_in));
   kv("swap_ms", fmt::format("{:.3f}", static_cast<double>(gate_load(G.swap_ns)) / 1e6));
+  kv("swappable", gt.unswappable ? "no" : "yes");  // no: answered ENOTSUP, never asked again
   kv("swap_error", gt.swap_pending ? std::string("pending")
                    : gt.swap_error ? std::string(strerrorname_np(gt.swap_error))
                                    : std::string("-"));
@@ -273,11 +274,13 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       "capacity: {}\npersistent_used: {}\npersistent_reserved: {}\nephemeral: {}\nlanes: {}\n"
       "free: {}\nlargest_hole: {}\nfragmentation: {:.3f}\nqueued: {}\n"
       "persistent_bytes_moved: {}\nlane_moves: {}\n"
-      "oversubscribe: {}\nadmit_capacity: {}\nresident: {}\nswapped: {}\nhost_swapped: {}\n",
+      "oversubscribe: {}\nadmit_capacity: {}\nresident: {}\nswapped: {}\nhost_swapped: {}\n"
+      "spilled: {}\n",
       m.capacity, m.persistent_used, m.persistent_reserved, m.lane_total, m.lanes, m.free,
       m.largest_hole, m.fragmentation, m.queued, st.persistent_bytes_moved, st.lane_moves,
       gpus_[gi]->sched.arena().options().oversubscribe, m.admit_capacity,
-      m.persistent_used - m.swapped, m.swapped, gpus_[gi]->host_swapped);
+      m.persistent_used - m.swapped, m.swapped, gpus_[gi]->host_swapped,
+      gpus_[gi]->spill ? gpus_[gi]->spill->bytes_reserved() : 0);
 }
 
 std::string Broker::render_gpu_lanes(std::size_t gi) const {

@@ -226,7 +226,14 @@ struct Session {
   // Oversubscription (broker_swap.cpp): while swapped out, each persistent buffer's
   // bytes live in a staging block (pinned host memory on cuda), by arena handle.
   std::unordered_map<arena::BufferHandle, StagingPool::Block> host_copies;
-  Bytes host_bytes = 0;                // what host_copies hold, counted in Gpu::host_swapped
+  Bytes host_bytes = 0;  // what host_copies hold, counted in Gpu::host_swapped
+  // Past the host limit the bytes go to the GPU's spill file instead: one extent
+  // of it, each buffer at its (offset, size) there.
+  std::unordered_map<arena::BufferHandle, std::pair<off_t, Bytes>> spilled;
+  off_t spill_off = 0;
+  Bytes spill_bytes = 0;               // the extent's size; 0 when nothing is spilled
+  int swap_error = 0;                  // errno of the last failed swap-out, 0 after a good one
+  TimeNs spill_retry_at = 0;           // a failed spill is not tried again before this
   bool swapping = false;               // a swap of its memory is in progress (either way)
   bool wants_resident = false;         // a write or transfer waits for its memory to come back
   std::uint64_t queued_instances = 0;  // counted against the uid's quota

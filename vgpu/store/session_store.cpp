@@ -1,8 +1,8 @@
 #include "vgpu/store/session_store.hpp"
+#include "vgpu/store/ring_io.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <liburing.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -110,71 +110,6 @@ std::vector<std::string> list_dir(int dir, const char* name) {
   std::sort(out.begin(), out.end());
   return out;
 }
-
-// Whole-file writes and reads through io_uring (one ring per save or restore),
-// falling back to pwrite/pread where io_uring is not available.
-class RingIo {
- public:
-  RingIo() { ok_ = io_uring_queue_init(8, &ring_, 0) == 0; }
-  ~RingIo() {
-    if (ok_) io_uring_queue_exit(&ring_);
-  }
-  RingIo(const RingIo&) = delete;
-  RingIo& operator=(const RingIo&) = delete;
-
-  // Writes or reads all of [data, data+n) at `off`; 0 or -errno.
-  int write(int fd, const char* data, std::size_t n, off_t off) {
-    return io(fd, const_cast<char*>(data), n, off, true);
-  }
-  int read(int fd, char* data, std::size_t n, off_t off) { return io(fd, data, n, off, false); }
-  int fsync(int fd) {
-    if (!ok_) return ::fsync(fd) == 0 ? 0 : -errno;
-    io_uring_sqe* e = io_uring_get_sqe(&ring_);
-    io_uring_prep_fsync(e, fd, 0);
-    return complete();
-  }
-
- private:
-  int io(int fd, char* data, std::size_t n, off_t off, bool out) {
-    while (n > 0) {
-      ssize_t got;
-      const unsigned len = static_cast<unsigned>(std::min<std::size_t>(n, kChunk));
-      if (ok_) {
-        io_uring_sqe* e = io_uring_get_sqe(&ring_);
-        if (out)
-          io_uring_prep_write(e, fd, data, len, static_cast<__u64>(off));
-        else
-          io_uring_prep_read(e, fd, data, len, static_cast<__u64>(off));
-        got = complete();
-      } else {
-        got = out ? ::pwrite(fd, data, len, off) : ::pread(fd, data, len, off);
-        if (got < 0) got = -errno;
-      }
-      if (got == -EINTR || got == -EAGAIN) continue;
-      if (got < 0) return static_cast<int>(got);
-      if (got == 0) return out ? -EIO : -ENODATA;  // a short file
-      data += got;
-      off += got;
-      n -= static_cast<std::size_t>(got);
-    }
-    return 0;
-  }
-  int complete() {
-    io_uring_submit(&ring_);
-    io_uring_cqe* cqe = nullptr;
-    int rc;
-    do {
-      rc = io_uring_wait_cqe(&ring_, &cqe);
-    } while (rc == -EINTR);
-    if (rc < 0) return rc;
-    rc = cqe->res;
-    io_uring_cqe_seen(&ring_, cqe);
-    return rc;
-  }
-
-  io_uring ring_{};
-  bool ok_ = false;
-};
 
 // ---------------------------------------------------------------- waiting on the broker
 
