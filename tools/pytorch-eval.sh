@@ -21,6 +21,12 @@
 #               built from the measured time per step
 #   inference   SALUS_INFER_N (42) ResNet inference sessions at once under FAIR:
 #               p50/p95 latency beside the same model alone (native and salus-run)
+#   oversub     issue 15, nvshare's experiment: two GPT jobs that each hold
+#               SALUS_OVERSUB_SHARE (0.65) of the GPU's memory in live state, run
+#               back to back natively, then both at once under salusd
+#               --oversubscribe 2 (FAIR, movable memory: SALUS_SWAP=1), then both
+#               at once natively on unified memory with no gate (um_alloc.c;
+#               "scheduler off"): total completion times and their ratios
 #
 # --dry-run: the same steps on the CPU with tiny models against a sim-backend
 # salusd (fewer jobs, seconds not minutes, compile/graphs/expandable segments
@@ -34,7 +40,7 @@ if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
 out=$(realpath -m "${1:?usage: tools/pytorch-eval.sh [--dry-run] OUT [PART...]}")
 shift
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(compat throughput fair trace inference)
+[ ${#parts[@]} -eq 0 ] && parts=(compat throughput fair trace inference oversub)
 here=$(cd "$(dirname "$0")" && pwd)
 build=$(realpath "${SALUS_BUILD:-build}")
 salusd=$build/tools/salusd salus_run=$build/tools/salus-run salus_sim=$build/tools/salus-sim
@@ -82,6 +88,20 @@ stop_salusd() {
   kill "$daemon_pid" 2>/dev/null
   wait "$daemon_pid" 2>/dev/null
   daemon_pid=""
+  grep -q " $work/mnt " /proc/mounts && fusermount3 -u -z "$work/mnt" 2>/dev/null
+  return 0
+}
+
+# Runs salusd with these extra arguments (and the current `backend`), restarting
+# it if it runs with others. The parts run in a pipeline (a subshell): only this
+# loop, in the script's own shell, may start or stop the daemon.
+running_args=""
+ensure_salusd() {
+  local want="${backend[*]} $*"
+  [ -n "$daemon_pid" ] && [ "$running_args" = "$want" ] && return 0
+  [ -n "$daemon_pid" ] && stop_salusd
+  start_salusd "$@"
+  running_args=$want
 }
 
 policy() { echo "$1" >"$work/mnt/policy"; }
@@ -249,10 +269,71 @@ print(f"{n} sessions at once under FAIR: p50 of the sessions' p50 {p50[len(p50)/
 EOF
 }
 
-start_salusd
+part_oversub() {
+  local d=$out/oversub; mkdir -p "$d"
+  local cap_mib extra_mib eph_mib steps
+  if [ $dry = 1 ]; then
+    cap_mib=1024 extra_mib=64 eph_mib=64 steps=4
+  else
+    cap_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+    extra_mib=${SALUS_OVERSUB_EXTRA_MIB:-3072} eph_mib=${SALUS_OVERSUB_EPHEMERAL_MIB:-8192}
+    steps=${SALUS_OVERSUB_STEPS:-200}
+  fi
+  local state_mib
+  state_mib=$($py -c "print(int($cap_mib * ${SALUS_OVERSUB_SHARE:-0.65}))")
+  local job=($wl train --model gpt "${dev[@]}" --steps "$steps" --warmup 0 --state-mib "$state_mib")
+  echo "two GPT jobs of $steps steps, each with $state_mib MiB of live state on a $cap_mib MiB GPU"
+  local t0 t1 seq_s over_s um_s
+  t0=$(date +%s.%N)
+  "${job[@]}" --tag seq0 >"$d/seq-0.json" && "${job[@]}" --tag seq1 >"$d/seq-1.json"
+  t1=$(date +%s.%N)
+  seq_s=$($py -c "print(round($t1 - $t0, 3))")
+  echo "back to back, native: $seq_s s"
+  policy fair
+  t0=$(date +%s.%N)
+  for i in 0 1; do
+    SALUS_SWAP=1 "${srun[@]}" --gpu 0 --persistent "$((state_mib + extra_mib))M" \
+      --ephemeral "${eph_mib}M" --policy-hint name=over$i -- "${job[@]}" --tag over$i \
+      >"$d/over-$i.json" &
+  done
+  wait
+  t1=$(date +%s.%N)
+  over_s=$($py -c "print(round($t1 - $t0, 3))")
+  echo "both at once under salusd --oversubscribe 2 (FAIR, SALUS_SWAP=1): $over_s s," \
+    "$($py -c "print(round($seq_s / $over_s, 3))")x back to back (nvshare: 1.35x)"
+  $py -c '
+import json, sys
+for p in sys.argv[1:]:
+    r = json.load(open(p))
+    s = r.get("session") or {}
+    g = lambda k: s.get(k) or "-"
+    print("  %s: %s steps, swaps out %s / in %s, swap %s ms, gpu %s ms" % (
+        g("name"), r.get("steps"), g("swaps_out"), g("swaps_in"), g("swap_ms"), g("gpu_time_ms")))
+' "$d"/over-*.json
+  if [ $dry = 1 ]; then
+    echo "unified memory, no gate: skipped (needs a GPU and torch >= 2.0)"
+    return 0
+  fi
+  cc -shared -fPIC -O2 -o "$work/um_alloc.so" "$here/pytorch_eval/um_alloc.c" \
+    -I"${CUDA_HOME:-/usr/local/cuda}/include" -lcuda || { echo "um_alloc.so: build failed"; return 1; }
+  t0=$(date +%s.%N)
+  for i in 0 1; do "${job[@]}" --managed-alloc "$work/um_alloc.so" --tag um$i >"$d/um-$i.json" & done
+  wait
+  t1=$(date +%s.%N)
+  um_s=$($py -c "print(round($t1 - $t0, 3))")
+  echo "both at once natively on unified memory, no gate: $um_s s," \
+    "$($py -c "print(round($seq_s / $um_s, 3))")x back to back"
+}
+
+default_backend=("${backend[@]}")
 for part in "${parts[@]}"; do
   case $part in
-    compat | throughput | fair | trace | inference) ;;
+    compat | throughput | fair | trace | inference) backend=("${default_backend[@]}"); ensure_salusd ;;
+    oversub)
+      # On the sim backend (dry run) the card is as small as the part pretends,
+      # so that the two jobs are admitted only by oversubscription.
+      [ $dry = 1 ] && backend=(--backend sim --sim-gpus 1 --sim-memory 1024M)
+      ensure_salusd --oversubscribe 2 ;;
     *) echo "pytorch-eval: unknown part '$part'" >&2; exit 2 ;;
   esac
   echo "== $part"

@@ -1,7 +1,8 @@
 """tools/pytorch-eval.sh, issue 14's GPU evaluation, kept working without a GPU:
 its shell and Python parse, and its `compat` part runs end to end as a --dry-run
 (CPU, tiny models, a sim-backend salusd), where the losses of every run under
-salus-run must be bit-identical to the native run's. The GPU figures themselves
+salus-run must be bit-identical to the native run's; so does its `oversub` part
+(issue 15). The GPU figures themselves
 come from a machine with a GPU (docs/benchmarks.md)."""
 import os
 import subprocess
@@ -23,7 +24,8 @@ def test_script_and_workloads_parse():
         compile(f.read(), WORKLOADS, "exec")  # a SyntaxError fails the test
 
 
-def test_dry_run_compat(tmp_path):
+def dry_run(tmp_path, part):
+    """Runs one part of the script as a --dry-run; returns its OUT/PART.txt."""
     shim = os.path.join(BUILD, "client", "shim", "libsalus-shim.so")
     if not os.path.exists(shim):
         pytest.skip(f"libsalus-shim.so not built at {shim} (needs cuda.h)")
@@ -35,11 +37,28 @@ def test_dry_run_compat(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "SALUS_BUILD": BUILD, "PYTHON": sys.executable}
     env.pop("LD_PRELOAD", None)
-    r = subprocess.run([SCRIPT, "--dry-run", str(out), "compat"], capture_output=True, text=True,
+    r = subprocess.run([SCRIPT, "--dry-run", str(out), part], capture_output=True, text=True,
                        timeout=280, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    text = (out / "compat.txt").read_text()
+    return (out / f"{part}.txt").read_text() + (out / f"{part}.err").read_text()
+
+
+def test_dry_run_compat(tmp_path):
+    text = dry_run(tmp_path, "compat")
     for model in ("resnet", "gpt"):
         assert f"{model}-eager-default: 6 steps, losses bit-identical; under salus-run: attached" \
-            in text, text + (out / "compat.err").read_text()
+            in text, text
         assert f"{model} inference_mode: native p50" in text, text
+
+
+def test_dry_run_oversub(tmp_path):
+    """Issue 15's part: back to back, then both at once under an oversubscribed
+    salusd (the sim card is smaller than the two needs), then the unified-memory
+    row, which the dry run skips."""
+    text = dry_run(tmp_path, "oversub")
+    assert "each with 665 MiB of live state on a 1024 MiB GPU" in text, text
+    assert "back to back, native:" in text, text
+    assert "both at once under salusd --oversubscribe 2" in text, text
+    for name in ("over0", "over1"):
+        assert f"  {name}: 4 steps, swaps out" in text, text
+    assert "unified memory, no gate: skipped" in text, text

@@ -7,12 +7,20 @@ $SALUS_SESSION is set, for the report).
 
     workloads.py train --model resnet|gpt [--mode eager|compile|graphs] [--amp]
                  [--steps N | --duration S] [--deterministic] [--tiny] [--device D]
+                 [--state-mib N] [--managed-alloc LIB]
     workloads.py infer --model resnet|gpt [--iters N] [--batch B] [--tiny] [--device D]
 
 Prints one JSON object: losses (float.hex, so bit-identity is a string
 comparison), throughput over the steps after warm-up, latencies (infer), and
 the session's figures when attached. --tiny with --device cpu is the dry run
 that CI executes.
+
+--state-mib N gives the job N MiB more training state on the device, read and
+written at every step like an optimizer's moment buffers (issue 15: a job that
+needs most of the GPU's memory, all of it live). --managed-alloc LIB serves
+every PyTorch allocation from unified memory through LIB (um_alloc.c, a
+CUDAPluggableAllocator: torch >= 2.0): demand paging with no gate, nvshare's
+"scheduler off" row.
 """
 import argparse
 import json
@@ -150,7 +158,8 @@ def session_report():
     except OSError as e:
         return {"error": str(e)}
     keys = ("id", "gpu", "kind", "marking", "iterations_completed", "gpu_time_ms",
-            "memory_peak", "memory_budget", "gate_waits", "gate_wait_ms", "oom_refusals")
+            "memory_peak", "memory_budget", "gate_waits", "gate_wait_ms", "oom_refusals",
+            "name", "swaps_out", "swaps_in", "swap_ms")
     return {k: st.get(k) for k in keys}
 
 
@@ -166,9 +175,24 @@ def setup(args):
 
 # ---------------------------------------------------------------- train
 
+def use_managed_memory(lib):
+    """Every allocation from here on is unified memory (cuMemAllocManaged)."""
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(lib, "salus_um_alloc", "salus_um_free")
+    torch.cuda.memory.change_current_allocator(alloc)
+
+
 def train(args):
+    if args.managed_alloc:
+        if not hasattr(torch.cuda.memory, "CUDAPluggableAllocator"):
+            return {"skipped": f"--managed-alloc needs torch >= 2.0 (this is {torch.__version__})"}
+        if not args.device.startswith("cuda"):
+            return {"skipped": "--managed-alloc needs a GPU"}
+        use_managed_memory(args.managed_alloc)
     setup(args)
     model, x, y, loss_fn = build(args)
+    # Extra live state (--state-mib): touched at every step, so it must be on the
+    # GPU whenever the job runs.
+    state = torch.zeros(args.state_mib << 18, device=args.device) if args.state_mib else None
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     amp = args.amp and args.device.startswith("cuda")
@@ -207,6 +231,8 @@ def train(args):
         else:
             loss.backward()
             opt.step()
+        if state is not None:
+            state.mul_(0.5).add_(1.0)
         losses.append(loss.detach())
         if args.sync_every_step:
             sync(args)
@@ -259,6 +285,8 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--state-mib", type=int, default=0)
+    ap.add_argument("--managed-alloc", default="")
     args = ap.parse_args()
     if args.what == "train" and not args.steps and not args.duration:
         args.steps = 100
