@@ -290,17 +290,20 @@ def test_residency_swaps_attached_programs_that_do_not_fit_together(tmp_path):
     procs = []
     sessions = []
     try:
-        # An iteration here costs about 0.7 swap times of the program's memory, and
-        # a quantum is 20 swap times (design.md): 90 iterations are about three
-        # quanta of each, so each program is swapped out at least once.
-        ITERS = 90
+        # Copies crawl (2 ms per MiB in the mock), so that they, not the machine's
+        # load, set both the swap time (one 40 MiB copy: 80 ms) and the iteration
+        # (two such copies, 160 ms). A quantum is 20 swap times (design.md), about
+        # 10 iterations: 60 iterations are several quanta of each program however
+        # loaded the machine, so each is swapped out and in at least once.
+        ITERS = 60
         go = tmp_path / "go"
         go.write_text("")  # no holding back at the start: both iterate at once
         for i in range(2):
             s = Session(d)
             s.cmd("need persistent=40M ephemeral=0 gpu=0\n")
             sessions.append(s)
-            procs.append(start_program(d, s, 40, ITERS, go))
+            procs.append(start_program(d, s, 40, ITERS, go,
+                                       {"SALUS_MOCK_COPY_US_PER_MIB": "2000"}))
         seen = [{"out": 0, "in": 0, "swap_error": "-", "swappable": "", "log": ""}
                 for _ in sessions]
         watch(procs, sessions, seen)
