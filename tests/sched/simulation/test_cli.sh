@@ -130,6 +130,30 @@ expect_exit 2 python3 "$src/tools/srtf-bound" "$tmp/missing.csv"
 grep -q "srtf-bound: .*missing.csv: No such file" "$tmp/err" || fail "srtf-bound missing: $(cat "$tmp/err")"
 head -1 "$tmp/bound.csv" >"$tmp/header-only.csv"
 expect_exit 2 python3 "$src/tools/srtf-bound" "$tmp/header-only.csv"
+# --gpus M: ideal migrating SRTF on M GPUs. a (10 s) and b (4 s) at 0, c (2 s) at 1. Two
+# GPUs: a and b run from 0; at 1 c (2) displaces a (9 left): c ends at 3, b at 4, a resumes
+# at 3 and ends at 12: JCTs 12, 4, 2, average 6. One GPU: b runs, c preempts it at 1 and
+# ends at 3, b at 6, a at 16: average 8. Three GPUs: all at once, average (10+4+2)/3.
+cat >"$tmp/bound3.csv" <<'EOF2'
+job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util
+a,0,m,100,1000,10,1000,1
+b,0,m,100,1000,10,400,1
+c,1,m,100,1000,10,200,1
+EOF2
+expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound3.csv" --gpus 2
+[ "$(cat "$tmp/out")" = "jobs 3 makespan_s 12.000 avg_jct_s 6.000" ] || fail "srtf-bound --gpus 2: $(cat "$tmp/out")"
+expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound3.csv" --gpus 1
+[ "$(cat "$tmp/out")" = "jobs 3 makespan_s 16.000 avg_jct_s 8.000" ] || fail "srtf-bound --gpus 1: $(cat "$tmp/out")"
+expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound3.csv" --gpus 3
+[ "$(cat "$tmp/out")" = "jobs 3 makespan_s 10.000 avg_jct_s 5.333" ] || fail "srtf-bound --gpus 3: $(cat "$tmp/out")"
+# --gpus 1 is the default, and prints what one GPU printed before --gpus existed.
+expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound.csv" --gpus 1
+[ "$(cat "$tmp/out")" = "jobs 2 makespan_s 12.000 avg_jct_s 7.000" ] || fail "srtf-bound --gpus 1 default: $(cat "$tmp/out")"
+for bad in 0 -1 two 1.5; do
+  expect_exit 2 python3 "$src/tools/srtf-bound" "$tmp/bound3.csv" --gpus "$bad"
+  grep -q "argument --gpus: '$bad' is not a number of GPUs (a whole number >= 1)" "$tmp/err" ||
+    fail "srtf-bound --gpus $bad: $(cat "$tmp/err")"
+done
 
 if [ "$failures" -gt 0 ]; then
   echo "$failures failure(s)"
