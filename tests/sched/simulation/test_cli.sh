@@ -149,6 +149,16 @@ expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound3.csv" --gpus 3
 # --gpus 1 is the default, and prints what one GPU printed before --gpus existed.
 expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound.csv" --gpus 1
 [ "$(cat "$tmp/out")" = "jobs 2 makespan_s 12.000 avg_jct_s 7.000" ] || fail "srtf-bound --gpus 1 default: $(cat "$tmp/out")"
+# --ps: ideal processor sharing, each of n ready jobs at rate min(1, M/n). One GPU: a and
+# b at 1/2 until 1 (9.5 and 3.5 left), then three at 1/3: c (2) ends at 7, b (1.5 left)
+# at 10 at 1/2, a alone at 16: JCTs 16, 10, 6. Two GPUs: a and b at full speed until 1
+# (9 and 3), three at 2/3: c ends at 4, b (1 left) at 5, a (7 left) at 11: 11, 5, 3.
+expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound3.csv" --ps
+[ "$(cat "$tmp/out")" = "jobs 3 makespan_s 16.000 avg_jct_s 10.667" ] || fail "srtf-bound --ps: $(cat "$tmp/out")"
+expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound3.csv" --ps --gpus 2
+[ "$(cat "$tmp/out")" = "jobs 3 makespan_s 11.000 avg_jct_s 6.333" ] || fail "srtf-bound --ps --gpus 2: $(cat "$tmp/out")"
+expect_exit 0 python3 "$src/tools/srtf-bound" "$tmp/bound3.csv" --ps --gpus 3
+[ "$(cat "$tmp/out")" = "jobs 3 makespan_s 10.000 avg_jct_s 5.333" ] || fail "srtf-bound --ps --gpus 3: $(cat "$tmp/out")"
 for bad in 0 -1 two 1.5; do
   expect_exit 2 python3 "$src/tools/srtf-bound" "$tmp/bound3.csv" --gpus "$bad"
   grep -q "argument --gpus: '$bad' is not a number of GPUs (a whole number >= 1)" "$tmp/err" ||
