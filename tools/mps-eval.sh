@@ -51,7 +51,10 @@ trap cleanup EXIT
 start_salusd() {
   local log=$1; shift
   mkdir -p "$work/mnt"
-  "$salusd" --backend cuda --policy fair --mount "$work/mnt" --state-dir "" \
+  # Half the card for the arena, half for the programs' own memory beside it
+  # (design.md, Placement in the arena).
+  "$salusd" --backend cuda --cuda-memory-fraction "${SALUS_EVAL_ARENA_FRACTION:-0.5}" \
+    --policy fair --mount "$work/mnt" --state-dir "" \
     --mps-dir "$work/mps" "$@" >"$log" 2>&1 &
   daemon_pid=$!
   for _ in $(seq 1200); do

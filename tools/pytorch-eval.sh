@@ -28,6 +28,11 @@
 #               at once natively on unified memory with no gate (um_alloc.c;
 #               "scheduler off"): total completion times and their ratios
 #
+# On a GPU salusd runs the cuda backend with --cuda-memory-fraction
+# SALUS_EVAL_ARENA_FRACTION (0.5): attached jobs allocate beside the arena, so
+# their needs must be both admitted and free on the card (design.md, Placement
+# in the arena); oversub runs a sim-backend salusd sized to the card instead.
+#
 # --dry-run: the same steps on the CPU with tiny models against a sim-backend
 # salusd (fewer jobs, seconds not minutes, compile/graphs/expandable segments
 # skipped): what CI runs to keep this script working. Its figures mean nothing.
@@ -57,7 +62,10 @@ if [ $dry = 1 ]; then
   steps=6 tput_steps=8 fair_s=4 infer_n=${SALUS_INFER_N:-3} infer_iters=10 warm=2
   modes=(eager) alloc_confs=(default) trace_scale=1
 else
-  dev=(--device cuda) backend=(--backend cuda)
+  # The arena takes its fraction of the card up front and attached programs
+  # allocate beside it (design.md, Placement in the arena): half and half lets
+  # the jobs' needs be admitted and also be free on the card.
+  dev=(--device cuda) backend=(--backend cuda --cuda-memory-fraction "${SALUS_EVAL_ARENA_FRACTION:-0.5}")
   steps=100 tput_steps=300 fair_s=${SALUS_FAIR_S:-60} infer_n=${SALUS_INFER_N:-42}
   infer_iters=500 warm=20 modes=(eager compile graphs) alloc_confs=(default expandable)
   trace_scale=10
@@ -331,8 +339,17 @@ for part in "${parts[@]}"; do
     compat | throughput | fair | trace | inference) backend=("${default_backend[@]}"); ensure_salusd ;;
     oversub)
       # On the sim backend (dry run) the card is as small as the part pretends,
-      # so that the two jobs are admitted only by oversubscription.
-      [ $dry = 1 ] && backend=(--backend sim --sim-gpus 1 --sim-memory 1024M)
+      # so that the two jobs are admitted only by oversubscription. On a GPU
+      # salusd runs the sim backend sized to the card: it only accounts and
+      # gates here (the jobs' memory is their own, in their own contexts), and
+      # a cuda arena would hold part of the card that the jobs need (two jobs
+      # of 65% each cannot fit beside any arena).
+      if [ $dry = 1 ]; then
+        backend=(--backend sim --sim-gpus 1 --sim-memory 1024M)
+      else
+        backend=(--backend sim --sim-gpus 1 --sim-memory
+          "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)M")
+      fi
       ensure_salusd --oversubscribe 2 ;;
     *) echo "pytorch-eval: unknown part '$part'" >&2; exit 2 ;;
   esac

@@ -425,3 +425,48 @@ def test_stop_with_a_swapped_program_gives_its_memory_back(tmp_path):
                 pass
         if not stopped:
             d.stop()
+
+
+def attach_python_gate(s):
+    """Attaches a gate made by this test (client/salus_gate.py) to session s."""
+    gate = salus_gate.Gate()
+    fd = os.open(s.file("ctl"), os.O_WRONLY)
+    try:
+        os.write(fd, gate.attach_line().encode())
+    finally:
+        os.close(fd)
+    return gate
+
+
+@pytest.mark.parametrize("fraction", ["0.9", "0.5"])
+def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(fraction):
+    """On the cuda backend (the mock's card: 512 MiB) the arena takes its
+    fraction up front and attached programs allocate beside it: two budgets of
+    40M fit beside an arena of half the card, but not beside one of 90%
+    (about 51 MiB left), and the second attach says so and names the flag."""
+    from conftest import Salusd
+    d = Salusd(["--cuda-memory-fraction", fraction])
+    d.args[d.args.index("--backend") + 1] = "cuda"
+    d.env = {**os.environ, "LD_LIBRARY_PATH": MOCK_DIR}
+    d.start(timeout=120)
+    sessions, gates = [], []
+    try:
+        for _ in range(2):
+            s = Session(d)
+            s.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+            sessions.append(s)
+            gates.append(attach_python_gate(s))
+        first, second = (s.read("log") for s in sessions)
+        assert "attached gate=" in first and "attached gate=" in second, (first, second)
+        assert "warning" not in first, first
+        if fraction == "0.9":
+            assert "budgets of 80.0M in all, but only" in second, second
+            assert "--cuda-memory-fraction" in second, second
+        else:
+            assert "warning" not in second, second
+    finally:
+        for g in gates:
+            g.close()
+        for s in sessions:
+            s.close()
+        d.stop()

@@ -390,6 +390,9 @@ class Broker {
   // (persistent), in the GPU's shared attached lane.
   arena::Need arena_need(const Session& s, Bytes persistent, Bytes ephemeral) const;
   void set_budget(Session& s);
+  // Warns (session log) when the attached budgets of s's GPU exceed the card's
+  // memory outside salusd's arena on the cuda backend.
+  void note_memory_outside_arena(const Gpu& g, Session& s, std::uint32_t line);
   // A dispatch of an attached session: a grant through its gate.
   bool grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s, Deferred& later);
   // Shared lane of attached sessions (broker_lanes.cpp). Under the lock.

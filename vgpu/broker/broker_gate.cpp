@@ -67,6 +67,32 @@ void Broker::set_budget(Session& s) {
   s.gate->wake();
 }
 
+// On the cuda backend the arena holds its share of the card from the start,
+// and attached programs allocate in their own contexts beside it (design.md,
+// *Placement in the arena*): admission counts their needs against the arena,
+// but the bytes must also be free outside it, or the driver refuses an
+// allocation that the budget allows. Said once per attach, where the user
+// reads it, with the flag that fixes it.
+void Broker::note_memory_outside_arena(const Gpu& g, Session& s, std::uint32_t ln) {
+  const DeviceInfo& d = g.device->info();
+  if (d.backend != "cuda") return;  // sim: attached programs use another driver's memory
+  Bytes budgets = 0;
+  for (const SessionId id : attached_) {
+    const Session* o = get(id);
+    if (o == nullptr || !o->gate || o->gpu != static_cast<int>(g.index)) continue;
+    budgets += o->need.persistent + (shares_lane(*o) ? 0 : o->need.ephemeral);
+  }
+  const Bytes outside = d.total_memory > d.arena_size ? d.total_memory - d.arena_size : 0;
+  if (budgets <= outside) return;
+  log(s, fmt::format("line {}: attach: warning: the attached programs on gpu {} have budgets of {} "
+                     "in all, but only {} of the card lies outside salusd's arena ({} of {}, "
+                     "--cuda-memory-fraction): an allocation past that fails in the driver "
+                     "(CUDA_ERROR_OUT_OF_MEMORY) although the budget allows it; start salusd "
+                     "with a smaller fraction for attached jobs",
+                     ln, g.index, arena::format_size(budgets), arena::format_size(outside),
+                     arena::format_size(d.arena_size), arena::format_size(d.total_memory)));
+}
+
 int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::uint32_t ln,
                         Deferred& later) {
   auto fail = [&](int err, std::string msg) {
@@ -122,6 +148,7 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
                      shares_lane(s) ? fmt::format(", shared lane lane={} ({} ephemeral)", c.lane_fd,
                                                   arena::format_size(s.need.ephemeral))
                                     : std::string()));
+  note_memory_outside_arena(g, s, ln);
   // Re-place the need as an attached one (arena_need); admission may wait.
   const arena::ArenaError err = g.sched.change_need(
       s.id, arena_need(s, s.need.persistent, s.need.ephemeral), std::nullopt, now());
