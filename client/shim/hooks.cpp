@@ -8,7 +8,10 @@
 // when the driver gives the memory back). Managed memory is refused: the driver
 // can place it on any device and evict it at will, so it cannot be held to a
 // budget. The device comes from the allocation itself (prop->location), never
-// from cuCtxGetDevice, which fails on threads without a context.
+// from cuCtxGetDevice, which fails on threads without a context. The one
+// exception: with SALUS_SHARED_LANE=alloc, a cuMemAlloc made while the program
+// holds the shared lane comes from the lane, which admission counted once for
+// the GPU's group, and is charged only if it outlives its iteration (lane.cpp).
 //
 // Launches: a relaxed increment of gate->launches and a relaxed load of
 // gate->yield_requested; nothing else on that path.
