@@ -86,11 +86,28 @@ def _shim_functions():
         return _shim or None
 
 
+def _lane_release():
+    """With SALUS_SHARED_LANE=alloc: PyTorch's cached GPU memory goes back to the
+    shared lane before the boundary (synchronize, then empty_cache), so that only
+    segments holding live tensors are promoted to the program's own memory.
+    Nothing without torch imported or before CUDA is initialised."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if os.environ.get("SALUS_SHARED_LANE") != "alloc" or cuda is None or not cuda.is_initialized():
+        return
+    cuda.synchronize()
+    cuda.empty_cache()
+
+
 def step():
     """An iteration boundary: ends the running iteration and returns once salusd
     grants the next one. Returns 0, or -errno when the program is not attached
-    (it then runs ungated). Without the shim: a warning the first time, then 0."""
+    (it then runs ungated). Without the shim: a warning the first time, then 0.
+    With SALUS_SHARED_LANE=alloc, PyTorch's cached GPU memory is released first
+    (torch.cuda.synchronize() and torch.cuda.empty_cache())."""
     fns = _shim_functions()
+    if fns:
+        _lane_release()
     return fns[0]() if fns else 0
 
 

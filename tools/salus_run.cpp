@@ -255,8 +255,8 @@ struct ChildEnv {
   // directory, the memory limit (the session's budget), the SM share.
   std::string mps_pipe, mps_memory_limit, mps_threads;
   bool automark = false;
-  bool shared_lane = false;
-  int oom_fd = -1;  // write end of the OOM report pipe, or -1
+  std::string shared_lane;  // SALUS_SHARED_LANE's value; empty: not set
+  int oom_fd = -1;          // write end of the OOM report pipe, or -1
 };
 
 void prepend_env(const char* name, const std::string& value, char sep) {
@@ -287,7 +287,7 @@ void prepend_env(const char* name, const std::string& value, char sep) {
       ::setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", e.mps_threads.c_str(), 1);
   }
   if (e.oom_fd >= 0) ::setenv("SALUS_RUN_OOM_FD", std::to_string(e.oom_fd).c_str(), 1);
-  if (e.shared_lane) ::setenv("SALUS_SHARED_LANE", "1", 1);
+  if (!e.shared_lane.empty()) ::setenv("SALUS_SHARED_LANE", e.shared_lane.c_str(), 1);
   std::vector<char*> argv;
   for (auto& w : command) argv.push_back(w.data());
   argv.push_back(nullptr);

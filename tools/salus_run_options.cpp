@@ -87,9 +87,12 @@ std::optional<std::string> parse_args(int argc, char** argv, RunOptions& o, std:
       ->allow_extra_args(false);  // one value per --policy-hint, so PROGRAM is never taken
   app.add_flag("--retry-on-oom", o.retry_on_oom,
                "If the program runs out of GPU memory, run it once more with a GPU of its own");
-  app.add_flag("--shared-lane", o.shared_lane,
-               "Take ephemeral memory from the GPU's shared lane (salus_lane_alloc; "
-               "SALUS_SHARED_LANE=1): --ephemeral then counts once for the lane");
+  app.add_flag("--shared-lane{1}", o.shared_lane,
+               "Take ephemeral memory from the GPU's shared lane: --ephemeral then counts once "
+               "for the lane. Alone (or =1): salus_lane_alloc only (SALUS_SHARED_LANE=1); "
+               "--shared-lane=alloc: cuMemAlloc too, blocks that outlive an iteration "
+               "promoted to the program's own memory (SALUS_SHARED_LANE=alloc)")
+      ->check(CLI::IsMember({"1", "alloc"}));
   app.add_flag("--no-automark", o.no_automark,
                "Do not mark PyTorch iterations automatically (explicit salus.step() only)");
   app.add_option("-m,--mount", mount, "Where salusd is mounted (default $SALUS_MOUNT or /salus)");

@@ -23,7 +23,8 @@ struct RunOptions {
   std::optional<unsigned> mps_threads;
   std::vector<std::string> hints;  // --policy-hint KEY=VALUE, appended to `need`
   bool retry_on_oom = false, no_automark = false, verbose = false;
-  bool shared_lane = false;  // --shared-lane: SALUS_SHARED_LANE=1 for the program
+  // --shared-lane[=alloc]: SALUS_SHARED_LANE for the program ("1", "alloc"; empty: off)
+  std::string shared_lane;
   std::vector<std::string> command;
 };
 

@@ -24,6 +24,15 @@ registers, through PyTorch's public hooks:
 The marker is libsalus-shim.so's salus_step(), found with ctypes in the process
 (the shim is LD_PRELOADed by salus-run). Without it, enable() warns once and
 installs nothing.
+
+With SALUS_SHARED_LANE=alloc (salus-run --shared-lane=alloc), each boundary
+first hands PyTorch's cached GPU memory back: once CUDA is initialised,
+torch.cuda.synchronize() and then torch.cuda.empty_cache(). The caching
+allocator keeps freed blocks cached, so without it nothing allocated in an
+iteration would go back to the shared lane: the shim would promote every
+segment to the program's own memory at the boundary. After empty_cache only
+the segments that hold live tensors (weights, optimizer state) are promoted,
+once each. Harmless where CUDA never started (a CPU torch).
 """
 
 import ctypes
@@ -44,6 +53,31 @@ def shim_marker():
     fn.restype = ctypes.c_int
     fn.argtypes = []
     return fn
+
+
+def lane_release(torch):
+    """Before a boundary with SALUS_SHARED_LANE=alloc: PyTorch's cached GPU memory
+    goes back (to the shared lane, through the shim's cuMemFree), once the work
+    queued on it is done. Nothing before CUDA is initialised."""
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_initialized():
+        return
+    cuda.synchronize()
+    cuda.empty_cache()
+
+
+def releasing(torch, mark):
+    """`mark` preceded by lane_release(torch) when SALUS_SHARED_LANE=alloc."""
+    if os.environ.get("SALUS_SHARED_LANE") != "alloc":
+        return mark
+
+    def release_then_mark():
+        try:
+            lane_release(torch)
+        finally:
+            mark()
+
+    return release_then_mark
 
 
 class Marker:
@@ -258,7 +292,7 @@ def enable(mark=None):
             return
         os.environ["SALUS_AUTOMARK_OWNER"] = str(os.getpid())
         try:
-            marker = install(torch, mark)
+            marker = install(torch, releasing(torch, mark))
         except Exception as e:  # never break the program's import of torch
             _warn(f"could not register PyTorch hooks ({type(e).__name__}: {e}); "
                   "iterations are not marked")

@@ -8,7 +8,10 @@
 // when the driver gives the memory back). Managed memory is refused: the driver
 // can place it on any device and evict it at will, so it cannot be held to a
 // budget. The device comes from the allocation itself (prop->location), never
-// from cuCtxGetDevice, which fails on threads without a context.
+// from cuCtxGetDevice, which fails on threads without a context. The one
+// exception: with SALUS_SHARED_LANE=alloc, a cuMemAlloc made while the program
+// holds the shared lane comes from the lane, which admission counted once for
+// the GPU's group, and is charged only if it outlives its iteration (lane.cpp).
 //
 // Launches: a relaxed increment of gate->launches and a relaxed load of
 // gate->yield_requested; nothing else on that path.
@@ -101,30 +104,6 @@ void refuse(salus_gate* g, std::uint64_t budget, std::uint64_t charged, std::uin
   post_note(line);
 }
 
-// Charges n bytes, or refuses (note + oom_refusals) if that would pass the budget.
-bool charge(std::uint64_t n, const char* what) {
-  salus_gate* g = gate();
-  const std::uint64_t budget = __atomic_load_n(&g->budget_bytes, __ATOMIC_ACQUIRE);
-  std::uint64_t cur = g_charged.load(std::memory_order_relaxed);
-  do {
-    if (budget != UINT64_MAX && (n > budget || cur > budget - n)) {
-      refuse(g, budget, cur, n, what);
-      return false;
-    }
-  } while (!g_charged.compare_exchange_weak(cur, cur + n, std::memory_order_acq_rel));
-  std::uint64_t peak = g_peak.load(std::memory_order_relaxed);
-  while (cur + n > peak && !g_peak.compare_exchange_weak(peak, cur + n)) {
-  }
-  publish();
-  return true;
-}
-
-void refund(std::uint64_t n) {
-  if (n == 0) return;
-  g_charged.fetch_sub(n, std::memory_order_acq_rel);
-  publish();
-}
-
 void track(CUdeviceptr p, std::uint64_t n) {
   Shard& s = shard_of(p);
   std::lock_guard lk(s.mu);
@@ -179,6 +158,32 @@ std::uint64_t charged_now() {
   return g_charged.load(std::memory_order_acquire);
 }
 
+// Charges n bytes, or refuses if that would pass the budget: with `what`, a
+// refusal is an out-of-memory note and counts in oom_refusals; without, the
+// caller says why (the lane's promotion, lane.cpp).
+bool charge(std::uint64_t n, const char* what) {
+  salus_gate* g = gate();
+  const std::uint64_t budget = __atomic_load_n(&g->budget_bytes, __ATOMIC_ACQUIRE);
+  std::uint64_t cur = g_charged.load(std::memory_order_relaxed);
+  do {
+    if (budget != UINT64_MAX && (n > budget || cur > budget - n)) {
+      if (what != nullptr) refuse(g, budget, cur, n, what);
+      return false;
+    }
+  } while (!g_charged.compare_exchange_weak(cur, cur + n, std::memory_order_acq_rel));
+  std::uint64_t peak = g_peak.load(std::memory_order_relaxed);
+  while (cur + n > peak && !g_peak.compare_exchange_weak(peak, cur + n)) {
+  }
+  publish();
+  return true;
+}
+
+void refund(std::uint64_t n) {
+  if (n == 0) return;
+  g_charged.fetch_sub(n, std::memory_order_acq_rel);
+  publish();
+}
+
 }  // namespace salus::shim
 
 using namespace salus::shim;
@@ -201,6 +206,8 @@ CUresult movable_charged(CUdeviceptr* p, std::uint64_t n, const char* what) {
 }  // namespace
 
 extern "C" SALUS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t n) {
+  // SALUS_SHARED_LANE=alloc: from the lane while the program holds it (not charged).
+  if (p != nullptr && n != 0 && lane_try_alloc(p, n)) return CUDA_SUCCESS;
   if (swap_enabled()) return movable_charged(p, n, "cuMemAlloc");
   auto f = real<PFN_cuMemAlloc_v3020>(kMemAlloc);
   if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
@@ -239,6 +246,7 @@ extern "C" SALUS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr* p, std::size_t*
 }
 
 extern "C" SALUS_EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+  if (CUresult lr; lane_try_free(p, &lr)) return lr;  // a lane block, or a promoted one
   if (CUresult mr; movable_free(p, &mr)) {
     if (mr == CUDA_SUCCESS) refund(untrack(p));
     return mr;

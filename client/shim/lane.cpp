@@ -1,21 +1,33 @@
-// The shim's side of the shared lane (SALUS_SHARED_LANE=1, client/salus_gate.h):
-// the socket pair named at attach, the lane memory received from salusd
-// (SCM_RIGHTS), imported and mapped while the program holds the lane, and
-// the ephemeral allocator salus_lane_alloc serves from it. Ephemeral means:
-// valid from its allocation inside an iteration to the program's next
-// boundary; every lane allocation ends there, freed or not. The lane is given
+// The shim's side of the shared lane (SALUS_SHARED_LANE=1 or alloc,
+// client/salus_gate.h): the socket pair named at attach, the lane memory
+// received from salusd (SCM_RIGHTS), imported and mapped while the program
+// holds the lane, and the first-fit allocator that serves salus_lane_alloc
+// and, with SALUS_SHARED_LANE=alloc, cuMemAlloc_v2 from it. A salus_lane_alloc
+// block is ephemeral: valid from its allocation inside an iteration to the
+// program's next boundary, where it ends, freed or not. A cuMemAlloc block
+// still live at the boundary is promoted instead: the allocation-granularity
+// granules it touches become memory of the program's own (cuMemCreate,
+// charged to its budget), mapped at the same addresses with the bytes copied,
+// and the lane moves to a fresh reservation. If promotion cannot be charged or
+// a driver call fails, the blocks stay where they are and the program keeps
+// the lane memory mapped (it does not yield it; salusd abandons it to the
+// program after 2 s and makes fresh memory for the lane). The lane is given
 // back (synchronize, unmap, report `lane_held` = 0) only while the program
 // waits at its gate, never on a launch.
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <type_traits>
+#include <vector>
 
 #include "client/shim/shim.hpp"
 
@@ -37,6 +49,13 @@ struct LaneDriver {
   CUresult (*set_access)(CUdeviceptr, std::size_t, const CUmemAccessDesc*, std::size_t) = nullptr;
   CUresult (*ctx_get_device)(CUdevice*) = nullptr;
   CUresult (*ctx_synchronize)() = nullptr;
+  // For promotion (SALUS_SHARED_LANE=alloc); promote_ok says all are there.
+  bool promote_ok = false;
+  CUresult (*create)(CUmemGenericAllocationHandle*, std::size_t, const CUmemAllocationProp*,
+                     unsigned long long) = nullptr;
+  CUresult (*granularity)(std::size_t*, const CUmemAllocationProp*,
+                          CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*copy)(CUdeviceptr, CUdeviceptr, std::size_t) = nullptr;  // cuMemcpyDtoD_v2
 };
 const LaneDriver& lane_driver() {
   static const LaneDriver v = [] {
@@ -57,6 +76,10 @@ const LaneDriver& lane_driver() {
     get("cuCtxGetDevice", r.ctx_get_device);
     get("cuCtxSynchronize", r.ctx_synchronize);
     r.ok = ok && driver().ok;
+    get("cuMemCreate", r.create);
+    get("cuMemGetAllocationGranularity", r.granularity);
+    get("cuMemcpyDtoD", r.copy);
+    r.promote_ok = ok && r.ok;
     return r;
   }();
   return v;
@@ -67,6 +90,28 @@ constexpr std::size_t kAlign = 512;       // what cudaMalloc guarantees, and mor
 
 struct Block {
   std::size_t off;
+  std::size_t len;
+  bool hooked;  // cuMemAlloc (promoted at the boundary), not salus_lane_alloc
+};
+
+// A former lane reservation that holds promoted blocks: each granule with a
+// live block is a handle of the program's own (charged), mapped there. Or,
+// `kept`: the old lane memory itself stays mapped there (promotion failed and
+// salusd abandoned that memory to the program); `kept_live` blocks in it.
+// The reservation is freed once its last block is.
+struct Granule {
+  CUmemGenericAllocationHandle handle;
+  std::size_t live;  // blocks that touch it
+};
+struct Region {
+  std::size_t size = 0;
+  std::size_t gran = 0;
+  std::map<std::size_t, Granule> granules;  // by index from the base
+  bool kept = false;
+  std::size_t kept_live = 0;
+};
+struct Owned {
+  CUdeviceptr region;  // its base
   std::size_t len;
 };
 
@@ -91,16 +136,61 @@ struct Lane {
   Block blocks[kMaxBlocks];      // sorted by offset
   std::size_t nblocks = 0;
   bool reported_fail = false;
+  std::atomic<bool> ever_hooked{false};  // a cuMemAlloc was served: cuMemFree looks here
+  bool promote_failed = false;           // noted; quiet until a promotion succeeds
 };
-Lane g_lane;
+Lane g_lane;  // trivially destructible: hooks may run after static destructors
 
-bool wanted() {
-  static const bool on = [] {
-    const char* v = std::getenv("SALUS_SHARED_LANE");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return on;
+// SALUS_SHARED_LANE=alloc: the blocks that outlived the lane, by address, and
+// their regions (under the lane's mutex). Heap-allocated and never destroyed.
+struct Outlived {
+  std::map<CUdeviceptr, Region> regions;
+  std::map<CUdeviceptr, Owned> owned;
+};
+Outlived& outlived() {
+  static Outlived* o = new Outlived;
+  return *o;
 }
+
+enum class Mode { kOff, kExplicit, kAlloc };
+Mode mode() {
+  static const Mode m = [] {
+    const char* v = std::getenv("SALUS_SHARED_LANE");
+    if (v == nullptr) return Mode::kOff;
+    if (std::strcmp(v, "1") == 0) return Mode::kExplicit;
+    if (std::strcmp(v, "alloc") == 0) return Mode::kAlloc;
+    return Mode::kOff;
+  }();
+  return m;
+}
+bool wanted() {
+  return mode() != Mode::kOff;
+}
+
+bool has_hooked_locked(const Lane& L) {
+  for (std::size_t i = 0; i < L.nblocks; ++i)
+    if (L.blocks[i].hooked) return true;
+  return false;
+}
+
+// The lane's context current on this thread for its lifetime (the hooks may
+// run on a thread with another, or none).
+class CtxScope {
+ public:
+  explicit CtxScope(CUcontext ctx) : ctx_(ctx) {
+    driver().ctx_get_current(&prev_);
+    if (ctx_ != nullptr && prev_ != ctx_) driver().ctx_set_current(ctx_);
+  }
+  ~CtxScope() {
+    if (ctx_ != nullptr && prev_ != ctx_) driver().ctx_set_current(prev_);
+  }
+  CtxScope(const CtxScope&) = delete;
+  CtxScope& operator=(const CtxScope&) = delete;
+
+ private:
+  CUcontext ctx_;
+  CUcontext prev_ = nullptr;
+};
 
 void note_once(Lane& L, const char* what, CUresult r) {
   if (L.reported_fail) return;
@@ -145,14 +235,50 @@ void receive_locked(Lane& L) {
 void unmap_locked(Lane& L) {
   if (L.mapped_gen == 0) return;
   const LaneDriver& d = lane_driver();
-  CUcontext cur = nullptr;
-  driver().ctx_get_current(&cur);
-  if (L.ctx != nullptr && cur != L.ctx) driver().ctx_set_current(L.ctx);
-  d.ctx_synchronize();  // the lane's bytes are the next session's once reported
-  d.unmap(L.base, L.reserved);
-  if (L.ctx != nullptr && cur != L.ctx) driver().ctx_set_current(cur);
+  {
+    CtxScope scope(L.ctx);
+    d.ctx_synchronize();  // the lane's bytes are the next session's once reported
+    d.unmap(L.base, L.reserved);
+  }
   L.mapped_gen = 0;
   L.nblocks = 0;
+}
+
+// The lane memory holds cuMemAlloc blocks that could not be promoted, and the
+// program can no longer hold it as the lane (salusd abandoned it, or let go):
+// the mapping stays where it is as a kept region of the program's, and the
+// handle, the reservation and the generation are forgotten by the lane.
+void keep_locked(Lane& L) {
+  Region& r = outlived().regions[L.base];
+  r.size = L.reserved;
+  r.kept = true;
+  for (std::size_t i = 0; i < L.nblocks; ++i) {
+    const Block& b = L.blocks[i];
+    if (!b.hooked) continue;
+    outlived().owned[L.base + b.off] = Owned{L.base, b.len};
+    ++r.kept_live;
+  }
+  lane_driver().release(L.handle);  // the mapping keeps the memory alive
+  char line[200];
+  std::snprintf(line, sizeof line,
+                "shared lane: %zu allocation(s) stay in lane memory of %zu bytes that the program "
+                "keeps (not promoted); it is given back when they are freed",
+                r.kept_live, L.reserved);
+  post_note(line);
+  L.handle = 0;
+  L.handle_gen = 0;
+  L.base = 0;
+  L.reserved = 0;
+  L.mapped_gen = 0;
+  L.nblocks = 0;
+}
+
+// Gives up the current mapping: kept if cuMemAlloc blocks live in it.
+void let_go_locked(Lane& L) {
+  if (L.mapped_gen != 0 && has_hooked_locked(L))
+    keep_locked(L);
+  else
+    unmap_locked(L);
 }
 
 void drop_handle_locked(Lane& L) {
@@ -169,8 +295,8 @@ void drop_handle_locked(Lane& L) {
 bool map_locked(Lane& L, salus_gate* g, std::uint32_t gen) {
   if (L.mapped_gen == gen) return true;
   if (L.mapped_gen != 0) {
-    // An older memory (salusd abandoned it to us): never used again.
-    unmap_locked(L);
+    // An older memory (salusd abandoned it to us): never used as the lane again.
+    let_go_locked(L);
     __atomic_store_n(&g->lane_held, 0u, __ATOMIC_SEQ_CST);
     ring_bell();
   }
@@ -222,7 +348,7 @@ bool map_locked(Lane& L, salus_gate* g, std::uint32_t gen) {
 }
 
 // First fit in the gaps between the sorted blocks.
-int alloc_locked(Lane& L, std::size_t n, CUdeviceptr* p) {
+int alloc_locked(Lane& L, std::size_t n, CUdeviceptr* p, bool hooked) {
   if (L.nblocks == kMaxBlocks) return -ENOMEM;
   const std::size_t len = (n + kAlign - 1) / kAlign * kAlign;
   std::size_t at = 0, i = 0;
@@ -232,10 +358,225 @@ int alloc_locked(Lane& L, std::size_t n, CUdeviceptr* p) {
   }
   if (len > L.reserved - at) return -ENOMEM;
   for (std::size_t j = L.nblocks; j > i; --j) L.blocks[j] = L.blocks[j - 1];
-  L.blocks[i] = Block{at, len};
+  L.blocks[i] = Block{at, len, hooked};
   ++L.nblocks;
   *p = L.base + at;
   return 0;
+}
+
+// ---- promotion (SALUS_SHARED_LANE=alloc) ----
+
+std::size_t granularity_of(const LaneDriver& d, CUdevice dev) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  std::size_t n = 0;
+  if (d.granularity(&n, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || n == 0)
+    n = std::size_t{2} << 20;
+  return n;
+}
+
+CUresult grant_access(const LaneDriver& d, CUdeviceptr p, std::size_t n, CUdevice dev) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = dev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return d.set_access(p, n, &access, 1);
+}
+
+// One promotion: the granules (indices from the lane's base) that live
+// cuMemAlloc blocks touch, their new handles, and the lane's new reservation.
+struct Promotion {
+  CUdevice dev = 0;
+  std::size_t gran = 0;
+  std::vector<std::size_t> idx;
+  std::vector<CUmemGenericAllocationHandle> handles;
+  CUdeviceptr new_base = 0;
+  bool new_mapped = false;
+  bool old_unmapped = false;   // the lane is no longer mapped at the old base
+  std::size_t old_mapped = 0;  // own granules mapped at the old base so far
+  const char* failed = nullptr;
+  CUresult result = CUDA_SUCCESS;
+};
+
+bool fail(Promotion& P, const char* what, CUresult r) {
+  P.failed = what;
+  P.result = r;
+  return false;
+}
+
+// Undoes whatever of P was done, the lane mapped at its old base again.
+void undo(Lane& L, const LaneDriver& d, Promotion& P) {
+  for (std::size_t k = 0; k < P.old_mapped; ++k) d.unmap(L.base + P.idx[k] * P.gran, P.gran);
+  if (P.old_unmapped && (d.map(L.base, L.reserved, 0, L.handle, 0) != CUDA_SUCCESS ||
+                         grant_access(d, L.base, L.reserved, P.dev) != CUDA_SUCCESS))
+    post_note(
+        "shared lane: a failed promotion could not be undone; the program's lane "
+        "allocations are unmapped");
+  if (P.new_mapped) d.unmap(P.new_base, L.reserved);
+  if (P.new_base != 0) d.addr_free(P.new_base, L.reserved);
+  for (CUmemGenericAllocationHandle h : P.handles) d.release(h);
+}
+
+// The driver's part of a promotion; false (nothing undone yet) on a failure.
+bool promote_driver(Lane& L, const LaneDriver& d, Promotion& P) {
+  if (CUresult r = d.ctx_synchronize(); r != CUDA_SUCCESS) return fail(P, "cuCtxSynchronize", r);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = P.dev;
+  for (std::size_t k = 0; k < P.idx.size(); ++k) {
+    CUmemGenericAllocationHandle h = 0;
+    if (CUresult r = d.create(&h, P.gran, &prop, 0); r != CUDA_SUCCESS)
+      return fail(P, "cuMemCreate", r);
+    P.handles.push_back(h);
+  }
+  // The lane handle at a fresh reservation too, where the lane lives on.
+  if (CUresult r = d.reserve(&P.new_base, L.reserved, 0, 0, 0); r != CUDA_SUCCESS)
+    return fail(P, "cuMemAddressReserve", r);
+  if (CUresult r = d.map(P.new_base, L.reserved, 0, L.handle, 0); r != CUDA_SUCCESS)
+    return fail(P, "cuMemMap", r);
+  P.new_mapped = true;
+  if (CUresult r = grant_access(d, P.new_base, L.reserved, P.dev); r != CUDA_SUCCESS)
+    return fail(P, "cuMemSetAccess", r);
+  // The old base gives the lane up (a mapping is unmapped whole), and takes
+  // the program's granules, filled from the lane's new address.
+  if (CUresult r = d.unmap(L.base, L.reserved); r != CUDA_SUCCESS) return fail(P, "cuMemUnmap", r);
+  P.old_unmapped = true;
+  for (std::size_t k = 0; k < P.idx.size(); ++k) {
+    const CUdeviceptr at = L.base + P.idx[k] * P.gran;
+    if (CUresult r = d.map(at, P.gran, 0, P.handles[k], 0); r != CUDA_SUCCESS)
+      return fail(P, "cuMemMap", r);
+    ++P.old_mapped;
+    if (CUresult r = grant_access(d, at, P.gran, P.dev); r != CUDA_SUCCESS)
+      return fail(P, "cuMemSetAccess", r);
+    if (CUresult r = d.copy(at, P.new_base + P.idx[k] * P.gran, P.gran); r != CUDA_SUCCESS)
+      return fail(P, "cuMemcpyDtoD", r);
+  }
+  // Device-to-device copies may return before they are done.
+  if (CUresult r = d.ctx_synchronize(); r != CUDA_SUCCESS) return fail(P, "cuCtxSynchronize", r);
+  return true;
+}
+
+// The old base becomes a region of promoted granules; the lane lives on at
+// the new base, with the salus_lane_alloc blocks gone and no cuMemAlloc ones.
+void commit(Lane& L, Promotion& P) {
+  Region& r = outlived().regions[L.base];
+  r.size = L.reserved;
+  r.gran = P.gran;
+  for (std::size_t k = 0; k < P.idx.size(); ++k) r.granules[P.idx[k]] = Granule{P.handles[k], 0};
+  for (std::size_t i = 0; i < L.nblocks; ++i) {
+    const Block& b = L.blocks[i];
+    outlived().owned[L.base + b.off] = Owned{L.base, b.len};
+    for (std::size_t g = b.off / P.gran; g <= (b.off + b.len - 1) / P.gran; ++g)
+      ++r.granules[g].live;
+  }
+  L.base = P.new_base;
+  L.nblocks = 0;
+}
+
+// Notes a failed promotion once until one succeeds. Returns false.
+bool promotion_failed(Lane& L, const char* line) {
+  if (!L.promote_failed) post_note(line);
+  L.promote_failed = true;
+  return false;
+}
+
+// At the boundary, with only cuMemAlloc blocks left in L.blocks (at least
+// one): promotes them. False: they stay in the lane (a note says why).
+bool promote_locked(Lane& L) {
+  const LaneDriver& d = lane_driver();
+  CtxScope scope(L.ctx);
+  Promotion P;
+  if (d.ctx_get_device(&P.dev) != CUDA_SUCCESS) P.dev = 0;
+  P.gran = granularity_of(d, P.dev);
+  for (std::size_t i = 0; i < L.nblocks; ++i)
+    for (std::size_t g = L.blocks[i].off / P.gran;
+         g <= (L.blocks[i].off + L.blocks[i].len - 1) / P.gran; ++g)
+      P.idx.push_back(g);
+  P.idx.erase(std::unique(P.idx.begin(), P.idx.end()), P.idx.end());  // blocks are sorted
+  const std::uint64_t bytes = std::uint64_t{P.idx.size()} * P.gran;
+  char line[320];
+  if (!d.promote_ok) {
+    std::snprintf(line, sizeof line,
+                  "shared lane: cannot promote %zu live cuMemAlloc allocation(s): the driver lacks "
+                  "cuMemCreate, cuMemGetAllocationGranularity or cuMemcpyDtoD; they stay in the "
+                  "lane memory, which the program keeps",
+                  L.nblocks);
+    return promotion_failed(L, line);
+  }
+  if (!charge(bytes, nullptr)) {
+    std::snprintf(line, sizeof line,
+                  "shared lane: cannot promote %zu live cuMemAlloc allocation(s) at the boundary "
+                  "(%" PRIu64 " bytes of granules): budget %" PRIu64 ", charged %" PRIu64
+                  "; they stay in the lane memory, which the program keeps (salusd gives the "
+                  "lane fresh memory)",
+                  L.nblocks, bytes, __atomic_load_n(&gate()->budget_bytes, __ATOMIC_ACQUIRE),
+                  charged_now());
+    return promotion_failed(L, line);
+  }
+  if (!promote_driver(L, d, P)) {
+    undo(L, d, P);
+    refund(bytes);
+    std::snprintf(line, sizeof line,
+                  "shared lane: promoting %" PRIu64
+                  " bytes failed at %s (CUresult %d); the "
+                  "allocations stay in the lane memory, which the program keeps",
+                  bytes, P.failed, static_cast<int>(P.result));
+    return promotion_failed(L, line);
+  }
+  commit(L, P);
+  L.promote_failed = false;
+  return true;
+}
+
+// Ends the salus_lane_alloc blocks, keeping the cuMemAlloc ones. Returns how
+// many ended.
+std::size_t drop_explicit_locked(Lane& L) {
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < L.nblocks; ++i)
+    if (L.blocks[i].hooked) L.blocks[kept++] = L.blocks[i];
+  const std::size_t ended = L.nblocks - kept;
+  L.nblocks = kept;
+  return ended;
+}
+
+// Frees a block that outlived the lane (caller holds L.mu).
+CUresult free_owned_locked(Lane& L, std::map<CUdeviceptr, Owned>::iterator it) {
+  const LaneDriver& d = lane_driver();
+  const CUdeviceptr p = it->first, base = it->second.region;
+  const std::size_t len = it->second.len;
+  auto rit = outlived().regions.find(base);
+  outlived().owned.erase(it);
+  if (rit == outlived().regions.end()) return CUDA_SUCCESS;
+  Region& r = rit->second;
+  CtxScope scope(L.ctx);
+  bool synced = false;
+  auto sync = [&] {
+    // cuMemFree synchronizes before it frees; cuMemUnmap does not.
+    if (!synced) d.ctx_synchronize();
+    synced = true;
+  };
+  if (r.kept) {
+    if (--r.kept_live > 0) return CUDA_SUCCESS;
+    sync();
+    d.unmap(base, r.size);
+  } else {
+    for (std::size_t g = (p - base) / r.gran; g <= (p - base + len - 1) / r.gran; ++g) {
+      auto git = r.granules.find(g);
+      if (git == r.granules.end() || --git->second.live > 0) continue;
+      sync();
+      d.unmap(base + g * r.gran, r.gran);
+      d.release(git->second.handle);
+      refund(r.gran);
+      r.granules.erase(git);
+    }
+    if (!r.granules.empty()) return CUDA_SUCCESS;
+  }
+  d.addr_free(base, r.size);
+  outlived().regions.erase(rit);
+  return CUDA_SUCCESS;
 }
 
 }  // namespace
@@ -273,10 +614,19 @@ void serve_lane(salus_gate* g, bool granted) {
   std::lock_guard lk(L.mu);
   const std::uint32_t grant = __atomic_load_n(&g->lane_grant, __ATOMIC_ACQUIRE);
   if (L.mapped_gen != 0 && grant != L.mapped_gen) {
-    // salusd gives the lane to another session: the yield report.
-    unmap_locked(L);
-    __atomic_store_n(&g->lane_held, 0u, __ATOMIC_RELEASE);
-    ring_bell();
+    // salusd gives the lane to another session: the yield report. cuMemAlloc
+    // blocks made since the boundary (by another thread) are promoted first;
+    // while any that could not be live in it, it is not given back: their
+    // bytes stay mapped until salusd abandons the memory to the program (2 s).
+    if (has_hooked_locked(L)) {
+      drop_explicit_locked(L);
+      promote_locked(L);
+    }
+    if (!has_hooked_locked(L)) {
+      unmap_locked(L);
+      __atomic_store_n(&g->lane_held, 0u, __ATOMIC_RELEASE);
+      ring_bell();
+    }
   }
   if (granted && grant != 0) map_locked(L, g, grant);
 }
@@ -285,15 +635,49 @@ std::size_t lane_boundary() {
   Lane& L = g_lane;
   if (!L.on.load(std::memory_order_acquire)) return 0;
   std::lock_guard lk(L.mu);
-  const std::size_t live = L.nblocks;
-  L.nblocks = 0;  // every lane allocation ends at the boundary
-  return live;
+  // Every salus_lane_alloc block ends at the boundary; cuMemAlloc blocks are
+  // promoted (or, if that fails, stay, and so does the mapping).
+  const std::size_t ended = drop_explicit_locked(L);
+  if (L.nblocks > 0 && L.mapped_gen != 0) promote_locked(L);
+  return ended;
+}
+
+bool lane_try_alloc(CUdeviceptr* p, std::size_t n) {
+  Lane& L = g_lane;
+  if (mode() != Mode::kAlloc || !L.on.load(std::memory_order_acquire)) return false;
+  std::lock_guard lk(L.mu);
+  salus_gate* g = gate();
+  const std::uint32_t grant = __atomic_load_n(&g->lane_grant, __ATOMIC_ACQUIRE);
+  if (grant == 0 || (L.mapped_gen != grant && !map_locked(L, g, grant))) return false;
+  if (alloc_locked(L, n, p, true) != 0) return false;  // full: the charged path
+  L.ever_hooked.store(true, std::memory_order_release);
+  return true;
+}
+
+bool lane_try_free(CUdeviceptr p, CUresult* r) {
+  Lane& L = g_lane;
+  if (!L.ever_hooked.load(std::memory_order_acquire)) return false;
+  std::lock_guard lk(L.mu);
+  if (L.mapped_gen != 0 && p >= L.base && p < L.base + L.reserved) {
+    for (std::size_t i = 0; i < L.nblocks; ++i) {
+      if (L.base + L.blocks[i].off != p || !L.blocks[i].hooked) continue;
+      std::copy(L.blocks + i + 1, L.blocks + L.nblocks, L.blocks + i);
+      --L.nblocks;
+      *r = CUDA_SUCCESS;
+      return true;
+    }
+    return false;
+  }
+  auto it = outlived().owned.find(p);
+  if (it == outlived().owned.end()) return false;
+  *r = free_owned_locked(L, it);
+  return true;
 }
 
 void lane_detach(salus_gate* g) {
   Lane& L = g_lane;
   std::lock_guard lk(L.mu);
-  unmap_locked(L);
+  let_go_locked(L);
   drop_handle_locked(L);
   if (g != nullptr) __atomic_store_n(&g->lane_held, 0u, __ATOMIC_RELEASE);
   if (L.mem_fd >= 0) ::close(L.mem_fd);
@@ -328,7 +712,7 @@ extern "C" SALUS_EXPORT int salus_lane_alloc(unsigned long long* p, size_t n) {
   if (grant == 0 || (L.mapped_gen != grant && !salus::shim::map_locked(L, g, grant)))
     return -ENOTCONN;
   CUdeviceptr d = 0;
-  const int r = salus::shim::alloc_locked(L, n, &d);
+  const int r = salus::shim::alloc_locked(L, n, &d, false);
   if (r == 0) *p = d;
   return r;
 }

@@ -114,6 +114,10 @@ void ring_bell();                         // the current gate's doorbell, if att
 
 std::uint64_t charged_now();  // process-wide bytes charged (for a new gate)
 void publish();               // mirrors charged, peak and the swap figures into the gate
+// Charges n bytes to the budget; false (nothing charged) if that would pass it.
+// With `what` a refusal also posts the out-of-memory note; null: the caller does.
+bool charge(std::uint64_t n, const char* what);
+void refund(std::uint64_t n);
 
 // ---- swap.cpp: movable memory (SALUS_SWAP=1) ----
 
@@ -140,7 +144,7 @@ void serve_swap(salus_gate* g, bool running);
 // (device memory not free yet; the result and a note are in the gate).
 bool ensure_resident(salus_gate* g);
 
-// ---- lane.cpp: the shared lane (SALUS_SHARED_LANE=1) ----
+// ---- lane.cpp: the shared lane (SALUS_SHARED_LANE=1 or alloc) ----
 
 // At attach: a fresh socket pair; returns salusd's end (named in lane=), or
 // -1 when the program did not opt in. lane_attach_done closes that end once
@@ -151,9 +155,17 @@ void lane_attach_done(bool ok);
 // back when salusd asked (synchronize, unmap, lane_held = 0, ring) and maps it
 // when `granted` and salusd grants it.
 void serve_lane(salus_gate* g, bool granted);
-// At every boundary: the iteration's lane allocations end. Returns how many
-// were still live.
+// At every boundary: the iteration's salus_lane_alloc allocations end (returns
+// how many were still live); with SALUS_SHARED_LANE=alloc, cuMemAlloc blocks
+// still live are promoted to memory of the program's own at the same address.
 std::size_t lane_boundary();
+// SALUS_SHARED_LANE=alloc: serves cuMemAlloc_v2 from the lane while the program
+// holds it and it has room (true, *p set, nothing charged); false: the caller
+// takes the normal path.
+bool lane_try_alloc(CUdeviceptr* p, std::size_t n);
+// If p is a block lane_try_alloc gave (still in the lane, promoted, or kept),
+// frees it and returns true with the answer in *r; false: not the lane's.
+bool lane_try_free(CUdeviceptr p, CUresult* r);
 // salusd let go: unmap and drop everything of the lane.
 void lane_detach(salus_gate* g);
 void lane_forget_in_child();

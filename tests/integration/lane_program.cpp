@@ -1,21 +1,32 @@
 // A CUDA program for the shared-lane tests: with libsalus-shim.so preloaded,
-// SALUS_SHARED_LANE=1 and the mock driver it is an attached session that
-// takes its ephemeral memory from the lane (salus_lane_alloc). For each of
-// ITERS iterations it allocates MIB MiB from the lane, prints what the first
-// byte held ("first K 0xNN": what the previous holder left, or zero when
-// cleared), writes its own pattern, waits 20 ms (the other program would
-// scribble over it now if the lane were not its alone), checks every byte,
-// prints "verified K" and comes to its boundary (salus_step). With HOLD_FILE
-// it stops in iteration 1 after writing, prints "holding" and waits until the
-// file exists (a test kills it there). Exit 0: every check passed; 1: a
-// mismatch; 2: set-up failed; 3: no lane memory.
+// SALUS_SHARED_LANE=1 (or alloc) and the mock driver it is an attached session
+// that takes its ephemeral memory from the lane. For each of ITERS iterations
+// it allocates MIB MiB (salus_lane_alloc, or with --malloc cuMemAlloc, which
+// SALUS_SHARED_LANE=alloc serves from the lane), prints what the first byte
+// held ("first K 0xNN": what the previous holder left, or zero when cleared),
+// writes its own pattern, waits 20 ms (the other program would scribble over
+// it now if the lane were not its alone), checks every byte, prints "verified
+// K", frees it and comes to its boundary (salus_step). With HOLD_FILE it stops
+// in iteration 1 after writing, prints "holding" and waits until the file
+// exists (a test kills it there).
 //
-// usage: lane_program SEED MIB ITERS [HOLD_FILE]
+// --keep KMIB: in iteration 1, before the ephemeral block, it also allocates
+// KMIB MiB with cuMemAlloc ("kept at ADDR in lane" when that was not charged,
+// else "... charged") and keeps it to the end: in every iteration it
+// checks that block's every byte (the previous iteration's pattern, across the
+// boundary and whoever held the lane meanwhile) and writes a new pattern; at
+// each boundary it prints "free K B" (cuMemGetInfo's free, i.e. the budget
+// left: what promotion charged). At the end it frees the block and prints
+// "free end B". Exit 0: every check passed; 1: a mismatch; 2: set-up failed;
+// 3: no lane memory.
+//
+// usage: lane_program [--malloc] [--keep KMIB] SEED MIB ITERS [HOLD_FILE]
 #include <cuda.h>
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 typedef CUresult (*gpa_t)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
@@ -30,7 +41,64 @@ static void get(const char* name, F& out) {
   out = reinterpret_cast<F>(p);
 }
 
+static uint32_t word(uint32_t seed, int k, size_t i) {
+  return (seed * 2654435761u) ^ (static_cast<uint32_t>(k) << 24) ^ static_cast<uint32_t>(i);
+}
+
+struct Cuda {
+  CUresult (*htod)(CUdeviceptr, const void*, size_t);
+  CUresult (*dtoh)(void*, CUdeviceptr, size_t);
+  CUresult (*alloc)(CUdeviceptr*, size_t);
+  CUresult (*free)(CUdeviceptr);
+  CUresult (*info)(size_t*, size_t*);
+};
+static Cuda cu;
+
+// Checks that d holds pattern (seed, k) over n bytes. 0, or 1 after a message.
+static int check(CUdeviceptr d, size_t n, uint32_t seed, int k, const char* what, int iter) {
+  auto* got = static_cast<uint32_t*>(malloc(n));
+  if (got == nullptr || cu.dtoh(got, d, n)) exit(2);
+  for (size_t i = 0; i < n / 4; ++i)
+    if (got[i] != word(seed, k, i)) {
+      printf("mismatch in %s at iteration %d, word %zu: %#x, expected %#x\n", what, iter, i, got[i],
+             word(seed, k, i));
+      free(got);
+      return 1;
+    }
+  free(got);
+  return 0;
+}
+
+static void fill(CUdeviceptr d, size_t n, uint32_t seed, int k) {
+  auto* want = static_cast<uint32_t*>(malloc(n));
+  if (want == nullptr) exit(2);
+  for (size_t i = 0; i < n / 4; ++i) want[i] = word(seed, k, i);
+  if (cu.htod(d, want, n)) exit(2);
+  free(want);
+}
+
+static size_t budget_left() {
+  size_t free = 0, total = 0;
+  if (cu.info(&free, &total)) exit(2);
+  return free;
+}
+
 int main(int argc, char** argv) {
+  bool use_malloc = false;
+  size_t keep = 0;
+  int a = 1;
+  for (; a < argc && argv[a][0] == '-'; ++a) {
+    if (strcmp(argv[a], "--malloc") == 0) {
+      use_malloc = true;
+    } else if (strcmp(argv[a], "--keep") == 0 && a + 1 < argc) {
+      keep = static_cast<size_t>(atoi(argv[++a])) << 20;
+
+    } else {
+      return 2;
+    }
+  }
+  argc -= a - 1;
+  argv += a - 1;
   if (argc != 4 && argc != 5) return 2;
   const uint32_t seed = static_cast<uint32_t>(atoi(argv[1]));
   const size_t bytes = static_cast<size_t>(atoi(argv[2])) << 20;
@@ -47,46 +115,58 @@ int main(int argc, char** argv) {
   CUresult (*init)(unsigned);
   CUresult (*retain)(CUcontext*, CUdevice);
   CUresult (*set)(CUcontext);
-  CUresult (*htod)(CUdeviceptr, const void*, size_t);
-  CUresult (*dtoh)(void*, CUdeviceptr, size_t);
   get("cuInit", init);
   get("cuDevicePrimaryCtxRetain", retain);
   get("cuCtxSetCurrent", set);
-  get("cuMemcpyHtoD", htod);
-  get("cuMemcpyDtoH", dtoh);
+  get("cuMemcpyHtoD", cu.htod);
+  get("cuMemcpyDtoH", cu.dtoh);
+  get("cuMemAlloc", cu.alloc);  // the shim's hooks, through its cuGetProcAddress
+  get("cuMemFree", cu.free);
+  get("cuMemGetInfo", cu.info);
   CUcontext ctx;
   if (init(0) || retain(&ctx, 0) || set(ctx)) return 2;
-  auto* want = static_cast<uint32_t*>(malloc(bytes));
-  auto* got = static_cast<uint32_t*>(malloc(bytes));
+  const uint32_t kseed = seed + 100;
+  CUdeviceptr kept = 0;
+  if (keep > 0) {
+    const size_t before = budget_left();
+    if (cu.alloc(&kept, keep)) return 2;
+    fill(kept, keep, kseed, 0);
+    // Not charged: the shim served it from the lane.
+    printf("kept at %#llx %s\n", static_cast<unsigned long long>(kept),
+           budget_left() == before ? "in lane" : "charged");
+  }
   for (int k = 1; k <= iters; ++k) {
+    if (keep > 0) {
+      if (check(kept, keep, kseed, k - 1, "the kept block", k)) return 1;
+      fill(kept, keep, kseed, k);
+    }
     unsigned long long d = 0;
-    const int r = lane_alloc(&d, bytes);
+    const int r = use_malloc ? (cu.alloc(&d, bytes) ? -12 : 0) : lane_alloc(&d, bytes);
     if (r != 0) {
       printf("no lane memory: %d\n", r);
       return 3;
     }
     unsigned char first = 0;
-    if (dtoh(&first, d, 1)) return 2;
+    if (cu.dtoh(&first, d, 1)) return 2;
     printf("first %d %#x\n", k, first);
-    for (size_t i = 0; i < bytes / 4; ++i)
-      want[i] = (seed * 2654435761u) ^ (static_cast<uint32_t>(k) << 24) ^ static_cast<uint32_t>(i);
-    if (htod(d, want, bytes)) return 2;
+    fill(d, bytes, seed, k);
     if (argc == 5 && k == 1) {
       printf("holding\n");
       fflush(stdout);
       while (access(argv[4], F_OK) != 0) usleep(1000);
     }
     usleep(20000);
-    if (dtoh(got, d, bytes)) return 2;
-    for (size_t i = 0; i < bytes / 4; ++i)
-      if (got[i] != want[i]) {
-        printf("mismatch at iteration %d, word %zu: %#x, expected %#x\n", k, i, got[i], want[i]);
-        return 1;
-      }
+    if (check(d, bytes, seed, k, "the iteration's block", k)) return 1;
     printf("verified %d\n", k);
     fflush(stdout);
-    if (lane_free(d) != 0) return 2;
+    if (use_malloc ? cu.free(d) != CUDA_SUCCESS : lane_free(d) != 0) return 2;
     step();
+    if (keep > 0) printf("free %d %zu\n", k, budget_left());
+  }
+  if (keep > 0) {
+    if (check(kept, keep, kseed, iters, "the kept block", iters + 1)) return 1;
+    if (cu.free(kept)) return 2;
+    printf("free end %zu\n", budget_left());
   }
   return 0;
 }

@@ -165,6 +165,54 @@ with salus.iteration():
 
 
 @needs_torch
+@pytest.mark.parametrize("lane", ["alloc", "1"])
+def test_alloc_lane_empties_the_torch_cache_before_each_boundary(lane):
+    """SALUS_SHARED_LANE=alloc: synchronize and empty_cache before each mark,
+    once CUDA is initialised; nothing on a CPU torch, nothing with =1."""
+    out = check(run_py(PRELUDE + """
+import torch
+calls = []
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def train_step():
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+train_step()  # CUDA not initialised (CPU torch): nothing to release
+print("cpu", len(marks), calls)
+torch.cuda.is_initialized = lambda: True
+torch.cuda.synchronize = lambda: calls.append(("synchronize", len(marks)))
+torch.cuda.empty_cache = lambda: calls.append(("empty_cache", len(marks)))
+train_step()
+print("cuda", len(marks), calls)
+""", env_extra={"SALUS_SHARED_LANE": lane}))
+    assert "cpu 1 []" in out, out
+    if lane == "alloc":  # both before the second mark, in that order
+        assert "cuda 2 [('synchronize', 1), ('empty_cache', 1)]" in out, out
+    else:
+        assert "cuda 2 []" in out, out
+
+
+@pytest.mark.parametrize("lane", ["alloc", None])
+def test_salus_step_empties_the_torch_cache_with_the_alloc_lane(lane):
+    r = run_py("""
+import sys, types, salus
+calls = []
+cuda = types.SimpleNamespace(is_initialized=lambda: True,
+                             synchronize=lambda: calls.append("synchronize"),
+                             empty_cache=lambda: calls.append("empty_cache"))
+sys.modules["torch"] = types.SimpleNamespace(cuda=cuda)
+salus._shim = (lambda: calls.append("salus_step") or 0, lambda: 1, lambda: 0)
+salus.step()
+print(calls)
+""", env_extra={"SALUS_SHARED_LANE": lane} if lane else None,
+               path=(os.path.join(ROOT, "client"),))
+    out = check(r)
+    want = ["synchronize", "empty_cache", "salus_step"] if lane else ["salus_step"]
+    assert out.strip() == str(want), out
+
+
+@needs_torch
 def test_oom_report_reaches_the_fd():
     rfd, wfd = os.pipe()
     try:

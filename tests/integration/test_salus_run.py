@@ -134,6 +134,9 @@ def test_environment_and_exit_status(salusd):
     r = salus_run(salusd, "--shared-lane", "--persistent", "1M", "--ephemeral", "1M", "--",
                   "sh", "-c", 'echo "L=$SALUS_SHARED_LANE"')
     assert r.returncode == 0 and "L=1\n" in r.stdout, r
+    r = salus_run(salusd, "--shared-lane=alloc", "--persistent", "1M", "--ephemeral", "1M", "--",
+                  "sh", "-c", 'echo "L=$SALUS_SHARED_LANE"')
+    assert r.returncode == 0 and "L=alloc\n" in r.stdout, r
     r = salus_run(salusd, "--persistent", "1M", "--ephemeral", "1M", "--", "/nonexistent/prog")
     assert r.returncode == 127 and "/nonexistent/prog" in r.stderr
 

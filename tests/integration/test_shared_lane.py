@@ -1,8 +1,10 @@
 """Shared lanes of attached programs (issue 15), end to end: a real salusd
 (sim backend: the lane memory is a memfd the mock libcuda imports as a VMM
 handle), two lane_program processes (CUDA programs) with libsalus-shim.so
-preloaded, SALUS_SHARED_LANE=1 and the mock libcuda. Both take their ephemeral
-memory from the one lane in turn; each checks its own bytes while it holds it.
+preloaded, SALUS_SHARED_LANE=1 (salus_lane_alloc) or alloc (cuMemAlloc served
+from the lane, blocks that outlive an iteration promoted) and the mock libcuda.
+Both take their ephemeral memory from the one lane in turn; each checks its own
+bytes while it holds it.
 
 Needs the shim, the mock and lane_program (meson sets SALUS_TEST_SHIM,
 SALUS_TEST_CUDA_MOCK_DIR and SALUS_TEST_LANE_PROGRAM); skips without them.
@@ -10,6 +12,8 @@ SALUS_TEST_CUDA_MOCK_DIR and SALUS_TEST_LANE_PROGRAM); skips without them.
 import os
 import signal
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -24,7 +28,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs libsalus-shim.so, the mock libcuda and lane_program (built where cuda.h is)")
 
 
-def start(salusd, s, seed, mib, iters, hold=None, lane="1"):
+def start(salusd, s, seed, mib, iters, hold=None, lane="1", extra=(), env_extra=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SALUS_")}
     env.update({
         "LD_PRELOAD": SHIM,
@@ -34,8 +38,9 @@ def start(salusd, s, seed, mib, iters, hold=None, lane="1"):
         "SALUS_SHARED_LANE": lane,
         "SALUS_MOUNT": salusd.mnt,
         "SALUS_SESSION": os.path.dirname(s.file("ctl")),
+        **(env_extra or {}),
     })
-    args = [PROGRAM, str(seed), str(mib), str(iters)] + ([str(hold)] if hold else [])
+    args = [PROGRAM, *extra, str(seed), str(mib), str(iters)] + ([str(hold)] if hold else [])
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -46,6 +51,9 @@ def session(salusd, mib):
     return s
 
 
+MALLOC = {"lane": "alloc", "extra": ["--malloc"]}  # SALUS_SHARED_LANE=alloc, cuMemAlloc
+
+
 def finish(p, timeout=20):
     try:
         out, err = p.communicate(timeout=timeout)
@@ -53,6 +61,32 @@ def finish(p, timeout=20):
         p.kill()
         out, err = p.communicate()
     return p.returncode, out, err
+
+
+class LogWatcher:
+    """A session's log, read every 20 ms while its program runs: the session,
+    and its log, end with the program. `text` is the last read (the log only
+    grows), taken after the program exited."""
+
+    def __init__(self, s, p):
+        self.text = ""
+        self.thread = threading.Thread(target=self._run, args=(s, p), daemon=True)
+        self.thread.start()
+
+    def _run(self, s, p):
+        while True:
+            done = p.poll() is not None
+            try:
+                self.text = s.read("log")
+            except OSError:
+                pass
+            if done:
+                return
+            time.sleep(0.02)
+
+    def wait(self):
+        self.thread.join(timeout=10)
+        return self.text
 
 
 def test_two_programs_alternate_in_one_lane(salusd):
@@ -111,15 +145,17 @@ def fd_count(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_sigkill_of_the_holder_mid_iteration_hands_the_lane_on(salusd, tmp_path):
+@pytest.mark.parametrize("how", ["salus_lane_alloc", "cuMemAlloc"])
+def test_sigkill_of_the_holder_mid_iteration_hands_the_lane_on(salusd, tmp_path, how):
     a, b = session(salusd, 16), session(salusd, 16)
     fds = fd_count(salusd.proc.pid)
-    pa = start(salusd, a, 1, 16, 3, hold=tmp_path / "never")
+    opts = MALLOC if how == "cuMemAlloc" else {}
+    pa = start(salusd, a, 1, 16, 3, hold=tmp_path / "never", **opts)
     pb = None
     try:
         assert pa.stdout.readline().startswith("first 1")
         assert pa.stdout.readline().strip() == "holding"
-        pb = start(salusd, b, 2, 16, 2)
+        pb = start(salusd, b, 2, 16, 2, **opts)
         assert wait_until(lambda: b.status().get("gate") == "attached")
         assert b.status()["shared_lane"] == "free"
         pa.send_signal(signal.SIGKILL)
@@ -131,6 +167,124 @@ def test_sigkill_of_the_holder_mid_iteration_hands_the_lane_on(salusd, tmp_path)
         # fds (gate, bell, pidfd, lane socket) and gave the lane memory back.
         assert wait_until(lambda: fd_count(salusd.proc.pid) <= fds, timeout=3), \
             (fd_count(salusd.proc.pid), fds)
+    finally:
+        for p in (pa, pb):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        a.close()
+        b.close()
+
+
+def test_cuda_malloc_freed_within_iterations_takes_the_lane_uncharged(salusd):
+    """SALUS_SHARED_LANE=alloc: cuMemAlloc of 16M inside each iteration, freed
+    before the boundary, comes from the one lane memory the two programs hold in
+    turn. Charged, it would be refused: the budget is the 8M persistent need."""
+    a, b = session(salusd, 16), session(salusd, 16)
+    pa = start(salusd, a, 1, 16, 6, **MALLOC)
+    pb = start(salusd, b, 2, 16, 6, **MALLOC)
+    wa, wb = LogWatcher(a, pa), LogWatcher(b, pb)
+    try:
+        ra, oa, ea = finish(pa)
+        rb, ob, eb = finish(pb)
+        la, lb = wa.wait(), wb.wait()
+        assert ra == 0, (oa, ea, la)
+        assert rb == 0, (ob, eb, lb)
+        for out in (oa, ob):
+            for k in range(1, 7):
+                assert f"verified {k}" in out
+        assert "0x62" in oa and "0xb1" in ob, (oa, ob)  # one memory, as with salus_lane_alloc
+        assert la and "promote" not in la + lb, (la, lb)  # the logs were read
+    finally:
+        for p in (pa, pb):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        a.close()
+        b.close()
+
+
+def frees(out):
+    """The budget left that lane_program --keep printed after each boundary."""
+    return [int(line.split()[2]) for line in out.splitlines()
+            if line.startswith("free ") and line.split()[1] != "end"]
+
+
+def start_keeping(salusd, a, b, tmp_path, keep, mib, iters, env_extra=None):
+    """a keeps a `keep` MiB block from iteration 1; b starts and waits for the
+    lane while a still holds it in iteration 1. Returns both processes and a
+    LogWatcher of a."""
+    hold = tmp_path / "go"
+    pa = start(salusd, a, 1, mib, iters, hold=hold, lane="alloc",
+               extra=["--malloc", "--keep", str(keep)], env_extra=env_extra)
+    watcher = LogWatcher(a, pa)
+    kept = pa.stdout.readline()
+    assert kept.startswith("kept at ") and kept.strip().endswith("in lane"), kept
+    assert pa.stdout.readline().startswith("first 1")
+    assert pa.stdout.readline().strip() == "holding"
+    pb = start(salusd, b, 2, mib, iters, **MALLOC)
+    assert wait_until(lambda: b.status().get("gate") == "attached")
+    hold.write_text("")
+    return pa, pb, watcher
+
+
+def test_a_block_kept_across_boundaries_is_promoted_at_its_address(salusd, tmp_path):
+    """A 4M cuMemAlloc block made in iteration 1 from the lane and kept for 20
+    iterations, while another program takes the lane in between: promoted at the
+    first boundary to memory of its own at the same address (charged: the 8M
+    budget has 4M left), every byte checked in every iteration; freeing it
+    gives the charge back. Without promotion the other program's pattern would
+    overwrite it."""
+    a, b = session(salusd, 24), session(salusd, 24)
+    pa = pb = None
+    try:
+        pa, pb, watcher = start_keeping(salusd, a, b, tmp_path, 4, 16, 20)
+        ra, oa, ea = finish(pa, timeout=60)
+        rb, ob, eb = finish(pb, timeout=60)
+        log = watcher.wait()
+        assert ra == 0, (oa, ea, log)
+        assert rb == 0, (ob, eb)
+        assert "verified 20" in oa and "verified 20" in ob
+        assert frees(oa) == [4 << 20] * 20, oa  # 4M promoted and charged, once
+        assert f"free end {8 << 20}" in oa, oa  # and given back by cuMemFree
+        assert "0x62" in oa and "0xb1" in ob, (oa, ob)  # the lane went back and forth
+        assert "abandoned" not in log and "cannot promote" not in log, log
+    finally:
+        for p in (pa, pb):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("why", ["budget", "driver"])
+def test_a_failed_promotion_keeps_the_bytes_and_says_so(salusd, tmp_path, why):
+    """budget: a 12M block kept across the boundary cannot be promoted within
+    an 8M budget; the log says so with the budget and the bytes. driver: a 4M
+    one fails at the copy (the mock's cuMemcpyDtoD, on request), and what was
+    done is undone. Either way the program keeps the lane memory mapped (it
+    never yields it), salusd abandons it to the program after 2 s and gives
+    the other program fresh memory; the block's bytes stay exact throughout
+    and nothing is charged."""
+    a, b = session(salusd, 24), session(salusd, 24)
+    pa = pb = None
+    keep, env = (12, None) if why == "budget" else (4, {"SALUS_MOCK_FAIL_DTOD": "1"})
+    try:
+        pa, pb, watcher = start_keeping(salusd, a, b, tmp_path, keep, 8, 6, env)
+        ra, oa, ea = finish(pa, timeout=60)
+        rb, ob, eb = finish(pb, timeout=60)
+        log = watcher.wait()
+        assert ra == 0, (oa, ea, log)
+        assert rb == 0, (ob, eb)
+        if why == "budget":
+            assert "cannot promote 1 live cuMemAlloc allocation(s)" in log, log
+            assert f"({12 << 20} bytes of granules): budget {8 << 20}, charged 0" in log, log
+        else:
+            assert f"promoting {4 << 20} bytes failed at cuMemcpyDtoD (CUresult 999)" in log, log
+        assert "the lane memory is abandoned to this program" in log, log
+        assert "stay in lane memory" in log, log  # the kept memory, after the abandonment
+        assert frees(oa) == [8 << 20] * 6 and f"free end {8 << 20}" in oa, oa
     finally:
         for p in (pa, pb):
             if p is not None and p.poll() is None:

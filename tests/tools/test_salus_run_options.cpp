@@ -54,6 +54,20 @@ TEST(SalusRunOptions, BadArgumentsSayWhy) {
   EXPECT_NE(parse({"--gpu", "-1", "--", "p"}, o3)->find("bad --gpu"), std::string::npos);
 }
 
+TEST(SalusRunOptions, SharedLaneAloneIsTheExplicitLaneAndAllocIsTheAllocatorHook) {
+  RunOptions off, plain, one, alloc, bad;
+  EXPECT_EQ(parse({"prog"}, off), std::nullopt);
+  EXPECT_EQ(off.shared_lane, "");
+  EXPECT_EQ(parse({"--shared-lane", "prog", "x"}, plain), std::nullopt);
+  EXPECT_EQ(plain.shared_lane, "1");
+  EXPECT_EQ(plain.command, (std::vector<std::string>{"prog", "x"}));  // not taken as a value
+  EXPECT_EQ(parse({"--shared-lane=1", "prog"}, one), std::nullopt);
+  EXPECT_EQ(one.shared_lane, "1");
+  EXPECT_EQ(parse({"--shared-lane=alloc", "--", "prog"}, alloc), std::nullopt);
+  EXPECT_EQ(alloc.shared_lane, "alloc");
+  EXPECT_NE(parse({"--shared-lane=yes", "prog"}, bad), std::nullopt);
+}
+
 TEST(SalusRunMeasure, PersistentIsWhatWasHeldAndTheRestIsEphemeralWithAMargin) {
   // 100 MiB peak, 60 MiB held throughout: 60M persistent, 40M + 100M/16 ephemeral.
   const auto [p, e] = salus::run::measured_need(100 * MiB, 60 * MiB);

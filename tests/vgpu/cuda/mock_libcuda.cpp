@@ -16,7 +16,7 @@
 // (cuGetProcAddress v1 and v2, cuMemGetInfo v1 and v2), a few exported symbols
 // for dlsym, stream-ordered allocation, VMM with real memory (memfd-backed
 // handles, reservations, mappings, access, POSIX-fd export and import), the
-// synchronous copies, managed memory, the other
+// synchronous copies (device-to-device too), managed memory, the other
 // launch calls, and the legacy NULL stream, which salusd must never use and
 // which is therefore emulated only with SALUS_MOCK_LEGACY_STREAM=1 in the
 // environment.
@@ -153,6 +153,19 @@ bool range_in(const std::map<std::uintptr_t, std::size_t>& m, std::uintptr_t p, 
   --it;
   return p >= it->first && p - it->first <= it->second && n <= it->second - (p - it->first);
 }
+// VMM mappings with access set that lie next to each other form one range, as
+// on a GPU (a reservation's address space is contiguous whatever backs it).
+bool accessible_range(std::uintptr_t p, std::size_t n) {
+  auto it = g.accessible.upper_bound(p);
+  if (it == g.accessible.begin()) return false;
+  --it;
+  if (p < it->first || p - it->first >= it->second) return n == 0 && p == it->first + it->second;
+  for (std::uintptr_t end = p + n;;) {
+    const std::uintptr_t upto = it->first + it->second;
+    if (end <= upto) return true;
+    if (++it == g.accessible.end() || it->first != upto) return false;
+  }
+}
 
 // Caller holds g.mu.
 void fault_locked(CUresult r) {
@@ -164,7 +177,7 @@ void fault_locked(CUresult r) {
 // For kernels: device memory they touch must be allocated, or the context faults.
 bool device_ok(std::uint64_t p, std::size_t n) {
   std::lock_guard lk(g.mu);
-  if (range_in(g.device, p, n) || range_in(g.accessible, p, n)) return true;
+  if (range_in(g.device, p, n) || accessible_range(p, n)) return true;
   fault_locked(CUDA_ERROR_ILLEGAL_ADDRESS);
   return false;
 }
@@ -543,7 +556,7 @@ CUresult m_cuMemFreeHost(void* p) {
 }
 
 void check_device_range(CUdeviceptr p, std::size_t n, const char* what) {
-  if (n != 0 && !range_in(g.device, p, n) && !range_in(g.accessible, p, n))
+  if (n != 0 && !range_in(g.device, p, n) && !accessible_range(p, n))
     misuse("%s of %zu bytes at %#llx is outside every allocation", what, n, p);
 }
 bool is_pinned(const void* p, std::size_t n) {
@@ -1138,6 +1151,20 @@ CUresult m_cuMemcpyHtoD(CUdeviceptr dst, const void* src, std::size_t n) {
   check_device_range(dst, n, "cuMemcpyHtoD");
   return sync_copy(lk, n, [&] { std::memcpy(reinterpret_cast<void*>(dst), src, n); });
 }
+// SALUS_MOCK_FAIL_DTOD=1 makes it fail (CUDA_ERROR_UNKNOWN): the shim's lane
+// promotion must undo what it did.
+CUresult m_cuMemcpyDtoD(CUdeviceptr dst, CUdeviceptr src, std::size_t n) {
+  ENTER();
+  static const bool fail = std::getenv("SALUS_MOCK_FAIL_DTOD") != nullptr;
+  if (fail) return CUDA_ERROR_UNKNOWN;
+  check_device_range(dst, n, "cuMemcpyDtoD (dst)");
+  check_device_range(src, n, "cuMemcpyDtoD (src)");
+  if (n != 0 && dst != src && (dst < src ? src - dst < n : dst - src < n))
+    misuse("overlapping cuMemcpyDtoD (dst %#llx, src %#llx, %zu bytes)", dst, src, n);
+  return sync_copy(lk, n, [&] {
+    std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+  });
+}
 CUresult m_cuMemcpyDtoH(void* dst, CUdeviceptr src, std::size_t n) {
   ENTER();
   check_device_range(src, n, "cuMemcpyDtoH");
@@ -1247,6 +1274,7 @@ const Entry kEntries[] = {
     V(cuMemImportFromShareableHandle, m_cuMemImportFromShareableHandle, 10020),
     V(cuMemcpyHtoD, m_cuMemcpyHtoD, 3020),
     V(cuMemcpyDtoH, m_cuMemcpyDtoH, 3020),
+    V(cuMemcpyDtoD, m_cuMemcpyDtoD, 3020),
     V(cuLaunchKernelEx, m_cuLaunchKernelEx, 11060),
     V(cuLaunchCooperativeKernel, m_cuLaunchCooperativeKernel, 9000),
     V(cuGraphLaunch, m_cuGraphLaunch, 10000),
