@@ -27,6 +27,12 @@
 #               --oversubscribe 2 (FAIR, movable memory: SALUS_SWAP=1), then both
 #               at once natively on unified memory with no gate (um_alloc.c;
 #               "scheduler off"): total completion times and their ratios
+#   lanes       issue 15, shared lanes with real jobs: SALUS_LANES_N GPT jobs (by
+#               default one more than fit with their own memory) at once under
+#               FAIR, first each with its own memory (need P + E), then with
+#               salus-run --shared-lane=alloc (need P, the lane's E once per GPU):
+#               the most sessions admitted at once, total time, steps/s, and each
+#               job's losses against the same job run alone
 #
 # On a GPU salusd runs the cuda backend with --cuda-memory-fraction
 # SALUS_EVAL_ARENA_FRACTION (0.5): attached jobs allocate beside the arena, so
@@ -45,7 +51,7 @@ if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
 out=$(realpath -m "${1:?usage: tools/pytorch-eval.sh [--dry-run] OUT [PART...]}")
 shift
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(compat throughput fair trace inference oversub)
+[ ${#parts[@]} -eq 0 ] && parts=(compat throughput fair trace inference oversub lanes)
 here=$(cd "$(dirname "$0")" && pwd)
 build=$(realpath "${SALUS_BUILD:-build}")
 salusd=$build/tools/salusd salus_run=$build/tools/salus-run salus_sim=$build/tools/salus-sim
@@ -333,10 +339,64 @@ for p in sys.argv[1:]:
     "$($py -c "print(round($seq_s / $um_s, 3))")x back to back"
 }
 
+# The most sessions in state admitted at once, sampled until FILE exists.
+max_admitted() {
+  local stop=$1 most=0 now
+  while [ ! -e "$stop" ]; do
+    now=$(grep -lx "state: admitted" "$work"/mnt/sessions/*/status 2>/dev/null | wc -l)
+    [ "$now" -gt "$most" ] && most=$now
+    sleep 0.1
+  done
+  echo "$most"
+}
+
+part_lanes() {
+  local d=$out/lanes; mkdir -p "$d"
+  local steps=$((tput_steps / 4 + 2)) mib=$((1 << 20))
+  local job=($wl train --model gpt "${dev[@]}" --steps $steps --warmup 0 --deterministic)
+  policy fifo
+  # One job alone: its peak with its own memory (P + E), then with the lane (what
+  # it keeps, P; the lane generous); E is the difference.
+  "${srun[@]}" -- "${job[@]}" --tag alone >"$d/alone-own.json"
+  local own_mib p_mib e_mib cap_mib n
+  own_mib=$(jget "$d/alone-own.json" "max(64, int(int(d['session'].get('memory_peak') or 0) * 1.1 / $mib) + 1)")
+  "${srun[@]}" --shared-lane=alloc --persistent "${own_mib}M" --ephemeral "${own_mib}M" \
+    -- "${job[@]}" --tag alone-lane >"$d/alone-lane.json"
+  p_mib=$(jget "$d/alone-lane.json" "max(16, int(int(d['session'].get('memory_peak') or 0) * 1.1 / $mib) + 1)")
+  e_mib=$((own_mib > p_mib ? own_mib - p_mib : 16))
+  cap_mib=$(($(sed -n 's/^admit_capacity: //p' "$work/mnt/gpus/0/memory") / mib))
+  n=${SALUS_LANES_N:-$((cap_mib / own_mib + 1))}
+  [ "$n" -gt 8 ] && [ -z "${SALUS_LANES_N:-}" ] && n=8
+  [ $dry = 1 ] && [ -z "${SALUS_LANES_N:-}" ] && n=2  # the sim card holds any number
+  echo "GPT job alone: ${own_mib} MiB with its own memory, ${p_mib} MiB kept with the lane" \
+    "(lane ${e_mib} MiB); ${n} jobs of ${steps} steps on ${cap_mib} MiB:" \
+    "own memory needs $((n * own_mib)) MiB, the shared lane $((n * p_mib + e_mib)) MiB"
+  policy fair
+  local how
+  for how in own lane; do
+    local args=(--persistent "${own_mib}M" --ephemeral 0)
+    [ $how = lane ] && args=(--shared-lane=alloc --persistent "${p_mib}M" --ephemeral "${e_mib}M")
+    rm -f "$work/stop"
+    max_admitted "$work/stop" >"$d/$how-admitted.txt" &
+    local sampler=$! t0 t1 i pids=()
+    t0=$(date +%s.%N)
+    for i in $(seq "$n"); do
+      "${srun[@]}" --gpu 0 "${args[@]}" -- "${job[@]}" --tag "$how$i" >"$d/$how-$i.json" &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    t1=$(date +%s.%N)
+    touch "$work/stop"
+    wait "$sampler"
+    $py "$here/pytorch_eval/lanes_report.py" "$d/alone-own.json" "$how" \
+      "$(cat "$d/$how-admitted.txt")" "$t0" "$t1" "$d/$how"-[0-9]*.json
+  done
+}
+
 default_backend=("${backend[@]}")
 for part in "${parts[@]}"; do
   case $part in
-    compat | throughput | fair | trace | inference) backend=("${default_backend[@]}"); ensure_salusd ;;
+    compat | throughput | fair | trace | inference | lanes) backend=("${default_backend[@]}"); ensure_salusd ;;
     oversub)
       # On the sim backend (dry run) the card is as small as the part pretends,
       # so that the two jobs are admitted only by oversubscription. On a GPU

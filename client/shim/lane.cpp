@@ -661,6 +661,12 @@ bool lane_try_free(CUdeviceptr p, CUresult* r) {
   if (L.mapped_gen != 0 && p >= L.base && p < L.base + L.reserved) {
     for (std::size_t i = 0; i < L.nblocks; ++i) {
       if (L.base + L.blocks[i].off != p || !L.blocks[i].hooked) continue;
+      // As the driver's cuMemFree: work still using the block ends first, so
+      // the next allocation that gets its room cannot race with it.
+      {
+        CtxScope scope(L.ctx);
+        lane_driver().ctx_synchronize();
+      }
       std::copy(L.blocks + i + 1, L.blocks + L.nblocks, L.blocks + i);
       --L.nblocks;
       *r = CUDA_SUCCESS;
