@@ -89,6 +89,17 @@ class LogWatcher:
         return self.text
 
 
+def stop_all(procs, sessions):
+    """Kills the programs still running (None: never started) and closes the
+    sessions: every test's cleanup, also when it failed."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+    for s in sessions:
+        s.close()
+
+
 def test_two_programs_alternate_in_one_lane(salusd):
     a, b = session(salusd, 16), session(salusd, 16)
     pa = start(salusd, a, 1, 16, 6)
@@ -106,12 +117,7 @@ def test_two_programs_alternate_in_one_lane(salusd):
         # patterns: seed 1 -> 0xb1, seed 2 -> 0x62.
         assert "0x62" in oa and "0xb1" in ob, (oa, ob)
     finally:
-        for p in (pa, pb):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        a.close()
-        b.close()
+        stop_all((pa, pb), (a, b))
 
 
 def test_status_shows_the_lane_and_hand_overs(salusd, tmp_path):
@@ -168,12 +174,7 @@ def test_sigkill_of_the_holder_mid_iteration_hands_the_lane_on(salusd, tmp_path,
         assert wait_until(lambda: fd_count(salusd.proc.pid) <= fds, timeout=3), \
             (fd_count(salusd.proc.pid), fds)
     finally:
-        for p in (pa, pb):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-        a.close()
-        b.close()
+        stop_all((pa, pb), (a, b))
 
 
 def test_cuda_malloc_freed_within_iterations_takes_the_lane_uncharged(salusd):
@@ -196,12 +197,7 @@ def test_cuda_malloc_freed_within_iterations_takes_the_lane_uncharged(salusd):
         assert "0x62" in oa and "0xb1" in ob, (oa, ob)  # one memory, as with salus_lane_alloc
         assert la and "promote" not in la + lb, (la, lb)  # the logs were read
     finally:
-        for p in (pa, pb):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        a.close()
-        b.close()
+        stop_all((pa, pb), (a, b))
 
 
 def frees(out):
@@ -250,12 +246,7 @@ def test_a_block_kept_across_boundaries_is_promoted_at_its_address(salusd, tmp_p
         assert "0x62" in oa and "0xb1" in ob, (oa, ob)  # the lane went back and forth
         assert "abandoned" not in log and "cannot promote" not in log, log
     finally:
-        for p in (pa, pb):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-        a.close()
-        b.close()
+        stop_all((pa, pb), (a, b))
 
 
 @pytest.mark.parametrize("why", ["budget", "driver"])
@@ -286,12 +277,7 @@ def test_a_failed_promotion_keeps_the_bytes_and_says_so(salusd, tmp_path, why):
         assert "stay in lane memory" in log, log  # the kept memory, after the abandonment
         assert frees(oa) == [8 << 20] * 6 and f"free end {8 << 20}" in oa, oa
     finally:
-        for p in (pa, pb):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-        a.close()
-        b.close()
+        stop_all((pa, pb), (a, b))
 
 
 def test_without_the_opt_in_there_is_no_lane_memory(salusd):
@@ -331,12 +317,7 @@ def test_cuda_backend_makes_and_clears_the_lane_memory(isolation):
         assert "first 1 0" in firsts, firsts  # whoever came first found it cleared
         assert "0xab" not in oa + ob, "uncleared fresh memory reached a program"
     finally:
-        for p in (pa, pb):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-        a.close()
-        b.close()
+        stop_all((pa, pb), (a, b))
         d.stop()
 
 
