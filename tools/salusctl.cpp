@@ -811,6 +811,10 @@ int cmd_run(const Ctx& ctx, RunOptions o) {
     return 0;
   }
   const std::string path = ctx.path(dir);
+  // Signals are taken (and later passed on to the command) from before the
+  // session exists: one that came between the mkdir and the fork would end
+  // salusctl and leave the session behind.
+  SignalFd sigs({SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT});
   if (::mkdir(path.c_str(), 0700) != 0) fail_file(ctx, path, errno);
   // From here on the session exists and must be removed whatever happens.
   auto remove_session = [&]() {
@@ -824,7 +828,6 @@ int cmd_run(const Ctx& ctx, RunOptions o) {
       fail_file(ctx, path + "/ctl", err, why.empty() ? need : need + ": " + why);
     }
   }
-  SignalFd sigs({SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT});
   const pid_t child = ::fork();
   if (child < 0) {
     const int err = errno;

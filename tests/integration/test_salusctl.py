@@ -559,3 +559,23 @@ def test_mount_from_environment(salusd):
     named(salusd, "envjob")
     r = ctl(salusd, "sessions", env=env, mount=False)
     assert r.returncode == 0 and row(r.stdout, "1", "envjob")
+
+
+def test_run_killed_at_any_moment_leaves_no_session(salusd):
+    """A SIGTERM that lands anywhere in `salusctl run` (before the session exists,
+    while `need` is written, around the fork) never leaves the session behind:
+    salusctl takes signals from before its mkdir and passes them on."""
+    for k in range(40):
+        p = subprocess.Popen([SALUSCTL, "--mount", salusd.mnt, "run", "--persistent", "1M",
+                              "--ephemeral", "1M", "--", "sleep", "30"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep((k % 20) * 0.0005)
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(10)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert wait_until(lambda: os.listdir(salusd.path("sessions")) == [], 2), \
+            (k, os.listdir(salusd.path("sessions")))
