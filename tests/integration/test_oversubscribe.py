@@ -216,10 +216,13 @@ TRACE = [("a", 300, 0), ("b", 100, 2), ("c", 200, 1)]
 @pytest.mark.parametrize("policy", ["fifo", "pack", "srtf", "fair", "priority"])
 def test_every_policy_runs_an_oversubscribed_trace_without_thrash(policy):
     """No thrash: a session swapped in stays resident for at least its quantum,
-    20 times its measured swap time (design.md), so swaps cost about a tenth of
-    the GPU time or less. With 1 ms iterations and no quantum (tried: the check
-    in ResidencyPlanner::victims disabled) PACK, SRTF, FAIR and PRIORITY spend
-    25-37% of the GPU time swapping here; with it, 8-10%."""
+    20 times its measured swap time (design.md), so each job is swapped out only
+    a few times. Counted, not timed: a swap's time on the sim backend is host
+    memory's, which varies several-fold with the machine (15-22% of the GPU time
+    here, against 25-34% without the quantum). With 1 ms iterations and no
+    quantum (tried: the check in ResidencyPlanner::victims disabled) PACK, SRTF,
+    FAIR and PRIORITY swap out 37-44 times here; with it, 3 (FIFO 6, setup's
+    swaps included)."""
     d = Salusd(extra_args=["--oversubscribe", "2", "--policy", policy], sim_memory="64M",
                gpus=1).start()
     sessions = []
@@ -246,7 +249,8 @@ def test_every_policy_runs_an_oversubscribed_trace_without_thrash(policy):
             swaps += int(st["swaps_out"])
             swap_ms += float(st["swap_ms"])
             gpu_ms += float(st["gpu_time_ms"])
-        assert swap_ms <= 0.2 * gpu_ms, f"{policy}: {swap_ms:.1f} ms swapping, {gpu_ms:.1f} ms GPU"
+        assert swaps <= 4 * len(TRACE), \
+            f"{policy}: thrash: {swaps} swaps out, {swap_ms:.1f} ms swapping, {gpu_ms:.1f} ms GPU"
         assert swaps >= 1, f"{policy}: 72M on a 64M card ran without a swap"
         assert int(memory(d)["resident"]) <= 64 * M
     finally:
