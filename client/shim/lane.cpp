@@ -291,6 +291,15 @@ void drop_handle_locked(Lane& L) {
   L.reserved = 0;
 }
 
+// Read and write access for `dev` to [p, p + n), mapped a moment before.
+CUresult grant_access(const LaneDriver& d, CUdeviceptr p, std::size_t n, CUdevice dev) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = dev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return d.set_access(p, n, &access, 1);
+}
+
 // Maps generation `gen` (what lane_grant says) if salusd sent it. True if mapped.
 bool map_locked(Lane& L, salus_gate* g, std::uint32_t gen) {
   if (L.mapped_gen == gen) return true;
@@ -320,11 +329,7 @@ bool map_locked(Lane& L, salus_gate* g, std::uint32_t gen) {
   d.ctx_get_device(&dev);
   r = d.map(L.base, L.reserved, 0, L.handle, 0);
   if (r != CUDA_SUCCESS) return note_once(L, "cuMemMap", r), false;
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = dev;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  r = d.set_access(L.base, L.reserved, &access, 1);
+  r = grant_access(d, L.base, L.reserved, dev);
   if (r != CUDA_SUCCESS) {
     d.unmap(L.base, L.reserved);
     return note_once(L, "cuMemSetAccess", r), false;
@@ -366,23 +371,29 @@ int alloc_locked(Lane& L, std::size_t n, CUdeviceptr* p, bool hooked) {
 
 // ---- promotion (SALUS_SHARED_LANE=alloc) ----
 
-std::size_t granularity_of(const LaneDriver& d, CUdevice dev) {
+// Device memory of `dev`, as the program's own granules are made.
+CUmemAllocationProp device_prop(CUdevice dev) {
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = dev;
+  return prop;
+}
+
+// The granules [first, last] that `len` bytes at `off` touch.
+struct GranuleSpan {
+  std::size_t first, last;
+};
+GranuleSpan granules_of(std::size_t off, std::size_t len, std::size_t gran) {
+  return {off / gran, (off + len - 1) / gran};
+}
+
+std::size_t granularity_of(const LaneDriver& d, CUdevice dev) {
+  const CUmemAllocationProp prop = device_prop(dev);
   std::size_t n = 0;
   if (d.granularity(&n, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || n == 0)
     n = std::size_t{2} << 20;
   return n;
-}
-
-CUresult grant_access(const LaneDriver& d, CUdeviceptr p, std::size_t n, CUdevice dev) {
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = dev;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  return d.set_access(p, n, &access, 1);
 }
 
 // One promotion: the granules (indices from the lane's base) that live
@@ -422,10 +433,7 @@ void undo(Lane& L, const LaneDriver& d, Promotion& P) {
 // The driver's part of a promotion; false (nothing undone yet) on a failure.
 bool promote_driver(Lane& L, const LaneDriver& d, Promotion& P) {
   if (CUresult r = d.ctx_synchronize(); r != CUDA_SUCCESS) return fail(P, "cuCtxSynchronize", r);
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = P.dev;
+  const CUmemAllocationProp prop = device_prop(P.dev);
   for (std::size_t k = 0; k < P.idx.size(); ++k) {
     CUmemGenericAllocationHandle h = 0;
     if (CUresult r = d.create(&h, P.gran, &prop, 0); r != CUDA_SUCCESS)
@@ -469,8 +477,8 @@ void commit(Lane& L, Promotion& P) {
   for (std::size_t i = 0; i < L.nblocks; ++i) {
     const Block& b = L.blocks[i];
     outlived().owned[L.base + b.off] = Owned{L.base, b.len};
-    for (std::size_t g = b.off / P.gran; g <= (b.off + b.len - 1) / P.gran; ++g)
-      ++r.granules[g].live;
+    const GranuleSpan span = granules_of(b.off, b.len, P.gran);
+    for (std::size_t g = span.first; g <= span.last; ++g) ++r.granules[g].live;
   }
   L.base = P.new_base;
   L.nblocks = 0;
@@ -491,10 +499,10 @@ bool promote_locked(Lane& L) {
   Promotion P;
   if (d.ctx_get_device(&P.dev) != CUDA_SUCCESS) P.dev = 0;
   P.gran = granularity_of(d, P.dev);
-  for (std::size_t i = 0; i < L.nblocks; ++i)
-    for (std::size_t g = L.blocks[i].off / P.gran;
-         g <= (L.blocks[i].off + L.blocks[i].len - 1) / P.gran; ++g)
-      P.idx.push_back(g);
+  for (std::size_t i = 0; i < L.nblocks; ++i) {
+    const GranuleSpan span = granules_of(L.blocks[i].off, L.blocks[i].len, P.gran);
+    for (std::size_t g = span.first; g <= span.last; ++g) P.idx.push_back(g);
+  }
   P.idx.erase(std::unique(P.idx.begin(), P.idx.end()), P.idx.end());  // blocks are sorted
   const std::uint64_t bytes = std::uint64_t{P.idx.size()} * P.gran;
   char line[320];
@@ -563,7 +571,8 @@ CUresult free_owned_locked(Lane& L, std::map<CUdeviceptr, Owned>::iterator it) {
     sync();
     d.unmap(base, r.size);
   } else {
-    for (std::size_t g = (p - base) / r.gran; g <= (p - base + len - 1) / r.gran; ++g) {
+    const GranuleSpan span = granules_of(p - base, len, r.gran);
+    for (std::size_t g = span.first; g <= span.last; ++g) {
       auto git = r.granules.find(g);
       if (git == r.granules.end() || --git->second.live > 0) continue;
       sync();
