@@ -219,7 +219,7 @@ def test_every_policy_runs_an_oversubscribed_trace_without_thrash(policy):
     20 times its measured swap time (design.md), so each job is swapped out only
     a few times. Counted, not timed: a swap's time on the sim backend is host
     memory's, which varies several-fold with the machine (15-22% of the GPU time
-    here, against 25-34% without the quantum). With 1 ms iterations and no
+    here, against 25-33% without the quantum). With 1 ms iterations and no
     quantum (tried: the check in ResidencyPlanner::victims disabled) PACK, SRTF,
     FAIR and PRIORITY swap out 37-44 times here; with it, 3 (FIFO 6, setup's
     swaps included)."""
