@@ -886,6 +886,10 @@ std::string GpuArena::check_invariants() const {
   return impl_->check();
 }
 
+std::uint64_t GpuArena::layout_version() const {
+  return impl_->space.version();
+}
+
 std::vector<PhysicalRegion> GpuArena::physical_regions() const {
   return impl_->regions();
 }

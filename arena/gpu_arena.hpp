@@ -304,6 +304,9 @@ class GpuArena {
   // until its boundary (one that grew meanwhile waits to move), so this can differ from
   // lanes().
   std::vector<PhysicalRegion> physical_regions() const;
+  // Changes whenever physical_regions() may have: one compare tells a caller that
+  // mirrors the held ranges (salusd backing the arena on demand) to look again.
+  std::uint64_t layout_version() const;
 
  private:
   struct Impl;

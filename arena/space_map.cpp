@@ -41,6 +41,7 @@ bool SpaceMap::take(Bytes begin, Bytes end) {
   --it;
   if (it->second < end) return false;
   const Bytes hole_begin = it->first, hole_end = it->second;
+  ++version_;
   drop_hole(it);
   add_hole(hole_begin, begin);
   add_hole(end, hole_end);
@@ -66,6 +67,7 @@ bool SpaceMap::give(Bytes begin, Bytes end) {
     drop_hole(next);
   }
   add_hole(new_begin, new_end);
+  ++version_;
   return true;
 }
 

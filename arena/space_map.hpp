@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <set>
@@ -21,6 +22,9 @@ class SpaceMap {
   Bytes free_bytes() const { return free_; }
   Bytes largest_hole() const;
   std::size_t hole_count() const { return holes_.size(); }
+  // Counts the changes (a take or give that did something): a caller that keeps
+  // something derived from the held ranges knows when to look again.
+  std::uint64_t version() const { return version_; }
 
   // Empty ranges are always free and taking or giving them does nothing.
   bool is_free(Bytes begin, Bytes end) const;
@@ -53,6 +57,7 @@ class SpaceMap {
 
   Bytes size_;
   Bytes free_ = 0;
+  std::uint64_t version_ = 0;
   std::map<Bytes, Bytes> holes_;                       // begin -> end
   std::set<std::pair<Bytes, Bytes>, BySize> by_size_;  // (length, begin)
 };

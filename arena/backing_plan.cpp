@@ -1,0 +1,67 @@
+#include "arena/backing_plan.hpp"
+
+#include <algorithm>
+
+namespace salus::arena {
+
+std::vector<ByteRange> merge_ranges(std::vector<ByteRange> ranges) {
+  std::erase_if(ranges, [](const ByteRange& r) { return r.size == 0; });
+  std::sort(ranges.begin(), ranges.end(),
+            [](const ByteRange& a, const ByteRange& b) { return a.offset < b.offset; });
+  std::vector<ByteRange> out;
+  for (const ByteRange& r : ranges) {
+    if (!out.empty() && r.offset <= out.back().offset + out.back().size) {
+      const Bytes end = std::max(out.back().offset + out.back().size, r.offset + r.size);
+      out.back().size = end - out.back().offset;
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+std::vector<ChunkRun> chunks_covering(const std::vector<ByteRange>& held, Bytes chunk) {
+  std::vector<ChunkRun> out;
+  if (chunk == 0) return out;
+  for (const ByteRange& r : merge_ranges(held)) {
+    const std::uint64_t first = r.offset / chunk;
+    const std::uint64_t end = (r.offset + r.size + chunk - 1) / chunk;
+    if (!out.empty() && first <= out.back().first + out.back().count)
+      out.back().count = std::max(out.back().first + out.back().count, end) - out.back().first;
+    else
+      out.push_back({first, end - first});
+  }
+  return out;
+}
+
+namespace {
+
+// Appends chunk i to the runs, extending the last one when i follows it.
+void add_chunk(std::vector<ChunkRun>& runs, std::uint64_t i) {
+  if (!runs.empty() && runs.back().first + runs.back().count == i)
+    ++runs.back().count;
+  else
+    runs.push_back({i, 1});
+}
+
+}  // namespace
+
+BackingChange backing_change(const std::vector<bool>& backed, const std::vector<ChunkRun>& wanted) {
+  BackingChange out;
+  auto is_backed = [&](std::uint64_t i) { return i < backed.size() && backed[i]; };
+  std::uint64_t next = 0;  // chunks below it are decided
+  auto unmap_until = [&](std::uint64_t end) {
+    for (std::uint64_t i = next; i < end && i < backed.size(); ++i)
+      if (backed[i]) add_chunk(out.unmap, i);
+  };
+  for (const ChunkRun& run : wanted) {
+    unmap_until(run.first);
+    for (std::uint64_t i = run.first; i < run.first + run.count; ++i)
+      if (!is_backed(i)) add_chunk(out.map, i);
+    next = run.first + run.count;
+  }
+  unmap_until(backed.size());
+  return out;
+}
+
+}  // namespace salus::arena

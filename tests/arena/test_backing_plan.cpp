@@ -1,0 +1,95 @@
+// The on-demand backing plan against a chunk-by-chunk reference on seeded random
+// layouts, plus the cases a reader checks by hand.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+#include "arena/backing_plan.hpp"
+
+namespace salus::arena {
+namespace {
+
+constexpr Bytes kChunk = Bytes{2} << 20;
+
+std::set<std::uint64_t> expand(const std::vector<ChunkRun>& runs) {
+  std::set<std::uint64_t> out;
+  for (const ChunkRun& r : runs)
+    for (std::uint64_t i = r.first; i < r.first + r.count; ++i) out.insert(i);
+  return out;
+}
+
+// Runs must be sorted, non-empty, and neither overlap nor touch.
+void expect_canonical(const std::vector<ChunkRun>& runs) {
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    EXPECT_GT(runs[i].count, 0u);
+    if (i > 0) {
+      EXPECT_GT(runs[i].first, runs[i - 1].first + runs[i - 1].count);
+    }
+  }
+}
+
+TEST(BackingPlan, MergesTouchingAndOverlappingRanges) {
+  const auto m = merge_ranges({{100, 50}, {0, 100}, {300, 0}, {120, 10}, {400, 8}});
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_EQ(m[0], (ByteRange{0, 150}));
+  EXPECT_EQ(m[1], (ByteRange{400, 8}));
+}
+
+TEST(BackingPlan, ChunksCoverPartialChunksWhole) {
+  // One byte in chunk 0, a range across chunks 2-3, one in chunk 4 (adjacent: merged).
+  const auto runs =
+      chunks_covering({{kChunk - 1, 1}, {2 * kChunk + 5, kChunk}, {4 * kChunk, 1}}, kChunk);
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[0], (ChunkRun{0, 1}));
+  EXPECT_EQ(runs[1], (ChunkRun{2, 3}));
+  EXPECT_TRUE(chunks_covering({}, kChunk).empty());
+}
+
+TEST(BackingPlan, ChangeMapsTheMissingAndUnmapsTheUnwanted) {
+  std::vector<bool> backed = {true, true, false, false, true, false};
+  const auto c = backing_change(backed, {{1, 3}, {7, 1}});
+  EXPECT_EQ(c.map, (std::vector<ChunkRun>{{2, 2}, {7, 1}}));
+  EXPECT_EQ(c.unmap, (std::vector<ChunkRun>{{0, 1}, {4, 1}}));
+  const auto none = backing_change(backed, {{0, 2}, {4, 1}});
+  EXPECT_TRUE(none.map.empty());
+  EXPECT_TRUE(none.unmap.empty());
+}
+
+TEST(BackingPlan, AgreesWithAChunkByChunkReferenceOnRandomLayouts) {
+  for (std::uint64_t seed = 1; seed <= 2000; ++seed) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    std::mt19937_64 rng(seed);
+    const std::uint64_t chunks = 1 + rng() % 64;
+    std::vector<ByteRange> held;
+    for (int n = static_cast<int>(rng() % 12); n > 0; --n) {
+      const Bytes at = rng() % (chunks * kChunk);
+      const Bytes size = std::min<Bytes>(rng() % (3 * kChunk), chunks * kChunk - at);
+      held.push_back({at, rng() % 8 == 0 ? 0 : size});
+    }
+    std::set<std::uint64_t> want_ref;
+    for (const ByteRange& r : held)
+      if (r.size > 0)
+        for (std::uint64_t i = r.offset / kChunk; i <= (r.offset + r.size - 1) / kChunk; ++i)
+          want_ref.insert(i);
+    const auto wanted = chunks_covering(held, kChunk);
+    expect_canonical(wanted);
+    ASSERT_EQ(expand(wanted), want_ref);
+
+    std::vector<bool> backed(chunks);
+    for (std::uint64_t i = 0; i < chunks; ++i) backed[i] = rng() % 2 == 1;
+    const auto c = backing_change(backed, wanted);
+    expect_canonical(c.map);
+    expect_canonical(c.unmap);
+    std::set<std::uint64_t> map_ref, unmap_ref;
+    for (std::uint64_t i = 0; i < chunks; ++i) {
+      if (want_ref.count(i) && !backed[i]) map_ref.insert(i);
+      if (!want_ref.count(i) && backed[i]) unmap_ref.insert(i);
+    }
+    ASSERT_EQ(expand(c.map), map_ref);
+    ASSERT_EQ(expand(c.unmap), unmap_ref);
+  }
+}
+
+}  // namespace
+}  // namespace salus::arena
