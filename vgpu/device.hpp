@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "arena/backing_plan.hpp"
 #include "arena/size_units.hpp"
 #include "vgpu/host_regions.hpp"
 #include "vgpu/unique_fd.hpp"
@@ -36,6 +37,9 @@ struct DeviceInfo {
   std::string backend;     // "sim" or "cuda"
   Bytes total_memory = 0;  // physical memory of the device
   Bytes arena_size = 0;    // what salusd manages (<= total_memory)
+  // The arena holds physical memory only where set_backing says (cuda with VMM):
+  // the rest of the card is left to attached programs.
+  bool backs_on_demand = false;
   std::uint32_t sm_count = 0;
   std::string driver_version;  // "sim" for the sim backend
   // GPU clock cycles a built-in spin counts per microsecond (cuda: measured at
@@ -193,6 +197,21 @@ class Device {
 
   virtual void begin_batch() {}
   virtual void end_batch() {}
+
+  // An arena backed on demand (DeviceInfo::backs_on_demand): after 0, physical
+  // memory lies under every byte of `held` (sorted, disjoint: arena::merge_ranges)
+  // and newly backed bytes read as zero to every later op; memory under nothing
+  // held is given back to the card. Only discards may still be in flight on a
+  // range that is no longer held. ENOMEM with `why` when the card has no room
+  // (memory taken outside salusd): what was backed stays, and the call may be
+  // repeated. The default backs everything up front and does nothing.
+  virtual int set_backing(const std::vector<arena::ByteRange>& held, std::string& why) {
+    (void)held;
+    (void)why;
+    return 0;
+  }
+  // Bytes of the arena with physical memory behind them.
+  virtual Bytes backed_bytes() const { return info().arena_size; }
 
   // Nothing lives in [offset, offset+length) any more. Afterwards the range reads
   // as zero, so memory never carries data from one owner to the next.

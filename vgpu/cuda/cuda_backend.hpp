@@ -13,10 +13,15 @@
 namespace salus::vgpu {
 
 struct CudaOptions {
-  // Fraction of the memory free at start-up that each GPU's arena reserves (one
-  // cuMemAlloc). The rest is left for the driver: kernel code, local memory
-  // (stacks) of user kernels, per-stream scratch for overlapping copies.
+  // Fraction of the memory free at start-up that each GPU's arena spans. The rest
+  // is left for the driver: kernel code, local memory (stacks) of user kernels,
+  // per-stream scratch for overlapping copies.
   double memory_fraction = 0.9;
+  // Back the arena on demand: reserve its addresses only and map physical memory
+  // (VMM, one handle per 2 MiB chunk) where salusd holds lanes and buffers, so
+  // the memory attached programs were admitted with is really theirs. Off, or on
+  // a driver or GPU without VMM: one cuMemAlloc of the whole arena up front.
+  bool back_on_demand = true;
   // Host-to-device and device-to-host copies up to this size go through pinned
   // staging buffers, so enqueueing them never blocks; larger ones copy straight
   // from the caller's (pageable) memory, which blocks the enqueuing thread until

@@ -91,6 +91,15 @@ CudaDevice::CudaDevice(const CudaDriver& driver, int index, CUdevice device,
   threads_per_sm_ = static_cast<std::uint32_t>(
       attribute(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, 2048));
   clock_khz_ = attribute(CU_DEVICE_ATTRIBUTE_CLOCK_RATE, 1'500'000);
+  if (opts_.back_on_demand && VmmArena::supported(drv_, device_))
+    vmm_ = std::make_unique<VmmArena>(drv_, device_, kArenaAlign);
+  else if (opts_.back_on_demand)
+    spdlog::warn(
+        "cuda gpu{}: no virtual memory management in this driver or GPU: the arena is "
+        "allocated up front, and attached programs need their budgets free beside it "
+        "(--cuda-memory-fraction)",
+        index);
+  info_.backs_on_demand = vmm_ != nullptr;
 
   std::string why;
   open_context(true, why);  // throws
@@ -105,11 +114,12 @@ CudaDevice::CudaDevice(const CudaDriver& driver, int index, CUdevice device,
     throw;
   }
   spdlog::info(
-      "cuda gpu{}: {} ({}), {} SMs, {} MiB, arena {} MiB at {:#x}, CUDA {}, built-in kernels: "
-      "{}, spin {:.1f} cycles/us",
+      "cuda gpu{}: {} ({}), {} SMs, {} MiB, arena {} MiB at {:#x} ({}), CUDA {}, built-in "
+      "kernels: {}, spin {:.1f} cycles/us",
       info_.index, info_.name, info_.uuid, info_.sm_count, info_.total_memory >> 20,
-      info_.arena_size >> 20, arena_base_.load(), info_.driver_version,
-      builtins_why_.empty() ? builtin_fatbin_description : builtins_why_, cycles_per_usec_);
+      info_.arena_size >> 20, arena_base_.load(), vmm_ ? "backed on demand" : "allocated up front",
+      info_.driver_version, builtins_why_.empty() ? builtin_fatbin_description : builtins_why_,
+      cycles_per_usec_);
 }
 
 CudaDevice::~CudaDevice() {
@@ -187,6 +197,25 @@ void CudaDevice::open_context(bool first, std::string& why) {
     }
     if (info_.arena_size == 0) return bail("no free device memory for the arena", CUDA_SUCCESS);
   }
+  if (const CUresult r = reserve_arena(first); r != CUDA_SUCCESS)
+    return bail(fmt::format("cannot reserve the arena ({} MiB)", info_.arena_size >> 20), r);
+
+  if (const CUresult r = drv_.stream_create(&maint_, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS)
+    return bail("cuStreamCreate", r);
+  if (const CUresult r = drv_.event_create(&discard_event_, CU_EVENT_DISABLE_TIMING);
+      r != CUDA_SUCCESS)
+    return bail("cuEventCreate", r);
+  if (const CUresult r = clear_arena(); r != CUDA_SUCCESS) return bail("clearing the arena", r);
+  load_builtins();
+}
+
+CUresult CudaDevice::reserve_arena(bool first) {
+  if (vmm_) {
+    std::lock_guard lock(maint_mu_);
+    const CUresult r = vmm_->reserve(info_.arena_size);
+    if (r == CUDA_SUCCESS) arena_base_.store(vmm_->base());
+    return r;
+  }
   // The free figure includes memory the driver cannot hand out in one piece;
   // step down a little until the reservation succeeds (first open only: after a
   // recovery the broker's layout needs exactly the old size).
@@ -194,25 +223,97 @@ void CudaDevice::open_context(bool first, std::string& why) {
   for (int attempt = 0;; ++attempt) {
     const CUresult r = drv_.mem_alloc(&base, info_.arena_size);
     if (r == CUDA_SUCCESS) break;
-    if (!first || opts_.arena_bytes != 0 || r != CUDA_ERROR_OUT_OF_MEMORY || attempt == 8)
-      return bail(fmt::format("cannot reserve the arena ({} MiB)", info_.arena_size >> 20), r);
+    if (!first || opts_.arena_bytes != 0 || r != CUDA_ERROR_OUT_OF_MEMORY || attempt == 8) return r;
     info_.arena_size = info_.arena_size / 100 * 95 / kArenaAlign * kArenaAlign;
   }
   arena_base_.store(base);
+  return CUDA_SUCCESS;
+}
 
-  if (const CUresult r = drv_.stream_create(&maint_, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS)
-    return bail("cuStreamCreate", r);
-  if (const CUresult r = drv_.event_create(&discard_event_, CU_EVENT_DISABLE_TIMING);
-      r != CUDA_SUCCESS)
-    return bail("cuEventCreate", r);
-  // Fresh device memory may hold anything; the contract is that unused memory
-  // reads as zero. Synchronous: nothing runs before it is done.
-  if (const CUresult r = drv_.memset_d32_async(base, 0, info_.arena_size / 4, maint_);
-      r != CUDA_SUCCESS)
-    return bail("clearing the arena", r);
-  if (const CUresult r = drv_.stream_synchronize(maint_); r != CUDA_SUCCESS)
-    return bail("clearing the arena", r);
-  load_builtins();
+// Fresh device memory may hold anything; the contract is that unused memory
+// reads as zero. Synchronous: nothing runs before it is done. Backed on demand,
+// only what the lost context had backed comes back (cleared); at start-up
+// nothing is backed yet.
+CUresult CudaDevice::clear_arena() {
+  if (vmm_) {
+    std::lock_guard lock(maint_mu_);
+    // The runs an empty wish would unmap are exactly those that were backed.
+    const auto was = arena::backing_change(backed_before_loss_, {}).unmap;
+    backed_before_loss_.clear();
+    for (const arena::ChunkRun& run : was)
+      if (const CUresult r = back_run(run); r != CUDA_SUCCESS) return r;
+  } else if (const CUresult r =
+                 drv_.memset_d32_async(arena_base_.load(), 0, info_.arena_size / 4, maint_);
+             r != CUDA_SUCCESS) {
+    return r;
+  }
+  return drv_.stream_synchronize(maint_);
+}
+
+CUresult CudaDevice::back_run(const arena::ChunkRun& run) {
+  const CUresult r = vmm_->map(run);
+  // map() backs a prefix of the run even when it fails part way.
+  std::uint64_t mapped = 0;
+  while (mapped < run.count && vmm_->backed()[run.first + mapped]) ++mapped;
+  if (mapped > 0) {
+    const Bytes chunk = vmm_->chunk();
+    CUresult c = drv_.memset_d8_async(at(run.first * chunk), 0, mapped * chunk, maint_);
+    if (c == CUDA_SUCCESS) c = drv_.event_record(discard_event_, maint_);
+    if (c != CUDA_SUCCESS) return c;
+    ++discard_seq_;
+  }
+  return r;
+}
+
+bool CudaDevice::all_backed(DevOffset offset, Bytes length) const {
+  if (!vmm_) return true;
+  const Bytes chunk = vmm_->chunk();
+  const auto& backed = vmm_->backed();
+  for (Bytes i = offset / chunk; i <= (offset + length - 1) / chunk; ++i)
+    if (i >= backed.size() || !backed[i]) return false;
+  return true;
+}
+
+int CudaDevice::set_backing(const std::vector<arena::ByteRange>& held, std::string& why) {
+  if (!vmm_) return 0;
+  std::shared_lock ctx(ctx_mu_);
+  if (dead_.load() || maint_ == nullptr) {
+    why = dead_.load() ? dead_reason() : "the GPU context is being rebuilt";
+    return EIO;
+  }
+  set_current();
+  std::lock_guard lock(maint_mu_);
+  const auto change =
+      arena::backing_change(vmm_->backed(), arena::chunks_covering(held, vmm_->chunk()));
+  if (!change.unmap.empty()) {
+    // Nothing but discards (on maint_) may still use memory that nobody holds.
+    if (const CUresult r = drv_.stream_synchronize(maint_); r != CUDA_SUCCESS) {
+      why = fmt::format("waiting for the discards before giving memory back: {}", drv_.describe(r));
+      if (is_sticky(r)) note_fault(r);
+      return EIO;
+    }
+    for (const arena::ChunkRun& run : change.unmap) vmm_->unmap(run);
+  }
+  for (const arena::ChunkRun& run : change.map) {
+    if (const CUresult r = back_run(run); r != CUDA_SUCCESS) {
+      std::size_t free = 0, total = 0;
+      drv_.mem_get_info(&free, &total);
+      why = fmt::format(
+          "backing {} MiB of the arena at {} MiB: {}; {} MiB of the card are free and salusd "
+          "backs {} MiB (memory taken by processes outside salusd?)",
+          run.count * vmm_->chunk() >> 20, run.first * vmm_->chunk() >> 20, drv_.describe(r),
+          free >> 20, vmm_->backed_bytes() >> 20);
+      if (is_sticky(r)) note_fault(r);
+      return r == CUDA_ERROR_OUT_OF_MEMORY ? ENOMEM : to_errno(r);
+    }
+  }
+  return 0;
+}
+
+Bytes CudaDevice::backed_bytes() const {
+  if (!vmm_) return info_.arena_size;
+  std::lock_guard lock(maint_mu_);
+  return vmm_->backed_bytes();
 }
 
 void CudaDevice::load_builtins() {
@@ -316,7 +417,12 @@ void CudaDevice::release_context_resources() {
   discard_event_ = nullptr;
   if (maint_ != nullptr) drv_.stream_destroy(maint_);
   maint_ = nullptr;
-  if (const CUdeviceptr base = arena_base_.exchange(0); base != 0) drv_.mem_free(base);
+  if (const CUdeviceptr base = arena_base_.exchange(0); base != 0) {
+    if (vmm_)
+      vmm_->release();
+    else
+      drv_.mem_free(base);
+  }
 }
 
 void CudaDevice::set_sink(CompletionSink* sink) {
@@ -879,6 +985,12 @@ void CudaDevice::discard(DevOffset offset, Bytes length) {
   if (dead_.load() || maint_ == nullptr) return;  // the memory is gone anyway
   set_current();
   std::lock_guard lock(maint_mu_);
+  if (!all_backed(offset, length)) {
+    // A broker bug, not a user's: clearing it would fault the whole context.
+    spdlog::error("cuda gpu{}: discard of {} bytes at {}: not backed; skipped", info_.index, length,
+                  offset);
+    return;
+  }
   CUresult r = drv_.memset_d8_async(at(offset), 0, length, maint_);
   if (r == CUDA_SUCCESS) r = drv_.event_record(discard_event_, maint_);
   if (r == CUDA_SUCCESS) {
@@ -1452,6 +1564,10 @@ void CudaDevice::forget_context() {
   maint_ = nullptr;
   discard_event_ = nullptr;
   arena_base_.store(0);
+  if (vmm_) {
+    std::lock_guard lock(maint_mu_);
+    backed_before_loss_ = vmm_->forget();
+  }
 }
 
 // A fresh primary context with the same streams and modules, or the GPU out of

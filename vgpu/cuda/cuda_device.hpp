@@ -1,5 +1,6 @@
 // One NVIDIA GPU behind the Device interface, through the CUDA Driver API: the
-// primary context, an arena reserved up front with a single cuMemAlloc, one
+// primary context, an arena (address space backed on demand where salusd holds
+// memory, see vmm_arena.hpp, or one cuMemAlloc up front without VMM), one
 // non-blocking stream per lane, completions found through events by a
 // backend-owned thread, and the handling of the faults a user kernel can cause
 // (in salusd the context is reset and rebuilt, and the streams, modules and
@@ -25,6 +26,7 @@
 #include "vgpu/cuda/cuda_backend.hpp"
 #include "vgpu/cuda/cuda_driver.hpp"
 #include "vgpu/cuda/cuda_plans.hpp"
+#include "vgpu/cuda/vmm_arena.hpp"
 #include "vgpu/device.hpp"
 
 namespace salus::vgpu::cuda {
@@ -98,6 +100,8 @@ class CudaDevice final : public Device {
   // An async memset on an internal stream; every stream waits for it before its
   // next op, so the caller's thread never waits for the memset itself.
   void discard(DevOffset offset, Bytes length) override;
+  int set_backing(const std::vector<arena::ByteRange>& held, std::string& why) override;
+  Bytes backed_bytes() const override;
   // Shared lane of attached sessions: cuMemCreate with a POSIX-fd handle type
   // in this device's context; cleared with cuMemsetD8 on the maintenance
   // stream through a temporary mapping, then synchronized.
@@ -228,6 +232,12 @@ class CudaDevice final : public Device {
   bool ensure_scratch(Stream& s);
   bool builtins_ok(Stream& s, CUfunction fn);
   CUdeviceptr at(DevOffset offset) const { return arena_base_.load() + offset; }
+  // The arena's memory at start-up or after a rebuild (caller holds ctx_mu_).
+  CUresult reserve_arena(bool first);
+  CUresult clear_arena();
+  // Maps the run's chunks and queues their clearing on maint_ (maint_mu_ held).
+  CUresult back_run(const arena::ChunkRun& run);
+  bool all_backed(DevOffset offset, Bytes length) const;  // maint_mu_ held
 
   CUresult acquire_event(CUevent& e);  // from the pool, or a new timing event
   void release_event(CUevent e);
@@ -286,9 +296,13 @@ class CudaDevice final : public Device {
   std::string builtins_why_;  // empty: built-ins available
   CUstream maint_ = nullptr;  // discards and start-up work
 
-  std::mutex maint_mu_;  // discards; guards the two below
+  mutable std::mutex maint_mu_;  // discards and backing; guards the four below
   CUevent discard_event_ = nullptr;
   std::uint64_t discard_seq_ = 0;
+  // Backing on demand (null: the arena is one cuMemAlloc), and what it backed
+  // when the context was lost, for the rebuilt one.
+  std::unique_ptr<VmmArena> vmm_;
+  std::vector<bool> backed_before_loss_;
 
   std::atomic<int> fault_{CUDA_SUCCESS};  // a sticky CUresult awaiting recovery
   std::atomic<bool> dead_{false};

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 
@@ -42,6 +43,8 @@ std::vector<std::string> ExecutorOptions::to_args() const {
           std::to_string(sim_memory),
           "--cuda-memory-fraction",
           fmt::format("{}", cuda_memory_fraction),
+          "--cuda-arena",
+          cuda_back_on_demand ? "on-demand" : "up-front",
           "--executor-arena-size",
           std::to_string(arena_bytes),
           "--log-level",
@@ -96,6 +99,13 @@ bool parse_executor_args(int argc, char** argv, ExecutorOptions& out, std::strin
         why = fmt::format("{} {}: not a number", flag, v);
         return false;
       }
+    } else if (flag == "--cuda-arena") {
+      const std::string_view mode = v;
+      if (mode != "on-demand" && mode != "up-front") {
+        why = fmt::format("{} {}: expected on-demand or up-front", flag, mode);
+        return false;
+      }
+      out.cuda_back_on_demand = mode == "on-demand";
     } else if (flag == "--executor-arena-size") {
       ok = number(flag, v, out.arena_bytes);
     } else if (flag == "--log-level") {
@@ -343,6 +353,8 @@ class Executor final : public CompletionSink {
         return dispatch<UnloadModuleMsg>(body, size);
       case Msg::get_function:
         return dispatch<GetFunctionMsg>(body, size, body, size);
+      case Msg::set_backing:
+        return dispatch<SetBackingMsg>(body, size, body, size);
       case Msg::launch:
         return dispatch<LaunchMsg>(body, size, body, size);
       case Msg::shutdown:
@@ -539,6 +551,18 @@ class Executor final : public CompletionSink {
     lanes_.erase(it);
   }
 
+  // The held ranges follow the fixed part of the record.
+  void on(const SetBackingMsg& m, const char* body, std::size_t size) {
+    if (m.count > kMaxBackingRanges || size < sizeof m + m.count * sizeof(arena::ByteRange))
+      return reply(m.request, EINVAL, "a set_backing record shorter than its ranges");
+    std::vector<arena::ByteRange> held(m.count);
+    std::memcpy(held.data(), body + sizeof m, m.count * sizeof(arena::ByteRange));
+    std::string why;
+    const int status = dev_->set_backing(held, why);
+    reply(m.request, status, status == 0 ? std::string() : why,
+          {static_cast<std::uint32_t>(dev_->backed_bytes() >> 20)});
+  }
+
   // The function's name follows the fixed part of the record.
   void on(const GetFunctionMsg& m, const char* body, std::size_t size) {
     if (size < sizeof m + m.name_length) return;
@@ -609,6 +633,7 @@ void send_hello(Outbox& out, const Device* d, int status, const std::string& why
     h.total_memory = i.total_memory;
     h.arena_size = i.arena_size;
     h.sm_count = i.sm_count;
+    h.backs_on_demand = i.backs_on_demand ? 1 : 0;
     h.spin_cycles_per_usec = i.spin_cycles_per_usec;
     put_text(h.name, i.name);
     put_text(h.uuid, i.uuid);
@@ -661,6 +686,7 @@ std::unique_ptr<Device> open_device(const ExecutorOptions& o, Outbox& out, std::
   }
   CudaOptions co;
   co.memory_fraction = o.cuda_memory_fraction;
+  co.back_on_demand = o.cuda_back_on_demand;
   co.arena_bytes = o.arena_bytes;
   // A sticky error stays for the life of this process: report it, let the
   // errored completions go out, and exit; salusd starts a fresh executor.

@@ -17,6 +17,7 @@ struct ExecutorOptions {
   std::string backend = "sim";        // --backend: cuda or sim
   Bytes sim_memory = Bytes{1} << 30;  // --sim-memory (bytes)
   double cuda_memory_fraction = 0.9;  // --cuda-memory-fraction
+  bool cuda_back_on_demand = true;    // --cuda-arena on-demand|up-front
   Bytes arena_bytes = 0;              // --executor-arena-size: exact arena (0: by fraction)
   std::string log_level = "info";     // --log-level
   int socket_fd = 3;                  // --executor-fd: the SOCK_SEQPACKET end

@@ -15,7 +15,7 @@ namespace salus::vgpu::executor {
 
 // Both ends are the same binary (salusd re-executes itself), so the version
 // only guards against a salusd replaced on disk while it runs.
-constexpr std::uint32_t kProtocolVersion = 2;
+constexpr std::uint32_t kProtocolVersion = 3;
 // Largest datagram either side sends. Requests are batched up to this size; a
 // launch's arguments (64 at most, see the command parser) and a get_function
 // reply (up to 4096 parameter sizes) fit with room to spare.
@@ -49,6 +49,9 @@ enum class Msg : std::uint16_t {
   lane_make,   // replied to: status, and the executor's fd number as the one param
   lane_clear,  // replied to once the zeroes are on the device
   lane_drop,
+  // The arena backed on demand: the held ranges follow; replied to once they are
+  // backed (the one param: MiB backed now), or why not.
+  set_backing,
   // executor -> salusd
   hello = 64,  // first message: the device, or why it could not be opened
   reply,       // to destroy_stream, load_module, get_function
@@ -159,6 +162,14 @@ struct LaneClearMsg {
   std::uint32_t reserved = 0;
   Bytes size;
 };
+struct SetBackingMsg {
+  std::uint64_t request;
+  std::uint32_t count;  // arena::ByteRange records follow
+  std::uint32_t reserved = 0;
+};
+// The most ranges one set_backing carries (its datagram stays well under
+// kMaxDatagram); salusd merges the closest ranges of a longer list.
+constexpr std::size_t kMaxBackingRanges = 3000;
 struct LaneDropMsg {
   std::int32_t fd;
   std::uint32_t reserved = 0;
@@ -181,6 +192,7 @@ struct HelloMsg {
   Bytes total_memory;
   Bytes arena_size;
   std::uint32_t sm_count;
+  std::uint32_t backs_on_demand;  // 1: set_backing decides where memory lies
   double spin_cycles_per_usec;
   char name[128];
   char uuid[64];

@@ -254,6 +254,7 @@ bool RemoteDevice::adopt_hello(const HelloMsg& hello, bool first, std::string& w
     info_.total_memory = hello.total_memory;
     info_.arena_size = hello.arena_size;
     info_.sm_count = hello.sm_count;
+    info_.backs_on_demand = hello.backs_on_demand != 0;
     info_.spin_cycles_per_usec = hello.spin_cycles_per_usec;
     // Later executors must lay out exactly this arena: the broker's layout of
     // lanes and persistent buffers depends on its size.
@@ -338,7 +339,34 @@ bool RemoteDevice::restore(Child& c, std::string& why) {
     why = "restoring modules: " + why;
     return false;
   }
-  return restore_regions(c, request, why);
+  if (!restore_regions(c, request, why)) return false;
+  restore_backing(c, request);
+  return true;
+}
+
+// The new executor's arena backs what the old one did. A failure is logged and
+// not fatal: the executor is up, and every session's memory was lost anyway.
+void RemoteDevice::restore_backing(Child& c, std::uint64_t& request) {
+  std::vector<arena::ByteRange> held;
+  {
+    std::lock_guard lk(backing_mu_);
+    held = backing_;
+  }
+  backed_bytes_.store(0);
+  if (held.empty() || !info_.backs_on_demand) return;
+  RecordWriter w;
+  const std::uint64_t req = request++;
+  w.put(Msg::set_backing, SetBackingMsg{req, static_cast<std::uint32_t>(held.size())},
+        {{held.data(), held.size() * sizeof(arena::ByteRange)}});
+  Reply r;
+  std::string why;
+  if (send_datagram(c.socket.get(), w.data(), w.size()) != 0 ||
+      !await_reply(c.socket.get(), req, r, why) || r.status != 0) {
+    spdlog::error("gpu {}: the new executor's arena is not backed where salusd holds memory: {}",
+                  opts_.index, why.empty() ? r.why : why);
+    return;
+  }
+  if (r.param_sizes.size() == 1) backed_bytes_.store(Bytes{r.param_sizes[0]} << 20);
 }
 
 bool RemoteDevice::restore_regions(Child& c, std::uint64_t& request, std::string& why) {
@@ -1223,6 +1251,55 @@ int RemoteDevice::make_lane_memory(Bytes size, UniqueFd& out, std::string& why) 
   lanes_[fd.get()] = LaneMemory{remote, generation_.load()};
   out = std::move(fd);
   return 0;
+}
+
+namespace {
+
+// Merges the ranges across the smallest gaps until at most `limit` remain: more
+// memory backed than held, never less.
+std::vector<arena::ByteRange> coarsen(std::vector<arena::ByteRange> held, std::size_t limit) {
+  if (held.size() <= limit) return held;
+  std::vector<Bytes> gaps;
+  for (std::size_t i = 1; i < held.size(); ++i)
+    gaps.push_back(held[i].offset - (held[i - 1].offset + held[i - 1].size));
+  std::nth_element(gaps.begin(), gaps.begin() + static_cast<long>(held.size() - limit - 1),
+                   gaps.end());
+  const Bytes bridge = gaps[held.size() - limit - 1];
+  std::vector<arena::ByteRange> out;
+  for (const arena::ByteRange& r : held) {
+    if (!out.empty() && r.offset - (out.back().offset + out.back().size) <= bridge)
+      out.back().size = r.offset + r.size - out.back().offset;
+    else
+      out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace
+
+int RemoteDevice::set_backing(const std::vector<arena::ByteRange>& held, std::string& why) {
+  if (!info_.backs_on_demand) return 0;
+  const std::vector<arena::ByteRange> sent = coarsen(held, kMaxBackingRanges);
+  {
+    std::lock_guard b(backing_mu_);
+    backing_ = sent;  // a restarted executor backs this, whatever this call's fate
+  }
+  std::unique_lock sync(sync_mu_);
+  std::unique_lock lk(mu_);
+  if (const int err = unavailable(why)) return err;
+  const std::uint64_t req = next_request_++;
+  put(Msg::set_backing, SetBackingMsg{req, static_cast<std::uint32_t>(sent.size())},
+      {{sent.data(), sent.size() * sizeof(arena::ByteRange)}});
+  flush();
+  Reply r;
+  if (const int err = sync_call(lk, req, r, why); err != 0) return err;
+  if (r.param_sizes.size() == 1) backed_bytes_.store(Bytes{r.param_sizes[0]} << 20);
+  if (r.status != 0) why = r.why;
+  return r.status;
+}
+
+Bytes RemoteDevice::backed_bytes() const {
+  return info_.backs_on_demand ? backed_bytes_.load() : info_.arena_size;
 }
 
 int RemoteDevice::clear_lane_memory(int fd, Bytes size, std::string& why) {

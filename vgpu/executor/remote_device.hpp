@@ -104,6 +104,9 @@ class RemoteDevice final : public Device {
   // the executor with pidfd_getfd. Lost with the executor (a clear then fails
   // and the broker makes fresh memory).
   int make_lane_memory(Bytes size, UniqueFd& out, std::string& why) override;
+  // Forwarded and waited for; kept, and sent again to a restarted executor.
+  int set_backing(const std::vector<arena::ByteRange>& held, std::string& why) override;
+  Bytes backed_bytes() const override;
   int clear_lane_memory(int fd, Bytes size, std::string& why) override;
   void drop_lane_memory(int fd) override;
   void unmap_region(RegionId region) override;
@@ -230,6 +233,7 @@ class RemoteDevice final : public Device {
   void send_stream_creates(Child& c);
   bool restore(Child& c, std::string& why);
   bool restore_regions(Child& c, std::uint64_t& request, std::string& why);
+  void restore_backing(Child& c, std::uint64_t& request);
   void region_copy(Msg type, StreamId stream, RegionId region, Bytes offset, DevOffset device,
                    Bytes length);
   // The region of the staging block holding [host, host+length), or 0.
@@ -292,6 +296,11 @@ class RemoteDevice final : public Device {
     std::uint64_t generation = 0;  // of the executor that made it
   };
   std::map<int, LaneMemory> lanes_;  // by salusd's fd
+  // The arena backed on demand: what the broker last asked for and what the
+  // executor reported backed.
+  std::mutex backing_mu_;  // guards backing_; taken alone
+  std::vector<arena::ByteRange> backing_;
+  std::atomic<Bytes> backed_bytes_{0};
   RegionId next_region_ = 1;
   std::uint64_t next_ticket_ = 1;
   std::uint64_t next_request_ = 1;

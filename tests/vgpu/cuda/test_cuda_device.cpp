@@ -75,6 +75,8 @@ class CudaDeviceTest : public ::testing::Test {
     if (devices_.empty()) GTEST_SKIP() << "no CUDA GPU: " << why;
     dev_ = dynamic_cast<CudaDevice*>(devices_[0].get());
     ASSERT_NE(dev_, nullptr);
+    // The broker backs what it holds; these tests use the whole arena.
+    if (back_all_) ASSERT_EQ(dev_->set_backing({{0, dev_->info().arena_size}}, why), 0) << why;
     dev_->set_sink(&sink_);
     stream_ = dev_->create_stream();
   }
@@ -141,6 +143,7 @@ class CudaDeviceTest : public ::testing::Test {
   CudaDevice* dev_ = nullptr;
   StreamId stream_ = 0;
   std::uint64_t next_token_ = 1;
+  bool back_all_ = true;  // back the whole arena at open
   std::string skip_;
 };
 
@@ -810,4 +813,102 @@ TEST_F(CudaDeviceTest, LaneMemoryIsExportableAndClearsToZero) {
   dev_->drop_lane_memory(fd.get());
   d->stream_destroy(st);
   d->primary_ctx_release(0);
+}
+
+// The arena backed on demand (vmm_arena.hpp): physical memory only under what the
+// broker holds, fresh memory cleared, memory given back to the card.
+class CudaBackingTest : public CudaDeviceTest {
+ protected:
+  void SetUp() override {
+    back_all_ = false;
+    std::string why;
+    drv_ = CudaDriver::get(why);
+    if (drv_ == nullptr) GTEST_SKIP() << "no CUDA driver: " << why;
+  }
+  void open_backed(CudaOptions o) {
+    open(o);
+    if (IsSkipped()) return;
+    if (!dev_->info().backs_on_demand) GTEST_SKIP() << "no VMM: the arena is allocated up front";
+    ASSERT_EQ(drv_->primary_ctx_retain(&ctx_, 0), CUDA_SUCCESS);
+    ASSERT_EQ(drv_->ctx_set_current(ctx_), CUDA_SUCCESS);
+  }
+  void TearDown() override {
+    if (ctx_ != nullptr) drv_->primary_ctx_release(0);
+  }
+  std::size_t card_free() {
+    std::size_t free = 0, total = 0;
+    EXPECT_EQ(drv_->mem_get_info(&free, &total), CUDA_SUCCESS);
+    return free;
+  }
+  int back(const std::vector<salus::arena::ByteRange>& held) {
+    std::string why;
+    const int rc = dev_->set_backing(held, why);
+    why_ = why;
+    return rc;
+  }
+  static bool all(const std::vector<std::uint8_t>& v, std::uint8_t b) {
+    return std::all_of(v.begin(), v.end(), [b](std::uint8_t x) { return x == b; });
+  }
+
+  const CudaDriver* drv_ = nullptr;
+  CUcontext ctx_ = nullptr;
+  std::string why_;
+};
+
+TEST_F(CudaBackingTest, TheArenaIsBackedOnlyWhereHeldAndGivesMemoryBack) {
+  open_backed(CudaOptions{});
+  if (IsSkipped()) return;
+  constexpr Bytes kChunk = Bytes{2} << 20;
+  EXPECT_EQ(dev_->backed_bytes(), 0u);
+  const std::size_t free0 = card_free();
+
+  // 1000 bytes inside chunk 2: the chunk is backed whole.
+  ASSERT_EQ(back({{2 * kChunk + 100, 1000}}), 0) << why_;
+  EXPECT_EQ(dev_->backed_bytes(), kChunk);
+  EXPECT_GE(free0 - card_free(), kChunk);
+  std::vector<std::uint8_t> pattern(1000, 0x5a);
+  write(2 * kChunk + 100, pattern.data(), pattern.size());
+  EXPECT_TRUE(all(read(2 * kChunk, 100), 0)) << "fresh memory must read as zero";
+
+  // A second range: the first keeps its bytes, the new chunks read as zero.
+  ASSERT_EQ(back({{2 * kChunk + 100, 1000}, {5 * kChunk, 3 * kChunk}}), 0) << why_;
+  EXPECT_EQ(dev_->backed_bytes(), 4 * kChunk);
+  EXPECT_TRUE(all(read(5 * kChunk, 3 * kChunk), 0));
+  EXPECT_EQ(read(2 * kChunk + 100, 1000), pattern);
+
+  // Nothing held: the card has its memory back.
+  ASSERT_EQ(back({}), 0) << why_;
+  EXPECT_EQ(dev_->backed_bytes(), 0u);
+  EXPECT_EQ(card_free(), free0);
+
+  // Backed again, the chunk holds nothing of its last owner.
+  ASSERT_EQ(back({{2 * kChunk, kChunk}}), 0) << why_;
+  EXPECT_TRUE(all(read(2 * kChunk, kChunk), 0));
+}
+
+TEST_F(CudaBackingTest, BackingPastTheCardFailsWithENOMEMAndKeepsWhatIsBacked) {
+  CudaOptions o;
+  o.arena_bytes = Bytes{256} << 20;
+  open_backed(o);
+  if (IsSkipped()) return;
+  // Another process's memory, as far as salusd can tell: all but 64 MiB of the card.
+  const std::size_t free0 = card_free();
+  ASSERT_GT(free0, Bytes{128} << 20);
+  CUdeviceptr outside = 0;
+  ASSERT_EQ(drv_->mem_alloc(&outside, free0 - (Bytes{64} << 20)), CUDA_SUCCESS);
+  ASSERT_EQ(back({{0, Bytes{4} << 20}}), 0) << why_;
+  std::vector<std::uint8_t> pattern(4096, 0x77);
+  write(0, pattern.data(), pattern.size());
+
+  EXPECT_EQ(back({{0, Bytes{4} << 20}, {Bytes{16} << 20, Bytes{128} << 20}}), ENOMEM);
+  EXPECT_NE(why_.find("backing 128 MiB of the arena at 16 MiB"), std::string::npos) << why_;
+  EXPECT_NE(why_.find("outside salusd"), std::string::npos) << why_;
+  EXPECT_LT(dev_->backed_bytes(), Bytes{132} << 20);
+  EXPECT_EQ(read(0, pattern.size()), pattern) << "what was backed keeps its bytes";
+
+  ASSERT_EQ(drv_->mem_free(outside), CUDA_SUCCESS);
+  ASSERT_EQ(back({{0, Bytes{4} << 20}, {Bytes{16} << 20, Bytes{128} << 20}}), 0) << why_;
+  EXPECT_EQ(dev_->backed_bytes(), Bytes{132} << 20);
+  EXPECT_TRUE(all(read(Bytes{16} << 20, Bytes{128} << 20), 0));
+  EXPECT_EQ(read(0, pattern.size()), pattern);
 }

@@ -1,0 +1,61 @@
+// The cuda arena backed on demand: one virtual address reservation the size of
+// the arena, with physical memory (one cuMemCreate handle per chunk) mapped only
+// where salusd holds memory. What salusd does not hold stays with the card, for
+// attached programs, whose memory is their own (docs/design.md, "The arena backed
+// on demand"). Not thread-safe: CudaDevice serializes the calls.
+#pragma once
+
+#include <cuda.h>
+
+#include <vector>
+
+#include "arena/backing_plan.hpp"
+#include "vgpu/cuda/cuda_driver.hpp"
+#include "vgpu/device.hpp"
+
+namespace salus::vgpu::cuda {
+
+class VmmArena {
+ public:
+  // Whether the driver and the GPU can back an arena on demand (the VMM calls and
+  // CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED).
+  static bool supported(const CudaDriver& drv, CUdevice device);
+
+  VmmArena(const CudaDriver& drv, CUdevice device, Bytes chunk);
+  // Frees nothing: release() first while the context is healthy; after a lost
+  // context the driver's teardown took everything.
+  ~VmmArena() = default;
+  VmmArena(const VmmArena&) = delete;
+  VmmArena& operator=(const VmmArena&) = delete;
+
+  // Reserves `size` bytes (rounded up to the chunk) of address space, nothing backed.
+  CUresult reserve(Bytes size);
+  CUdeviceptr base() const { return base_; }
+  Bytes chunk() const { return chunk_; }
+  const std::vector<bool>& backed() const { return backed_; }
+  Bytes backed_bytes() const { return backed_count_ * chunk_; }
+
+  // Backs the run's chunks: cuMemCreate, cuMemMap, cuMemSetAccess. Stops at the
+  // first failure; the chunks mapped before it stay mapped. Fresh memory holds
+  // anything: the caller clears it.
+  CUresult map(const arena::ChunkRun& run);
+  // Unmaps and releases the run's chunks. Work that used them must be over.
+  void unmap(const arena::ChunkRun& run);
+  // Unmaps everything and frees the reservation (a healthy context).
+  void release();
+  // After a context reset: the handles and the reservation went with the context;
+  // nothing is backed, and the return value says what was.
+  std::vector<bool> forget();
+
+ private:
+  const CudaDriver& drv_;
+  const CUdevice device_;
+  const Bytes chunk_;
+  CUdeviceptr base_ = 0;
+  Bytes size_ = 0;
+  std::vector<CUmemGenericAllocationHandle> handles_;  // per chunk; 0: not backed
+  std::vector<bool> backed_;
+  std::uint64_t backed_count_ = 0;
+};
+
+}  // namespace salus::vgpu::cuda
