@@ -53,7 +53,7 @@ start_salusd() {
   mkdir -p "$work/mnt"
   # Half the card for the arena, half for the programs' own memory beside it
   # (design.md, Placement in the arena).
-  "$salusd" --backend cuda --cuda-memory-fraction "${SALUS_EVAL_ARENA_FRACTION:-0.5}" \
+  "$salusd" --backend cuda --cuda-memory-fraction "${SALUS_EVAL_ARENA_FRACTION:-0.9}" \
     --policy fair --mount "$work/mnt" --state-dir "" \
     --mps-dir "$work/mps" "$@" >"$log" 2>&1 &
   daemon_pid=$!

@@ -35,9 +35,9 @@
 #               job's losses against the same job run alone
 #
 # On a GPU salusd runs the cuda backend with --cuda-memory-fraction
-# SALUS_EVAL_ARENA_FRACTION (0.5): attached jobs allocate beside the arena, so
-# their needs must be both admitted and free on the card (design.md, Placement
-# in the arena); oversub runs a sim-backend salusd sized to the card instead.
+# SALUS_EVAL_ARENA_FRACTION (0.9) and its arena backed on demand, so the card
+# memory salusd does not hold is the attached jobs' (design.md, The arena backed
+# on demand); oversub runs a sim-backend salusd sized to the card instead.
 #
 # --dry-run: the same steps on the CPU with tiny models against a sim-backend
 # salusd (fewer jobs, seconds not minutes, compile/graphs/expandable segments
@@ -71,7 +71,7 @@ else
   # The arena takes its fraction of the card up front and attached programs
   # allocate beside it (design.md, Placement in the arena): half and half lets
   # the jobs' needs be admitted and also be free on the card.
-  dev=(--device cuda) backend=(--backend cuda --cuda-memory-fraction "${SALUS_EVAL_ARENA_FRACTION:-0.5}")
+  dev=(--device cuda) backend=(--backend cuda --cuda-memory-fraction "${SALUS_EVAL_ARENA_FRACTION:-0.9}")
   steps=100 tput_steps=300 fair_s=${SALUS_FAIR_S:-60} infer_n=${SALUS_INFER_N:-42}
   infer_iters=500 warm=20 modes=(eager compile graphs) alloc_confs=(default expandable)
   trace_scale=10

@@ -51,7 +51,8 @@ struct Settings {
   std::string config;
   std::uint32_t pipeline_depth = 2;
   double cuda_memory_fraction = 0.9;
-  std::string gpu_isolation = "auto";  // process for cuda, thread for sim
+  std::string cuda_arena = "on-demand";  // or up-front
+  std::string gpu_isolation = "auto";    // process for cuda, thread for sim
   int shutdown_grace_ms = 5000;
   salus::vgpu::Quotas quotas;
   std::string transfer_chunk = "16M";
@@ -184,6 +185,7 @@ bool load_config(const std::string& path, Settings& s, std::string& why) {
   s.swap_dir = t["swap_dir"].value_or(s.swap_dir);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
+  s.cuda_arena = t["cuda"]["arena"].value_or(s.cuda_arena);
   s.gpu_isolation = t["gpu_isolation"].value_or(s.gpu_isolation);
   s.sim_memory = t["sim"]["memory"].value_or(s.sim_memory);
   auto& q = s.quotas;
@@ -235,6 +237,8 @@ bool validate(const Settings& s, std::string& why) {
   if (!(s.cuda_memory_fraction > 0.0 && s.cuda_memory_fraction <= 1.0))
     return bad(fmt::format("cuda memory_fraction {}: expected more than 0 and at most 1",
                            s.cuda_memory_fraction));
+  if (!one_of(s.cuda_arena, {"on-demand", "up-front"}))
+    return bad(fmt::format("cuda arena '{}': expected on-demand or up-front", s.cuda_arena));
   if (s.quotas.bytes_per_write < 64 || s.quotas.bytes_per_write > 1024 * 1024)
     return bad(
         fmt::format("quotas.bytes_per_write {}: expected 64 to 1048576", s.quotas.bytes_per_write));
@@ -322,6 +326,12 @@ void add_flags(CLI::App& flags, Settings& s) {
                    "between a session's transfers, e.g. 4G; 0 maps each for its transfer alone");
   flags.add_option("--cuda-memory-fraction", s.cuda_memory_fraction,
                    "Share of each GPU's free memory salusd reserves for its arena (cuda)");
+  flags
+      .add_option("--cuda-arena", s.cuda_arena,
+                  "on-demand: the arena takes card memory only where salusd holds lanes and "
+                  "buffers, leaving the rest to attached programs (VMM; up-front where the "
+                  "driver lacks it); up-front: one allocation of the whole arena at start")
+      ->check(CLI::IsMember({"on-demand", "up-front"}));
   flags.add_option("--metrics-listen", s.metrics_listen,
                    "Serve GET /metrics (the text of /salus/metrics) over HTTP on [ADDRESS:]PORT; "
                    "without an address, on 127.0.0.1 (loopback) only. Default: off");
@@ -391,6 +401,7 @@ bool open_cuda(const Settings& s, const salus::vgpu::executor::RemoteOptions& ro
                std::string& why) {
   salus::vgpu::CudaOptions co;
   co.memory_fraction = s.cuda_memory_fraction;
+  co.back_on_demand = s.cuda_arena == "on-demand";
   std::string not_found;
   if (s.gpu_isolation == "thread") {
     d.list = salus::vgpu::open_cuda_devices(co, not_found);
@@ -418,6 +429,7 @@ bool open_devices(const Settings& s, salus::arena::Bytes sim_memory, Devices& d,
   salus::vgpu::executor::RemoteOptions ro;
   ro.executor.sim_memory = sim_memory;
   ro.executor.cuda_memory_fraction = s.cuda_memory_fraction;
+  ro.executor.cuda_back_on_demand = s.cuda_arena == "on-demand";
   ro.executor.log_level = s.log_level;
   if ((d.backend == "cuda" || d.backend == "auto") && !open_cuda(s, ro, d, why)) return false;
   if (d.backend == "sim" && s.gpu_isolation == "process") {

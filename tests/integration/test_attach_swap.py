@@ -438,17 +438,27 @@ def attach_python_gate(s):
     return gate
 
 
-@pytest.mark.parametrize("fraction", ["0.9", "0.5"])
-def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(fraction):
-    """On the cuda backend (the mock's card: 512 MiB) the arena takes its
-    fraction up front and attached programs allocate beside it: two budgets of
-    40M fit beside an arena of half the card, but not beside one of 90%
-    (about 51 MiB left), and the second attach says so and names the flag."""
+def cuda_salusd(*flags):
+    """A salusd on the cuda backend over the mock driver (its card: 512 MiB)."""
     from conftest import Salusd
-    d = Salusd(["--cuda-memory-fraction", fraction])
+    d = Salusd(list(flags))
     d.args[d.args.index("--backend") + 1] = "cuda"
     d.env = {**os.environ, "LD_LIBRARY_PATH": MOCK_DIR}
     d.start(timeout=120)
+    return d
+
+
+@pytest.mark.parametrize("arena,fraction,warns", [("up-front", "0.9", True),
+                                                  ("up-front", "0.5", False),
+                                                  ("on-demand", "0.9", False)])
+def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(arena, fraction,
+                                                                            warns):
+    """With the arena allocated up front, attached programs allocate beside it:
+    two budgets of 40M fit beside an arena of half the card, but not beside one
+    of 90% (about 51 MiB left), and the second attach says so and names the
+    flag. Backed on demand (the default), the arena takes only what salusd
+    holds, so nothing needs saying."""
+    d = cuda_salusd("--cuda-memory-fraction", fraction, "--cuda-arena", arena)
     sessions, gates = [], []
     try:
         for _ in range(2):
@@ -459,7 +469,7 @@ def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(fra
         first, second = (s.read("log") for s in sessions)
         assert "attached gate=" in first and "attached gate=" in second, (first, second)
         assert "warning" not in first, first
-        if fraction == "0.9":
+        if warns:
             assert "budgets of 80.0M in all, but only" in second, second
             assert "--cuda-memory-fraction" in second, second
         else:
@@ -469,4 +479,50 @@ def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(fra
             g.close()
         for s in sessions:
             s.close()
+        d.stop()
+
+
+def memory_of(d, key):
+    for line in open(os.path.join(d.mnt, "gpus/0/memory")):
+        k, _, v = line.partition(": ")
+        if k == key:
+            return v.strip()
+    raise KeyError(key)
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_the_cuda_arena_is_backed_only_where_salusd_holds_memory(isolation):
+    """Backed on demand, the arena's card memory follows what salusd holds: a
+    buffer is backed (its bytes kept, fresh bytes zero), attached sessions'
+    needs are not, and memory that is freed goes back to the card."""
+    d = cuda_salusd("--cuda-memory-fraction", "0.9", "--gpu-isolation", isolation)
+    s = hosted = gate = None
+    try:
+        assert memory_of(d, "backing") == "on-demand"
+        assert memory_of(d, "backed") == "0"
+        s = Session(d)
+        s.cmd("need persistent=200M ephemeral=0 gpu=0\n")
+        gate = attach_python_gate(s)
+        assert memory_of(d, "backed") == "0", "an attached need holds no arena memory"
+        hosted = Session(d)
+        hosted.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+        hosted.cmd("alloc w 3M\n")
+        with open(hosted.file("mem/w"), "r+b") as f:
+            assert f.read(3 << 20) == bytes(3 << 20), "fresh memory reads as zero"
+            f.seek(0)
+            f.write(b"\x5a" * 4096)
+        with open(hosted.file("mem/w"), "rb") as f:
+            assert f.read(4096) == b"\x5a" * 4096
+        assert memory_of(d, "backed") == str(4 << 20), "3M in two 2 MiB chunks"
+        assert memory_of(d, "backing_wait") == "-"
+        hosted.cmd("free w\n")
+        wait_until(lambda: memory_of(d, "backed") == "0", timeout=10)
+        hosted.cmd("alloc v 1M\n")
+        assert memory_of(d, "backed") == str(2 << 20)
+    finally:
+        if gate:
+            gate.close()
+        for x in (s, hosted):
+            if x:
+                x.close()
         d.stop()

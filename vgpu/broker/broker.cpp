@@ -1021,6 +1021,11 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& su
                                     arena::format_size(s.need.persistent), s.gpu,
                                     arena::format_size(g.sched.arena().memory().free)));
   }
+  if (!backing_ready(g)) {
+    g.sched.arena().free_persistent(r.handle);
+    return fail(ENOMEM,
+                fmt::format("gpu {} has no card memory to back it: {}", s.gpu, g.backing_why));
+  }
   Buffer b;
   b.id = s.next_buffer_id++;
   b.name = c.name;
@@ -1679,6 +1684,8 @@ void Broker::dispatch(Gpu& g, Deferred& later) {
     explicit Batch(Device& dev) : d(dev) { d.begin_batch(); }
     ~Batch() { d.end_batch(); }
   } batch(*g.device);
+  // Memory freed since the last pass goes back to the card (and new ranges get theirs).
+  backing_ready(g);
   compact(g);
   std::uint32_t budget = kInlineBudget;
   bool progress = true;
@@ -1804,6 +1811,8 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
         later);
     return true;
   }
+  // A lane placed or moved since the last pass needs memory behind it first.
+  if (!it.ops.empty() && !backing_ready(g)) return false;
   --item.remaining;
   ++item.outstanding;
   if (it.ops.empty() && s->in_flight == 0) {
@@ -1842,24 +1851,36 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
 // The session is not dispatched until its copies are done.
 void Broker::compact(Gpu& g) {
   arena::GpuArena& ar = g.sched.arena();
+  // Moves planned earlier whose destinations had no memory behind them yet.
+  if (!g.unbacked_moves.empty() && backing_ready(g)) {
+    auto waiting = std::move(g.unbacked_moves);
+    g.unbacked_moves.clear();
+    for (auto& [id, moves] : waiting) start_moves(g, id, moves);
+  }
   if (!ar.compaction_pending()) return;
   for (auto& [id, sp] : sessions_) {
     Session& s = *sp;
     if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0 || s.transferring ||
         s.swapping)
       continue;
-    const auto moves = ar.session_idle(s.id);
+    auto moves = ar.session_idle(s.id);
     if (moves.empty()) continue;
-    if (!g.move_stream) g.move_stream = g.device->create_stream();
-    for (const arena::PersistentMove& m : moves)
-      g.device->copy(*g.move_stream, m.to, m.from, m.size);
-    const std::uint64_t token = next_token_++;
-    g.move_tokens.emplace(token, s.id);
-    s.moving = true;
+    s.moving = true;  // until the copies are done, whenever they start
     update_runnable(g, s);
-    g.device->notify(*g.move_stream, token);
+    if (backing_ready(g))
+      start_moves(g, s.id, moves);
+    else
+      g.unbacked_moves.emplace_back(s.id, std::move(moves));
     if (!ar.compaction_pending()) break;
   }
+}
+
+void Broker::start_moves(Gpu& g, SessionId id, const std::vector<arena::PersistentMove>& moves) {
+  if (!g.move_stream) g.move_stream = g.device->create_stream();
+  for (const arena::PersistentMove& m : moves) g.device->copy(*g.move_stream, m.to, m.from, m.size);
+  const std::uint64_t token = next_token_++;
+  g.move_tokens.emplace(token, id);
+  g.device->notify(*g.move_stream, token);
 }
 
 void Broker::finish_compaction(Gpu& g, const Completion& c, Deferred& later) {

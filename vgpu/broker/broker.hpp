@@ -335,6 +335,12 @@ class Broker {
   void emit_ops(Gpu& g, StreamId stream, Bytes base, WorkItem& item);
   void complete(Gpu& g, const Completion& c, Deferred& later);
   void compact(Gpu& g);
+  void start_moves(Gpu& g, SessionId id, const std::vector<arena::PersistentMove>& moves);
+  // The arena backed on demand (broker_backing.cpp): whether every range held in
+  // g's arena has memory behind it, telling the device when the layout changed.
+  // False (logged, retried by the next pass) while the card has no room.
+  bool backing_ready(Gpu& g);
+  std::vector<arena::ByteRange> held_ranges(const Gpu& g) const;
   void finish_compaction(Gpu& g, const Completion& c, Deferred& later);
   void finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std::int64_t device_ns,
                        Deferred& later);
@@ -370,6 +376,7 @@ class Broker {
   int swap_in(Gpu& g, Session& s);
   int hosted_swap_out(Gpu& g, Session& s);
   int hosted_swap_in(Gpu& g, Session& s);
+  int undo_swap_in(Gpu& g, Session& s);
   int attached_swap_out(Gpu& g, Session& s);
   int attached_swap_in(Gpu& g, Session& s);
   void attached_residency_done(Gpu& g, Session& s, Deferred& later);

@@ -124,6 +124,12 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
                                   ? "persistent memory is fragmented; retry shortly"
                                   : "persistent memory exhausted under the safety condition"));
           err = r.error == arena::ArenaError::fragmented ? EAGAIN : ENOMEM;
+        } else if (!backing_ready(g)) {
+          g.sched.arena().free_persistent(r.handle);
+          log(*s, fmt::format("mem/{}: resize to {} failed: gpu {} has no card memory to back "
+                              "it: {}",
+                              b.name, size, s->gpu, g.backing_why));
+          err = ENOMEM;
         } else {
           fresh = r.handle;
           g.device->discard(r.offset, arena::align_up(size));

@@ -67,8 +67,8 @@ void Broker::set_budget(Session& s) {
   s.gate->wake();
 }
 
-// On the cuda backend the arena holds its share of the card from the start,
-// and attached programs allocate in their own contexts beside it (design.md,
+// On the cuda backend without VMM the arena holds its share of the card from
+// the start, and attached programs allocate in their own contexts beside it (design.md,
 // *Placement in the arena*): admission counts their needs against the arena,
 // but the bytes must also be free outside it, or the driver refuses an
 // allocation that the budget allows. Said once per attach, where the user
@@ -76,6 +76,9 @@ void Broker::set_budget(Session& s) {
 void Broker::note_memory_outside_arena(const Gpu& g, Session& s, std::uint32_t ln) {
   const DeviceInfo& d = g.device->info();
   if (d.backend != "cuda") return;  // sim: attached programs use another driver's memory
+  // Backed on demand, the arena takes only what salusd holds, and admission keeps
+  // that plus the budgets within the arena's size, so the card has room for both.
+  if (d.backs_on_demand) return;
   Bytes budgets = 0;
   for (const SessionId id : attached_) {
     const Session* o = get(id);

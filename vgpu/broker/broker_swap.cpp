@@ -191,6 +191,7 @@ int Broker::hosted_swap_in(Gpu& g, Session& s) {
   const arena::ArenaError e = ar.swap_in(s.id, placed);
   if (e == arena::ArenaError::fragmented) kick(g);
   if (e != arena::ArenaError::ok) return EAGAIN;
+  if (!backing_ready(g)) return undo_swap_in(g, s);
   Gpu::SwapJob job;
   job.session = s.id;
   job.out = false;
@@ -222,6 +223,16 @@ int Broker::hosted_swap_in(Gpu& g, Session& s) {
   return 0;
 }
 
+// The placed session had no card memory behind its ranges (backing_ready): it
+// goes back to swapped at once, its copies untouched, and the planner tries
+// again on a later pass.
+int Broker::undo_swap_in(Gpu& g, Session& s) {
+  arena::GpuArena& ar = g.sched.arena();
+  std::vector<arena::SwapBuffer> ranges;
+  if (ar.begin_swap_out(s.id, ranges)) ar.finish_swap_out(s.id, now());
+  return EAGAIN;
+}
+
 // Swap-in of a spilled session: staging blocks first (EAGAIN without them, nothing
 // changed), then its buffers are placed and the spill thread reads the file into
 // the blocks; the copy to the device starts when that read completes (finish_swap).
@@ -237,6 +248,7 @@ int Broker::spill_swap_in(Gpu& g, Session& s) {
   const arena::ArenaError e = ar.swap_in(s.id, placed);
   if (e == arena::ArenaError::fragmented) kick(g);
   if (e != arena::ArenaError::ok) return EAGAIN;
+  if (!backing_ready(g)) return undo_swap_in(g, s);
   Gpu::SwapJob job;
   job.session = s.id;
   job.out = false;

@@ -275,12 +275,15 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       "free: {}\nlargest_hole: {}\nfragmentation: {:.3f}\nqueued: {}\n"
       "persistent_bytes_moved: {}\nlane_moves: {}\n"
       "oversubscribe: {}\nadmit_capacity: {}\nresident: {}\nswapped: {}\nhost_swapped: {}\n"
-      "spilled: {}\n",
+      "spilled: {}\nbacking: {}\nbacked: {}\nbacking_wait: {}\n",
       m.capacity, m.persistent_used, m.persistent_reserved, m.lane_total, m.lanes, m.free,
       m.largest_hole, m.fragmentation, m.queued, st.persistent_bytes_moved, st.lane_moves,
       gpus_[gi]->sched.arena().options().oversubscribe, m.admit_capacity,
       m.persistent_used - m.swapped, m.swapped, gpus_[gi]->host_swapped,
-      gpus_[gi]->spill ? gpus_[gi]->spill->bytes_reserved() : 0);
+      gpus_[gi]->spill ? gpus_[gi]->spill->bytes_reserved() : 0,
+      gpus_[gi]->device->info().backs_on_demand ? "on-demand" : "up-front",
+      gpus_[gi]->device->backed_bytes(),
+      gpus_[gi]->backing_why.empty() ? std::string("-") : gpus_[gi]->backing_why);
 }
 
 std::string Broker::render_gpu_lanes(std::size_t gi) const {

@@ -1,0 +1,180 @@
+// The arena backed on demand, seen from the broker: a device that backs on
+// demand (a sim device behind a wrapper that keeps the backed chunks) must never
+// get an op on memory that is not backed, gets freed memory back, and a card
+// with no room fails an allocation with a clear error and loses nothing.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cerrno>
+#include <mutex>
+
+#include "arena/backing_plan.hpp"
+#include "tests/support/broker_driver.hpp"
+#include "vgpu/broker/broker.hpp"
+#include "vgpu/sim/sim_device.hpp"
+
+using namespace salus;
+using namespace salus::vgpu;
+
+namespace {
+
+constexpr Bytes kChunk = Bytes{2} << 20;
+
+// Forwards to a SimDevice; keeps the chunks set_backing backed and counts every
+// op that touches a byte outside them.
+class BackingDevice final : public Device {
+ public:
+  explicit BackingDevice(Bytes memory) : sim_(0, memory), info_(sim_.info()) {
+    info_.backs_on_demand = true;
+  }
+  const DeviceInfo& info() const override { return info_; }
+  void set_sink(CompletionSink* sink) override { sim_.set_sink(sink); }
+  StreamId create_stream() override { return sim_.create_stream(); }
+  void destroy_stream(StreamId s) override { sim_.destroy_stream(s); }
+  void fill(StreamId s, DevOffset dst, Bytes n, std::uint32_t pattern, unsigned width) override {
+    touch(dst, n);
+    sim_.fill(s, dst, n, pattern, width);
+  }
+  void copy(StreamId s, DevOffset dst, DevOffset src, Bytes n) override {
+    touch(dst, n);
+    touch(src, n);
+    sim_.copy(s, dst, src, n);
+  }
+  void spin(StreamId s, std::uint64_t usec, double util) override { sim_.spin(s, usec, util); }
+  void gemm(StreamId s, std::uint32_t m, std::uint32_t n, std::uint32_t k, DevOffset a, DevOffset b,
+            DevOffset c) override {
+    sim_.gemm(s, m, n, k, a, b, c);
+  }
+  void copy_to_host(StreamId s, void* host, DevOffset src, Bytes n) override {
+    touch(src, n);
+    sim_.copy_to_host(s, host, src, n);
+  }
+  void copy_from_host(StreamId s, DevOffset dst, const void* host, Bytes n) override {
+    touch(dst, n);
+    sim_.copy_from_host(s, dst, host, n);
+  }
+  void notify(StreamId s, std::uint64_t token) override { sim_.notify(s, token); }
+  void discard(DevOffset offset, Bytes n) override {
+    touch(offset, n);
+    sim_.discard(offset, n);
+  }
+  std::int64_t busy_ns() const override { return sim_.busy_ns(); }
+
+  int set_backing(const std::vector<arena::ByteRange>& held, std::string& why) override {
+    std::lock_guard lk(mu_);
+    ++calls_;
+    const auto wanted = arena::chunks_covering(held, kChunk);
+    std::vector<bool> next(info_.arena_size / kChunk + 1);
+    for (const arena::ChunkRun& r : wanted)
+      for (std::uint64_t i = r.first; i < r.first + r.count; ++i) next[i] = true;
+    Bytes add = 0;
+    for (std::size_t i = 0; i < next.size(); ++i)
+      if (next[i] && !(i < backed_.size() && backed_[i])) add += kChunk;
+    if (add > 0 && room_ < ~Bytes{0} && backed_bytes_locked() + add > room_) {
+      why = "no room on the card";
+      return ENOMEM;
+    }
+    backed_ = std::move(next);
+    return 0;
+  }
+  Bytes backed_bytes() const override {
+    std::lock_guard lk(mu_);
+    return backed_bytes_locked();
+  }
+
+  void limit_room(Bytes room) {
+    std::lock_guard lk(mu_);
+    room_ = room;
+  }
+  int violations() const { return violations_.load(); }
+  int calls() const {
+    std::lock_guard lk(mu_);
+    return calls_;
+  }
+
+ private:
+  Bytes backed_bytes_locked() const {
+    Bytes n = 0;
+    for (bool b : backed_) n += b ? kChunk : 0;
+    return n;
+  }
+  void touch(DevOffset offset, Bytes n) {
+    if (n == 0) return;
+    std::lock_guard lk(mu_);
+    for (Bytes i = offset / kChunk; i <= (offset + n - 1) / kChunk; ++i)
+      if (i >= backed_.size() || !backed_[i]) {
+        ++violations_;
+        return;
+      }
+  }
+
+  SimDevice sim_;
+  DeviceInfo info_;
+  mutable std::mutex mu_;
+  std::vector<bool> backed_;
+  Bytes room_ = ~Bytes{0};
+  int calls_ = 0;
+  std::atomic<int> violations_{0};
+};
+
+const Caller kAlice{1000, 1000, 0, false};
+
+struct Fixture {
+  BackingDevice* dev = nullptr;
+  std::unique_ptr<Broker> broker;
+  Fixture() {
+    auto d = std::make_unique<BackingDevice>(Bytes{64} << 20);
+    dev = d.get();
+    std::vector<std::unique_ptr<Device>> devs;
+    devs.push_back(std::move(d));
+    broker = std::make_unique<Broker>(std::move(devs), BrokerConfig{});
+  }
+  std::pair<int, std::string> run(SessionId id, const std::string& text) {
+    return test::run_commands(*broker, id, text, kAlice);
+  }
+};
+
+TEST(BrokerBacking, NoOpEverTouchesMemoryThatIsNotBacked) {
+  Fixture f;
+  EXPECT_EQ(f.dev->backed_bytes(), 0u);
+  std::vector<SessionId> ids;
+  for (int i = 0; i < 3; ++i) {
+    const auto id = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+    ids.push_back(id);
+    ASSERT_EQ(f.run(id, "need persistent=8M ephemeral=4M\nalloc a 3M\nalloc b 1M\n").first, 0);
+    ASSERT_EQ(f.run(id,
+                    "fill a 7 dtype=i32\nbegin\nfill b 1 dtype=u8\ncopy b a 4096\n"
+                    "end x20\nfree a\nalloc c 5M\nfill c 3 dtype=u8\n")
+                  .first,
+              0);
+  }
+  for (SessionId id : ids) ASSERT_EQ(test::wait_session(*f.broker, id).first, 0);
+  EXPECT_EQ(f.dev->violations(), 0);
+  EXPECT_GT(f.dev->backed_bytes(), 0u);
+  for (SessionId id : ids) f.broker->end_session(id);
+  // The next pass gives everything back to the card.
+  const auto id = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(id, "need persistent=1M ephemeral=0\nalloc z 4K\n").first, 0);
+  EXPECT_EQ(f.dev->backed_bytes(), kChunk);
+  EXPECT_EQ(f.dev->violations(), 0);
+}
+
+TEST(BrokerBacking, ACardWithNoRoomFailsTheAllocationClearlyAndLosesNothing) {
+  Fixture f;
+  const auto id = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(id, "need persistent=32M ephemeral=0\nalloc a 4M\nfill a 9 dtype=u8\n").first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, id).first, 0);
+  f.dev->limit_room(Bytes{6} << 20);
+  auto [err, reply] = f.run(id, "alloc b 4M\n");
+  EXPECT_EQ(err, ENOMEM);
+  EXPECT_NE(f.broker->render_log(id).find("has no card memory to back it: no room on the card"),
+            std::string::npos)
+      << f.broker->render_log(id);
+  f.dev->limit_room(~Bytes{0});
+  ASSERT_EQ(f.run(id, "alloc b 4M\ncopy b a 4M\n").first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, id).first, 0);
+  EXPECT_EQ(f.dev->violations(), 0);
+  EXPECT_EQ(f.dev->backed_bytes(), Bytes{8} << 20);
+}
+
+}  // namespace
