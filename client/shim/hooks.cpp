@@ -217,6 +217,13 @@ extern "C" SALUS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, std::size_t n) {
 extern "C" SALUS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr* p, std::size_t* pitch,
                                                     std::size_t width, std::size_t height,
                                                     unsigned elem) {
+  const bool pitch_ok = (elem == 4 || elem == 8 || elem == 16) && pitch != nullptr;
+  // Rows padded to 512 bytes, which meets every GPU's texture pitch alignment.
+  if (pitch_ok && p != nullptr && width != 0 && height != 0 &&
+      lane_try_alloc(p, round_up(width, 512) * height)) {
+    *pitch = round_up(width, 512);
+    return CUDA_SUCCESS;
+  }
   if (swap_enabled()) {
     // Rows padded to 512 bytes, which meets every GPU's texture pitch alignment.
     if ((elem != 4 && elem != 8 && elem != 16) || pitch == nullptr) return CUDA_ERROR_INVALID_VALUE;
@@ -281,6 +288,11 @@ CUstream own_stream(CUstream s) {
 }
 template <int Slot>
 CUresult alloc_async(CUdeviceptr* p, std::size_t n, CUstream s) {
+  // From the lane, unless captured into a graph (whose allocation node must stay
+  // the driver's): at once, which is also in the stream's order.
+  if (p != nullptr && n != 0 && lane_serves_allocs() && !stream_capturing(own_stream<Slot>(s)) &&
+      lane_try_alloc(p, n))
+    return CUDA_SUCCESS;
   // Movable (SALUS_SWAP=1), unless captured into a graph: the graph's own
   // allocation node must stay the driver's.
   if (swap_enabled() && !stream_capturing(own_stream<Slot>(s)))
@@ -300,6 +312,7 @@ CUresult alloc_from_pool_async(CUdeviceptr* p, std::size_t n, CUmemoryPool pool,
 // driver's own free figure in cuMemGetInfo still bounds what is left.
 template <int Slot>
 CUresult free_async(CUdeviceptr p, CUstream s) {
+  if (CUresult lr; lane_try_free_async(p, own_stream<Slot>(s), &lr)) return lr;
   if (CUresult mr; movable_free_async(p, own_stream<Slot>(s), &mr)) {
     if (mr == CUDA_SUCCESS) refund(untrack(p));
     return mr;

@@ -56,6 +56,14 @@ struct LaneDriver {
   CUresult (*granularity)(std::size_t*, const CUmemAllocationProp*,
                           CUmemAllocationGranularity_flags) = nullptr;
   CUresult (*copy)(CUdeviceptr, CUdeviceptr, std::size_t) = nullptr;  // cuMemcpyDtoD_v2
+  // For stream-ordered frees of lane blocks (cuMemFreeAsync); events_ok says all
+  // are there, else such a free is a synchronous one.
+  bool events_ok = false;
+  CUresult (*event_create)(CUevent*, unsigned) = nullptr;
+  CUresult (*event_record)(CUevent, CUstream) = nullptr;
+  CUresult (*event_query)(CUevent) = nullptr;
+  CUresult (*event_synchronize)(CUevent) = nullptr;
+  CUresult (*event_destroy)(CUevent) = nullptr;
 };
 const LaneDriver& lane_driver() {
   static const LaneDriver v = [] {
@@ -80,6 +88,12 @@ const LaneDriver& lane_driver() {
     get("cuMemGetAllocationGranularity", r.granularity);
     get("cuMemcpyDtoD", r.copy);
     r.promote_ok = ok && r.ok;
+    get("cuEventCreate", r.event_create);
+    get("cuEventRecord", r.event_record);
+    get("cuEventQuery", r.event_query);
+    get("cuEventSynchronize", r.event_synchronize);
+    get("cuEventDestroy", r.event_destroy);
+    r.events_ok = ok && r.ok;
     return r;
   }();
   return v;
@@ -92,6 +106,9 @@ struct Block {
   std::size_t off;
   std::size_t len;
   bool hooked;  // cuMemAlloc (promoted at the boundary), not salus_lane_alloc
+  // Freed with cuMemFreeAsync: the block's room is free once this event, recorded
+  // on the freeing stream, has completed (reclaim_locked).
+  CUevent freed = nullptr;
 };
 
 // A former lane reservation that holds promoted blocks: each granule with a
@@ -169,7 +186,7 @@ bool wanted() {
 
 bool has_hooked_locked(const Lane& L) {
   for (std::size_t i = 0; i < L.nblocks; ++i)
-    if (L.blocks[i].hooked) return true;
+    if (L.blocks[i].hooked && L.blocks[i].freed == nullptr) return true;
   return false;
 }
 
@@ -191,6 +208,30 @@ class CtxScope {
   CUcontext ctx_;
   CUcontext prev_ = nullptr;
 };
+
+// Ends the blocks whose stream-ordered free has happened on the device; with
+// `wait`, all of them, waiting for their streams (before a boundary promotes the
+// live blocks or the lane is given up: a freed block is never the program's again).
+void reclaim_locked(Lane& L, bool wait) {
+  const LaneDriver& d = lane_driver();
+  const bool any = std::any_of(L.blocks, L.blocks + L.nblocks,
+                               [](const Block& b) { return b.freed != nullptr; });
+  if (!any) return;
+  CtxScope scope(L.ctx);
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < L.nblocks; ++i) {
+    Block& b = L.blocks[i];
+    if (b.freed != nullptr) {
+      const CUresult r = wait ? d.event_synchronize(b.freed) : d.event_query(b.freed);
+      if (r != CUDA_ERROR_NOT_READY) {  // done, or the context is gone: either way over
+        d.event_destroy(b.freed);
+        continue;
+      }
+    }
+    L.blocks[kept++] = b;
+  }
+  L.nblocks = kept;
+}
 
 void note_once(Lane& L, const char* what, CUresult r) {
   if (L.reported_fail) return;
@@ -238,6 +279,7 @@ void unmap_locked(Lane& L) {
   {
     CtxScope scope(L.ctx);
     d.ctx_synchronize();  // the lane's bytes are the next session's once reported
+    reclaim_locked(L, true);
     d.unmap(L.base, L.reserved);
   }
   L.mapped_gen = 0;
@@ -275,6 +317,7 @@ void keep_locked(Lane& L) {
 
 // Gives up the current mapping: kept if cuMemAlloc blocks live in it.
 void let_go_locked(Lane& L) {
+  if (L.mapped_gen != 0) reclaim_locked(L, true);
   if (L.mapped_gen != 0 && has_hooked_locked(L))
     keep_locked(L);
   else
@@ -354,6 +397,7 @@ bool map_locked(Lane& L, salus_gate* g, std::uint32_t gen) {
 
 // First fit in the gaps between the sorted blocks.
 int alloc_locked(Lane& L, std::size_t n, CUdeviceptr* p, bool hooked) {
+  reclaim_locked(L, false);
   if (L.nblocks == kMaxBlocks) return -ENOMEM;
   const std::size_t len = (n + kAlign - 1) / kAlign * kAlign;
   std::size_t at = 0, i = 0;
@@ -363,7 +407,7 @@ int alloc_locked(Lane& L, std::size_t n, CUdeviceptr* p, bool hooked) {
   }
   if (len > L.reserved - at) return -ENOMEM;
   for (std::size_t j = L.nblocks; j > i; --j) L.blocks[j] = L.blocks[j - 1];
-  L.blocks[i] = Block{at, len, hooked};
+  L.blocks[i] = Block{at, len, hooked, nullptr};
   ++L.nblocks;
   *p = L.base + at;
   return 0;
@@ -647,8 +691,13 @@ std::size_t lane_boundary() {
   // Every salus_lane_alloc block ends at the boundary; cuMemAlloc blocks are
   // promoted (or, if that fails, stay, and so does the mapping).
   const std::size_t ended = drop_explicit_locked(L);
+  if (L.mapped_gen != 0) reclaim_locked(L, true);
   if (L.nblocks > 0 && L.mapped_gen != 0) promote_locked(L);
   return ended;
+}
+
+bool lane_serves_allocs() {
+  return mode() == Mode::kAlloc && g_lane.on.load(std::memory_order_acquire);
 }
 
 bool lane_try_alloc(CUdeviceptr* p, std::size_t n) {
@@ -669,7 +718,8 @@ bool lane_try_free(CUdeviceptr p, CUresult* r) {
   std::lock_guard lk(L.mu);
   if (L.mapped_gen != 0 && p >= L.base && p < L.base + L.reserved) {
     for (std::size_t i = 0; i < L.nblocks; ++i) {
-      if (L.base + L.blocks[i].off != p || !L.blocks[i].hooked) continue;
+      if (L.base + L.blocks[i].off != p || !L.blocks[i].hooked || L.blocks[i].freed != nullptr)
+        continue;
       // As the driver's cuMemFree: work still using the block ends first, so
       // the next allocation that gets its room cannot race with it.
       {
@@ -687,6 +737,35 @@ bool lane_try_free(CUdeviceptr p, CUresult* r) {
   if (it == outlived().owned.end()) return false;
   *r = free_owned_locked(L, it);
   return true;
+}
+
+bool lane_try_free_async(CUdeviceptr p, CUstream stream, CUresult* r) {
+  Lane& L = g_lane;
+  if (!L.ever_hooked.load(std::memory_order_acquire)) return false;
+  const LaneDriver& d = lane_driver();
+  {
+    std::lock_guard lk(L.mu);
+    if (L.mapped_gen != 0 && p >= L.base && p < L.base + L.reserved && d.events_ok) {
+      for (std::size_t i = 0; i < L.nblocks; ++i) {
+        Block& b = L.blocks[i];
+        if (L.base + b.off != p || !b.hooked || b.freed != nullptr) continue;
+        // Stream-ordered, as the driver's: the room is free once the stream
+        // gets here, and nothing waits for it now (PyTorch's cudaMallocAsync
+        // backend frees this way after every tensor).
+        CtxScope scope(L.ctx);
+        CUevent ev = nullptr;
+        if (d.event_create(&ev, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS &&
+            d.event_record(ev, stream) == CUDA_SUCCESS) {
+          b.freed = ev;
+          *r = CUDA_SUCCESS;
+          return true;
+        }
+        if (ev != nullptr) d.event_destroy(ev);
+        break;  // no event: free it at once, waiting as cuMemFree does
+      }
+    }
+  }
+  return lane_try_free(p, r);
 }
 
 void lane_detach(salus_gate* g) {

@@ -159,13 +159,20 @@ void serve_lane(salus_gate* g, bool granted);
 // how many were still live); with SALUS_SHARED_LANE=alloc, cuMemAlloc blocks
 // still live are promoted to memory of the program's own at the same address.
 std::size_t lane_boundary();
-// SALUS_SHARED_LANE=alloc: serves cuMemAlloc_v2 from the lane while the program
+// SALUS_SHARED_LANE=alloc: serves cuMemAlloc_v2 (also cuMemAllocPitch_v2 and,
+// outside stream capture, cuMemAllocAsync) from the lane while the program
 // holds it and it has room (true, *p set, nothing charged); false: the caller
 // takes the normal path.
 bool lane_try_alloc(CUdeviceptr* p, std::size_t n);
 // If p is a block lane_try_alloc gave (still in the lane, promoted, or kept),
 // frees it and returns true with the answer in *r; false: not the lane's.
 bool lane_try_free(CUdeviceptr p, CUresult* r);
+// The same for cuMemFreeAsync: the block's room is reused once `stream` has
+// reached the free (an event; a synchronous free where events fail).
+bool lane_try_free_async(CUdeviceptr p, CUstream stream, CUresult* r);
+// Whether lane_try_alloc may serve allocations now (mode alloc, attached): a
+// hook that must ask the driver something first asks only then.
+bool lane_serves_allocs();
 // salusd let go: unmap and drop everything of the lane.
 void lane_detach(salus_gate* g);
 void lane_forget_in_child();

@@ -20,7 +20,12 @@
 // "free end B". Exit 0: every check passed; 1: a mismatch; 2: set-up failed;
 // 3: no lane memory.
 //
-// usage: lane_program [--malloc] [--keep KMIB] SEED MIB ITERS [HOLD_FILE]
+// --async: the iteration's block comes from cuMemAllocAsync on a stream of its
+// own and goes with cuMemFreeAsync there (stream-ordered, as PyTorch's
+// cudaMallocAsync backend frees); --pitch: from cuMemAllocPitch (rows of 4 KiB)
+// and cuMemFree. Both imply --malloc's SALUS_SHARED_LANE=alloc path.
+//
+// usage: lane_program [--malloc|--async|--pitch] [--keep KMIB] SEED MIB ITERS [HOLD_FILE]
 #include <cuda.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -51,6 +56,10 @@ struct Cuda {
   CUresult (*alloc)(CUdeviceptr*, size_t);
   CUresult (*free)(CUdeviceptr);
   CUresult (*info)(size_t*, size_t*);
+  CUresult (*alloc_async)(CUdeviceptr*, size_t, CUstream);
+  CUresult (*free_async)(CUdeviceptr, CUstream);
+  CUresult (*alloc_pitch)(CUdeviceptr*, size_t*, size_t, size_t, unsigned);
+  CUresult (*stream_create)(CUstream*, unsigned);
 };
 static Cuda cu;
 
@@ -84,12 +93,16 @@ static size_t budget_left() {
 }
 
 int main(int argc, char** argv) {
-  bool use_malloc = false;
+  bool use_malloc = false, use_async = false, use_pitch = false;
   size_t keep = 0;
   int a = 1;
   for (; a < argc && argv[a][0] == '-'; ++a) {
     if (strcmp(argv[a], "--malloc") == 0) {
       use_malloc = true;
+    } else if (strcmp(argv[a], "--async") == 0) {
+      use_malloc = use_async = true;
+    } else if (strcmp(argv[a], "--pitch") == 0) {
+      use_malloc = use_pitch = true;
     } else if (strcmp(argv[a], "--keep") == 0 && a + 1 < argc) {
       keep = static_cast<size_t>(atoi(argv[++a])) << 20;
 
@@ -123,8 +136,14 @@ int main(int argc, char** argv) {
   get("cuMemAlloc", cu.alloc);  // the shim's hooks, through its cuGetProcAddress
   get("cuMemFree", cu.free);
   get("cuMemGetInfo", cu.info);
+  get("cuMemAllocAsync", cu.alloc_async);
+  get("cuMemFreeAsync", cu.free_async);
+  get("cuMemAllocPitch", cu.alloc_pitch);
+  get("cuStreamCreate", cu.stream_create);
   CUcontext ctx;
   if (init(0) || retain(&ctx, 0) || set(ctx)) return 2;
+  CUstream stream = nullptr;
+  if (use_async && cu.stream_create(&stream, CU_STREAM_NON_BLOCKING)) return 2;
   const uint32_t kseed = seed + 100;
   CUdeviceptr kept = 0;
   if (keep > 0) {
@@ -141,7 +160,14 @@ int main(int argc, char** argv) {
       fill(kept, keep, kseed, k);
     }
     unsigned long long d = 0;
-    const int r = use_malloc ? (cu.alloc(&d, bytes) ? -12 : 0) : lane_alloc(&d, bytes);
+    int r = 0;
+    size_t pitch = 0;
+    if (use_async)
+      r = cu.alloc_async(&d, bytes, stream) ? -12 : 0;
+    else if (use_pitch)
+      r = cu.alloc_pitch(&d, &pitch, 4096, bytes / 4096, 4) || pitch != 4096 ? -12 : 0;
+    else
+      r = use_malloc ? (cu.alloc(&d, bytes) ? -12 : 0) : lane_alloc(&d, bytes);
     if (r != 0) {
       printf("no lane memory: %d\n", r);
       return 3;
@@ -159,7 +185,10 @@ int main(int argc, char** argv) {
     if (check(d, bytes, seed, k, "the iteration's block", k)) return 1;
     printf("verified %d\n", k);
     fflush(stdout);
-    if (use_malloc ? cu.free(d) != CUDA_SUCCESS : lane_free(d) != 0) return 2;
+    if (use_async    ? cu.free_async(d, stream) != CUDA_SUCCESS
+        : use_malloc ? cu.free(d) != CUDA_SUCCESS
+                     : lane_free(d) != 0)
+      return 2;
     step();
     if (keep > 0) printf("free %d %zu\n", k, budget_left());
   }

@@ -200,6 +200,27 @@ def test_cuda_malloc_freed_within_iterations_takes_the_lane_uncharged(salusd):
         stop_all((pa, pb), (a, b))
 
 
+@pytest.mark.parametrize("how", ["--async", "--pitch"])
+def test_async_and_pitched_allocations_also_take_the_lane_uncharged(salusd, how):
+    """cuMemAllocAsync (freed with cuMemFreeAsync on its stream, which the
+    lane reuses once the stream has got there) and cuMemAllocPitch come from
+    the lane too: 16M per iteration on an 8M budget, in turn from one memory."""
+    a, b = session(salusd, 16), session(salusd, 16)
+    pa = start(salusd, a, 1, 16, 6, lane="alloc", extra=[how])
+    pb = start(salusd, b, 2, 16, 6, lane="alloc", extra=[how])
+    try:
+        ra, oa, ea = finish(pa)
+        rb, ob, eb = finish(pb)
+        assert ra == 0, (oa, ea)
+        assert rb == 0, (ob, eb)
+        for out in (oa, ob):
+            for k in range(1, 7):
+                assert f"verified {k}" in out
+        assert "0x62" in oa and "0xb1" in ob, (oa, ob)  # one memory, handed over
+    finally:
+        stop_all((pa, pb), (a, b))
+
+
 def frees(out):
     """The budget left that lane_program --keep printed after each boundary."""
     return [int(line.split()[2]) for line in out.splitlines()
