@@ -43,14 +43,17 @@ std::vector<arena::ByteRange> Broker::held_ranges(const Gpu& g) const {
 bool Broker::backing_ready(Gpu& g) {
   if (!g.device->info().backs_on_demand) return true;
   const std::uint64_t version = g.sched.arena().layout_version();
-  if (version == g.backed_version && g.backing_why.empty()) return true;
-  if (!g.backing_why.empty() && version == g.backing_failed_version &&
-      now() - g.backing_tried < kBackingRetryNs)
+  if (version == g.backed_version) return true;
+  if (version == g.backing_failed_version && now() - g.backing_tried < kBackingRetryNs)
     return false;
   std::vector<arena::ByteRange> held = held_ranges(g);
+  if (held == g.backed) {  // e.g. a swap-in undone: back where it was
+    g.backed_version = version;
+    return true;
+  }
   std::string why;
-  const int rc = held == g.backed ? 0 : g.device->set_backing(held, why);
-  if (rc == 0) {
+  if (g.device->set_backing(held, why) == 0) {
+    // backing_why stays until new memory is backed: it says why work waited.
     if (!g.backing_why.empty())
       spdlog::info("gpu{}: the arena is backed again; work goes on", g.index);
     g.backing_why.clear();

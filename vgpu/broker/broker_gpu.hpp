@@ -71,13 +71,14 @@ struct Broker::Gpu {
   std::uint32_t placed = 0;  // sessions placed on this GPU
   SharedLane shared_lane;    // attached sessions' shared ephemeral memory (broker_lanes.cpp)
   // The arena backed on demand (broker_backing.cpp): what the device was told it
-  // holds, at which layout version, and why the last try failed (empty: it did not).
+  // holds, at which layout version, and why the last try to back new memory
+  // failed (empty once one succeeds).
   std::vector<arena::ByteRange> backed;
   std::uint64_t backed_version = ~std::uint64_t{0};
   std::string backing_why;
   TimeNs backing_reported = 0;
   TimeNs backing_tried = 0;
-  std::uint64_t backing_failed_version = 0;
+  std::uint64_t backing_failed_version = ~std::uint64_t{0};
   // Compaction moves whose destinations wait for memory, by session.
   std::vector<std::pair<SessionId, std::vector<arena::PersistentMove>>> unbacked_moves;
 

@@ -229,7 +229,13 @@ int Broker::hosted_swap_in(Gpu& g, Session& s) {
 int Broker::undo_swap_in(Gpu& g, Session& s) {
   arena::GpuArena& ar = g.sched.arena();
   std::vector<arena::SwapBuffer> ranges;
-  if (ar.begin_swap_out(s.id, ranges)) ar.finish_swap_out(s.id, now());
+  if (ar.begin_swap_out(s.id, ranges)) {
+    ar.finish_swap_out(s.id, now());
+  } else {
+    // Cannot happen right after a placement (nothing of it runs or moves yet).
+    spdlog::error("gpu{}: session {} placed for a swap-in that cannot be backed nor undone",
+                  g.index, s.id);
+  }
   return EAGAIN;
 }
 

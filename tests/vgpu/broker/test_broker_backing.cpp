@@ -4,9 +4,13 @@
 // with no room fails an allocation with a clear error and loses nothing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <future>
 #include <mutex>
+#include <span>
+#include <thread>
 
 #include "arena/backing_plan.hpp"
 #include "tests/support/broker_driver.hpp"
@@ -122,12 +126,21 @@ const Caller kAlice{1000, 1000, 0, false};
 struct Fixture {
   BackingDevice* dev = nullptr;
   std::unique_ptr<Broker> broker;
-  Fixture() {
+  explicit Fixture(BrokerConfig config = {}) {
     auto d = std::make_unique<BackingDevice>(Bytes{64} << 20);
     dev = d.get();
     std::vector<std::unique_ptr<Device>> devs;
     devs.push_back(std::move(d));
-    broker = std::make_unique<Broker>(std::move(devs), BrokerConfig{});
+    broker = std::make_unique<Broker>(std::move(devs), std::move(config));
+  }
+  std::vector<char> read(SessionId id, const std::string& name, Bytes n) {
+    const auto buf = broker->find_buffer(id, name);
+    if (!buf) return {};
+    std::promise<std::vector<char>> p;
+    broker->read_buffer(id, buf->id, 0, n, [&p](int err, std::span<const char> data) {
+      p.set_value(err ? std::vector<char>{} : std::vector<char>(data.begin(), data.end()));
+    });
+    return p.get_future().get();
   }
   std::pair<int, std::string> run(SessionId id, const std::string& text) {
     return test::run_commands(*broker, id, text, kAlice);
@@ -175,6 +188,50 @@ TEST(BrokerBacking, ACardWithNoRoomFailsTheAllocationClearlyAndLosesNothing) {
   ASSERT_EQ(test::wait_session(*f.broker, id).first, 0);
   EXPECT_EQ(f.dev->violations(), 0);
   EXPECT_EQ(f.dev->backed_bytes(), Bytes{8} << 20);
+}
+
+TEST(BrokerBacking, ASwapInWithoutRoomOnTheCardWaitsSwappedAndKeepsEveryByte) {
+  BrokerConfig config;
+  config.arena.oversubscribe = 2;
+  Fixture f(config);
+  const auto a = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  const auto b = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  // 2 x 38M on a 64M card: one of them resident at a time.
+  ASSERT_EQ(f.run(a, "need persistent=36M ephemeral=2M\nalloc w 36M\nfill w 17 dtype=u8\n").first,
+            0);
+  ASSERT_EQ(test::wait_session(*f.broker, a).first, 0);
+  ASSERT_EQ(f.run(b, "need persistent=36M ephemeral=2M\nalloc w 36M\nfill w 34 dtype=u8\n").first,
+            0);  // a is swapped out for it
+  ASSERT_EQ(test::wait_session(*f.broker, b).first, 0);
+  // Room for half of one session's memory: once b is out, a's swap-in cannot be
+  // backed, so a goes back to swapped and waits.
+  f.dev->limit_room(f.dev->backed_bytes() / 2);
+  std::promise<std::pair<int, std::string>> done;
+  auto waited = done.get_future();
+  ASSERT_EQ(f.run(a, "begin\ncopy w w+1M 1M\nend x3\n").first, 0);
+  std::thread([&] { done.set_value(test::wait_session(*f.broker, a)); }).detach();
+  // After b's resident quantum the planner swaps b out and tries a in: in vain.
+  bool waits = false;
+  for (int i = 0; i < 1000 && !waits; ++i) {
+    waits = f.broker->render_gpu_memory(0).find("backing_wait: no room on the card") !=
+            std::string::npos;
+    if (!waits) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(waits) << f.broker->render_gpu_memory(0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a few retries
+  EXPECT_EQ(waited.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  EXPECT_NE(f.broker->render_status(a).find("residency: swapped"), std::string::npos)
+      << f.broker->render_status(a);
+  f.dev->limit_room(~Bytes{0});
+  ASSERT_EQ(waited.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(waited.get().first, 0);
+  const auto wa = f.read(a, "w", Bytes{1} << 20);
+  ASSERT_EQ(wa.size(), Bytes{1} << 20);
+  EXPECT_TRUE(std::all_of(wa.begin(), wa.end(), [](char c) { return c == 17; }));
+  const auto wb = f.read(b, "w", Bytes{1} << 20);
+  ASSERT_EQ(wb.size(), Bytes{1} << 20);
+  EXPECT_TRUE(std::all_of(wb.begin(), wb.end(), [](char c) { return c == 34; }));
+  EXPECT_EQ(f.dev->violations(), 0);
 }
 
 }  // namespace
