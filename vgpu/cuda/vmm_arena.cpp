@@ -30,6 +30,8 @@ CUresult VmmArena::reserve(Bytes size) {
 }
 
 CUresult VmmArena::map(const arena::ChunkRun& run) {
+  if (run.first > handles_.size() || run.count > handles_.size() - run.first)
+    return CUDA_ERROR_INVALID_VALUE;  // past the reservation
   CUmemAllocationProp prop{};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;

@@ -881,6 +881,10 @@ TEST_F(CudaBackingTest, TheArenaIsBackedOnlyWhereHeldAndGivesMemoryBack) {
   EXPECT_EQ(dev_->backed_bytes(), 0u);
   EXPECT_EQ(card_free(), free0);
 
+  // Past the arena: refused, nothing backed.
+  EXPECT_EQ(back({{dev_->info().arena_size, kChunk}}), EINVAL);
+  EXPECT_EQ(dev_->backed_bytes(), 0u);
+
   // Backed again, the chunk holds nothing of its last owner.
   ASSERT_EQ(back({{2 * kChunk, kChunk}}), 0) << why_;
   EXPECT_TRUE(all(read(2 * kChunk, kChunk), 0));
