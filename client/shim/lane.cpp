@@ -2,15 +2,16 @@
 // client/salus_gate.h): the socket pair named at attach, the lane memory
 // received from salusd (SCM_RIGHTS), imported and mapped while the program
 // holds the lane, and the first-fit allocator that serves salus_lane_alloc
-// and, with SALUS_SHARED_LANE=alloc, cuMemAlloc_v2 from it. A salus_lane_alloc
+// and, with SALUS_SHARED_LANE=alloc, cuMemAlloc_v2 (also cuMemAllocPitch_v2 and
+// cuMemAllocAsync) from it. A salus_lane_alloc
 // block is ephemeral: valid from its allocation inside an iteration to the
 // program's next boundary, where it ends, freed or not. A cuMemAlloc block
 // still live at the boundary is promoted instead: the allocation-granularity
 // granules it touches become memory of the program's own (cuMemCreate,
 // charged to its budget), mapped at the same addresses with the bytes copied,
-// and the lane moves to a fresh reservation. If promotion cannot be charged or
-// a driver call fails, the blocks stay where they are and the program keeps
-// the lane memory mapped (it does not yield it; salusd abandons it to the
+// and the lane moves to a fresh reservation (lane_promotion.cpp). If promotion
+// cannot be charged or a driver call fails, the blocks stay where they are and
+// the program keeps the lane memory mapped (it does not yield it; salusd abandons it to the
 // program after 2 s and makes fresh memory for the lane). The lane is given
 // back (synchronize, unmap, report `lane_held` = 0) only while the program
 // waits at its gate, never on a launch.
@@ -29,42 +30,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "client/shim/lane_state.hpp"
 #include "client/shim/shim.hpp"
 
 #define SALUS_EXPORT __attribute__((visibility("default")))
 
 namespace salus::shim {
-namespace {
+namespace lane_detail {
 
-struct LaneDriver {
-  bool ok = false;
-  CUresult (*import)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType) = nullptr;
-  CUresult (*reserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr,
-                      unsigned long long) = nullptr;
-  CUresult (*addr_free)(CUdeviceptr, std::size_t) = nullptr;
-  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*map)(CUdeviceptr, std::size_t, std::size_t, CUmemGenericAllocationHandle,
-                  unsigned long long) = nullptr;
-  CUresult (*unmap)(CUdeviceptr, std::size_t) = nullptr;
-  CUresult (*set_access)(CUdeviceptr, std::size_t, const CUmemAccessDesc*, std::size_t) = nullptr;
-  CUresult (*ctx_get_device)(CUdevice*) = nullptr;
-  CUresult (*ctx_synchronize)() = nullptr;
-  // For promotion (SALUS_SHARED_LANE=alloc); promote_ok says all are there.
-  bool promote_ok = false;
-  CUresult (*create)(CUmemGenericAllocationHandle*, std::size_t, const CUmemAllocationProp*,
-                     unsigned long long) = nullptr;
-  CUresult (*granularity)(std::size_t*, const CUmemAllocationProp*,
-                          CUmemAllocationGranularity_flags) = nullptr;
-  CUresult (*copy)(CUdeviceptr, CUdeviceptr, std::size_t) = nullptr;  // cuMemcpyDtoD_v2
-  // For stream-ordered frees of lane blocks (cuMemFreeAsync); events_ok says all
-  // are there, else such a free is a synchronous one.
-  bool events_ok = false;
-  CUresult (*event_create)(CUevent*, unsigned) = nullptr;
-  CUresult (*event_record)(CUevent, CUstream) = nullptr;
-  CUresult (*event_query)(CUevent) = nullptr;
-  CUresult (*event_synchronize)(CUevent) = nullptr;
-  CUresult (*event_destroy)(CUevent) = nullptr;
-};
 const LaneDriver& lane_driver() {
   static const LaneDriver v = [] {
     LaneDriver r;
@@ -99,75 +72,27 @@ const LaneDriver& lane_driver() {
   return v;
 }
 
-constexpr std::size_t kMaxBlocks = 1024;  // live lane allocations per iteration
-constexpr std::size_t kAlign = 512;       // what cudaMalloc guarantees, and more
-
-struct Block {
-  std::size_t off;
-  std::size_t len;
-  bool hooked;  // cuMemAlloc (promoted at the boundary), not salus_lane_alloc
-  // Freed with cuMemFreeAsync: the block's room is free once this event, recorded
-  // on the freeing stream, has completed (reclaim_locked).
-  CUevent freed = nullptr;
-};
-
-// A former lane reservation that holds promoted blocks: each granule with a
-// live block is a handle of the program's own (charged), mapped there. Or,
-// `kept`: the old lane memory itself stays mapped there (promotion failed and
-// salusd abandoned that memory to the program); `kept_live` blocks in it.
-// The reservation is freed once its last block is.
-struct Granule {
-  CUmemGenericAllocationHandle handle;
-  std::size_t live;  // blocks that touch it
-};
-struct Region {
-  std::size_t size = 0;
-  std::size_t gran = 0;
-  std::map<std::size_t, Granule> granules;  // by index from the base
-  bool kept = false;
-  std::size_t kept_live = 0;
-};
-struct Owned {
-  CUdeviceptr region;  // its base
-  std::size_t len;
-};
-
-// All state under `mu`: salus_lane_alloc may come from any thread.
-struct Lane {
-  std::mutex mu;
-  std::atomic<bool> on{false};  // opted in and attached: read without the lock
-  int sock = -1;                // the program's end of the socket pair
-  int peer = -1;                // salusd's end, until the attach write is done
-  // The latest memory salusd sent.
-  int mem_fd = -1;
-  std::uint32_t mem_gen = 0;
-  std::size_t mem_bytes = 0;
-  // What is imported, reserved and mapped.
-  CUmemGenericAllocationHandle handle = 0;
-  std::uint32_t handle_gen = 0;
-  CUdeviceptr base = 0;
-  std::size_t reserved = 0;
-  std::uint32_t mapped_gen = 0;  // 0: not mapped
-  CUcontext ctx = nullptr;       // of the mapping (the yield synchronizes it)
-  salus_gate* gate = nullptr;    // where lane_held was reported
-  Block blocks[kMaxBlocks];      // sorted by offset
-  std::size_t nblocks = 0;
-  bool reported_fail = false;
-  std::atomic<bool> ever_hooked{false};  // a cuMemAlloc was served: cuMemFree looks here
-  bool promote_failed = false;           // noted; quiet until a promotion succeeds
-};
-Lane g_lane;  // trivially destructible: hooks may run after static destructors
-
-// SALUS_SHARED_LANE=alloc: the blocks that outlived the lane, by address, and
-// their regions (under the lane's mutex). Heap-allocated and never destroyed.
-struct Outlived {
-  std::map<CUdeviceptr, Region> regions;
-  std::map<CUdeviceptr, Owned> owned;
-};
 Outlived& outlived() {
   static Outlived* o = new Outlived;
   return *o;
 }
+
+// Read and write access for `dev` to [p, p + n), mapped a moment before.
+CUresult grant_access(const LaneDriver& d, CUdeviceptr p, std::size_t n, CUdevice dev) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = dev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return d.set_access(p, n, &access, 1);
+}
+
+}  // namespace lane_detail
+
+namespace {
+
+using namespace lane_detail;
+
+Lane g_lane;  // trivially destructible: hooks may run after static destructors
 
 enum class Mode { kOff, kExplicit, kAlloc };
 Mode mode() {
@@ -189,25 +114,6 @@ bool has_hooked_locked(const Lane& L) {
     if (L.blocks[i].hooked && L.blocks[i].freed == nullptr) return true;
   return false;
 }
-
-// The lane's context current on this thread for its lifetime (the hooks may
-// run on a thread with another, or none).
-class CtxScope {
- public:
-  explicit CtxScope(CUcontext ctx) : ctx_(ctx) {
-    driver().ctx_get_current(&prev_);
-    if (ctx_ != nullptr && prev_ != ctx_) driver().ctx_set_current(ctx_);
-  }
-  ~CtxScope() {
-    if (ctx_ != nullptr && prev_ != ctx_) driver().ctx_set_current(prev_);
-  }
-  CtxScope(const CtxScope&) = delete;
-  CtxScope& operator=(const CtxScope&) = delete;
-
- private:
-  CUcontext ctx_;
-  CUcontext prev_ = nullptr;
-};
 
 // Ends the blocks whose stream-ordered free has happened on the device; with
 // `wait`, all of them, waiting for their streams (before a boundary promotes the
@@ -334,15 +240,6 @@ void drop_handle_locked(Lane& L) {
   L.reserved = 0;
 }
 
-// Read and write access for `dev` to [p, p + n), mapped a moment before.
-CUresult grant_access(const LaneDriver& d, CUdeviceptr p, std::size_t n, CUdevice dev) {
-  CUmemAccessDesc access{};
-  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  access.location.id = dev;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  return d.set_access(p, n, &access, 1);
-}
-
 // Maps generation `gen` (what lane_grant says) if salusd sent it. True if mapped.
 bool map_locked(Lane& L, salus_gate* g, std::uint32_t gen) {
   if (L.mapped_gen == gen) return true;
@@ -413,176 +310,6 @@ int alloc_locked(Lane& L, std::size_t n, CUdeviceptr* p, bool hooked) {
   return 0;
 }
 
-// ---- promotion (SALUS_SHARED_LANE=alloc) ----
-
-// Device memory of `dev`, as the program's own granules are made.
-CUmemAllocationProp device_prop(CUdevice dev) {
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = dev;
-  return prop;
-}
-
-// The granules [first, last] that `len` bytes at `off` touch.
-struct GranuleSpan {
-  std::size_t first, last;
-};
-GranuleSpan granules_of(std::size_t off, std::size_t len, std::size_t gran) {
-  return {off / gran, (off + len - 1) / gran};
-}
-
-std::size_t granularity_of(const LaneDriver& d, CUdevice dev) {
-  const CUmemAllocationProp prop = device_prop(dev);
-  std::size_t n = 0;
-  if (d.granularity(&n, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || n == 0)
-    n = std::size_t{2} << 20;
-  return n;
-}
-
-// One promotion: the granules (indices from the lane's base) that live
-// cuMemAlloc blocks touch, their new handles, and the lane's new reservation.
-struct Promotion {
-  CUdevice dev = 0;
-  std::size_t gran = 0;
-  std::vector<std::size_t> idx;
-  std::vector<CUmemGenericAllocationHandle> handles;
-  CUdeviceptr new_base = 0;
-  bool new_mapped = false;
-  bool old_unmapped = false;   // the lane is no longer mapped at the old base
-  std::size_t old_mapped = 0;  // own granules mapped at the old base so far
-  const char* failed = nullptr;
-  CUresult result = CUDA_SUCCESS;
-};
-
-bool fail(Promotion& P, const char* what, CUresult r) {
-  P.failed = what;
-  P.result = r;
-  return false;
-}
-
-// Undoes whatever of P was done, the lane mapped at its old base again.
-void undo(Lane& L, const LaneDriver& d, Promotion& P) {
-  for (std::size_t k = 0; k < P.old_mapped; ++k) d.unmap(L.base + P.idx[k] * P.gran, P.gran);
-  if (P.old_unmapped && (d.map(L.base, L.reserved, 0, L.handle, 0) != CUDA_SUCCESS ||
-                         grant_access(d, L.base, L.reserved, P.dev) != CUDA_SUCCESS))
-    post_note(
-        "shared lane: a failed promotion could not be undone; the program's lane "
-        "allocations are unmapped");
-  if (P.new_mapped) d.unmap(P.new_base, L.reserved);
-  if (P.new_base != 0) d.addr_free(P.new_base, L.reserved);
-  for (CUmemGenericAllocationHandle h : P.handles) d.release(h);
-}
-
-// The driver's part of a promotion; false (nothing undone yet) on a failure.
-bool promote_driver(Lane& L, const LaneDriver& d, Promotion& P) {
-  if (CUresult r = d.ctx_synchronize(); r != CUDA_SUCCESS) return fail(P, "cuCtxSynchronize", r);
-  const CUmemAllocationProp prop = device_prop(P.dev);
-  for (std::size_t k = 0; k < P.idx.size(); ++k) {
-    CUmemGenericAllocationHandle h = 0;
-    if (CUresult r = d.create(&h, P.gran, &prop, 0); r != CUDA_SUCCESS)
-      return fail(P, "cuMemCreate", r);
-    P.handles.push_back(h);
-  }
-  // The lane handle at a fresh reservation too, where the lane lives on.
-  if (CUresult r = d.reserve(&P.new_base, L.reserved, 0, 0, 0); r != CUDA_SUCCESS)
-    return fail(P, "cuMemAddressReserve", r);
-  if (CUresult r = d.map(P.new_base, L.reserved, 0, L.handle, 0); r != CUDA_SUCCESS)
-    return fail(P, "cuMemMap", r);
-  P.new_mapped = true;
-  if (CUresult r = grant_access(d, P.new_base, L.reserved, P.dev); r != CUDA_SUCCESS)
-    return fail(P, "cuMemSetAccess", r);
-  // The old base gives the lane up (a mapping is unmapped whole), and takes
-  // the program's granules, filled from the lane's new address.
-  if (CUresult r = d.unmap(L.base, L.reserved); r != CUDA_SUCCESS) return fail(P, "cuMemUnmap", r);
-  P.old_unmapped = true;
-  for (std::size_t k = 0; k < P.idx.size(); ++k) {
-    const CUdeviceptr at = L.base + P.idx[k] * P.gran;
-    if (CUresult r = d.map(at, P.gran, 0, P.handles[k], 0); r != CUDA_SUCCESS)
-      return fail(P, "cuMemMap", r);
-    ++P.old_mapped;
-    if (CUresult r = grant_access(d, at, P.gran, P.dev); r != CUDA_SUCCESS)
-      return fail(P, "cuMemSetAccess", r);
-    if (CUresult r = d.copy(at, P.new_base + P.idx[k] * P.gran, P.gran); r != CUDA_SUCCESS)
-      return fail(P, "cuMemcpyDtoD", r);
-  }
-  // Device-to-device copies may return before they are done.
-  if (CUresult r = d.ctx_synchronize(); r != CUDA_SUCCESS) return fail(P, "cuCtxSynchronize", r);
-  return true;
-}
-
-// The old base becomes a region of promoted granules; the lane lives on at
-// the new base, with the salus_lane_alloc blocks gone and no cuMemAlloc ones.
-void commit(Lane& L, Promotion& P) {
-  Region& r = outlived().regions[L.base];
-  r.size = L.reserved;
-  r.gran = P.gran;
-  for (std::size_t k = 0; k < P.idx.size(); ++k) r.granules[P.idx[k]] = Granule{P.handles[k], 0};
-  for (std::size_t i = 0; i < L.nblocks; ++i) {
-    const Block& b = L.blocks[i];
-    outlived().owned[L.base + b.off] = Owned{L.base, b.len};
-    const GranuleSpan span = granules_of(b.off, b.len, P.gran);
-    for (std::size_t g = span.first; g <= span.last; ++g) ++r.granules[g].live;
-  }
-  L.base = P.new_base;
-  L.nblocks = 0;
-}
-
-// Notes a failed promotion once until one succeeds. Returns false.
-bool promotion_failed(Lane& L, const char* line) {
-  if (!L.promote_failed) post_note(line);
-  L.promote_failed = true;
-  return false;
-}
-
-// At the boundary, with only cuMemAlloc blocks left in L.blocks (at least
-// one): promotes them. False: they stay in the lane (a note says why).
-bool promote_locked(Lane& L) {
-  const LaneDriver& d = lane_driver();
-  CtxScope scope(L.ctx);
-  Promotion P;
-  if (d.ctx_get_device(&P.dev) != CUDA_SUCCESS) P.dev = 0;
-  P.gran = granularity_of(d, P.dev);
-  for (std::size_t i = 0; i < L.nblocks; ++i) {
-    const GranuleSpan span = granules_of(L.blocks[i].off, L.blocks[i].len, P.gran);
-    for (std::size_t g = span.first; g <= span.last; ++g) P.idx.push_back(g);
-  }
-  P.idx.erase(std::unique(P.idx.begin(), P.idx.end()), P.idx.end());  // blocks are sorted
-  const std::uint64_t bytes = std::uint64_t{P.idx.size()} * P.gran;
-  char line[320];
-  if (!d.promote_ok) {
-    std::snprintf(line, sizeof line,
-                  "shared lane: cannot promote %zu live cuMemAlloc allocation(s): the driver lacks "
-                  "cuMemCreate, cuMemGetAllocationGranularity or cuMemcpyDtoD; they stay in the "
-                  "lane memory, which the program keeps",
-                  L.nblocks);
-    return promotion_failed(L, line);
-  }
-  if (!charge(bytes, nullptr)) {
-    std::snprintf(line, sizeof line,
-                  "shared lane: cannot promote %zu live cuMemAlloc allocation(s) at the boundary "
-                  "(%" PRIu64 " bytes of granules): budget %" PRIu64 ", charged %" PRIu64
-                  "; they stay in the lane memory, which the program keeps (salusd gives the "
-                  "lane fresh memory)",
-                  L.nblocks, bytes, __atomic_load_n(&gate()->budget_bytes, __ATOMIC_ACQUIRE),
-                  charged_now());
-    return promotion_failed(L, line);
-  }
-  if (!promote_driver(L, d, P)) {
-    undo(L, d, P);
-    refund(bytes);
-    std::snprintf(line, sizeof line,
-                  "shared lane: promoting %" PRIu64
-                  " bytes failed at %s (CUresult %d); the "
-                  "allocations stay in the lane memory, which the program keeps",
-                  bytes, P.failed, static_cast<int>(P.result));
-    return promotion_failed(L, line);
-  }
-  commit(L, P);
-  L.promote_failed = false;
-  return true;
-}
-
 // Ends the salus_lane_alloc blocks, keeping the cuMemAlloc ones. Returns how
 // many ended.
 std::size_t drop_explicit_locked(Lane& L) {
@@ -592,44 +319,6 @@ std::size_t drop_explicit_locked(Lane& L) {
   const std::size_t ended = L.nblocks - kept;
   L.nblocks = kept;
   return ended;
-}
-
-// Frees a block that outlived the lane (caller holds L.mu).
-CUresult free_owned_locked(Lane& L, std::map<CUdeviceptr, Owned>::iterator it) {
-  const LaneDriver& d = lane_driver();
-  const CUdeviceptr p = it->first, base = it->second.region;
-  const std::size_t len = it->second.len;
-  auto rit = outlived().regions.find(base);
-  outlived().owned.erase(it);
-  if (rit == outlived().regions.end()) return CUDA_SUCCESS;
-  Region& r = rit->second;
-  CtxScope scope(L.ctx);
-  bool synced = false;
-  auto sync = [&] {
-    // cuMemFree synchronizes before it frees; cuMemUnmap does not.
-    if (!synced) d.ctx_synchronize();
-    synced = true;
-  };
-  if (r.kept) {
-    if (--r.kept_live > 0) return CUDA_SUCCESS;
-    sync();
-    d.unmap(base, r.size);
-  } else {
-    const GranuleSpan span = granules_of(p - base, len, r.gran);
-    for (std::size_t g = span.first; g <= span.last; ++g) {
-      auto git = r.granules.find(g);
-      if (git == r.granules.end() || --git->second.live > 0) continue;
-      sync();
-      d.unmap(base + g * r.gran, r.gran);
-      d.release(git->second.handle);
-      refund(r.gran);
-      r.granules.erase(git);
-    }
-    if (!r.granules.empty()) return CUDA_SUCCESS;
-  }
-  d.addr_free(base, r.size);
-  outlived().regions.erase(rit);
-  return CUDA_SUCCESS;
 }
 
 }  // namespace

@@ -1,10 +1,13 @@
-// libsalus-shim's internals, shared by its three parts:
+// libsalus-shim's internals, shared by its parts:
 //   interpose.cpp    how a program reaches the driver: dlsym, cuGetProcAddress(_v2),
 //                    the exported cu* symbols, and the real libcuda behind them
 //   hooks.cpp        what the hooked entry points do: memory accounting against the
 //                    session's budget, and the launch counter with its yield check
 //   gate_client.cpp  the gate of client/salus_gate.h: attach, iteration boundaries,
 //                    completion of iterations on the GPU, re-attach
+//   swap.cpp         movable memory (SALUS_SWAP=1): swapped out and in at boundaries
+//   lane.cpp         the shared lane (SALUS_SHARED_LANE): its memory and allocator;
+//                    lane_promotion.cpp: blocks that outlive an iteration, promoted
 // The shim depends on nothing of salusd's: it is loaded into arbitrary programs.
 #pragma once
 
@@ -120,6 +123,9 @@ bool charge(std::uint64_t n, const char* what);
 void refund(std::uint64_t n);
 
 // ---- swap.cpp: movable memory (SALUS_SWAP=1) ----
+// Pinned device memory of `dev`: how the shim's own VMM allocations are made
+// (movable memory here, promoted lane blocks in lane_promotion.cpp).
+CUmemAllocationProp device_prop(CUdevice dev);
 
 // Whether cuMemAlloc_v2 / cuMemAllocPitch_v2 are served from driver VMM, which
 // the shim can move off the GPU and back to the same address.

@@ -30,6 +30,15 @@
 #include "client/shim/shim.hpp"
 
 namespace salus::shim {
+
+CUmemAllocationProp device_prop(CUdevice dev) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  return prop;
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -100,14 +109,6 @@ const Vmm& vmm() {
     return r;
   }();
   return v;
-}
-
-CUmemAllocationProp device_prop(CUdevice dev) {
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = dev;
-  return prop;
 }
 
 // One movable allocation. Its address range is reserved from allocation to
