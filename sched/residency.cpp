@@ -104,7 +104,7 @@ std::vector<SessionId> ResidencyPlanner::victims(const arena::GpuArena& arena, B
     if (!p || !p->admitted) continue;
     const Bytes bytes = arena.swap_in_bytes(id);
     if (bytes == 0) continue;  // holds nothing: evicting it frees nothing
-    if (now - r.resident_since < cost_.quantum_ns(bytes)) continue;
+    if (quanta_ && now - r.resident_since < cost_.quantum_ns(bytes)) continue;
     if (!swappable(id)) continue;
     cands.push_back({r.last_ran, id, bytes});
   }

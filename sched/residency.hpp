@@ -73,6 +73,10 @@ class ResidencyPlanner {
   bool evicting(SessionId id) const;
   const SessionResidency* find(SessionId id) const;
   const ResidencyStats& totals() const { return totals_; }
+  // Off: a resident session may be chosen as a victim however recently it came
+  // in. For salusd's stop, when the save of named sessions must bring each one
+  // in once and thrashing no longer costs anything that matters. On by default.
+  void set_quanta(bool on) { quanta_ = on; }
 
   // The swap the caller started (`swapping` until swap_*_done).
   void swap_started(SessionId id);
@@ -98,6 +102,7 @@ class ResidencyPlanner {
   SwapCostModel cost_;
   std::unordered_map<SessionId, SessionResidency> sessions_;
   ResidencyStats totals_;
+  bool quanta_ = true;
 };
 
 }  // namespace salus::sched

@@ -643,8 +643,10 @@ int main(int argc, char** argv) {
   if (metrics_http) metrics_http->stop();
   // Nothing new arrives now that serve() has returned; each buffer is read
   // after the work its session queued before it, up to the grace period.
-  if (!s.state_dir.empty())
+  if (!s.state_dir.empty()) {
+    broker.prepare_to_stop();
     salus::vgpu::save_sessions(broker, s.state_dir, std::chrono::milliseconds(s.shutdown_grace_ms));
+  }
   spdlog::info("stopping: no new work; letting running iterations finish (up to {} ms)",
                s.shutdown_grace_ms);
   broker.shutdown(std::chrono::milliseconds(s.shutdown_grace_ms));

@@ -111,9 +111,9 @@ TEST(SwapCost, QuantumKeepsSwapUnderTenPercent) {
   EXPECT_EQ(c.measured, 1u);
 }
 
-TEST(ResidencyPlanner, WaitsForTheQuantumThenEvictsLeastRecentlyRun) {
-  GpuArena a(100 * M, oversub(3.0));
-  ResidencyPlanner p;
+// Three sessions of 45M + 5M on 100M at ratio 3: 1 and 2 resident with their
+// buffers, 3 swapped.
+void two_resident_one_swapped(GpuArena& a, ResidencyPlanner& p) {
   for (SessionId id : {1, 2, 3}) {
     ASSERT_EQ(a.request(id, {45 * M, 5 * M}, 0), ArenaError::ok);
     p.add(id, 0);
@@ -121,6 +121,13 @@ TEST(ResidencyPlanner, WaitsForTheQuantumThenEvictsLeastRecentlyRun) {
   a.take_admissions();
   ASSERT_EQ(a.alloc_persistent(1, 45 * M).error, ArenaError::ok);
   ASSERT_EQ(a.alloc_persistent(2, 45 * M).error, ArenaError::ok);
+}
+
+TEST(ResidencyPlanner, WaitsForTheQuantumThenEvictsLeastRecentlyRun) {
+  GpuArena a(100 * M, oversub(3.0));
+  ResidencyPlanner p;
+  two_resident_one_swapped(a, p);
+  if (HasFatalFailure()) return;
   ASSERT_EQ(a.residency(3), Residency::swapped);
   p.ran(1, 10);
   p.ran(2, 5);
@@ -142,6 +149,17 @@ TEST(ResidencyPlanner, WaitsForTheQuantumThenEvictsLeastRecentlyRun) {
   EXPECT_TRUE(p.plan(
                    a, {2}, [](SessionId) { return false; }, 100 * q)
                   .swap_out.empty());
+}
+
+TEST(ResidencyPlanner, WithQuantaOffAStopDoesNotWaitForThem) {
+  GpuArena a(100 * M, oversub(3.0));
+  ResidencyPlanner p;
+  two_resident_one_swapped(a, p);
+  if (HasFatalFailure()) return;
+  auto yes = [](SessionId) { return true; };
+  EXPECT_TRUE(p.plan(a, {3}, yes, 1).swap_out.empty());  // within the quanta
+  p.set_quanta(false);  // salusd is stopping: the save must bring 3 in now
+  EXPECT_EQ(p.plan(a, {3}, yes, 1).swap_out.size(), 1u);
 }
 
 // Seeded random streams: every call of the residency API in every order, with the

@@ -1992,6 +1992,14 @@ void Broker::finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std
 
 // ---------------------------------------------------------------- shutdown
 
+void Broker::prepare_to_stop() {
+  std::lock_guard lk(mu_);
+  for (auto& g : gpus_) {
+    g->sched.residency().set_quanta(false);
+    kick(*g);
+  }
+}
+
 void Broker::shutdown(std::chrono::milliseconds bound) {
   stopping_ = true;
   {
