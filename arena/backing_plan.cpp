@@ -20,6 +20,25 @@ std::vector<ByteRange> merge_ranges(std::vector<ByteRange> ranges) {
   return out;
 }
 
+std::vector<ByteRange> merge_to_at_most(std::vector<ByteRange> ranges, std::size_t limit) {
+  if (limit == 0 || ranges.size() <= limit) return ranges;
+  std::vector<Bytes> gaps;
+  for (std::size_t i = 1; i < ranges.size(); ++i)
+    gaps.push_back(ranges[i].offset - (ranges[i - 1].offset + ranges[i - 1].size));
+  // Bridging every gap up to the (n - limit)-th smallest leaves at most `limit`.
+  const std::size_t k = ranges.size() - limit - 1;
+  std::nth_element(gaps.begin(), gaps.begin() + static_cast<std::ptrdiff_t>(k), gaps.end());
+  const Bytes bridge = gaps[k];
+  std::vector<ByteRange> out;
+  for (const ByteRange& r : ranges) {
+    if (!out.empty() && r.offset - (out.back().offset + out.back().size) <= bridge)
+      out.back().size = r.offset + r.size - out.back().offset;
+    else
+      out.push_back(r);
+  }
+  return out;
+}
+
 std::vector<ChunkRun> chunks_covering(const std::vector<ByteRange>& held, Bytes chunk) {
   std::vector<ChunkRun> out;
   if (chunk == 0) return out;

@@ -8,6 +8,7 @@
 // the card. Pure: the broker computes the held ranges, the device applies a plan.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -31,6 +32,12 @@ struct ChunkRun {
 // Sorts `ranges`, drops empty ones and merges those that overlap or touch. What the
 // broker hands the device: usually a handful of ranges however many buffers there are.
 std::vector<ByteRange> merge_ranges(std::vector<ByteRange> ranges);
+
+// Merges `ranges` (sorted, disjoint: from merge_ranges) across their smallest gaps
+// until at most `limit` (>= 1) remain: the result covers every byte of them, and
+// the gaps it bridges are the smallest there are. For a list that must fit one
+// message to a device that backs them.
+std::vector<ByteRange> merge_to_at_most(std::vector<ByteRange> ranges, std::size_t limit);
 
 // The chunks that cover `held` (any order, may overlap), as sorted, disjoint,
 // non-adjacent runs. A chunk that any held byte falls in is wanted whole.

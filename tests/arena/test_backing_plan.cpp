@@ -2,6 +2,7 @@
 // layouts, plus the cases a reader checks by hand.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <set>
 
@@ -34,6 +35,30 @@ TEST(BackingPlan, MergesTouchingAndOverlappingRanges) {
   ASSERT_EQ(m.size(), 2u);
   EXPECT_EQ(m[0], (ByteRange{0, 150}));
   EXPECT_EQ(m[1], (ByteRange{400, 8}));
+}
+
+TEST(BackingPlan, MergeToAtMostBridgesTheSmallestGapsAndCoversEveryByte) {
+  const std::vector<ByteRange> four = {{0, 10}, {12, 10}, {100, 10}, {111, 10}};
+  EXPECT_EQ(merge_to_at_most(four, 4), four);
+  EXPECT_EQ(merge_to_at_most(four, 2), (std::vector<ByteRange>{{0, 22}, {100, 21}}));
+  EXPECT_EQ(merge_to_at_most(four, 1), (std::vector<ByteRange>{{0, 121}}));
+  for (std::uint64_t seed = 1; seed <= 500; ++seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<ByteRange> raw;
+    for (int n = 1 + static_cast<int>(rng() % 40); n > 0; --n)
+      raw.push_back({rng() % 100'000, 1 + rng() % 500});
+    const auto ranges = merge_ranges(raw);
+    const std::size_t limit = 1 + rng() % 10;
+    const auto out = merge_to_at_most(ranges, limit);
+    ASSERT_LE(out.size(), std::max(limit, std::size_t{1})) << "seed " << seed;
+    ASSERT_EQ(merge_ranges(out), out) << "seed " << seed;  // sorted, disjoint
+    for (const ByteRange& r : ranges) {
+      const bool covered = std::any_of(out.begin(), out.end(), [&](const ByteRange& o) {
+        return o.offset <= r.offset && r.offset + r.size <= o.offset + o.size;
+      });
+      ASSERT_TRUE(covered) << "seed " << seed;
+    }
+  }
 }
 
 TEST(BackingPlan, ChunksCoverPartialChunksWhole) {

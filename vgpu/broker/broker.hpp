@@ -105,12 +105,12 @@ class Broker {
   Broker(const Broker&) = delete;
   Broker& operator=(const Broker&) = delete;
 
-  // Stops admitting, lets running iterations finish (up to `bound`), ends every
-  // session and stops the workers. Idempotent.
   // Before the save of named sessions at a stop: swapped sessions are brought in
   // without waiting for the resident ones' quanta (residency.hpp), so the save's
   // reads are not held back by anti-thrash timers past the grace period.
   void prepare_to_stop();
+  // Stops admitting, lets running iterations finish (up to `bound`), ends every
+  // session and stops the workers. Idempotent.
   void shutdown(std::chrono::milliseconds bound);
   bool shutting_down() const { return stopping_.load(); }
 

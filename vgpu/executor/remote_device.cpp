@@ -1253,33 +1253,9 @@ int RemoteDevice::make_lane_memory(Bytes size, UniqueFd& out, std::string& why) 
   return 0;
 }
 
-namespace {
-
-// Merges the ranges across the smallest gaps until at most `limit` remain: more
-// memory backed than held, never less.
-std::vector<arena::ByteRange> coarsen(std::vector<arena::ByteRange> held, std::size_t limit) {
-  if (held.size() <= limit) return held;
-  std::vector<Bytes> gaps;
-  for (std::size_t i = 1; i < held.size(); ++i)
-    gaps.push_back(held[i].offset - (held[i - 1].offset + held[i - 1].size));
-  std::nth_element(gaps.begin(), gaps.begin() + static_cast<long>(held.size() - limit - 1),
-                   gaps.end());
-  const Bytes bridge = gaps[held.size() - limit - 1];
-  std::vector<arena::ByteRange> out;
-  for (const arena::ByteRange& r : held) {
-    if (!out.empty() && r.offset - (out.back().offset + out.back().size) <= bridge)
-      out.back().size = r.offset + r.size - out.back().offset;
-    else
-      out.push_back(r);
-  }
-  return out;
-}
-
-}  // namespace
-
 int RemoteDevice::set_backing(const std::vector<arena::ByteRange>& held, std::string& why) {
   if (!info_.backs_on_demand) return 0;
-  const std::vector<arena::ByteRange> sent = coarsen(held, kMaxBackingRanges);
+  const std::vector<arena::ByteRange> sent = arena::merge_to_at_most(held, kMaxBackingRanges);
   {
     std::lock_guard b(backing_mu_);
     backing_ = sent;  // a restarted executor backs this, whatever this call's fate

@@ -76,7 +76,9 @@ class CudaDeviceTest : public ::testing::Test {
     dev_ = dynamic_cast<CudaDevice*>(devices_[0].get());
     ASSERT_NE(dev_, nullptr);
     // The broker backs what it holds; these tests use the whole arena.
-    if (back_all_) ASSERT_EQ(dev_->set_backing({{0, dev_->info().arena_size}}, why), 0) << why;
+    if (back_all_) {
+      ASSERT_EQ(dev_->set_backing({{0, dev_->info().arena_size}}, why), 0) << why;
+    }
     dev_->set_sink(&sink_);
     stream_ = dev_->create_stream();
   }
