@@ -135,6 +135,26 @@ class Salusd:
 
 
 
+def gpu_memory(d, gpu=0):
+    """gpus/N/memory of salusd `d`, as a dict of its `key: value` lines."""
+    out = {}
+    with open(d.path("gpus", str(gpu), "memory")) as f:
+        for line in f:
+            k, _, v = line.strip().partition(": ")
+            out[k] = v
+    return out
+
+
+def start_on_mock_cuda(extra_args, mock_dirs, env_extra=None, timeout=120):
+    """A started Salusd on the cuda backend over the mock driver
+    (tests/vgpu/cuda/mock_libcuda.cpp: one GPU of 512 MiB); `mock_dirs` go first
+    on its LD_LIBRARY_PATH."""
+    d = Salusd(list(extra_args), backend="cuda")
+    d.env = {**os.environ, "LD_LIBRARY_PATH": ":".join(mock_dirs), **(env_extra or {})}
+    d.start(timeout=timeout)
+    return d
+
+
 def start_on_backend(backend, **kw):
     """A started Salusd on `backend` ("sim" or "cuda", e.g. from
     SALUS_TEST_BACKEND). Skips the calling tests when salusd finds no GPU, so

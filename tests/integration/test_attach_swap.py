@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import Session, wait_until
+from conftest import Session, gpu_memory, start_on_mock_cuda, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "client"))
@@ -438,16 +438,6 @@ def attach_python_gate(s):
     return gate
 
 
-def cuda_salusd(*flags):
-    """A salusd on the cuda backend over the mock driver (its card: 512 MiB)."""
-    from conftest import Salusd
-    d = Salusd(list(flags))
-    d.args[d.args.index("--backend") + 1] = "cuda"
-    d.env = {**os.environ, "LD_LIBRARY_PATH": MOCK_DIR}
-    d.start(timeout=120)
-    return d
-
-
 @pytest.mark.parametrize("arena,fraction,warns", [("up-front", "0.9", True),
                                                   ("up-front", "0.5", False),
                                                   ("on-demand", "0.9", False)])
@@ -458,7 +448,7 @@ def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(are
     of 90% (about 51 MiB left), and the second attach says so and names the
     flag. Backed on demand (the default), the arena takes only what salusd
     holds, so nothing needs saying."""
-    d = cuda_salusd("--cuda-memory-fraction", fraction, "--cuda-arena", arena)
+    d = start_on_mock_cuda(["--cuda-memory-fraction", fraction, "--cuda-arena", arena], [MOCK_DIR])
     sessions, gates = [], []
     try:
         for _ in range(2):
@@ -482,28 +472,21 @@ def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(are
         d.stop()
 
 
-def memory_of(d, key):
-    for line in open(os.path.join(d.mnt, "gpus/0/memory")):
-        k, _, v = line.partition(": ")
-        if k == key:
-            return v.strip()
-    raise KeyError(key)
-
-
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_the_cuda_arena_is_backed_only_where_salusd_holds_memory(isolation):
     """Backed on demand, the arena's card memory follows what salusd holds: a
     buffer is backed (its bytes kept, fresh bytes zero), attached sessions'
     needs are not, and memory that is freed goes back to the card."""
-    d = cuda_salusd("--cuda-memory-fraction", "0.9", "--gpu-isolation", isolation)
+    d = start_on_mock_cuda(["--cuda-memory-fraction", "0.9", "--gpu-isolation", isolation],
+                           [MOCK_DIR])
     s = hosted = gate = None
     try:
-        assert memory_of(d, "backing") == "on-demand"
-        assert memory_of(d, "backed") == "0"
+        assert gpu_memory(d)["backing"] == "on-demand"
+        assert gpu_memory(d)["backed"] == "0"
         s = Session(d)
         s.cmd("need persistent=200M ephemeral=0 gpu=0\n")
         gate = attach_python_gate(s)
-        assert memory_of(d, "backed") == "0", "an attached need holds no arena memory"
+        assert gpu_memory(d)["backed"] == "0", "an attached need holds no arena memory"
         hosted = Session(d)
         hosted.cmd("need persistent=40M ephemeral=0 gpu=0\n")
         hosted.cmd("alloc w 3M\n")
@@ -513,12 +496,12 @@ def test_the_cuda_arena_is_backed_only_where_salusd_holds_memory(isolation):
             f.write(b"\x5a" * 4096)
         with open(hosted.file("mem/w"), "rb") as f:
             assert f.read(4096) == b"\x5a" * 4096
-        assert memory_of(d, "backed") == str(4 << 20), "3M in two 2 MiB chunks"
-        assert memory_of(d, "backing_wait") == "-"
+        assert gpu_memory(d)["backed"] == str(4 << 20), "3M in two 2 MiB chunks"
+        assert gpu_memory(d)["backing_wait"] == "-"
         hosted.cmd("free w\n")
-        wait_until(lambda: memory_of(d, "backed") == "0", timeout=10)
+        wait_until(lambda: gpu_memory(d)["backed"] == "0", timeout=10)
         hosted.cmd("alloc v 1M\n")
-        assert memory_of(d, "backed") == str(2 << 20)
+        assert gpu_memory(d)["backed"] == str(2 << 20)
     finally:
         if gate:
             gate.close()

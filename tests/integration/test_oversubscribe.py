@@ -10,22 +10,13 @@ import subprocess
 
 import pytest
 
-from conftest import SALUSD, Salusd, Session, wait_until
+from conftest import SALUSD, Salusd, Session, gpu_memory, start_on_mock_cuda, wait_until
 
 M = 1 << 20
 
 
 def status(s):
     return s.status()
-
-
-def memory(d):
-    out = {}
-    with open(d.path("gpus", "0", "memory")) as f:
-        for line in f:
-            k, _, v = line.strip().partition(": ")
-            out[k] = v
-    return out
 
 
 def write_pattern(s, name, size, seed):
@@ -57,7 +48,7 @@ def test_two_sessions_beyond_the_gpu_both_progress_and_keep_their_bytes(oversub)
         # 2 x 38M on a 64M card: both admitted, one of them resident.
         assert wait_until(lambda: status(a)["state"] == "admitted"
                           and status(b)["state"] == "admitted")
-        mem = memory(d)
+        mem = gpu_memory(d)
         assert mem["oversubscribe"] == "2"
         assert int(mem["admit_capacity"]) == 128 * M
         a.cmd("alloc w 36M\n")
@@ -80,7 +71,7 @@ def test_two_sessions_beyond_the_gpu_both_progress_and_keep_their_bytes(oversub)
             assert st["residency"] in ("resident", "swapped", "swapping_in", "swapping_out")
             assert float(st["resident_quantum_ms"]) >= 50.0
         assert int(sa["swaps_out"]) + int(sb["swaps_out"]) >= 2
-        mem = memory(d)
+        mem = gpu_memory(d)
         # Never more resident than the card, and swapped bytes are exactly one buffer
         # (the session that is out) or none.
         assert int(mem["resident"]) <= 64 * M
@@ -95,8 +86,8 @@ def test_two_sessions_beyond_the_gpu_both_progress_and_keep_their_bytes(oversub)
         a.close()
         b.close()
     # Both gone: nothing stays held, on the card or in host memory.
-    assert wait_until(lambda: memory(d)["persistent_used"] == "0"
-                      and memory(d)["host_swapped"] == "0")
+    assert wait_until(lambda: gpu_memory(d)["persistent_used"] == "0"
+                      and gpu_memory(d)["host_swapped"] == "0")
 
 
 def test_kill_while_swapped_leaks_nothing(oversub):
@@ -106,13 +97,13 @@ def test_kill_while_swapped_leaks_nothing(oversub):
         s.cmd("need persistent=36M ephemeral=2M gpu=0\n")
     a.cmd("alloc w 36M\nfill w 3 dtype=u8\n")
     b.cmd("alloc w 36M\n")
-    assert wait_until(lambda: int(memory(d)["swapped"]) == 36 * M, timeout=10)
+    assert wait_until(lambda: int(gpu_memory(d)["swapped"]) == 36 * M, timeout=10)
     b.cmd("begin\nspin 1000\nend x5\n")
     a.close()  # the swapped (or swapping) session goes away mid-flight
     b.wait()
     b.close()
-    assert wait_until(lambda: memory(d)["persistent_used"] == "0"
-                      and memory(d)["swapped"] == "0" and memory(d)["host_swapped"] == "0",
+    assert wait_until(lambda: gpu_memory(d)["persistent_used"] == "0"
+                      and gpu_memory(d)["swapped"] == "0" and gpu_memory(d)["host_swapped"] == "0",
                       timeout=10)
 
 
@@ -162,7 +153,7 @@ def test_stop_saves_swapped_named_sessions_and_restart_restores_them(tmp_path):
             with open(d.path("sessions", name, "mem", "w"), "r+b", buffering=0) as f:
                 f.write(data)
             hashes[name] = hashlib.sha256(data).hexdigest()
-        assert int(memory(d)["swapped"]) == 36 * M  # one of them is out at the stop
+        assert int(gpu_memory(d)["swapped"]) == 36 * M  # one of them is out at the stop
     finally:
         d.stop(timeout=30)
     d = Salusd(extra_args=args, sim_memory="64M", gpus=1).start(timeout=60)
@@ -180,14 +171,11 @@ def test_cuda_backend_swaps_through_the_device_interface():
     mock = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
     if not mock:
         pytest.skip("built without the cuda backend's mock driver")
-    d = Salusd(["--oversubscribe", "2", "--gpu-isolation", "thread",
-                "--cuda-memory-fraction", "0.1"])
-    d.args[d.args.index("--backend") + 1] = "cuda"
-    d.env = {**os.environ, "LD_LIBRARY_PATH": mock}
-    d.start(timeout=120)
+    d = start_on_mock_cuda(["--oversubscribe", "2", "--gpu-isolation", "thread",
+                            "--cuda-memory-fraction", "0.1"], [mock])
     a, b = Session(d), Session(d)
     try:
-        cap = int(memory(d)["capacity"])
+        cap = int(gpu_memory(d)["capacity"])
         size = (cap * 3 // 4) >> 20  # two of these do not fit together
         for s in (a, b):
             s.cmd(f"need persistent={size}M ephemeral=1M gpu=0\n")
@@ -252,7 +240,7 @@ def test_every_policy_runs_an_oversubscribed_trace_without_thrash(policy):
         assert swaps <= 4 * len(TRACE), \
             f"{policy}: thrash: {swaps} swaps out, {swap_ms:.1f} ms swapping, {gpu_ms:.1f} ms GPU"
         assert swaps >= 1, f"{policy}: 72M on a 64M card ran without a swap"
-        assert int(memory(d)["resident"]) <= 64 * M
+        assert int(gpu_memory(d)["resident"]) <= 64 * M
     finally:
         for s in sessions:
             s.close()

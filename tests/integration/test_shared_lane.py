@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import Session, wait_until
+from conftest import Session, start_on_mock_cuda, wait_until
 
 SHIM = os.environ.get("SALUS_TEST_SHIM", "")
 MOCK_DIR = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
@@ -321,11 +321,8 @@ def test_cuda_backend_makes_and_clears_the_lane_memory(isolation):
     or in the GPU's executor process, whose fd salusd takes with pidfd_getfd),
     cleared with cuMemsetD8 before its first holder (fresh mock memory reads
     0xab)."""
-    from conftest import Salusd
-    d = Salusd(["--gpu-isolation", isolation, "--cuda-memory-fraction", "0.1"])
-    d.args[d.args.index("--backend") + 1] = "cuda"
-    d.env = {**os.environ, "LD_LIBRARY_PATH": MOCK_DIR}
-    d.start(timeout=120)
+    d = start_on_mock_cuda(["--gpu-isolation", isolation, "--cuda-memory-fraction", "0.1"],
+                           [MOCK_DIR])
     a, b = session(d, 8), session(d, 8)
     pa = pb = None
     try:

@@ -9,18 +9,9 @@ import subprocess
 
 import pytest
 
-from conftest import Salusd, Session, wait_until
+from conftest import Salusd, Session, gpu_memory, wait_until
 
 M = 1 << 20
-
-
-def memory(d):
-    out = {}
-    with open(d.path("gpus", "0", "memory")) as f:
-        for line in f:
-            k, _, v = line.strip().partition(": ")
-            out[k] = v
-    return out
 
 
 def write_pattern(s, name, size, seed):
@@ -54,8 +45,8 @@ def test_many_swaps_through_the_spill_file_keep_every_byte(tmp_path):
         b.cmd("alloc w 36M\n")  # waits until a is spilled
         ha = write_pattern(a, "w", 36 * M, "spill-a")
         hb = write_pattern(b, "w", 36 * M, "spill-b")
-        assert int(memory(d)["spilled"]) == 36 * M  # a's bytes: in the file, not in host memory
-        assert memory(d)["host_swapped"] == "0"
+        assert int(gpu_memory(d)["spilled"]) == 36 * M  # a's bytes: in the file, not in host memory
+        assert gpu_memory(d)["host_swapped"] == "0"
         for rnd in range(4):
             for s in (a, b):
                 s.cmd("begin\nalloc t 1M\ncopy t w 1M\nspin 2000\nend x5\n")
@@ -64,17 +55,17 @@ def test_many_swaps_through_the_spill_file_keep_every_byte(tmp_path):
             assert read_hash(a, "w") == ha, f"round {rnd}: a's buffer changed"
             assert read_hash(b, "w") == hb, f"round {rnd}: b's buffer changed"
             # Only one of them fits: the other one's bytes are in the file.
-            assert int(memory(d)["spilled"]) in (0, 36 * M)
+            assert int(gpu_memory(d)["spilled"]) in (0, 36 * M)
         sa, sb = a.status(), b.status()
         assert int(sa["swaps_out"]) + int(sb["swaps_out"]) >= 4
         assert sa["swap_error"] == "-" and sb["swap_error"] == "-"
         assert sa["error"] == "-" and sb["error"] == "-"
-        assert memory(d)["host_swapped"] == "0"  # nothing held past the 1M limit
+        assert gpu_memory(d)["host_swapped"] == "0"  # nothing held past the 1M limit
         assert os.listdir(swap_dir) == []  # O_TMPFILE: never a name on disk
         a.close()
         b.close()
-        assert wait_until(lambda: memory(d)["persistent_used"] == "0"
-                          and memory(d)["spilled"] == "0", timeout=10)
+        assert wait_until(lambda: gpu_memory(d)["persistent_used"] == "0"
+                          and gpu_memory(d)["spilled"] == "0", timeout=10)
     finally:
         d.stop()
     assert os.listdir(swap_dir) == []
@@ -150,7 +141,7 @@ def test_stop_with_a_spilled_named_session_saves_it_and_restart_restores_it(tmp_
             with open(d.path("sessions", name, "mem", "w"), "r+b", buffering=0) as f:
                 f.write(data)
             hashes[name] = hashlib.sha256(data).hexdigest()
-        assert int(memory(d)["spilled"]) == 36 * M  # one of them is in the file at the stop
+        assert int(gpu_memory(d)["spilled"]) == 36 * M  # one of them is in the file at the stop
     finally:
         d.stop(timeout=30)
     assert os.listdir(swap_dir) == []
