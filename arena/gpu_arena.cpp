@@ -41,8 +41,9 @@ namespace {
 
 struct SessionState {
   Need declared;
-  Bytes p = 0;  // aligned declared persistent
-  Bytes e = 0;  // aligned declared ephemeral
+  Bytes p = 0;    // aligned declared persistent
+  Bytes e = 0;    // aligned declared ephemeral
+  Bytes pin = 0;  // aligned declared unswappable, at most p
   std::uint64_t arrival = 0;
   bool admitted = false;
   std::optional<LaneId> lane;
@@ -55,6 +56,16 @@ struct SessionState {
   Bytes reserved() const { return admitted ? std::max(p, used) : used; }
   // What admission adds to the persistent sum.
   Bytes p_new() const { return std::max(p, used) - used; }
+  // The session's share of the resident set: all of P_i on the GPU, the part no
+  // swap moves when it is swapped out.
+  Bytes on_card() const { return on_gpu() ? reserved() : reserved() - movable(); }
+  Bytes movable() const { return reserved() - std::min(pin, reserved()); }
+  void set_need(const Need& need) {
+    declared = need;
+    p = align_up(need.persistent);
+    e = align_up(need.ephemeral);
+    pin = align_up(std::min(need.unswappable, p));
+  }
 };
 
 }  // namespace
@@ -94,10 +105,14 @@ struct GpuArena::Impl {
   // Admission room (the accounting, C x oversubscribe) and physical room (resident set).
   Bytes slack() const { return admit_usable - reserved - lanes.total(); }
   Bytes phys_slack() const { return usable - resident_reserved - lanes.total(); }
-  // Adds `delta` (may wrap as a negative) to reserved, and to the resident sum if on the GPU.
-  void add_reserved(const SessionState& s, Bytes delta) {
-    reserved += delta;
-    if (s.on_gpu()) resident_reserved += delta;
+  // Runs `change` on `s` and carries what it did to the session's P_i and resident
+  // share into the two sums (the differences may wrap as negatives; the sums do not).
+  template <class Change>
+  void update(SessionState& s, Change&& change) {
+    const Bytes r0 = s.reserved(), c0 = s.on_card();
+    change();
+    reserved += s.reserved() - r0;
+    resident_reserved += s.on_card() - c0;
   }
   static Bytes scaled(Bytes b, double ratio) {
     if (!(ratio > 1.0)) return b;
@@ -203,6 +218,9 @@ bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
   // A re-queued session that holds its buffers on the GPU must fit there.
   const bool resident = s.on_gpu() && p_new + d.room <= phys_slack();
   if (s.on_gpu() && !resident && s.used != 0) return false;
+  // Admitted swapped, it still puts its unswappable part on the card.
+  if (!resident && std::min(s.pin, std::max(s.p, s.used)) - s.on_card() + d.room > phys_slack())
+    return false;
   if (held) {
     const Bytes top = lanes.total();
     if (heap.intersects(top, top + d.room)) heap.request_room(d.room);
@@ -226,9 +244,10 @@ bool GpuArena::Impl::try_admit(const QueuedRequest& q) {
   }
   // A session whose P does not fit beside the resident set starts swapped: it holds
   // nothing yet, and the residency planner brings it in before it runs.
-  if (!resident) s.res = Residency::swapped;
-  add_reserved(s, p_new);
-  s.admitted = true;
+  update(s, [&] {
+    if (!resident) s.res = Residency::swapped;
+    s.admitted = true;
+  });
   s.lane = lane;
   ++stats.admissions;
   admissions.push_back({id, lane});
@@ -316,7 +335,7 @@ std::string GpuArena::Impl::check_sessions() const {
   std::size_t waiting = 0;
   for (const auto& [id, s] : sessions) {
     sum_reserved += s.reserved();
-    if (s.on_gpu()) sum_resident += s.reserved();
+    sum_resident += s.on_card();
     sum_used += s.used;
     if (s.p % kAlignment != 0 || s.e % kAlignment != 0)
       return fmt::format("session {}: need not aligned", id);
@@ -505,9 +524,7 @@ ArenaError GpuArena::request(SessionId session, Need need, TimeNs now, double ke
   if (m.sessions.count(session)) return ArenaError::duplicate;
   if (m.too_large(need, 0)) return ArenaError::too_large;
   SessionState s;
-  s.declared = need;
-  s.p = align_up(need.persistent);
-  s.e = align_up(need.ephemeral);
+  s.set_need(need);
   s.arrival = m.next_arrival++;
   m.queue.push(session, s.arrival, now, s.p_new(), s.e, key);
   m.sessions.emplace(session, s);
@@ -521,19 +538,19 @@ ArenaError GpuArena::change_need(SessionId session, Need need, TimeNs now, doubl
   if (it == m.sessions.end()) return ArenaError::unknown_session;
   SessionState& s = it->second;
   if (m.too_large(need, s.used)) return ArenaError::too_large;
-  if (s.admitted) {
-    m.add_reserved(s, -(s.reserved() - s.used));
+  const bool was_admitted = s.admitted;
+  m.update(s, [&] {
+    s.admitted = false;  // a re-queued session keeps only what its buffers hold
+    s.set_need(need);
+  });
+  if (was_admitted) {
     if (const Lane* l = m.lanes.find(*s.lane); l && l->busy)
       m.draining.emplace_back(*s.lane, session);
     m.lanes.remove_member(*s.lane, session, true);
     s.lane.reset();
-    s.admitted = false;
     m.queue.push(session, s.arrival, now, 0, 0, key);
     m.sync_passable(session);
   }
-  s.declared = need;
-  s.p = align_up(need.persistent);
-  s.e = align_up(need.ephemeral);
   m.queue.set_need(session, s.p_new(), s.e);
   m.queue.set_key(session, key);
   m.reconcile(true);
@@ -569,7 +586,8 @@ void GpuArena::leave(SessionId session, TimeNs /*now*/) {
   auto it = m.sessions.find(session);
   if (it == m.sessions.end()) return;
   SessionState& s = it->second;
-  m.add_reserved(s, -s.reserved());
+  m.reserved -= s.reserved();
+  m.resident_reserved -= s.on_card();
   if (s.lane) m.lanes.remove_member(*s.lane, session);
   m.queue.remove(session);
   std::erase_if(m.draining, [session](const auto& d) { return d.second == session; });
@@ -646,8 +664,7 @@ AllocResult GpuArena::alloc_persistent(SessionId session, Bytes size) {
     m.verify();
     return {ArenaError::fragmented};
   }
-  s.used += rounded;
-  m.add_reserved(s, after - before);
+  m.update(s, [&] { s.used += rounded; });
   m.heap.settle_compaction(m.lanes.total());
   m.verify();
   return {ArenaError::ok, *h, m.heap.find(*h)->offset};
@@ -664,9 +681,7 @@ void GpuArena::free_persistent(BufferHandle buffer) {
     m.swapped_buffers.erase(sw);
   }
   SessionState& s = m.sessions.at(b->owner);
-  const Bytes before = s.reserved();
-  s.used -= b->size;
-  m.add_reserved(s, -(before - s.reserved()));
+  m.update(s, [&] { s.used -= b->size; });
   if (!s.admitted) m.queue.set_need(b->owner, s.p_new(), s.e);
   m.lanes.mark_dirty();
   m.reconcile(true);
@@ -721,7 +736,7 @@ Bytes GpuArena::resident_room() const {
 
 Bytes GpuArena::swap_in_bytes(SessionId session) const {
   auto it = impl_->sessions.find(session);
-  return it == impl_->sessions.end() ? 0 : it->second.reserved();
+  return it == impl_->sessions.end() ? 0 : it->second.movable();
 }
 
 Bytes GpuArena::lane_room_wanted() const {
@@ -764,8 +779,7 @@ void GpuArena::finish_swap_out(SessionId session, TimeNs /*now*/) {
       m.swapped_bytes += b->size;
     }
   }
-  m.resident_reserved -= s.reserved();
-  s.res = Residency::swapped;
+  m.update(s, [&] { s.res = Residency::swapped; });
   m.lanes.mark_dirty();
   m.reconcile(true);
 }
@@ -777,6 +791,15 @@ void GpuArena::cancel_swap_out(SessionId session) {
   impl_->verify();
 }
 
+bool GpuArena::set_unswappable(SessionId session, Bytes bytes) {
+  auto it = impl_->sessions.find(session);
+  if (it == impl_->sessions.end() || !it->second.on_gpu()) return false;
+  SessionState& s = it->second;
+  s.pin = align_up(std::min(bytes, s.p));  // p is aligned: so is the cap
+  impl_->verify();
+  return true;
+}
+
 ArenaError GpuArena::swap_in(SessionId session, std::vector<SwapBuffer>& out) {
   Impl& m = *impl_;
   out.clear();
@@ -784,7 +807,7 @@ ArenaError GpuArena::swap_in(SessionId session, std::vector<SwapBuffer>& out) {
   if (it == m.sessions.end()) return ArenaError::unknown_session;
   SessionState& s = it->second;
   if (s.res != Residency::swapped) return ArenaError::ok;
-  if (s.reserved() > m.phys_slack()) return ArenaError::no_memory;
+  if (s.reserved() - s.on_card() > m.phys_slack()) return ArenaError::no_memory;
   std::vector<std::pair<BufferHandle, Bytes>> mine;
   for (const auto& [h, b] : m.swapped_buffers)
     if (b.first == session) mine.emplace_back(h, b.second);
@@ -807,8 +830,7 @@ ArenaError GpuArena::swap_in(SessionId session, std::vector<SwapBuffer>& out) {
     m.swapped_buffers.erase(b.buffer);
     m.swapped_bytes -= b.size;
   }
-  s.res = Residency::resident;
-  m.resident_reserved += s.reserved();
+  m.update(s, [&] { s.res = Residency::resident; });
   m.heap.settle_compaction(m.lanes.total());
   m.verify();
   return ArenaError::ok;

@@ -31,6 +31,10 @@ struct Need {
   // attached session of a GPU in one group: processes time-slice on a GPU, so
   // only a shared lane lets the policy, not the driver, decide who runs.
   std::uint32_t group = 0;
+  // Of `persistent`, bytes that stay on the GPU while the session is swapped out
+  // (oversubscription): an attached program's CUDA context, which no swap moves.
+  // They count in the resident set whatever the session's residency.
+  Bytes unswappable = 0;
 };
 
 enum class QueueMode : std::uint8_t {
@@ -271,7 +275,8 @@ class GpuArena {
   Residency residency(SessionId session) const;
   // Bytes the resident set may still grow by: C - resident P - L.
   Bytes resident_room() const;
-  // What the session adds to the resident set when it is swapped in (its P_i).
+  // What the session adds to the resident set when it is swapped in, and frees
+  // when it is swapped out: its P_i less the part that never leaves the GPU.
   Bytes swap_in_bytes(SessionId session) const;
   // Bytes a lane that waits for physical room needs from the resident set (0: none).
   Bytes lane_room_wanted() const;
@@ -283,6 +288,11 @@ class GpuArena {
   void finish_swap_out(SessionId session, TimeNs now);
   // The copies failed: the session stays resident with its memory where it was.
   void cancel_swap_out(SessionId session);
+  // What of the session stays on the GPU when it is swapped out (Need::unswappable),
+  // as learned at a swap-out: an attached program reports what its shim cannot
+  // move. Only while the session is on the GPU (resident or swapping out), where
+  // the part makes no difference to the resident set; false otherwise. Capped at P.
+  bool set_unswappable(SessionId session, Bytes bytes);
   // Places a swapped session's buffers again under their old handles (`out`: where).
   // no_memory: the resident set has no room for its P yet; fragmented: the room is
   // there but not in one piece, compaction is planned. On ok it is resident at once;

@@ -100,6 +100,77 @@ TEST(ArenaResidency, RunningSessionIsNotSwappedOut) {
   EXPECT_TRUE(a.begin_swap_out(1, out));
 }
 
+// An attached program's CUDA context stays on the card when its memory is swapped
+// out: the unswappable part of P counts in the resident set whatever the residency.
+TEST(ArenaResidency, TheUnswappablePartStaysOnTheCard) {
+  GpuArena a(100 * M, oversub(3.0));
+  Need pinned{40 * M, 4 * M};
+  pinned.unswappable = 16 * M;
+  ASSERT_EQ(a.request(1, pinned, 0), ArenaError::ok);
+  ASSERT_EQ(a.take_admissions().size(), 1u);
+  EXPECT_EQ(a.swap_in_bytes(1), 24 * M);  // what a swap-out frees
+  std::vector<SwapBuffer> out;
+  ASSERT_TRUE(a.begin_swap_out(1, out));
+  a.finish_swap_out(1, 1);
+  EXPECT_EQ(a.residency(1), Residency::swapped);
+  EXPECT_EQ(a.memory().resident_reserved, 16 * M);
+  const Bytes lanes = a.memory().lane_total;
+  EXPECT_EQ(a.resident_room(), 100 * M - 16 * M - lanes);
+  // Admitted swapped (its P does not fit beside the others), a session still puts
+  // its unswappable part on the card: 2 fits only by that part, 3 not even by it.
+  ASSERT_EQ(a.request(2, {90 * M, lanes}, 2), ArenaError::ok);
+  ASSERT_EQ(a.take_admissions().size(), 1u);
+  EXPECT_EQ(a.residency(2), Residency::swapped);
+  Need big = {85 * M, lanes};
+  big.unswappable = 90 * M;
+  ASSERT_EQ(a.request(3, big, 3), ArenaError::ok);
+  EXPECT_TRUE(a.take_admissions().empty());  // 90M cannot sit beside 16M + lanes
+  a.leave(3, 4);
+  big.unswappable = 40 * M;
+  ASSERT_EQ(a.request(4, big, 5), ArenaError::ok);
+  ASSERT_EQ(a.take_admissions().size(), 1u);
+  EXPECT_EQ(a.residency(4), Residency::swapped);
+  EXPECT_EQ(a.memory().resident_reserved, 56 * M);
+  EXPECT_EQ(a.swap_in_bytes(4), 45 * M);
+  // Swapping 1 back in needs room for its movable 24M only.
+  EXPECT_EQ(a.resident_room(), 100 * M - 56 * M - a.memory().lane_total);
+  ASSERT_LT(a.resident_room(), 40 * M);
+  ASSERT_GE(a.resident_room(), 24 * M) << a.memory().lane_total;
+  EXPECT_EQ(a.swap_in(1, out), ArenaError::ok);
+  EXPECT_EQ(a.memory().resident_reserved, 80 * M);
+  EXPECT_EQ(a.check_invariants(), "");
+  a.leave(1, 6);
+  a.leave(4, 7);
+  EXPECT_EQ(a.memory().resident_reserved, 0u);
+  EXPECT_EQ(a.check_invariants(), "");
+}
+
+// What stays on the card is learned at a swap-out (an attached program reports
+// what its shim cannot move); it can be changed only while the session is on the
+// GPU, where it changes nothing in the resident set.
+TEST(ArenaResidency, TheUnswappablePartIsLearnedAtASwapOut) {
+  GpuArena a(100 * M, oversub(2.0));
+  Need n{40 * M, 0};
+  n.unswappable = 4 * M;
+  ASSERT_EQ(a.request(1, n, 0), ArenaError::ok);
+  ASSERT_EQ(a.take_admissions().size(), 1u);
+  std::vector<SwapBuffer> out;
+  ASSERT_TRUE(a.begin_swap_out(1, out));
+  const Bytes before = a.memory().resident_reserved;
+  ASSERT_TRUE(a.set_unswappable(1, 12 * M));
+  EXPECT_EQ(a.memory().resident_reserved, before);
+  EXPECT_EQ(a.swap_in_bytes(1), 28 * M);
+  a.finish_swap_out(1, 1);
+  EXPECT_EQ(a.memory().resident_reserved, 12 * M);
+  EXPECT_FALSE(a.set_unswappable(1, 0));  // swapped: it would change the resident set
+  EXPECT_EQ(a.memory().resident_reserved, 12 * M);
+  ASSERT_EQ(a.swap_in(1, out), ArenaError::ok);
+  EXPECT_EQ(a.memory().resident_reserved, 40 * M);
+  ASSERT_TRUE(a.set_unswappable(1, 1000 * M));  // capped at P: a swap frees nothing
+  EXPECT_EQ(a.swap_in_bytes(1), 0u);
+  EXPECT_EQ(a.check_invariants(), "");
+}
+
 TEST(SwapCost, QuantumKeepsSwapUnderTenPercent) {
   SwapCostModel c;
   c.observe(1024 * M, 100'000'000);  // 1 GiB in 100 ms
@@ -177,6 +248,7 @@ TEST_P(RandomStream, InvariantsHold) {
   std::map<SessionId, std::set<arena::BufferHandle>> owned;
   std::map<arena::BufferHandle, Bytes> sizes;
   std::map<arena::LaneId, SessionId> busy;
+  std::map<SessionId, Bytes> pins;  // each session's unswappable bytes (1 MiB multiples)
   SessionId next = 1;
   std::uint64_t swaps = 0;
   auto pick = [&]() -> SessionId {
@@ -192,8 +264,12 @@ TEST_P(RandomStream, InvariantsHold) {
     switch (op) {
       case 0:
         if (owned.size() < 12) {
-          const Need n{(rng() % 96) * M, (rng() % 32 + 1) * M};
-          if (a.request(next, n, ev) == ArenaError::ok) owned[next];
+          Need n{(rng() % 96) * M, (rng() % 32 + 1) * M};
+          if (rng() % 3 == 0) n.unswappable = (rng() % 48) * M;  // may exceed P: capped
+          if (a.request(next, n, ev) == ArenaError::ok) {
+            owned[next];
+            pins[next] = std::min(n.unswappable, n.persistent);
+          }
           ++next;
         }
         break;
@@ -225,6 +301,12 @@ TEST_P(RandomStream, InvariantsHold) {
         // salusd swaps only when oversubscribed; at ratio 1 nothing ever leaves the card.
         if (s && ratio > 1.0 && a.begin_swap_out(s, out)) {
           ASSERT_EQ(out.size(), owned[s].size());
+          if (rng() % 3 == 0) {  // learned at the swap-out
+            const Bytes learned = (rng() % 48) * M;
+            ASSERT_TRUE(a.set_unswappable(s, learned));
+            const auto p = a.placement(s);
+            pins[s] = std::min(learned, p->declared.persistent);
+          }
           if (rng() % 4 == 0) {
             a.cancel_swap_out(s);
           } else {
@@ -271,6 +353,17 @@ TEST_P(RandomStream, InvariantsHold) {
     ASSERT_EQ(problem, "") << "seed " << seed << " event " << ev;
     const arena::MemorySummary m = a.memory();
     ASSERT_LE(m.resident_reserved + m.lane_total, m.capacity) << "seed " << seed;
+    // Swapped sessions' unswappable parts stay in the resident set, and a swap
+    // moves only the rest.
+    Bytes pinned_out = 0;
+    for (const auto& [id, hs] : owned) {
+      const auto p = a.placement(id);
+      if (!p || !p->admitted || a.residency(id) != Residency::swapped) continue;
+      pinned_out += pins[id];
+      ASSERT_EQ(a.swap_in_bytes(id),
+                std::max(p->declared.persistent, p->persistent_used) - pins[id]);
+    }
+    ASSERT_GE(m.resident_reserved, pinned_out) << "seed " << seed << " event " << ev;
     if (ratio == 1.0) {
       ASSERT_EQ(m.swapped, 0u);
     }
