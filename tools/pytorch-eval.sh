@@ -259,12 +259,16 @@ print(round(sum(float(e)-t0-2*int(j[3:]) for j,s,e in rows)/len(rows),3))")
 
 part_inference() {
   local d=$out/inference; mkdir -p "$d"
+  # 42 x (768M + 384M + salusd's 512M context reserve per attached program) = 68 GiB:
+  # within the default arena (0.9) of an 80 GB card. A ResNet-50 at batch 1 peaks
+  # far below 1 GiB; set SALUS_INFER_NEED="--persistent P --ephemeral E" to change it.
+  local need=(${SALUS_INFER_NEED:---persistent 768M --ephemeral 384M})
   policy fair
   $wl infer --model resnet "${dev[@]}" --batch 1 --iters $infer_iters --warmup $warm >"$d/alone-native.json"
-  "${srun[@]}" --persistent 1G --ephemeral 512M -- $wl infer --model resnet "${dev[@]}" --batch 1 \
+  "${srun[@]}" "${need[@]}" -- $wl infer --model resnet "${dev[@]}" --batch 1 \
     --iters $infer_iters --warmup $warm >"$d/alone-salus.json"
   for i in $(seq $infer_n); do
-    "${srun[@]}" --gpu 0 --persistent 1G --ephemeral 512M -- $wl infer --model resnet "${dev[@]}" --batch 1 \
+    "${srun[@]}" --gpu 0 "${need[@]}" -- $wl infer --model resnet "${dev[@]}" --batch 1 \
       --iters $infer_iters --warmup $warm --tag s$i >"$d/shared-$i.json" &
   done
   wait

@@ -72,6 +72,9 @@ struct Settings {
   // sessions per GPU.
   std::string oversubscribe = "1";
   std::string swap_host_limit = "64G";
+  // Card memory counted per attached program for its CUDA context (auto: 512M on
+  // cuda, 0 on sim, whose attached programs use another driver's memory).
+  std::string attach_context_reserve = "auto";
   // Past the host limit, swapped-out bytes spill to an unnamed (O_TMPFILE) file
   // here, written by salusd; empty: no spill file.
   std::string swap_dir = "/var/tmp";
@@ -183,6 +186,7 @@ bool load_config(const std::string& path, Settings& s, std::string& why) {
   }
   s.swap_host_limit = t["swap_host_limit"].value_or(s.swap_host_limit);
   s.swap_dir = t["swap_dir"].value_or(s.swap_dir);
+  s.attach_context_reserve = t["attach"]["context_reserve"].value_or(s.attach_context_reserve);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.cuda_arena = t["cuda"]["arena"].value_or(s.cuda_arena);
@@ -265,6 +269,9 @@ bool validate(const Settings& s, std::string& why) {
   if (!parse_oversubscribe(s.oversubscribe, ratio, sub_why)) return bad(sub_why);
   if (!salus::arena::parse_size(s.swap_host_limit))
     return bad(fmt::format("swap_host_limit '{}': expected a size, e.g. 64G", s.swap_host_limit));
+  if (s.attach_context_reserve != "auto" && !salus::arena::parse_size(s.attach_context_reserve))
+    return bad(fmt::format("attach_context_reserve '{}': expected a size, e.g. 512M, or auto",
+                           s.attach_context_reserve));
   if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, sub_why))
     return bad(fmt::format("metrics_listen {}", sub_why));
   return true;
@@ -356,6 +363,9 @@ void add_flags(CLI::App& flags, Settings& s) {
   flags.add_option("--swap-dir", s.swap_dir,
                    "Past --swap-host-limit, swapped-out bytes spill to an unnamed file here "
                    "(\"\": refuse such swap-outs)");
+  flags.add_option("--attach-context-reserve", s.attach_context_reserve,
+                   "Card memory admission counts for each attached program's CUDA context, "
+                   "e.g. 512M (auto: 512M on cuda, 0 on sim)");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -523,7 +533,13 @@ void stop_mps(MpsDaemons& daemons) {
   }
 }
 
-salus::vgpu::BrokerConfig broker_config(const Settings& s) {
+// What an attached program's CUDA context takes on the card, for admission: a
+// PyTorch process on a current datacenter GPU holds a few hundred MiB that no
+// allocation hook sees (the context, cuBLAS/cuDNN module code). salusd warns when
+// NVML shows a program past it (Broker::check_attached_contexts).
+constexpr salus::arena::Bytes kCudaContextReserve = salus::arena::Bytes{512} << 20;
+
+salus::vgpu::BrokerConfig broker_config(const Settings& s, const std::string& backend) {
   salus::vgpu::BrokerConfig bc;
   bc.policy = *salus::sched::policy_from_string(s.policy);
   bc.placement = *salus::sched::placement_from_string(s.placement);
@@ -538,6 +554,10 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s) {
   parse_oversubscribe(s.oversubscribe, bc.arena.oversubscribe, why);
   bc.swap_host_limit = *salus::arena::parse_size(s.swap_host_limit);
   bc.swap_dir = s.swap_dir;
+  bc.attach_context_reserve = s.attach_context_reserve != "auto"
+                                  ? *salus::arena::parse_size(s.attach_context_reserve)
+                              : backend == "cuda" ? kCudaContextReserve
+                                                  : 0;
   return bc;
 }
 
@@ -602,7 +622,7 @@ int main(int argc, char** argv) {
   const bool isolated =
       s.gpu_isolation == "process" || (s.gpu_isolation == "auto" && backend == "cuda");
   raise_fd_limit();
-  auto bc = broker_config(s);
+  auto bc = broker_config(s, backend);
   for (const auto& m : mps) bc.mps.push_back(m.get());
   salus::vgpu::Broker broker(std::move(devices.list), std::move(bc), std::move(telemetry));
 

@@ -149,7 +149,12 @@ def start_on_mock_cuda(extra_args, mock_dirs, env_extra=None, timeout=120):
     """A started Salusd on the cuda backend over the mock driver
     (tests/vgpu/cuda/mock_libcuda.cpp: one GPU of 512 MiB); `mock_dirs` go first
     on its LD_LIBRARY_PATH."""
-    d = Salusd(list(extra_args), backend="cuda")
+    # The mock's contexts take no card memory: no reserve for them (on a real
+    # GPU salusd counts 512M per attached program), unless a test names one.
+    args = list(extra_args)
+    if "--attach-context-reserve" not in args:
+        args += ["--attach-context-reserve", "0"]
+    d = Salusd(args, backend="cuda")
     d.env = {**os.environ, "LD_LIBRARY_PATH": ":".join(mock_dirs), **(env_extra or {})}
     d.start(timeout=timeout)
     return d

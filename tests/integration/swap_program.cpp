@@ -13,6 +13,10 @@
 // cuMemcpyHtoD of the same MIB (best of 3; what the shim's swap does per
 // allocation) and prints "baseline dtoh_s=S htod_s=S" before "ready": the
 // baseline of tools/swap-eval.sh.
+//
+// With SWAP_PROGRAM_UNMOVABLE_MIB=N it also makes a physical allocation of its
+// own (cuMemCreate, as PyTorch's expandable segments do) of N MiB that it keeps
+// to the end: charged, but not movable by the shim (memory_unswappable).
 #include <cuda.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -63,6 +67,17 @@ int main(int argc, char** argv) {
   CUcontext ctx;
   CUdeviceptr d;
   if (init(0) || retain(&ctx, 0) || set(ctx) || alloc(&d, bytes)) return 2;
+  if (const char* u = getenv("SWAP_PROGRAM_UNMOVABLE_MIB"); u != nullptr) {
+    CUresult (*create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                       unsigned long long);
+    get("cuMemCreate", create);
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    CUmemGenericAllocationHandle own;
+    if (create(&own, static_cast<size_t>(atoi(u)) << 20, &prop, 0)) return 2;
+  }
   auto* want = static_cast<uint32_t*>(malloc(bytes));
   auto* got = static_cast<uint32_t*>(malloc(bytes));
   fill(want, bytes / 4, 1);

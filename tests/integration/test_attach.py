@@ -105,6 +105,32 @@ def test_bad_attach_inputs_get_clear_errors(salusd):
     os.close(w)
 
 
+def test_admission_counts_each_attached_programs_context_reserve(salusd_factory, tmp_path):
+    """The card memory a program's own CUDA context takes is counted with its
+    need ([attach] context_reserve); its budget is still the need."""
+    cfg = tmp_path / "salusd.toml"
+    cfg.write_text('[attach]\ncontext_reserve = "64M"\n')
+    d = salusd_factory(extra_args=["--config", str(cfg)], sim_memory="256M", gpus=1).start()
+    a, b = Session(d), Session(d)
+    with salus_gate.Gate() as ga, salus_gate.Gate() as gb:
+        # 100M + 64M and 64M + 64M do not fit 256M together; 100M and 64M would.
+        a.cmd("need persistent=100M ephemeral=0 gpu=0\n")
+        a.cmd(ga.attach_line())
+        b.cmd("need persistent=64M ephemeral=0 gpu=0\n")
+        b.cmd(gb.attach_line())
+        st = a.status()
+        assert st["state"] == "admitted" and b.status()["state"] == "queued"
+        assert st["memory_budget"] == str(100 << 20)
+        assert st["memory_context_reserve"] == str(64 << 20)
+        assert st["memory_context"] == "-", "the sim backend has no driver figure"
+        assert "64.0M for the program's CUDA context" in a.read("log")
+        os.close(a.fd)
+        deadline = time.time() + 5
+        while b.status()["state"] != "admitted" and time.time() < deadline:
+            time.sleep(0.02)
+        assert b.status()["state"] == "admitted"
+
+
 def run_pair(salusd, policy, a_need, b_need, iters, iter_ms, tmp_path):
     with open(salusd.path("policy"), "w") as f:
         f.write(policy + "\n")

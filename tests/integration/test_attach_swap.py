@@ -262,6 +262,31 @@ def test_a_session_is_not_granted_while_its_swap_out_runs(salusd, tmp_path):
         s.close()
 
 
+def start_two(d, tmp_path, mib, iters, procs, sessions, extra_env=None):
+    """Two sessions of `need persistent=40M` on gpu 0, each with a swap_program of
+    MIB MiB and ITERS iterations, both let go at once. Appended to `procs` and
+    `sessions` as they start, so that the caller's cleanup sees every one."""
+    go = tmp_path / "go"
+    go.write_text("")
+    for _ in range(2):
+        s = Session(d)
+        s.cmd("need persistent=40M ephemeral=0 gpu=0\n")
+        sessions.append(s)
+        procs.append(start_program(d, s, mib, iters, go, extra_env))
+
+
+def stop_all(procs, sessions, d):
+    """A test's cleanup: kills its programs still running, closes its sessions
+    and stops salusd."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for s in sessions:
+        s.close()
+    d.stop()
+
+
 def watch(procs, sessions, seen):
     """Until every program has exited: the largest swaps_out/swaps_in each session
     showed and the last log read (both go with the session when its program exits)."""
@@ -322,13 +347,49 @@ def test_residency_swaps_attached_programs_that_do_not_fit_together(tmp_path):
         assert outs and int(outs[0].split()[-1]) >= 2, metrics
         assert 'salus_gpu_memory_bytes{gpu="0",class="swapped"} 0' in metrics
     finally:
+        stop_all(procs, sessions, d)
+
+
+def test_what_a_swapped_program_leaves_on_the_card_stays_counted(tmp_path):
+    """A swapped-out program still has its CUDA context on the card, and what its
+    shim cannot move: two programs of 32M movable + 8M of their own cuMemCreate
+    (need 40M each, counted 44M with a context reserve of 4M) on a 64M card at
+    --oversubscribe 2. While one is out, the resident set (gpus/0/memory
+    resident_reserved) holds the other's 44M and, of the one out, its 4M reserve
+    before its first swap-out and 4M + the 8M its shim reported after one."""
+    from conftest import Salusd
+    M = 1 << 20
+    d = Salusd(extra_args=["--oversubscribe", "2", "--policy", "fair",
+                           "--attach-context-reserve", "4M"], sim_memory="64M", gpus=1).start()
+    procs = []
+    sessions = []
+    try:
+        start_two(d, tmp_path, 32, 40, procs, sessions,
+                  {"SALUS_MOCK_COPY_US_PER_MIB": "2000", "SWAP_PROGRAM_UNMOVABLE_MIB": "8"})
+
+        def both_running():
+            try:
+                return all(s.status().get("gate") == "attached" and
+                           int(s.status().get("iterations_completed", 0)) >= 1 for s in sessions)
+            except (OSError, ValueError):
+                return False
+        assert wait_until(both_running, timeout=30)
+        assert sessions[0].status()["memory_unswappable"] == str(8 * M)
+        samples = []
+        while all(p.poll() is None for p in procs):
+            value = int(gpu_memory(d)["resident_reserved"])
+            if all(p.poll() is None for p in procs):
+                samples.append(value)
+            time.sleep(0.01)
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for s in sessions:
-            s.close()
-        d.stop()
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, (out, err)
+        # One resident (44M) beside one out (4M or 4M + 8M), or both out.
+        allowed = {44 * M + 4 * M, 44 * M + 12 * M, 8 * M, 16 * M, 24 * M}
+        assert samples and set(samples) <= allowed, sorted(set(samples))
+        assert 56 * M in samples, sorted(set(samples))
+    finally:
+        stop_all(procs, sessions, d)
 
 
 def test_residency_asks_a_program_without_salus_swap_once(tmp_path):
@@ -373,13 +434,7 @@ def test_residency_asks_a_program_without_salus_swap_once(tmp_path):
         assert log.count("swap-out failed: EOPNOTSUPP") == 1, log
         assert log.count("not movable: counted resident") == 1, log
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for s in sessions:
-            s.close()
-        d.stop()
+        stop_all(procs, sessions, d)
 
 
 def test_stop_with_a_swapped_program_gives_its_memory_back(tmp_path):
@@ -393,13 +448,7 @@ def test_stop_with_a_swapped_program_gives_its_memory_back(tmp_path):
     sessions = []
     stopped = False
     try:
-        go = tmp_path / "go"
-        go.write_text("")
-        for _ in range(2):
-            s = Session(d)
-            s.cmd("need persistent=40M ephemeral=0 gpu=0\n")
-            sessions.append(s)
-            procs.append(start_program(d, s, 40, 100, go))
+        start_two(d, tmp_path, 40, 100, procs, sessions)
 
         def one_swapped():
             try:
@@ -460,7 +509,7 @@ def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(are
         assert "attached gate=" in first and "attached gate=" in second, (first, second)
         assert "warning" not in first, first
         if warns:
-            assert "budgets of 80.0M in all, but only" in second, second
+            assert "context reserves of 80.0M in all, but only" in second, second
             assert "--cuda-memory-fraction" in second, second
         else:
             assert "warning" not in second, second

@@ -84,7 +84,8 @@ def test_refuses_without_dev_fuse(tmp_path):
 def test_bad_config_values_are_refused(tmp_path):
     for text, word in [('policy = "lottery"\n', "lottery"), ('[sim]\ngpus = 0\n', "gpus"),
                        ('placement = "random"\n', "random"), ('log_level = "loud"\n', "loud"),
-                       ('policy = \n', "config")]:
+                       ('policy = \n', "config"),
+                       ('[attach]\ncontext_reserve = "lots"\n', "attach_context_reserve 'lots'")]:
         cfg = tmp_path / "bad.toml"
         cfg.write_text(text)
         out = subprocess.run([SALUSD, "--config", str(cfg), "--mount", str(tmp_path)],

@@ -61,8 +61,9 @@ class MpsSalusd(Salusd):
     read them after stop(); cleanup() removes them."""
 
     def __init__(self, mode="", extra_args=(), keep=None):
+        # The mock driver's contexts take no card memory: no context reserve.
         super().__init__(["--gpu-isolation", "process", "--cuda-memory-fraction", "0.2",
-                          *extra_args], backend="cuda")
+                          "--attach-context-reserve", "0", *extra_args], backend="cuda")
         self.keep = keep or tempfile.mkdtemp(prefix="salus-test-mps-")
         os.chmod(self.keep, 0o755)
         self.mps_dir = os.path.join(self.keep, "mps")

@@ -64,6 +64,9 @@ struct AttachedGate {
   std::int64_t granted_at = 0;  // broker time of the last grant (the fallback slice)
   std::uint64_t yields = 0;     // yield requests made
   bool exited = false;          // the pidfd reported the program's exit
+  // The driver's figure for the program passed its charge by more than the
+  // context reserve (said once, in the session log and salusd's).
+  bool context_warned = false;
 
   // Swap (issue 15): salusd's last request and what it saw of the answer.
   std::uint32_t swap_seq = 0;                        // the last swap_seq written

@@ -722,10 +722,14 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   if (g.draining && s.gpu < 0)
     return fail(EBUSY, fmt::format("gpu {} is draining and admits no new sessions", gpu));
   const Bytes cap = g.sched.arena().capacity();
-  if (p + e > cap)
-    return fail(ENOMEM, fmt::format("persistent={} + ephemeral={} exceeds gpu {} capacity {}",
-                                    arena::format_size(p), arena::format_size(e), gpu,
-                                    arena::format_size(cap)));
+  const Bytes context = s.gate ? config_.attach_context_reserve : 0;
+  if (p + e > cap || p + e + context > cap)
+    return fail(ENOMEM, fmt::format("persistent={} + ephemeral={}{} exceeds gpu {} capacity {}",
+                                    arena::format_size(p), arena::format_size(e),
+                                    context ? " + the attached program's context reserve " +
+                                                  arena::format_size(context)
+                                            : std::string(),
+                                    gpu, arena::format_size(cap)));
   if (c.name && !c.name->empty()) s.need.name = c.name;
   const arena::Need need = arena_need(s, p, e);
   arena::ArenaError err;

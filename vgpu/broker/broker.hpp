@@ -76,6 +76,12 @@ struct BrokerConfig {
   // Attached sessions that mark no iterations are asked to yield (a slice
   // boundary) after holding their lane this long while another session waits.
   std::int64_t quantum_ns = 50'000'000;
+  // Card memory an attached program takes beyond what its budget charges: its own
+  // CUDA context, module code and driver buffers, which NVML counts for the process
+  // but no allocation hook sees. Counted in admission with each attached session's
+  // need (as unswappable: it stays on the card while the program's memory is
+  // swapped out). salusd: 512 MiB on the cuda backend, 0 on sim.
+  Bytes attach_context_reserve = 0;
   // Threads that open, read and write what callers name (see caller_io.hpp).
   CallerIo::Options caller_io;
   // Per GPU, the MPS control daemon salusd runs for it (--mps), or null; owned
@@ -367,6 +373,12 @@ class Broker {
   void update_runnable(Gpu& g, Session& s);
   void render_gate_status(const Session& s, const GpuTelemetrySnapshot* t, std::string& out) const;
   std::string gpu_memory_of(pid_t pid, const Gpu& g, const GpuTelemetrySnapshot* t) const;
+  // NVML's device memory for process `pid` in snapshot `t`, when it gives one.
+  static std::optional<Bytes> process_gpu_bytes(pid_t pid, const GpuTelemetrySnapshot* t);
+  // What the driver counts for each attached program beyond its charge, against
+  // the context reserve (once a second, from the gate service).
+  void check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& telemetry);
+  std::string context_reserve_note() const;
 
   // Oversubscription (broker_swap.cpp). Swaps happen between a session's
   // iterations, on the GPU's swap stream; the residency planner decides whom.
@@ -448,6 +460,7 @@ class Broker {
   // the gate service); else an errno (ENOTCONN, EBUSY, EALREADY).
   int request_attached_swap(Session& s, bool out);
   void attached_swap_done(Gpu& g, Session& s, Deferred& later);
+  void learn_unswappable(Gpu& g, Session& s);
   void gate_loop();
   void gate_tick();
   void gate_event(std::uint64_t data);
@@ -490,6 +503,7 @@ class Broker {
   UniqueFd gate_stop_;
   std::thread gate_thread_;
   std::uint64_t gate_ticks_ = 0;
+  std::uint64_t context_check_ticks_ = 0;   // the gate thread's own count
   std::unordered_set<SessionId> attached_;  // sessions whose gate is served
 };
 

@@ -48,13 +48,27 @@ std::string sanitize_note(const salus_gate& g) {
 
 arena::Need Broker::arena_need(const Session& s, Bytes persistent, Bytes ephemeral) const {
   if (!s.gate) return {persistent, ephemeral};
+  // The program's CUDA context is on the card beside whatever it allocates, and
+  // no swap moves it.
+  const Bytes context = config_.attach_context_reserve;
   // Opted into the shared lane: its ephemeral memory is the lane's, counted
   // once for the lane as for hosted sessions (broker_lanes.cpp).
-  if (shares_lane(s)) return {persistent, ephemeral, kAttachedGroup};
+  if (shares_lane(s)) return {persistent + context, ephemeral, kAttachedGroup, context};
   // The program's memory is its own (no lane sharing of physical memory for
   // attached sessions): its whole need is persistent, and its lane, shared with
   // the GPU's other attached sessions, holds no ephemeral bytes.
-  return {persistent + ephemeral, 0, kAttachedGroup};
+  return {persistent + ephemeral + context, 0, kAttachedGroup, context};
+}
+
+// How admission counts an attached program's CUDA context, for the attach
+// lines of the session log ("" when it counts none).
+std::string Broker::context_reserve_note() const {
+  const Bytes r = config_.attach_context_reserve;
+  if (r == 0) return {};
+  return fmt::format(
+      " (admission also counts {} for the program's CUDA context: "
+      "--attach-context-reserve)",
+      arena::format_size(r));
 }
 
 void Broker::set_budget(Session& s) {
@@ -83,12 +97,14 @@ void Broker::note_memory_outside_arena(const Gpu& g, Session& s, std::uint32_t l
   for (const SessionId id : attached_) {
     const Session* o = get(id);
     if (o == nullptr || !o->gate || o->gpu != static_cast<int>(g.index)) continue;
-    budgets += o->need.persistent + (shares_lane(*o) ? 0 : o->need.ephemeral);
+    budgets += o->need.persistent + (shares_lane(*o) ? 0 : o->need.ephemeral) +
+               config_.attach_context_reserve;
   }
   const Bytes outside = d.total_memory > d.arena_size ? d.total_memory - d.arena_size : 0;
   if (budgets <= outside) return;
-  log(s, fmt::format("line {}: attach: warning: the attached programs on gpu {} have budgets of {} "
-                     "in all, but only {} of the card lies outside salusd's arena ({} of {}, "
+  log(s, fmt::format("line {}: attach: warning: the attached programs on gpu {} have budgets "
+                     "and context reserves of {} in all, but only {} of the card lies outside "
+                     "salusd's arena ({} of {}, "
                      "--cuda-memory-fraction): an allocation past that fails in the driver "
                      "(CUDA_ERROR_OUT_OF_MEMORY) although the budget allows it; start salusd "
                      "with a smaller fraction for attached jobs",
@@ -145,9 +161,10 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   gate_store(G.state, SALUS_GATE_ATTACHED);
   s.gate->wake();
   const Bytes own = s.need.persistent + (shares_lane(s) ? 0 : s.need.ephemeral);
-  log(s, fmt::format("line {}: attached gate={} bell={} of pid {}: gpu {}, budget {}{}", ln,
+  log(s, fmt::format("line {}: attached gate={} bell={} of pid {}: gpu {}, budget {}{}{}", ln,
                      c.gate_fd, c.bell_fd, s.gate->pid, g.index,
                      own == 0 ? std::string("unlimited") : arena::format_size(own),
+                     context_reserve_note(),
                      shares_lane(s) ? fmt::format(", shared lane lane={} ({} ephemeral)", c.lane_fd,
                                                   arena::format_size(s.need.ephemeral))
                                     : std::string()));
@@ -158,7 +175,8 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   if (err != arena::ArenaError::ok) {
     detach_gate(s, later);
     s.gate.reset();
-    return fail(ENOMEM, fmt::format("rejected by gpu {}: {}", g.index, arena::to_string(err)));
+    return fail(ENOMEM, fmt::format("rejected by gpu {}: {}{}", g.index, arena::to_string(err),
+                                    context_reserve_note()));
   }
   s.lane.reset();
   if (s.state == SessionState::admitted) {
@@ -417,8 +435,39 @@ void Broker::gate_event(std::uint64_t key) {
   if (end) end_session(id);
 }
 
+// Once a second an attached program's driver figure (NVML) is compared with its
+// charge: the difference is what its CUDA context and the rest outside the shim
+// take, which admission counts as the context reserve. Past it, the card holds
+// more than admission knows of; said once per session, with the figure to set.
+void Broker::check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& telemetry) {
+  const Bytes reserve = config_.attach_context_reserve;
+  for (SessionId id : attached_) {
+    Session* s = get(id);
+    if (!s || !s->gate || s->gate->exited || s->gate->context_warned) continue;
+    if (s->gpu < 0 || static_cast<std::size_t>(s->gpu) >= telemetry.size()) continue;
+    const std::optional<Bytes> used = process_gpu_bytes(s->gate->pid, &telemetry[s->gpu]);
+    const std::uint64_t charged = gate_load(s->gate->g().charged_bytes);
+    if (!used || *used <= charged || *used - charged <= reserve) continue;
+    s->gate->context_warned = true;
+    const std::string text = fmt::format(
+        "warning: the driver counts {} on gpu {} for pid {}, {} more than its charged {}: "
+        "its CUDA context and memory outside the shim take more than the {} admission "
+        "counts for them (--attach-context-reserve); the card may run out before the "
+        "budgets do",
+        arena::format_size(*used), s->gpu, s->gate->pid, arena::format_size(*used - charged),
+        arena::format_size(charged), arena::format_size(reserve));
+    log(*s, text);
+    spdlog::warn("session {}: {}", s->id, text);
+  }
+}
+
 void Broker::gate_tick() {
+  // Snapshots are taken before the broker lock (design.md, *Locks*).
+  std::vector<GpuTelemetrySnapshot> telemetry;
+  if (telemetry_ && ++context_check_ticks_ % 40 == 0)
+    for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_->snapshot(i));
   std::lock_guard lk(mu_);
+  if (!telemetry.empty()) check_attached_contexts(telemetry);
   ++gate_ticks_;
   const TimeNs t = now();
   for (auto& g : gpus_) lane_tick(*g, t);

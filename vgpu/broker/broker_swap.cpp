@@ -47,6 +47,7 @@ int Broker::attached_swap_out(Gpu& g, Session& s) {
   if (!ar.begin_swap_out(s.id, bufs)) return EBUSY;
   const int err = request_attached_swap(s, true);
   if (err == EALREADY) {  // already out (an admin swap): only the bookkeeping is left
+    learn_unswappable(g, s);
     ar.finish_swap_out(s.id, now());
     g.sched.residency().swap_started(s.id);
     g.sched.residency().swap_out_done(s.id, 0, 1, now(), true);
@@ -60,6 +61,17 @@ int Broker::attached_swap_out(Gpu& g, Session& s) {
   s.swapping = true;
   g.sched.residency().swap_started(s.id);
   return 0;
+}
+
+// What an attached program leaves on the GPU when it is swapped out: its context
+// (the reserve) and what its shim reported it cannot move (pool allocations,
+// its own cuMemCreate handles, promoted lane granules). The program writes that
+// figure; the arena caps it at the session's P, so a lie costs only its own room.
+void Broker::learn_unswappable(Gpu& g, Session& s) {
+  const std::uint64_t reported = gate_load(s.gate->g().unswappable_bytes);
+  const Bytes cap = arena::Bytes{1} << 60;  // no overflow below, whatever was written
+  g.sched.arena().set_unswappable(
+      s.id, config_.attach_context_reserve + std::min<std::uint64_t>(reported, cap));
 }
 
 // Prefetch of an attached session before its grant: room is taken in the arena
@@ -101,10 +113,12 @@ void Broker::attached_residency_done(Gpu& g, Session& s, Deferred& later) {
   const Bytes moved = gate_load(G.swapped_bytes);
   if (gt.swap_request == SALUS_SWAP_REQ_OUT) {
     const bool ok = gt.swap_error == 0;
-    if (ok)
+    if (ok) {
+      learn_unswappable(g, s);
       ar.finish_swap_out(s.id, t);  // the program's memory is off the GPU: room is free
-    else
+    } else {
       ar.cancel_swap_out(s.id);
+    }
     if (gt.swap_error == ENOTSUP && !gt.unswappable) {
       gt.unswappable = true;
       log(s, "not movable: counted resident from now on and never asked to swap again");

@@ -129,6 +129,13 @@ std::string Broker::render_status(SessionId id) const {
   return o;
 }
 
+std::optional<Bytes> Broker::process_gpu_bytes(pid_t pid, const GpuTelemetrySnapshot* t) {
+  if (!t || !t->available || !t->readings.processes) return std::nullopt;
+  for (const auto& p : *t->readings.processes)
+    if (p.pid == pid) return p.bytes ? std::optional<Bytes>(*p.bytes) : std::nullopt;
+  return std::nullopt;
+}
+
 // The driver's figure for process `pid` on GPU `g` (NVML), or why there is none.
 std::string Broker::gpu_memory_of(pid_t pid, const Gpu& g, const GpuTelemetrySnapshot* t) const {
   if (!t || !t->available) {
@@ -165,6 +172,13 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("memory_peak", gate_load(G.peak_bytes));
   const Gpu& g = *gpus_[static_cast<std::size_t>(s.gpu)];
   kv("memory_gpu", gpu_memory_of(gt.pid, g, t));
+  kv("memory_context_reserve", config_.attach_context_reserve);
+  // The driver's figure beyond the charge: the CUDA context, module code, and
+  // memory taken around the shim.
+  const std::optional<Bytes> on_gpu = process_gpu_bytes(gt.pid, t);
+  const std::uint64_t charged = gate_load(G.charged_bytes);
+  kv("memory_context",
+     on_gpu ? std::to_string(*on_gpu > charged ? *on_gpu - charged : 0) : std::string("-"));
   kv("launches", gate_load(G.launches));
   kv("gate_waits", gate_load(G.gate_waits));
   kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(std::min<std::uint64_t>(
@@ -274,12 +288,13 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       "capacity: {}\npersistent_used: {}\npersistent_reserved: {}\nephemeral: {}\nlanes: {}\n"
       "free: {}\nlargest_hole: {}\nfragmentation: {:.3f}\nqueued: {}\n"
       "persistent_bytes_moved: {}\nlane_moves: {}\n"
-      "oversubscribe: {}\nadmit_capacity: {}\nresident: {}\nswapped: {}\nhost_swapped: {}\n"
+      "oversubscribe: {}\nadmit_capacity: {}\nresident: {}\nresident_reserved: {}\n"
+      "swapped: {}\nhost_swapped: {}\n"
       "spilled: {}\nbacking: {}\nbacked: {}\nbacking_wait: {}\n",
       m.capacity, m.persistent_used, m.persistent_reserved, m.lane_total, m.lanes, m.free,
       m.largest_hole, m.fragmentation, m.queued, st.persistent_bytes_moved, st.lane_moves,
       gpus_[gi]->sched.arena().options().oversubscribe, m.admit_capacity,
-      m.persistent_used - m.swapped, m.swapped, gpus_[gi]->host_swapped,
+      m.persistent_used - m.swapped, m.resident_reserved, m.swapped, gpus_[gi]->host_swapped,
       gpus_[gi]->spill ? gpus_[gi]->spill->bytes_reserved() : 0,
       gpus_[gi]->device->info().backs_on_demand ? "on-demand" : "up-front",
       gpus_[gi]->device->backed_bytes(),

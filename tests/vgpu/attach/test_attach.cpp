@@ -396,6 +396,71 @@ TEST(Attach, StatusShowsTheDriversFigureForTheProcess) {
   EXPECT_EQ(field(b.render_status(id), "memory_gpu"), std::to_string(123u << 20));
 }
 
+// An attached program's CUDA context takes card memory beside its budget:
+// admission counts the reserve with each attached need, the budget stays the need.
+TEST(Attach, AdmissionCountsTheContextReserve) {
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  BrokerConfig cfg;
+  cfg.attach_context_reserve = Bytes{64} << 20;
+  Broker b(std::move(devs), cfg);
+  Program a, c, big;
+  // 100M + 64M and 64M + 64M do not fit 256M together; 100M and 64M would.
+  const SessionId ia = attached_session(b, a, "need persistent=100M ephemeral=0\n");
+  const SessionId ic = attached_session(b, c, "need persistent=64M ephemeral=0\n");
+  EXPECT_EQ(field(b.render_status(ia), "state"), "admitted");
+  EXPECT_EQ(field(b.render_status(ic), "state"), "queued");
+  EXPECT_EQ(field(b.render_status(ia), "memory_budget"), std::to_string(100u << 20));
+  EXPECT_EQ(field(b.render_status(ia), "memory_context_reserve"), std::to_string(64u << 20));
+  EXPECT_NE(b.render_log(ia).find("64.0M for the program's CUDA context"), std::string::npos)
+      << b.render_log(ia);
+  b.end_session(ia);
+  const auto end = std::chrono::steady_clock::now() + 2s;
+  while (field(b.render_status(ic), "state") != "admitted" &&
+         std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(2ms);
+  EXPECT_EQ(field(b.render_status(ic), "state"), "admitted");
+  // A need that fits the GPU alone but not with the reserve is refused at attach.
+  const auto id = static_cast<SessionId>(b.create_session(me(), ""));
+  ASSERT_EQ(run(b, id, "need persistent=200M ephemeral=0\n").first, 0);
+  EXPECT_EQ(run(b, id, big.attach()).first, ENOMEM);
+  EXPECT_NE(last_log(b, id).find("too_large (admission also counts 64.0M"), std::string::npos)
+      << last_log(b, id);
+}
+
+// NVML's figure for the program less its charge is what its context takes;
+// past the reserve salusd says so once.
+TEST(Attach, ADriverFigurePastTheReserveIsSaidOnce) {
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  BrokerConfig cfg;
+  cfg.attach_context_reserve = Bytes{100} << 20;
+  Broker b(std::move(devs), cfg, std::make_unique<FakeTelemetry>());
+  Program p;
+  const SessionId id = attached_session(b, p);
+  st(p.g->charged_bytes, std::uint64_t{16} << 20);
+  EXPECT_EQ(field(b.render_status(id), "memory_context"), std::to_string(107u << 20));
+  auto warnings = [&] {
+    const std::string log = b.render_log(id);
+    std::size_t n = 0;
+    for (auto at = log.find("warning: the driver counts"); at != std::string::npos;
+         at = log.find("warning: the driver counts", at + 1))
+      ++n;
+    return n;
+  };
+  std::this_thread::sleep_for(1300ms);  // checked once a second: 107M is past 100M
+  EXPECT_EQ(warnings(), 1u) << b.render_log(id);
+  EXPECT_NE(b.render_log(id).find("123.0M on gpu 0 for pid"), std::string::npos);
+  std::this_thread::sleep_for(1100ms);
+  EXPECT_EQ(warnings(), 1u);  // once per session
+  // Within the reserve: no word.
+  Program q;
+  const SessionId iq = attached_session(b, q);
+  st(q.g->charged_bytes, std::uint64_t{30} << 20);
+  std::this_thread::sleep_for(1100ms);
+  EXPECT_EQ(b.render_log(iq).find("warning: the driver counts"), std::string::npos);
+}
+
 TEST(Attach, AttachingAgainContinuesTheNumbering) {
   auto b = make_broker();
   Program p;
