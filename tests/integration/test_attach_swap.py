@@ -521,6 +521,42 @@ def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(are
         d.stop()
 
 
+def test_the_drivers_figure_for_an_attached_program_is_held_against_its_reserve():
+    """The cuda backend with the mock driver and the mock NVML, which lists this
+    test process (the attached program: its gate is made here) at 300M: status
+    and metrics show the figure and, less the charge, the context; past the
+    256M reserve, the session log says so once."""
+    nvml = os.environ.get("SALUS_TEST_NVML_MOCK_DIR", "")
+    if not nvml:
+        pytest.skip("built without the mock NVML")
+    M = 1 << 20
+    uuid = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf"  # the mock driver's one GPU
+    d = start_on_mock_cuda(["--attach-context-reserve", "256M"], [MOCK_DIR, nvml],
+                           {"MOCK_NVML_DEVICES": uuid,
+                            "MOCK_NVML_PROCESSES": f"{uuid}:{os.getpid()}:{300 * M}"})
+    s = Session(d)
+    gate = None
+    try:
+        s.cmd("need persistent=100M ephemeral=0 gpu=0\n")
+        gate = attach_python_gate(s)
+        assert wait_until(lambda: s.status()["memory_gpu"] == str(300 * M), timeout=10), s.status()
+        st = s.status()
+        assert st["memory_context"] == str(300 * M), st  # nothing charged: all of it
+        assert st["memory_context_reserve"] == str(256 * M), st
+        with open(d.path("metrics")) as f:
+            metrics = f.read()
+        assert (f'salus_session_memory_gpu_bytes{{session="{s.id}",uid="0",'
+                f'pid="{os.getpid()}"}} {300 * M}\n') in metrics, metrics
+        assert wait_until(lambda: "warning: the driver counts 300.0M" in s.read("log"), timeout=10)
+        time.sleep(1.2)
+        assert s.read("log").count("warning: the driver counts") == 1, s.read("log")
+    finally:
+        if gate:
+            gate.close()
+        s.close()
+        d.stop()
+
+
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_the_cuda_arena_is_backed_only_where_salusd_holds_memory(isolation):
     """Backed on demand, the arena's card memory follows what salusd holds: a

@@ -499,14 +499,24 @@ class MetricsText {
   template <class Sessions, class Value>
   void per_gate(const Sessions& sessions, std::string_view name, std::string_view type,
                 std::string_view help, Value value) {
-    bool any = false;
-    for (const auto& [id, s] : sessions) any = any || s->gate != nullptr;
-    if (!any) return;
-    family(name, type, help);
+    per_gate_known(sessions, name, type, help, [&](const Session& s) {
+      return std::optional<std::string>(fmt::format("{}", value(s.gate->g())));
+    });
+  }
+  // Attached sessions whose value(session) is known (an optional): a session
+  // without one has no sample, and the family is absent when none has one.
+  template <class Sessions, class Value>
+  void per_gate_known(const Sessions& sessions, std::string_view name, std::string_view type,
+                      std::string_view help, Value value) {
+    std::string samples;
     for (const auto& [id, s] : sessions)
       if (s->gate)
-        o_ += fmt::format("{}{{session=\"{}\",uid=\"{}\",pid=\"{}\"}} {}\n", name, s->dir_name,
-                          s->uid, s->gate->pid, value(s->gate->g()));
+        if (const auto v = value(*s))
+          samples += fmt::format("{}{{session=\"{}\",uid=\"{}\",pid=\"{}\"}} {}\n", name,
+                                 s->dir_name, s->uid, s->gate->pid, *v);
+    if (samples.empty()) return;
+    family(name, type, help);
+    o_ += samples;
   }
   std::string take() { return std::move(o_); }
 
@@ -664,6 +674,15 @@ std::string Broker::render_metrics() const {
                   return seconds(waited);
                 });
   gate_families(m, sessions_);
+  m.per_gate_known(sessions_, "salus_session_memory_gpu_bytes", "gauge",
+                   "Attached session: the driver's figure (NVML) for its program's device memory, "
+                   "context included.",
+                   [&](const Session& s) -> std::optional<std::string> {
+                     const auto gi = static_cast<std::size_t>(s.gpu);
+                     if (s.gpu < 0 || gi >= telemetry.size()) return std::nullopt;
+                     const auto b = process_gpu_bytes(s.gate->pid, &telemetry[gi]);
+                     return b ? std::optional<std::string>(std::to_string(*b)) : std::nullopt;
+                   });
   m.single("salus_sessions", "gauge", "Live sessions.", sessions_.size());
   m.single("salus_iterations_total", "counter", "Iterations finished on all GPUs.",
            stats_.iterations);

@@ -387,6 +387,7 @@ TEST(Attach, StatusShowsTheDriversFigureForTheProcess) {
     const SessionId id = attached_session(*b, p);
     EXPECT_EQ(field(b->render_status(id), "memory_gpu"),
               "unavailable (sim backend: no driver figure)");
+    EXPECT_EQ(b->render_metrics().find("salus_session_memory_gpu_bytes"), std::string::npos);
   }
   std::vector<std::unique_ptr<Device>> devs;
   devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
@@ -394,6 +395,11 @@ TEST(Attach, StatusShowsTheDriversFigureForTheProcess) {
   Program p;
   const SessionId id = attached_session(b, p);
   EXPECT_EQ(field(b.render_status(id), "memory_gpu"), std::to_string(123u << 20));
+  EXPECT_NE(b.render_metrics().find(fmt::format(
+                "salus_session_memory_gpu_bytes{{session=\"{}\",uid=\"0\",pid=\"{}\"}} {}\n", id,
+                getpid(), 123u << 20)),
+            std::string::npos)
+      << b.render_metrics();
 }
 
 // An attached program's CUDA context takes card memory beside its budget:
