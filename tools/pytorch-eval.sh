@@ -155,9 +155,12 @@ la, lb = a["losses"], b["losses"]
 diff = next((i for i, (x, y) in enumerate(zip(la, lb)) if x != y), None)
 same = diff is None and len(la) == len(lb)
 s = b.get("session") or {}
+b_ = lambda v: f"{v} B" if str(v).isdigit() else str(v)  # "unavailable (why)" as it is
 print(f"{sys.argv[3]}: {len(la)} steps, losses {'bit-identical' if same else f'DIFFER from step {diff}'}"
       f"; under salus-run: {s.get('kind')} session, {s.get('iterations_completed')} iterations,"
-      f" peak {s.get('memory_peak')} B")
+      f" peak {s.get('memory_peak')} B; the driver's figure {b_(s.get('memory_gpu'))},"
+      f" beyond the charge (context) {b_(s.get('memory_context'))},"
+      f" reserve {b_(s.get('memory_context_reserve'))}")
 EOF
       done
     done

@@ -159,7 +159,8 @@ def session_report():
         return {"error": str(e)}
     keys = ("id", "gpu", "kind", "marking", "iterations_completed", "gpu_time_ms",
             "memory_peak", "memory_budget", "gate_waits", "gate_wait_ms", "oom_refusals",
-            "name", "swaps_out", "swaps_in", "swap_ms")
+            "name", "swaps_out", "swaps_in", "swap_ms", "memory_charged", "memory_gpu",
+            "memory_context", "memory_context_reserve")
     return {k: st.get(k) for k in keys}
 
 
