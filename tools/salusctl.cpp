@@ -370,6 +370,29 @@ Table session_table(const std::vector<SessionView>& sessions, bool exact,
   return t;
 }
 
+// Attached programs (issue 14): what the shim charged against the budget beside
+// the driver's own figure (NVML) and what lies beyond the charge (the CUDA
+// context, which admission covers with salusd's --attach-context-reserve).
+Table attached_table(const std::vector<SessionView>& sessions, bool exact) {
+  Table t({"ID", "PID", "GPU", "BUDGET", "CHARGED", "PEAK", "GPU_MEM", "CONTEXT", "RESERVE",
+           "RESIDENCY", "GATE_WAITS", "GATE_WAIT_MS"});
+  // NVML's figure, or "-" where there is none ("unavailable (why)" has spaces).
+  auto figure = [&](const KeyValues& k, const char* key) {
+    const std::string v = get(k, key);
+    return to_u64(v) ? human_bytes(v, exact) : std::string("-");
+  };
+  for (const SessionView& s : sessions) {
+    const KeyValues& k = s.status;
+    if (s.err || get(k, "kind") != "attached") continue;
+    t.add({get(k, "id"), get(k, "pid"), get(k, "gpu"), human_bytes(get(k, "memory_budget"), exact),
+           human_bytes(get(k, "memory_charged"), exact), human_bytes(get(k, "memory_peak"), exact),
+           figure(k, "memory_gpu"), figure(k, "memory_context"),
+           human_bytes(get(k, "memory_context_reserve"), exact), get(k, "residency"),
+           get(k, "gate_waits"), get(k, "gate_wait_ms")});
+  }
+  return t;
+}
+
 void print_section(const std::string& title, const Table& t) {
   fmt::print("\n{}\n", title);
   if (t.empty())
@@ -429,6 +452,8 @@ int cmd_status(const Ctx& ctx) {
   const Table queue = queue_table(gpus, ctx.exact);
   if (!queue.empty()) print_section("QUEUE", queue);
   print_section("SESSIONS", session_table(sessions, ctx.exact, metrics));
+  const Table attached = attached_table(sessions, ctx.exact);
+  if (!attached.empty()) print_section("ATTACHED", attached);
   return 0;
 }
 

@@ -89,6 +89,28 @@ def test_status_tables(salusd):
     s.close()
 
 
+def test_status_shows_attached_programs(salusd):
+    """The ATTACHED table: an attached program's pid, budget and charge beside the
+    driver's figure (none on sim) and the context reserve; absent with no program."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "client"))
+    import salus_gate
+    s = Session(salusd)
+    s.cmd("need persistent=8M ephemeral=0 gpu=0\n")
+    assert "\nATTACHED\n" not in ctl(salusd, "status").stdout
+    with salus_gate.Gate() as g:
+        s.cmd(g.attach_line())
+        g.g.charged_bytes = 3 << 20
+        g.g.peak_bytes = 5 << 20
+        out = ctl(salusd, "status").stdout
+        attached = out.split("\nATTACHED\n")[1]
+        assert attached.splitlines()[0].split()[:4] == ["ID", "PID", "GPU", "BUDGET"], attached
+        assert row(attached, s.id)[1:10] == [str(os.getpid()), "0", "8M", "3M", "5M", "-", "-",
+                                             "0", "resident"], attached
+    s.close()
+
+
 def test_sessions_columns_line_up(salusd):
     named(salusd, "a-rather-long-session-name")
     s = Session(salusd)
