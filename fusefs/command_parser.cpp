@@ -300,8 +300,8 @@ bool LineParser::parse(std::optional<Command>& out) {
 }
 
 bool LineParser::parse_need(Command& out) {
-  static constexpr std::array<std::string_view, 6> kKeys = {
-      "persistent=", "ephemeral=", "iters=", "priority=", "gpu=", "name="};
+  static constexpr std::array<std::string_view, 7> kKeys = {
+      "persistent=", "ephemeral=", "iters=", "priority=", "gpu=", "name=", "kind="};
   auto& cmd = out.emplace<vgpu::NeedCmd>();
   Options<kKeys.size()> opts{kKeys};
   for (std::string_view token = next(); !token.empty(); token = next()) {
@@ -338,8 +338,13 @@ bool LineParser::parse_need(Command& out) {
         cmd.gpu = static_cast<int>(n);
         break;
       }
-      default:
+      case 5:
         if (!name(value, key, cmd.name.emplace())) return false;
+        break;
+      default:
+        if (value != "hosted" && value != "attached")
+          return fail(EINVAL, "need: bad kind '{}': expected hosted or attached", show(value));
+        cmd.attached = value == "attached";
         break;
     }
   }

@@ -182,6 +182,8 @@ std::optional<KeyValues> wait_admitted(const Ctx& ctx, const Session& s, SignalF
 struct GpuView {
   std::string index;
   unsigned long long capacity = 0, free = 0;
+  // What admission counts for an attached program's context beside its need.
+  unsigned long long context_reserve = 0;
   bool draining = false, empty = false;
   std::string uuid;
 };
@@ -201,6 +203,7 @@ std::vector<GpuView> read_gpus(const Ctx& ctx) {
     v.index = std::to_string(i);
     v.capacity = num(km, "capacity");
     v.free = num(km, "free");
+    v.context_reserve = num(km, "context_reserve");
     v.draining = get(ki, "draining") == "yes";
     v.uuid = get(ki, "uuid", "");
     v.empty = parse_rows(queue).empty();
@@ -410,7 +413,9 @@ std::string first_need(const Ctx& ctx, const RunOptions& o) {
   if (!best)
     fail(fmt::format("--measure: no usable GPU under {}{}", ctx.mount,
                      o.gpu ? " with --gpu " + *o.gpu : ""));
-  const unsigned long long prov = best->free >= (1ULL << 20) ? best->free : best->capacity;
+  // The context reserve is counted beside the need: leave it room.
+  const unsigned long long room = best->free >= (1ULL << 20) ? best->free : best->capacity;
+  const unsigned long long prov = room > best->context_reserve ? room - best->context_reserve : 0;
   warn(fmt::format(
       "--measure: admitting with a provisional need of persistent=0 ephemeral={} "
       "({} of gpu {}) until {} iterations are measured",
@@ -433,9 +438,10 @@ std::string exclusive_need(const Ctx& ctx, const RunOptions& o) {
   if (!pick) fail("--retry-on-oom: no GPU to retry on (all draining)");
   unsigned long long p = 0;
   if (o.persistent) p = salus::arena::parse_size(*o.persistent).value_or(0);
-  p = std::min(p, pick->capacity);
-  return salus::run::need_line(o, std::to_string(p), std::to_string(pick->capacity - p),
-                               pick->index);
+  const unsigned long long usable =
+      pick->capacity > pick->context_reserve ? pick->capacity - pick->context_reserve : 0;
+  p = std::min(p, usable);
+  return salus::run::need_line(o, std::to_string(p), std::to_string(usable - p), pick->index);
 }
 
 // One run: session, admission, environment, program. Returns the result; sets

@@ -126,7 +126,8 @@ std::string need_line(const RunOptions& o, const std::string& persistent,
   if (o.priority) line += fmt::format(" priority={}", *o.priority);
   if (gpu) line += fmt::format(" gpu={}", *gpu);
   for (const auto& h : o.hints) line += " " + h;
-  return line;
+  // Placed and admitted as the attached session it becomes, context reserve included.
+  return line + " kind=attached";
 }
 
 std::string need_after_restart(std::string_view need_line, std::string_view gpu) {

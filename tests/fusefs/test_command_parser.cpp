@@ -74,6 +74,16 @@ TEST(CommandParser, NeedGpuAnyAndLimits) {
   EXPECT_EQ(c->gpu, 1023);
   EXPECT_EQ(c->priority, INT32_MIN);
   EXPECT_EQ(c->persistent, 8 * kTiB);
+  EXPECT_FALSE(c->attached.has_value());
+
+  r = parse_commands("need persistent=1 ephemeral=1 kind=attached");
+  c = single<vgpu::NeedCmd>(r);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->attached, true);
+  r = parse_commands("need persistent=1 ephemeral=1 kind=hosted");
+  c = single<vgpu::NeedCmd>(r);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->attached, false);
 }
 
 TEST(CommandParser, AllocAndFree) {
@@ -504,6 +514,8 @@ const BadCase kBadCases[] = {
     {"NameTooLong", "alloc " + std::string(65, 'n') + " 1M", EINVAL, 1, "name too long"},
     {"NameLeadingDot", "free ..", EINVAL, 1, "must not start with '.': '..'"},
     {"BadNeedName", "need persistent=1 ephemeral=1 name=a:b", EINVAL, 1, "'a:b' for name="},
+    {"BadNeedKind", "need persistent=1 ephemeral=1 kind=gpu", EINVAL, 1,
+     "need: bad kind 'gpu': expected hosted or attached"},
     {"EndX0", "end x0", ERANGE, 1, "'0' for end xN"},
     {"EndWithoutX", "end 3", EINVAL, 1, "'3' (expected xN)"},
     {"EndBareX", "end x", EINVAL, 1, "for end xN"},

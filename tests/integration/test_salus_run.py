@@ -281,7 +281,17 @@ def test_two_jobs_alternate_under_fair_and_not_under_fifo(salusd, tmp_path):
 
 @needs_shim
 @needs_torch
-def test_measure_sets_need_from_the_first_iterations(salusd):
+def reserve_args(reserve):
+    """salusd's flags for an attached program's context reserve (None: the default,
+    0 on sim)."""
+    return [] if reserve is None else ["--attach-context-reserve", str(reserve)]
+
+
+# With a context reserve, --measure's provisional need and --retry-on-oom's
+# whole GPU leave room for it (admission counts it beside the need).
+@pytest.mark.parametrize("reserve", [None, 64 << 20])
+def test_measure_sets_need_from_the_first_iterations(salusd_factory, reserve):
+    salusd = salusd_factory(reserve_args(reserve)).start()
     r = salus_run(salusd, "--measure", "--measure-iters", "2", "--", PY, JOB, "train", "8",
                   "--wait-key", "ephemeral=1048576")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -293,8 +303,9 @@ def test_measure_sets_need_from_the_first_iterations(salusd):
 
 @needs_shim
 @needs_torch
-def test_retry_on_oom_runs_once_more_alone(salusd_factory, tmp_path):
-    d = salusd_factory(gpus=2, sim_memory="1G").start()
+@pytest.mark.parametrize("reserve", [None, 64 << 20])
+def test_retry_on_oom_runs_once_more_alone(salusd_factory, tmp_path, reserve):
+    d = salusd_factory(reserve_args(reserve), gpus=2, sim_memory="1G").start()
     # another job holds GPU 0, so the retry must go to the empty GPU 1
     hold = subprocess.Popen([SALUS_RUN, "--mount", d.mnt, "--gpu", "0", "--persistent", "1M",
                              "--ephemeral", "1M", "--", "sleep", "60"], env=env())
@@ -310,7 +321,8 @@ def test_retry_on_oom_runs_once_more_alone(salusd_factory, tmp_path):
         assert rep["name"] == "oom-retry" and rep["gpu"] == "1", r.stdout
         with open(d.path("gpus", "1", "memory")) as f:
             cap = dict(l.split(": ", 1) for l in f.read().splitlines())["capacity"]
-        assert int(rep["persistent"]) + int(rep["ephemeral"]) == int(cap), r.stdout
+        assert int(rep["persistent"]) + int(rep["ephemeral"]) + (reserve or 0) == int(cap), \
+            r.stdout
         # without the flag a failing program is not run again
         flag.unlink()
         r = salus_run(d, "--gpu", "0", "--persistent", "1M", "--ephemeral", "1M", "--", PY, JOB,

@@ -31,7 +31,7 @@ TEST(SalusRunOptions, ProgramAfterDoubleDashKeepsItsOwnOptions) {
   EXPECT_EQ(o.command, (std::vector<std::string>{"python3", "train.py", "--persistent", "x"}));
   EXPECT_FALSE(o.measure);
   EXPECT_EQ(salus::run::need_line(o, *o.persistent, *o.ephemeral, std::string("any")),
-            "need persistent=1M ephemeral=2M iters=7 gpu=any");
+            "need persistent=1M ephemeral=2M iters=7 gpu=any kind=attached");
 }
 
 TEST(SalusRunOptions, NoSizesMeansMeasure) {
@@ -40,7 +40,7 @@ TEST(SalusRunOptions, NoSizesMeansMeasure) {
   EXPECT_TRUE(o.measure);
   EXPECT_EQ(o.command, std::vector<std::string>{"prog"});
   EXPECT_EQ(salus::run::need_line(o, "0", "5", std::nullopt),
-            "need persistent=0 ephemeral=5 name=bert");
+            "need persistent=0 ephemeral=5 name=bert kind=attached");
 }
 
 TEST(SalusRunOptions, BadArgumentsSayWhy) {

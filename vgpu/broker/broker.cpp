@@ -696,6 +696,9 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   if (s.recording) return fail(EINVAL, "not allowed inside begin/end");
   const Bytes p = arena::align_up(c.persistent), e = arena::align_up(c.ephemeral);
   if (p > ~Bytes{0} - e) return fail(ERANGE, "persistent + ephemeral overflows");
+  // kind= is kept for later needs that do not say it (--measure's second need).
+  if (c.attached) s.need.attached = c.attached;
+  const Bytes context = will_attach(s) ? config_.attach_context_reserve : 0;
 
   // Choose the GPU: an explicit index, the one already placed on, or by placement.
   int gpu = s.gpu;
@@ -722,14 +725,10 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   if (g.draining && s.gpu < 0)
     return fail(EBUSY, fmt::format("gpu {} is draining and admits no new sessions", gpu));
   const Bytes cap = g.sched.arena().capacity();
-  const Bytes context = s.gate ? config_.attach_context_reserve : 0;
   if (p + e > cap || p + e + context > cap)
     return fail(ENOMEM, fmt::format("persistent={} + ephemeral={}{} exceeds gpu {} capacity {}",
                                     arena::format_size(p), arena::format_size(e),
-                                    context ? " + the attached program's context reserve " +
-                                                  arena::format_size(context)
-                                            : std::string(),
-                                    gpu, arena::format_size(cap)));
+                                    context_term(context), gpu, arena::format_size(cap)));
   if (c.name && !c.name->empty()) s.need.name = c.name;
   const arena::Need need = arena_need(s, p, e);
   arena::ArenaError err;
@@ -811,8 +810,9 @@ void Broker::fill_views() {
 // logging why.
 int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
   fill_views();
+  const Bytes context = will_attach(s) ? config_.attach_context_reserve : 0;
   const sched::PlacementChoice c = sched::choose_gpu(
-      views_, p + e, sched::PlacementOptions{config_.placement, config_.risk}, rr_next_);
+      views_, p + e + context, sched::PlacementOptions{config_.placement, config_.risk}, rr_next_);
   if (!c.gpu) {
     log(s, fmt::format("line {}: need: persistent={} + ephemeral={} fits no GPU{}", ln,
                        arena::format_size(p), arena::format_size(e),
@@ -837,11 +837,12 @@ int Broker::queue_any(Session& s, const NeedCmd& c, Bytes p, Bytes e, std::uint3
   Bytes largest = 0;
   for (const auto& g : gpus_)
     if (!g->draining) largest = std::max(largest, g->sched.arena().capacity());
-  if (p + e > largest) {
-    log(s,
-        fmt::format("line {}: need: persistent={} + ephemeral={} fits no GPU that admits "
-                    "new sessions (the largest holds {})",
-                    ln, arena::format_size(p), arena::format_size(e), arena::format_size(largest)));
+  const Bytes context = will_attach(s) ? config_.attach_context_reserve : 0;
+  if (p + e > largest || p + e + context > largest) {
+    log(s, fmt::format("line {}: need: persistent={} + ephemeral={}{} fits no GPU that admits "
+                       "new sessions (the largest holds {})",
+                       ln, arena::format_size(p), arena::format_size(e), context_term(context),
+                       arena::format_size(largest)));
     return ENOMEM;
   }
   if (c.name && !c.name->empty()) s.need.name = c.name;

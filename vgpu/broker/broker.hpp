@@ -379,6 +379,8 @@ class Broker {
   // the context reserve (once a second, from the gate service).
   void check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& telemetry);
   std::string context_reserve_note() const;
+  static bool will_attach(const Session& s);
+  static std::string context_term(Bytes context);
 
   // Oversubscription (broker_swap.cpp). Swaps happen between a session's
   // iterations, on the GPU's swap stream; the residency planner decides whom.

@@ -47,7 +47,7 @@ std::string sanitize_note(const salus_gate& g) {
 }  // namespace
 
 arena::Need Broker::arena_need(const Session& s, Bytes persistent, Bytes ephemeral) const {
-  if (!s.gate) return {persistent, ephemeral};
+  if (!will_attach(s)) return {persistent, ephemeral};
   // The program's CUDA context is on the card beside whatever it allocates, and
   // no swap moves it.
   const Bytes context = config_.attach_context_reserve;
@@ -58,6 +58,18 @@ arena::Need Broker::arena_need(const Session& s, Bytes persistent, Bytes ephemer
   // attached sessions): its whole need is persistent, and its lane, shared with
   // the GPU's other attached sessions, holds no ephemeral bytes.
   return {persistent + ephemeral + context, 0, kAttachedGroup, context};
+}
+
+// Attached, or declared with `need ... kind=attached` for a program that will
+// attach (salus-run): placed and admitted as attached from the first need.
+bool Broker::will_attach(const Session& s) {
+  return s.gate != nullptr || s.need.attached.value_or(false);
+}
+
+// The reserve as a term of a need's sum, for refusals ("" when none counts).
+std::string Broker::context_term(Bytes context) {
+  return context ? " + the attached program's context reserve " + arena::format_size(context)
+                 : std::string();
 }
 
 // How admission counts an attached program's CUDA context, for the attach

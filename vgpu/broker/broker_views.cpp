@@ -290,7 +290,7 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       "persistent_bytes_moved: {}\nlane_moves: {}\n"
       "oversubscribe: {}\nadmit_capacity: {}\nresident: {}\nresident_reserved: {}\n"
       "swapped: {}\nhost_swapped: {}\n"
-      "spilled: {}\nbacking: {}\nbacked: {}\nbacking_wait: {}\n",
+      "spilled: {}\nbacking: {}\nbacked: {}\nbacking_wait: {}\ncontext_reserve: {}\n",
       m.capacity, m.persistent_used, m.persistent_reserved, m.lane_total, m.lanes, m.free,
       m.largest_hole, m.fragmentation, m.queued, st.persistent_bytes_moved, st.lane_moves,
       gpus_[gi]->sched.arena().options().oversubscribe, m.admit_capacity,
@@ -298,7 +298,8 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       gpus_[gi]->spill ? gpus_[gi]->spill->bytes_reserved() : 0,
       gpus_[gi]->device->info().backs_on_demand ? "on-demand" : "up-front",
       gpus_[gi]->device->backed_bytes(),
-      gpus_[gi]->backing_why.empty() ? std::string("-") : gpus_[gi]->backing_why);
+      gpus_[gi]->backing_why.empty() ? std::string("-") : gpus_[gi]->backing_why,
+      config_.attach_context_reserve);
 }
 
 std::string Broker::render_gpu_lanes(std::size_t gi) const {

@@ -30,6 +30,9 @@ struct NeedCmd {
   std::optional<std::int32_t> priority;  // PRIORITY policy; larger runs first
   std::optional<int> gpu;                // index, or kAnyGpu
   std::optional<std::string> name;       // display name
+  // kind=attached: the session is for a program that will attach (salus-run
+  // says so), so placement and admission count it as one from the first need.
+  std::optional<bool> attached;
 };
 
 struct AllocCmd {

@@ -434,6 +434,37 @@ TEST(Attach, AdmissionCountsTheContextReserve) {
       << last_log(b, id);
 }
 
+// salus-run says kind=attached in its first need, so that placement already
+// counts the context reserve: a GPU with room for the need alone is passed over.
+TEST(Attach, AKindAttachedNeedIsPlacedWithItsContextReserve) {
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  devs.push_back(std::make_unique<SimDevice>(1, Bytes{256} << 20));
+  BrokerConfig cfg;
+  cfg.placement = Placement::rr;  // GPU 0 first whenever it fits
+  cfg.attach_context_reserve = Bytes{64} << 20;
+  Broker b(std::move(devs), cfg);
+  const auto h = static_cast<SessionId>(b.create_session(me(), ""));
+  ASSERT_EQ(run(b, h, "need persistent=106M ephemeral=0 gpu=0\n").first, 0);  // 150M left
+  EXPECT_NE(b.render_gpu_memory(0).find("\ncontext_reserve: 67108864\n"), std::string::npos)
+      << b.render_gpu_memory(0);
+  Program p;
+  const SessionId id =
+      attached_session(b, p, "need persistent=100M ephemeral=0 gpu=any kind=attached\n");
+  const auto end = std::chrono::steady_clock::now() + 2s;
+  while (field(b.render_status(id), "state") != "admitted" &&
+         std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(2ms);
+  EXPECT_EQ(field(b.render_status(id), "gpu"), "1") << b.render_log(id);  // 164M: not on 0
+  EXPECT_EQ(field(b.render_status(id), "kind"), "attached");
+  // Too large with the reserve for any GPU: refused at the need, saying why.
+  const auto big = static_cast<SessionId>(b.create_session(me(), ""));
+  EXPECT_EQ(run(b, big, "need persistent=200M ephemeral=0 gpu=any kind=attached\n").first, ENOMEM);
+  EXPECT_NE(last_log(b, big).find("+ the attached program's context reserve 64.0M"),
+            std::string::npos)
+      << last_log(b, big);
+}
+
 // NVML's figure for the program less its charge is what its context takes;
 // past the reserve salusd says so once.
 TEST(Attach, ADriverFigurePastTheReserveIsSaidOnce) {
