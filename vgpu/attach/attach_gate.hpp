@@ -65,8 +65,12 @@ struct AttachedGate {
   std::uint64_t yields = 0;     // yield requests made
   bool exited = false;          // the pidfd reported the program's exit
   // The driver's figure for the program passed its charge by more than the
-  // context reserve (said once, in the session log and salusd's).
+  // context reserve (said once, in the session log and salusd's), checked once a
+  // second: the charge at the last check, and how many checks in a row found it
+  // past (a free since NVML's sample makes one check look past: two must).
   bool context_warned = false;
+  std::uint64_t charged_at_check = 0;
+  std::uint32_t context_over = 0;
 
   // Swap (issue 15): salusd's last request and what it saw of the answer.
   std::uint32_t swap_seq = 0;                        // the last swap_seq written

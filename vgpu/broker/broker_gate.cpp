@@ -457,10 +457,19 @@ void Broker::check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& te
     Session* s = get(id);
     if (!s || !s->gate || s->gate->exited || s->gate->context_warned) continue;
     if (s->gpu < 0 || static_cast<std::size_t>(s->gpu) >= telemetry.size()) continue;
-    const std::optional<Bytes> used = process_gpu_bytes(s->gate->pid, &telemetry[s->gpu]);
-    const std::uint64_t charged = gate_load(s->gate->g().charged_bytes);
-    if (!used || *used <= charged || *used - charged <= reserve) continue;
-    s->gate->context_warned = true;
+    AttachedGate& gt = *s->gate;
+    const std::optional<Bytes> used = process_gpu_bytes(gt.pid, &telemetry[s->gpu]);
+    // NVML's sample is up to a second old: compare it with the larger charge of
+    // this check and the last, so that memory freed since is not taken for context.
+    const std::uint64_t now_charged = gate_load(gt.g().charged_bytes);
+    const std::uint64_t charged = std::max(now_charged, gt.charged_at_check);
+    gt.charged_at_check = now_charged;
+    if (!used || *used <= charged || *used - charged <= reserve) {
+      gt.context_over = 0;
+      continue;
+    }
+    if (++gt.context_over < 2) continue;
+    gt.context_warned = true;
     const std::string text = fmt::format(
         "warning: the driver counts {} on gpu {} for pid {}, {} more than its charged {}: "
         "its CUDA context and memory outside the shim take more than the {} admission "
