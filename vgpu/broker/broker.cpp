@@ -698,7 +698,6 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   if (p > ~Bytes{0} - e) return fail(ERANGE, "persistent + ephemeral overflows");
   // kind= is kept for later needs that do not say it (--measure's second need).
   if (c.attached) s.need.attached = c.attached;
-  const Bytes context = will_attach(s) ? config_.attach_context_reserve : 0;
 
   // Choose the GPU: an explicit index, the one already placed on, or by placement.
   int gpu = s.gpu;
@@ -725,12 +724,17 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   if (g.draining && s.gpu < 0)
     return fail(EBUSY, fmt::format("gpu {} is draining and admits no new sessions", gpu));
   const Bytes cap = g.sched.arena().capacity();
-  if (p + e > cap || p + e + context > cap)
-    return fail(ENOMEM, fmt::format("persistent={} + ephemeral={}{} exceeds gpu {} capacity {}",
-                                    arena::format_size(p), arena::format_size(e),
-                                    context_term(context), gpu, arena::format_size(cap)));
+  if (p + e > cap)
+    return fail(ENOMEM, fmt::format("persistent={} + ephemeral={} exceeds gpu {} capacity {}",
+                                    arena::format_size(p), arena::format_size(e), gpu,
+                                    arena::format_size(cap)));
   if (c.name && !c.name->empty()) s.need.name = c.name;
-  const arena::Need need = arena_need(s, p, e);
+  const arena::Need need = arena_need(s, p, e, gpu);
+  if (const Bytes context = context_for(s, p, e, gpu);
+      will_attach(s) && context < config_.attach_context_reserve)
+    log(s, fmt::format("line {}: need: the context reserve is cut to {} on gpu {}: the need "
+                       "leaves no more of its {} (the program's CUDA context may not fit)",
+                       ln, arena::format_size(context), gpu, arena::format_size(cap)));
   arena::ArenaError err;
   const bool first = s.gpu < 0;
   if (first) {
@@ -810,9 +814,12 @@ void Broker::fill_views() {
 // logging why.
 int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
   fill_views();
+  // A GPU with room for the context reserve too, else one with room for the need
+  // (where the reserve is cut: context_for).
+  const sched::PlacementOptions opts{config_.placement, config_.risk};
   const Bytes context = will_attach(s) ? config_.attach_context_reserve : 0;
-  const sched::PlacementChoice c = sched::choose_gpu(
-      views_, p + e + context, sched::PlacementOptions{config_.placement, config_.risk}, rr_next_);
+  sched::PlacementChoice c = sched::choose_gpu(views_, p + e + context, opts, rr_next_);
+  if (!c.gpu && context > 0) c = sched::choose_gpu(views_, p + e, opts, rr_next_);
   if (!c.gpu) {
     log(s, fmt::format("line {}: need: persistent={} + ephemeral={} fits no GPU{}", ln,
                        arena::format_size(p), arena::format_size(e),
@@ -837,12 +844,11 @@ int Broker::queue_any(Session& s, const NeedCmd& c, Bytes p, Bytes e, std::uint3
   Bytes largest = 0;
   for (const auto& g : gpus_)
     if (!g->draining) largest = std::max(largest, g->sched.arena().capacity());
-  const Bytes context = will_attach(s) ? config_.attach_context_reserve : 0;
-  if (p + e > largest || p + e + context > largest) {
-    log(s, fmt::format("line {}: need: persistent={} + ephemeral={}{} fits no GPU that admits "
-                       "new sessions (the largest holds {})",
-                       ln, arena::format_size(p), arena::format_size(e), context_term(context),
-                       arena::format_size(largest)));
+  if (p + e > largest) {
+    log(s,
+        fmt::format("line {}: need: persistent={} + ephemeral={} fits no GPU that admits "
+                    "new sessions (the largest holds {})",
+                    ln, arena::format_size(p), arena::format_size(e), arena::format_size(largest)));
     return ENOMEM;
   }
   if (c.name && !c.name->empty()) s.need.name = c.name;
@@ -894,7 +900,8 @@ void Broker::bind_waiting(Deferred& later) {
     const Gpu& g = *gpus_[gi];
     const Session* s = get(q.session);
     return s && !g.draining &&
-           g.sched.arena().would_admit(arena_need(*s, q.persistent, q.ephemeral));
+           g.sched.arena().would_admit(
+               arena_need(*s, q.persistent, q.ephemeral, static_cast<int>(gi)));
   };
   auto place = [&](const arena::QueuedRequest& q, std::uint32_t gi, const sched::PlacementChoice&) {
     if (Session* s = get(q.session); s && bind_to(*s, gi)) touched.push_back(gi);
@@ -914,7 +921,7 @@ void Broker::bind_waiting(Deferred& later) {
 // Binds a session waiting host-wide to GPU `gi`, as exec_need binds a first `need`.
 bool Broker::bind_to(Session& s, std::uint32_t gi) {
   Gpu& g = *gpus_[gi];
-  const arena::Need need = arena_need(s, s.need.persistent, s.need.ephemeral);
+  const arena::Need need = arena_need(s, s.need.persistent, s.need.ephemeral, static_cast<int>(gi));
   const arena::ArenaError err = g.sched.arrive(s.id, need, s.priority, s.need.iters, now());
   if (err != arena::ArenaError::ok) {
     s.error = EIO;

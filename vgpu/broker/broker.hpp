@@ -378,9 +378,8 @@ class Broker {
   // What the driver counts for each attached program beyond its charge, against
   // the context reserve (once a second, from the gate service).
   void check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& telemetry);
-  std::string context_reserve_note() const;
+  std::string context_reserve_note(const Session& s) const;
   static bool will_attach(const Session& s);
-  static std::string context_term(Bytes context);
 
   // Oversubscription (broker_swap.cpp). Swaps happen between a session's
   // iterations, on the GPU's swap stream; the residency planner decides whom.
@@ -413,7 +412,12 @@ class Broker {
                   Deferred& later);
   // The arena need of a session: an attached session's whole need is its own
   // (persistent), in the GPU's shared attached lane.
-  arena::Need arena_need(const Session& s, Bytes persistent, Bytes ephemeral) const;
+  // The need the arena of GPU `gpu` admits for session `s` declaring `persistent`
+  // and `ephemeral` (attached: whole, with the context reserve).
+  arena::Need arena_need(const Session& s, Bytes persistent, Bytes ephemeral, int gpu) const;
+  // The context reserve counted for `s` on GPU `gpu` (-1: not chosen yet): the
+  // configured one, cut to what the need leaves of that GPU's capacity.
+  Bytes context_for(const Session& s, Bytes persistent, Bytes ephemeral, int gpu) const;
   void set_budget(Session& s);
   // Warns (session log) when the attached budgets of s's GPU exceed the card's
   // memory outside salusd's arena on the cuda backend.

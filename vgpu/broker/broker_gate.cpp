@@ -46,11 +46,11 @@ std::string sanitize_note(const salus_gate& g) {
 
 }  // namespace
 
-arena::Need Broker::arena_need(const Session& s, Bytes persistent, Bytes ephemeral) const {
+arena::Need Broker::arena_need(const Session& s, Bytes persistent, Bytes ephemeral, int gpu) const {
   if (!will_attach(s)) return {persistent, ephemeral};
   // The program's CUDA context is on the card beside whatever it allocates, and
   // no swap moves it.
-  const Bytes context = config_.attach_context_reserve;
+  const Bytes context = context_for(s, persistent, ephemeral, gpu);
   // Opted into the shared lane: its ephemeral memory is the lane's, counted
   // once for the lane as for hosted sessions (broker_lanes.cpp).
   if (shares_lane(s)) return {persistent + context, ephemeral, kAttachedGroup, context};
@@ -66,21 +66,31 @@ bool Broker::will_attach(const Session& s) {
   return s.gate != nullptr || s.need.attached.value_or(false);
 }
 
-// The reserve as a term of a need's sum, for refusals ("" when none counts).
-std::string Broker::context_term(Bytes context) {
-  return context ? " + the attached program's context reserve " + arena::format_size(context)
-                 : std::string();
+// A need that fits the GPU is never refused for an estimate: a whole-GPU need
+// (salus-run --retry-on-oom on an older salus-run, a Slurm step) keeps what the
+// card has left for the context, and the session log says so (exec_need).
+Bytes Broker::context_for(const Session& s, Bytes persistent, Bytes ephemeral, int gpu) const {
+  if (!will_attach(s)) return 0;
+  const Bytes reserve = config_.attach_context_reserve;
+  if (gpu < 0 || static_cast<std::size_t>(gpu) >= gpus_.size()) return reserve;
+  const Bytes cap = gpus_[static_cast<std::size_t>(gpu)]->sched.arena().capacity();
+  const Bytes need = persistent + ephemeral;  // callers checked it does not overflow
+  return std::min(reserve, cap > need ? cap - need : 0);
 }
 
 // How admission counts an attached program's CUDA context, for the attach
 // lines of the session log ("" when it counts none).
-std::string Broker::context_reserve_note() const {
+std::string Broker::context_reserve_note(const Session& s) const {
   const Bytes r = config_.attach_context_reserve;
   if (r == 0) return {};
+  const Bytes counted = context_for(s, s.need.persistent, s.need.ephemeral, s.gpu);
   return fmt::format(
       " (admission also counts {} for the program's CUDA context: "
-      "--attach-context-reserve)",
-      arena::format_size(r));
+      "--attach-context-reserve{})",
+      arena::format_size(counted),
+      counted < r
+          ? fmt::format(" {}, cut to what the need leaves of the GPU", arena::format_size(r))
+          : std::string());
 }
 
 void Broker::set_budget(Session& s) {
@@ -176,19 +186,19 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   log(s, fmt::format("line {}: attached gate={} bell={} of pid {}: gpu {}, budget {}{}{}", ln,
                      c.gate_fd, c.bell_fd, s.gate->pid, g.index,
                      own == 0 ? std::string("unlimited") : arena::format_size(own),
-                     context_reserve_note(),
+                     context_reserve_note(s),
                      shares_lane(s) ? fmt::format(", shared lane lane={} ({} ephemeral)", c.lane_fd,
                                                   arena::format_size(s.need.ephemeral))
                                     : std::string()));
   note_memory_outside_arena(g, s, ln);
   // Re-place the need as an attached one (arena_need); admission may wait.
   const arena::ArenaError err = g.sched.change_need(
-      s.id, arena_need(s, s.need.persistent, s.need.ephemeral), std::nullopt, now());
+      s.id, arena_need(s, s.need.persistent, s.need.ephemeral, s.gpu), std::nullopt, now());
   if (err != arena::ArenaError::ok) {
     detach_gate(s, later);
     s.gate.reset();
     return fail(ENOMEM, fmt::format("rejected by gpu {}: {}{}", g.index, arena::to_string(err),
-                                    context_reserve_note()));
+                                    context_reserve_note(s)));
   }
   s.lane.reset();
   if (s.state == SessionState::admitted) {

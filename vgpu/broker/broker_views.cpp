@@ -172,7 +172,7 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("memory_peak", gate_load(G.peak_bytes));
   const Gpu& g = *gpus_[static_cast<std::size_t>(s.gpu)];
   kv("memory_gpu", gpu_memory_of(gt.pid, g, t));
-  kv("memory_context_reserve", config_.attach_context_reserve);
+  kv("memory_context_reserve", context_for(s, s.need.persistent, s.need.ephemeral, s.gpu));
   // The driver's figure beyond the charge: the CUDA context, module code, and
   // memory taken around the shim.
   const std::optional<Bytes> on_gpu = process_gpu_bytes(gt.pid, t);
