@@ -58,7 +58,7 @@ struct SessionState {
   Bytes p_new() const { return std::max(p, used) - used; }
   // The session's share of the resident set: all of P_i on the GPU, the part no
   // swap moves when it is swapped out.
-  Bytes on_card() const { return on_gpu() ? reserved() : reserved() - movable(); }
+  Bytes on_card() const { return on_gpu() ? reserved() : std::min(pin, reserved()); }
   Bytes movable() const { return reserved() - std::min(pin, reserved()); }
   void set_need(const Need& need) {
     declared = need;

@@ -410,14 +410,17 @@ class Broker {
   // Attached sessions (broker_gate.cpp).
   int exec_attach(Session& s, const AttachCmd& cmd, PendingWrite& w, std::uint32_t line,
                   Deferred& later);
-  // The arena need of a session: an attached session's whole need is its own
-  // (persistent), in the GPU's shared attached lane.
   // The need the arena of GPU `gpu` admits for session `s` declaring `persistent`
-  // and `ephemeral` (attached: whole, with the context reserve).
+  // and `ephemeral`: an attached session's whole need is its own (persistent),
+  // in the GPU's shared attached lane, with the context reserve beside it.
   arena::Need arena_need(const Session& s, Bytes persistent, Bytes ephemeral, int gpu) const;
   // The context reserve counted for `s` on GPU `gpu` (-1: not chosen yet): the
   // configured one, cut to what the need leaves of that GPU's capacity.
   Bytes context_for(const Session& s, Bytes persistent, Bytes ephemeral, int gpu) const;
+  // The same for the session's declared need on its GPU: what it was admitted with.
+  Bytes context_of(const Session& s) const {
+    return context_for(s, s.need.persistent, s.need.ephemeral, s.gpu);
+  }
   void set_budget(Session& s);
   // Warns (session log) when the attached budgets of s's GPU exceed the card's
   // memory outside salusd's arena on the cuda backend.

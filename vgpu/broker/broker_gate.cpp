@@ -83,7 +83,7 @@ Bytes Broker::context_for(const Session& s, Bytes persistent, Bytes ephemeral, i
 std::string Broker::context_reserve_note(const Session& s) const {
   const Bytes r = config_.attach_context_reserve;
   if (r == 0) return {};
-  const Bytes counted = context_for(s, s.need.persistent, s.need.ephemeral, s.gpu);
+  const Bytes counted = context_of(s);
   return fmt::format(
       " (admission also counts {} for the program's CUDA context: "
       "--attach-context-reserve{})",
@@ -119,8 +119,7 @@ void Broker::note_memory_outside_arena(const Gpu& g, Session& s, std::uint32_t l
   for (const SessionId id : attached_) {
     const Session* o = get(id);
     if (o == nullptr || !o->gate || o->gpu != static_cast<int>(g.index)) continue;
-    budgets += o->need.persistent + (shares_lane(*o) ? 0 : o->need.ephemeral) +
-               config_.attach_context_reserve;
+    budgets += o->need.persistent + (shares_lane(*o) ? 0 : o->need.ephemeral) + context_of(*o);
   }
   const Bytes outside = d.total_memory > d.arena_size ? d.total_memory - d.arena_size : 0;
   if (budgets <= outside) return;
@@ -462,7 +461,6 @@ void Broker::gate_event(std::uint64_t key) {
 // take, which admission counts as the context reserve. Past it, the card holds
 // more than admission knows of; said once per session, with the figure to set.
 void Broker::check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& telemetry) {
-  const Bytes reserve = config_.attach_context_reserve;
   for (SessionId id : attached_) {
     Session* s = get(id);
     if (!s || !s->gate || s->gate->exited || s->gate->context_warned) continue;
@@ -474,6 +472,7 @@ void Broker::check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& te
     const std::uint64_t now_charged = gate_load(gt.g().charged_bytes);
     const std::uint64_t charged = std::max(now_charged, gt.charged_at_check);
     gt.charged_at_check = now_charged;
+    const Bytes reserve = context_of(*s);  // as admitted (possibly cut)
     if (!used || *used <= charged || *used - charged <= reserve) {
       gt.context_over = 0;
       continue;

@@ -70,8 +70,7 @@ int Broker::attached_swap_out(Gpu& g, Session& s) {
 void Broker::learn_unswappable(Gpu& g, Session& s) {
   const std::uint64_t reported = gate_load(s.gate->g().unswappable_bytes);
   const Bytes cap = arena::Bytes{1} << 60;  // no overflow below, whatever was written
-  g.sched.arena().set_unswappable(s.id, context_for(s, s.need.persistent, s.need.ephemeral, s.gpu) +
-                                            std::min<std::uint64_t>(reported, cap));
+  g.sched.arena().set_unswappable(s.id, context_of(s) + std::min<std::uint64_t>(reported, cap));
 }
 
 // Prefetch of an attached session before its grant: room is taken in the arena

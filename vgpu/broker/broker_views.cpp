@@ -129,11 +129,21 @@ std::string Broker::render_status(SessionId id) const {
   return o;
 }
 
-std::optional<Bytes> Broker::process_gpu_bytes(pid_t pid, const GpuTelemetrySnapshot* t) {
-  if (!t || !t->available || !t->readings.processes) return std::nullopt;
+namespace {
+
+// NVML's entry for process `pid` in a GPU's process list, or null.
+const GpuReadings::Process* find_process(pid_t pid, const GpuTelemetrySnapshot* t) {
+  if (!t || !t->available || !t->readings.processes) return nullptr;
   for (const auto& p : *t->readings.processes)
-    if (p.pid == pid) return p.bytes ? std::optional<Bytes>(*p.bytes) : std::nullopt;
-  return std::nullopt;
+    if (p.pid == pid) return &p;
+  return nullptr;
+}
+
+}  // namespace
+
+std::optional<Bytes> Broker::process_gpu_bytes(pid_t pid, const GpuTelemetrySnapshot* t) {
+  const GpuReadings::Process* p = find_process(pid, t);
+  return p && p->bytes ? std::optional<Bytes>(*p->bytes) : std::nullopt;
 }
 
 // The driver's figure for process `pid` on GPU `g` (NVML), or why there is none.
@@ -143,11 +153,9 @@ std::string Broker::gpu_memory_of(pid_t pid, const Gpu& g, const GpuTelemetrySna
     return fmt::format("unavailable ({})", t ? t->why_not : std::string("no NVML telemetry"));
   }
   if (!t->readings.processes) return "unavailable (NVML gives no process list for this GPU)";
-  for (const auto& p : *t->readings.processes) {
-    if (p.pid != pid) continue;
-    return p.bytes ? std::to_string(*p.bytes)
-                   : std::string("unavailable (the driver does not give the process's memory)");
-  }
+  if (const GpuReadings::Process* p = find_process(pid, t))
+    return p->bytes ? std::to_string(*p->bytes)
+                    : std::string("unavailable (the driver does not give the process's memory)");
   // NVML lists host pids; salusd in another pid namespace sees other numbers.
   return fmt::format("0 (NVML lists no compute process {} on the GPU)", pid);
 }
@@ -172,7 +180,7 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("memory_peak", gate_load(G.peak_bytes));
   const Gpu& g = *gpus_[static_cast<std::size_t>(s.gpu)];
   kv("memory_gpu", gpu_memory_of(gt.pid, g, t));
-  kv("memory_context_reserve", context_for(s, s.need.persistent, s.need.ephemeral, s.gpu));
+  kv("memory_context_reserve", context_of(s));
   // The driver's figure beyond the charge: the CUDA context, module code, and
   // memory taken around the shim.
   const std::optional<Bytes> on_gpu = process_gpu_bytes(gt.pid, t);
