@@ -800,6 +800,25 @@ bool GpuArena::set_unswappable(SessionId session, Bytes bytes) {
   return true;
 }
 
+Bytes GpuArena::raise_unswappable(SessionId session, Bytes bytes) {
+  Impl& m = *impl_;
+  auto it = m.sessions.find(session);
+  if (it == m.sessions.end()) return 0;
+  SessionState& s = it->second;
+  Bytes want = align_up(std::min(bytes, s.p));
+  // Swapped, the growth lands in the resident set: only as far as there is room
+  // (phys_slack is a multiple of the alignment: so is the cap).
+  if (!s.on_gpu()) want = std::min(want, s.pin + m.phys_slack());
+  if (want > s.pin) m.update(s, [&] { s.pin = want; });
+  m.verify();
+  return s.pin;
+}
+
+Bytes GpuArena::on_card_bytes(SessionId session) const {
+  auto it = impl_->sessions.find(session);
+  return it == impl_->sessions.end() ? 0 : it->second.on_card();
+}
+
 ArenaError GpuArena::swap_in(SessionId session, std::vector<SwapBuffer>& out) {
   Impl& m = *impl_;
   out.clear();

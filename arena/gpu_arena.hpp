@@ -293,6 +293,15 @@ class GpuArena {
   // move. Only while the session is on the GPU (resident or swapping out), where
   // the part makes no difference to the resident set; false otherwise. Capped at P.
   bool set_unswappable(SessionId session, Bytes bytes);
+  // The driver shows more of a swapped session on the card than its part says (its
+  // program keeps memory it did not report): the part grows towards `bytes`, capped
+  // at P and at the physical room left, since what is already on the card cannot be
+  // refused, only counted so that nothing more is let in. In any residency; never
+  // lowers the part. Returns the part now.
+  Bytes raise_unswappable(SessionId session, Bytes bytes);
+  // The session's share of the resident set now: its P_i while its memory is on
+  // the GPU, its unswappable part while swapped (0 for an unknown session).
+  Bytes on_card_bytes(SessionId session) const;
   // Places a swapped session's buffers again under their old handles (`out`: where).
   // no_memory: the resident set has no room for its P yet; fragmented: the room is
   // there but not in one piece, compaction is planned. On ok it is resident at once;

@@ -59,9 +59,9 @@ class Holder:
     """An attached session that takes the lane and keeps it (its iteration 1
     never completes until release())."""
 
-    def __init__(self, salusd):
+    def __init__(self, salusd, persistent="16M"):
         self.s = Session(salusd)
-        self.s.cmd("need persistent=16M ephemeral=0 priority=10 gpu=0\n")
+        self.s.cmd(f"need persistent={persistent} ephemeral=0 priority=10 gpu=0\n")
         self.gate = salus_gate.Gate()
         self.gate.g.marking = salus_gate.MARK_EXPLICIT
         fd = os.open(self.s.file("ctl"), os.O_WRONLY)
@@ -593,4 +593,76 @@ def test_the_cuda_arena_is_backed_only_where_salusd_holds_memory(isolation):
         for x in (s, hosted):
             if x:
                 x.close()
+        d.stop()
+
+
+@pytest.mark.parametrize("honest", [True, False])
+def test_a_swapped_program_is_held_to_the_drivers_figure(tmp_path, honest):
+    """Swapped out, a program's driver figure (NVML) is held against what it said
+    stays on the card. The mock NVML lists the program (250M charged) at 254M
+    while it runs, its 4M context within the reserve. Once the planner has
+    swapped it out for a holder of 300M, an honest program shows its context
+    alone and nothing is said; one that still holds everything (its shim reported
+    nothing unmovable) gets, after two checks past what was counted, what the
+    driver shows counted on the card as far as the card has room, and its log
+    says so. The program finishes either way, every byte checked."""
+    nvml = os.environ.get("SALUS_TEST_NVML_MOCK_DIR", "")
+    if not nvml:
+        pytest.skip("built without the mock NVML")
+    M = 1 << 20
+    uuid = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf"  # the mock driver's one GPU
+    listing = tmp_path / "nvml"
+
+    def show(pid, nbytes):  # atomically: the mock rereads it at every query
+        tmp = tmp_path / "nvml.tmp"
+        tmp.write_text(f"{uuid}:{pid}:{nbytes}\n")
+        os.rename(tmp, listing)
+    d = start_on_mock_cuda(["--oversubscribe", "2", "--policy", "priority",
+                            "--attach-context-reserve", "4M"], [MOCK_DIR, nvml],
+                           {"MOCK_NVML_DEVICES": uuid, "MOCK_NVML_PROCESSES_FILE": str(listing)})
+    s = Session(d)
+    go = tmp_path / "go"
+    p = h = None
+    try:
+        s.cmd("need persistent=300M ephemeral=0 gpu=0 kind=attached\n")
+        p = start_program(d, s, 250, 2, go)
+        show(p.pid, 254 * M)
+        line = p.stdout.readline()
+        assert line.startswith("ready"), (line, p.stderr.read() if p.poll() is not None else "")
+        assert wait_until(lambda: s.status().get("gate") == "attached")
+        h = Holder(d, "300M")
+        h.ask()
+        go.write_text("")  # boundary 1: the holder's priority takes the card
+        assert wait_until(h.granted, timeout=20), s.read("log")
+        assert wait_until(lambda: s.status()["residency"] == "swapped", timeout=10)
+        assert s.status()["memory_counted_on_card"] == str(4 * M), "its context reserve"
+        before = int(gpu_memory(d)["resident_reserved"])
+        if honest:
+            show(p.pid, 4 * M)
+            time.sleep(4.5)  # four checks
+            assert "swapped out, pid" not in s.read("log"), s.read("log")
+            assert s.status()["memory_counted_on_card"] == str(4 * M)
+            assert int(gpu_memory(d)["resident_reserved"]) == before
+        else:
+            assert wait_until(lambda: "warning: swapped out, pid" in s.read("log"), timeout=10)
+            log = s.read("log")
+            assert f"still holds 254.0M on gpu 0 by the driver's count" in log, log
+            counted = int(s.status()["memory_counted_on_card"])
+            usable = int(gpu_memory(d)["capacity"])  # 2 MiB-aligned here
+            assert counted == min(254 * M, usable - (before - 4 * M)), (counted, usable, before)
+            assert int(gpu_memory(d)["resident_reserved"]) == before - 4 * M + counted
+            if counted < 254 * M:
+                assert "more is past its need or the card's room" in log, log
+        h.close()  # released, it would be asked to swap out for the program: it cannot
+        h = None
+        for k in (1, 2):
+            assert p.stdout.readline().strip() == f"verified {k}"
+        assert p.wait(timeout=20) == 0
+    finally:
+        if p and p.poll() is None:
+            p.kill()
+            p.wait()
+        if h:
+            h.close()
+        s.close()
         d.stop()

@@ -171,6 +171,42 @@ TEST(ArenaResidency, TheUnswappablePartIsLearnedAtASwapOut) {
   EXPECT_EQ(a.check_invariants(), "");
 }
 
+// The driver shows a swapped program holding more than it reported: the part
+// grows as far as the card has room (what is there cannot be refused, only
+// counted), never past P, and never shrinks by this path.
+TEST(ArenaResidency, TheUnswappablePartGrowsToWhatTheDriverShows) {
+  GpuArena a(100 * M, oversub(2.0));
+  Need n{60 * M, 0};
+  n.unswappable = 4 * M;
+  ASSERT_EQ(a.request(1, n, 0), ArenaError::ok);
+  ASSERT_EQ(a.take_admissions().size(), 1u);
+  EXPECT_EQ(a.on_card_bytes(1), 60 * M);
+  EXPECT_EQ(a.raise_unswappable(1, 10 * M), 10 * M);  // on the GPU: no change to the set
+  EXPECT_EQ(a.memory().resident_reserved, 60 * M);
+  std::vector<SwapBuffer> out;
+  ASSERT_TRUE(a.begin_swap_out(1, out));
+  a.finish_swap_out(1, 1);
+  EXPECT_EQ(a.on_card_bytes(1), 10 * M);
+  ASSERT_EQ(a.request(2, {50 * M, 0}, 0), ArenaError::ok);
+  ASSERT_EQ(a.take_admissions().size(), 1u);
+  ASSERT_EQ(a.residency(2), Residency::resident);
+  EXPECT_EQ(a.memory().resident_reserved, 60 * M);
+  EXPECT_EQ(a.raise_unswappable(1, 5 * M), 10 * M) << "never lowered";
+  EXPECT_EQ(a.raise_unswappable(1, 30 * M), 30 * M);
+  EXPECT_EQ(a.memory().resident_reserved, 80 * M);
+  EXPECT_EQ(a.swap_in_bytes(1), 30 * M);
+  // Past the room left (100M usable, 80M counted): capped at what fits, below P.
+  EXPECT_EQ(a.raise_unswappable(1, 1000 * M), 50 * M);
+  EXPECT_EQ(a.memory().resident_reserved, 100 * M);
+  EXPECT_EQ(a.check_invariants(), "");
+  // A session admitted now stays swapped: the card is full.
+  ASSERT_EQ(a.request(3, {10 * M, 0}, 0), ArenaError::ok);
+  EXPECT_EQ(a.take_admissions().size(), 1u);
+  EXPECT_EQ(a.residency(3), Residency::swapped);
+  EXPECT_EQ(a.raise_unswappable(99, 1), 0u);
+  EXPECT_EQ(a.check_invariants(), "");
+}
+
 TEST(SwapCost, QuantumKeepsSwapUnderTenPercent) {
   SwapCostModel c;
   c.observe(1024 * M, 100'000'000);  // 1 GiB in 100 ms
@@ -316,7 +352,15 @@ TEST_P(RandomStream, InvariantsHold) {
         }
         break;
       case 6:
-        if (s && a.residency(s) == Residency::swapped) {
+        if (s && a.residency(s) == Residency::swapped && rng() % 4 == 0) {
+          // The driver shows it holding more than its part: counted as far as there is room.
+          const Bytes shown = (rng() % 64) * M;
+          const Bytes room = a.resident_room();
+          const Bytes p = a.placement(s)->declared.persistent;
+          const Bytes expect = std::max(pins[s], std::min({shown, p, pins[s] + room}));
+          ASSERT_EQ(a.raise_unswappable(s, shown), expect) << "seed " << seed << " event " << ev;
+          pins[s] = expect;
+        } else if (s && a.residency(s) == Residency::swapped) {
           const Bytes need = a.swap_in_bytes(s);
           const Bytes room = a.resident_room();
           const ArenaError e = a.swap_in(s, out);

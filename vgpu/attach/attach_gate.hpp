@@ -71,6 +71,17 @@ struct AttachedGate {
   bool context_warned = false;
   std::uint64_t charged_at_check = 0;
   std::uint32_t context_over = 0;
+  // The most the driver's figure passed the charge while the program's memory
+  // was on the card: its context as measured (at least the reserve is allowed).
+  std::uint64_t context_seen = 0;
+  // Swapped out, the driver's figure is held against what the program said stays
+  // on the card (Broker::check_swapped_program): checks in a row that found it
+  // swapped, of those in a row past it, and the figure learned from the driver,
+  // which later swap-outs count as unswappable too.
+  std::uint32_t swapped_checks = 0;
+  std::uint32_t leftover_over = 0;
+  std::uint64_t leftover_floor = 0;
+  bool leftover_warned = false;
 
   // Swap (issue 15): salusd's last request and what it saw of the answer.
   std::uint32_t swap_seq = 0;                        // the last swap_seq written

@@ -456,39 +456,58 @@ void Broker::gate_event(std::uint64_t key) {
   if (end) end_session(id);
 }
 
-// Once a second an attached program's driver figure (NVML) is compared with its
-// charge: the difference is what its CUDA context and the rest outside the shim
-// take, which admission counts as the context reserve. Past it, the card holds
-// more than admission knows of; said once per session, with the figure to set.
+// Once a second an attached program's driver figure (NVML) is compared with what
+// admission counts for it: on the card, with its charge and the context reserve;
+// swapped out, with what it said stays there.
 void Broker::check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& telemetry) {
   for (SessionId id : attached_) {
     Session* s = get(id);
-    if (!s || !s->gate || s->gate->exited || s->gate->context_warned) continue;
+    if (!s || !s->gate || s->gate->exited) continue;
     if (s->gpu < 0 || static_cast<std::size_t>(s->gpu) >= telemetry.size()) continue;
-    AttachedGate& gt = *s->gate;
-    const std::optional<Bytes> used = process_gpu_bytes(gt.pid, &telemetry[s->gpu]);
-    // NVML's sample is up to a second old: compare it with the larger charge of
-    // this check and the last, so that memory freed since is not taken for context.
-    const std::uint64_t now_charged = gate_load(gt.g().charged_bytes);
-    const std::uint64_t charged = std::max(now_charged, gt.charged_at_check);
-    gt.charged_at_check = now_charged;
-    const Bytes reserve = context_of(*s);  // as admitted (possibly cut)
-    if (!used || *used <= charged || *used - charged <= reserve) {
-      gt.context_over = 0;
-      continue;
+    Gpu* g = gpu_of(*s);
+    if (!g) continue;
+    const std::optional<Bytes> used = process_gpu_bytes(s->gate->pid, &telemetry[s->gpu]);
+    if (g->sched.arena().residency(s->id) == arena::Residency::swapped) {
+      check_swapped_program(*g, *s, used);
+    } else {
+      s->gate->swapped_checks = s->gate->leftover_over = 0;
+      check_context(*s, used);
     }
-    if (++gt.context_over < 2) continue;
-    gt.context_warned = true;
-    const std::string text = fmt::format(
-        "warning: the driver counts {} on gpu {} for pid {}, {} more than its charged {}: "
-        "its CUDA context and memory outside the shim take more than the {} admission "
-        "counts for them (--attach-context-reserve); the card may run out before the "
-        "budgets do",
-        arena::format_size(*used), s->gpu, s->gate->pid, arena::format_size(*used - charged),
-        arena::format_size(charged), arena::format_size(reserve));
-    log(*s, text);
-    spdlog::warn("session {}: {}", s->id, text);
   }
+}
+
+// The driver's figure less the charge is what the program's CUDA context and the
+// rest outside the shim take, which admission counts as the context reserve.
+// Past it, the card holds more than admission knows of; said once per session,
+// with the figure to set.
+void Broker::check_context(Session& s, std::optional<Bytes> used) {
+  AttachedGate& gt = *s.gate;
+  // NVML's sample is up to a second old: compare it with the larger charge of
+  // this check and the last, so that memory freed since is not taken for context.
+  const std::uint64_t now_charged = gate_load(gt.g().charged_bytes);
+  const std::uint64_t charged = std::max(now_charged, gt.charged_at_check);
+  gt.charged_at_check = now_charged;
+  if (!used || *used <= charged) {
+    gt.context_over = 0;
+    return;
+  }
+  gt.context_seen = std::max<std::uint64_t>(gt.context_seen, *used - charged);
+  const Bytes reserve = context_of(s);  // as admitted (possibly cut)
+  if (*used - charged <= reserve) {
+    gt.context_over = 0;
+    return;
+  }
+  if (++gt.context_over < 2 || gt.context_warned) return;
+  gt.context_warned = true;
+  const std::string text = fmt::format(
+      "warning: the driver counts {} on gpu {} for pid {}, {} more than its charged {}: "
+      "its CUDA context and memory outside the shim take more than the {} admission "
+      "counts for them (--attach-context-reserve); the card may run out before the "
+      "budgets do",
+      arena::format_size(*used), s.gpu, gt.pid, arena::format_size(*used - charged),
+      arena::format_size(charged), arena::format_size(reserve));
+  log(s, text);
+  spdlog::warn("session {}: {}", s.id, text);
 }
 
 void Broker::gate_tick() {

@@ -67,10 +67,58 @@ int Broker::attached_swap_out(Gpu& g, Session& s) {
 // (the reserve) and what its shim reported it cannot move (pool allocations,
 // its own cuMemCreate handles, promoted lane granules). The program writes that
 // figure; the arena caps it at the session's P, so a lie costs only its own room.
+// What the driver showed left on the card at an earlier swap-out counts too.
 void Broker::learn_unswappable(Gpu& g, Session& s) {
   const std::uint64_t reported = gate_load(s.gate->g().unswappable_bytes);
   const Bytes cap = arena::Bytes{1} << 60;  // no overflow below, whatever was written
-  g.sched.arena().set_unswappable(s.id, context_of(s) + std::min<std::uint64_t>(reported, cap));
+  const Bytes said = context_of(s) + std::min<std::uint64_t>(reported, cap);
+  g.sched.arena().set_unswappable(s.id, std::max<Bytes>(said, s.gate->leftover_floor));
+}
+
+namespace {
+// The driver's figure rounds each allocation to its pages and grows the context
+// as modules load: differences below this are not taken for memory kept back.
+constexpr Bytes kLeftoverSlack = Bytes{16} << 20;
+}  // namespace
+
+// The shim's report of what it cannot move is the program's word (a hostile or
+// buggy one may keep memory on the card while others are let into its room). Once
+// it has been out for a whole check (NVML's sample may predate the swap-out), the
+// driver's figure is held against its counted part plus the context it showed
+// beyond the reserve while on the card; past that at two checks in a row, the
+// arena counts what the driver shows, as far as P and the card's room go, so that
+// nothing more is let in, and later swap-outs count it too.
+void Broker::check_swapped_program(Gpu& g, Session& s, std::optional<Bytes> used) {
+  AttachedGate& gt = *s.gate;
+  gt.context_over = 0;
+  if (++gt.swapped_checks < 2 || !used) return;
+  arena::GpuArena& ar = g.sched.arena();
+  const Bytes counted = ar.on_card_bytes(s.id);
+  const Bytes reserve = context_of(s);
+  const Bytes context_beyond = gt.context_seen > reserve ? gt.context_seen - reserve : 0;
+  if (*used <= counted + context_beyond + kLeftoverSlack) {
+    gt.leftover_over = 0;
+    return;
+  }
+  if (++gt.leftover_over < 2) return;
+  const Bytes shown = *used - context_beyond;
+  gt.leftover_floor = std::max<Bytes>(gt.leftover_floor, shown);
+  const Bytes now_counted = ar.raise_unswappable(s.id, shown);
+  if (now_counted == counted && gt.leftover_warned) return;  // nothing new to say
+  gt.leftover_warned = true;
+  std::string text = fmt::format(
+      "warning: swapped out, pid {} still holds {} on gpu {} by the driver's count, past "
+      "the {} counted for its context and the {} its shim reported it cannot move: "
+      "admission now counts {} of it on the card",
+      gt.pid, arena::format_size(*used), s.gpu, arena::format_size(reserve + context_beyond),
+      arena::format_size(gate_load(gt.g().unswappable_bytes)), arena::format_size(now_counted));
+  if (shown > now_counted)
+    text += fmt::format(
+        " ({} more is past its need or the card's room: programs on gpu {} "
+        "may run out of memory until a session leaves)",
+        arena::format_size(shown - now_counted), s.gpu);
+  log(s, text);
+  spdlog::warn("session {}: {}", s.id, text);
 }
 
 // Prefetch of an attached session before its grant: room is taken in the arena

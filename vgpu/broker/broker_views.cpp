@@ -199,6 +199,10 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("memory_resident", gate_load(G.resident_bytes));
   kv("memory_swapped", gate_load(G.swapped_bytes));
   kv("memory_unswappable", gate_load(G.unswappable_bytes));
+  // The session's share of the card's resident set as admission counts it: all
+  // of it on the card; swapped, its context and what stays (the shim's report,
+  // or the driver's figure where that was larger).
+  kv("memory_counted_on_card", g.sched.arena().on_card_bytes(s.id));
   kv("swaps_out", gate_load(G.swaps_out));
   kv("swaps_in", gate_load(G.swaps_in));
   kv("swap_ms", fmt::format("{:.3f}", static_cast<double>(gate_load(G.swap_ns)) / 1e6));

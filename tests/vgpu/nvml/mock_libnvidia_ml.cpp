@@ -12,6 +12,8 @@
 //   MOCK_NVML_INIT         an nvmlReturn_t for nvmlInit_v2 to fail with
 //   MOCK_NVML_PROCESSES    comma-separated UUID:PID:BYTES compute processes
 //                          (BYTES "na": NVML_VALUE_NOT_AVAILABLE)
+//   MOCK_NVML_PROCESSES_FILE  a file with the same list, read again at each
+//                          query (a test changes a process's figure as it runs)
 // GPU k (by NVML index) reads utilization 37+k % (memory 12+k %), power
 // 71234+1000k mW, temperature 40+k C, and energy (k+1)*10^6 mJ plus 500 mJ per
 // call. mock_nvml_calls(NAME) counts calls per entry point, for the tests.
@@ -87,6 +89,38 @@ std::vector<std::string> split(const char* text) {
   return out;
 }
 
+// UUID:PID:BYTES entries, comma-separated (and newline-ended in a file).
+void set_processes(const char* text) {
+  for (MockDevice& d : g_devices) d.processes.clear();
+  for (std::string entry : split(text)) {
+    while (!entry.empty() && (entry.back() == '\n' || entry.back() == ' ')) entry.pop_back();
+    const auto b = entry.rfind(':');
+    if (b == std::string::npos || b == 0) continue;
+    const auto a = entry.rfind(':', b - 1);
+    if (a == std::string::npos) continue;
+    const std::string bytes = entry.substr(b + 1);
+    for (MockDevice& d : g_devices)
+      if (d.uuid == entry.substr(0, a))
+        d.processes.emplace_back(static_cast<unsigned>(std::stoul(entry.substr(a + 1, b - a - 1))),
+                                 bytes == "na" ? ~0ull : std::stoull(bytes));
+  }
+}
+
+// MOCK_NVML_PROCESSES_FILE, when set, replaces the list at each query.
+void reread_processes() {
+  const char* path = std::getenv("MOCK_NVML_PROCESSES_FILE");
+  if (!path) return;
+  std::string text;
+  if (FILE* f = std::fopen(path, "r")) {
+    char buf[4096];
+    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) text.append(buf, n);
+    std::fclose(f);
+  }
+  for (char& c : text)
+    if (c == '\n') c = ',';
+  set_processes(text.c_str());
+}
+
 void configure() {
   g_devices.clear();
   for (const std::string& uuid : split(std::getenv("MOCK_NVML_DEVICES"))) {
@@ -95,15 +129,7 @@ void configure() {
     d.index = static_cast<unsigned>(g_devices.size());
     g_devices.push_back(d);
   }
-  for (const std::string& entry : split(std::getenv("MOCK_NVML_PROCESSES"))) {
-    const auto b = entry.rfind(':');
-    const auto a = entry.rfind(':', b - 1);
-    const std::string bytes = entry.substr(b + 1);
-    for (MockDevice& d : g_devices)
-      if (d.uuid == entry.substr(0, a))
-        d.processes.emplace_back(static_cast<unsigned>(std::stoul(entry.substr(a + 1, b - a - 1))),
-                                 bytes == "na" ? ~0ull : std::stoull(bytes));
-  }
+  set_processes(std::getenv("MOCK_NVML_PROCESSES"));
   for (const std::string& pair : split(std::getenv("MOCK_NVML_UNSUPPORTED"))) {
     const auto colon = pair.rfind(':');
     for (MockDevice& d : g_devices)
@@ -234,6 +260,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device,
   std::lock_guard lk(g_mu);
   MockDevice* d = nullptr;
   if (auto r = check(__func__, device, infoCount, "processes", d); r != NVML_SUCCESS) return r;
+  reread_processes();
   const unsigned room = *infoCount;
   *infoCount = static_cast<unsigned>(d->processes.size());
   if (room < d->processes.size()) return static_cast<nvmlReturn_t>(7);  // INSUFFICIENT_SIZE
