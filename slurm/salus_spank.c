@@ -1,10 +1,12 @@
 /* salus_spank.so: a Slurm SPANK plugin that gives each job step a salusd session.
  *
- *   srun --salus=persistent=4G,ephemeral=8G[,iters=N,priority=N,gpu=N|any] CMD
+ *   srun --salus=persistent=4G,ephemeral=8G[,iters=N,priority=N,gpu=N|any,kind=K] CMD
  *
  * On the node, as the job's user (slurm_spank_user_init runs with the user's
  * effective uid), it makes the named session MOUNT/sessions/slurm-JOB.STEP with
- * mkdir, declares its needs with a `need` line on its ctl, and exports
+ * mkdir, declares its needs with a `need` line on its ctl (kind=attached where
+ * the shim is preloaded, so that the program's CUDA context is counted from the
+ * start, unless --salus says kind=), and exports
  * SALUS_SESSION and SALUS_MOUNT to the tasks (salus(5), salusctl run does the
  * same). When the step ends, also when it is cancelled, slurmstepd calls
  * slurm_spank_exit as root, which removes the session (rmdir frees everything it
@@ -45,11 +47,14 @@ static char salus_session[SALUS_PATH_MAX]; /* the session made for this step */
  * task that fails exits 1, so the job fails visibly. */
 static char salus_failure[1024];
 
-/* Checks "key=value[,key=value...]" with the keys of `need` and appends the
- * `need` line to `need` (size `cap`). Returns 0, or -1 with `why` set. */
-static int salus_parse(const char* arg, char* need, size_t cap, char* why, size_t why_cap) {
+/* Checks "key=value[,key=value...]" with the keys of `need` and writes the
+ * `need` line, without its newline, to `need` (size `cap`); `*have_kind` says
+ * whether it names kind=. Returns 0, or -1 with `why` set. */
+static int salus_parse(const char* arg, char* need, size_t cap, int* have_kind, char* why,
+                       size_t why_cap) {
   char copy[SALUS_ARG_MAX];
   int have_p = 0, have_e = 0;
+  *have_kind = 0;
   if (strlen(arg) >= sizeof copy) {
     snprintf(why, why_cap, "--salus: longer than %d characters", SALUS_ARG_MAX - 1);
     return -1;
@@ -65,9 +70,14 @@ static int salus_parse(const char* arg, char* need, size_t cap, char* why, size_
     *eq = '\0';
     const char* v = eq + 1;
     if (strcmp(kv, "persistent") && strcmp(kv, "ephemeral") && strcmp(kv, "iters") &&
-        strcmp(kv, "priority") && strcmp(kv, "gpu")) {
+        strcmp(kv, "priority") && strcmp(kv, "gpu") && strcmp(kv, "kind")) {
       snprintf(why, why_cap,
-               "--salus: unknown key '%s' (persistent, ephemeral, iters, priority, gpu)", kv);
+               "--salus: unknown key '%s' (persistent, ephemeral, iters, priority, gpu, kind)",
+               kv);
+      return -1;
+    }
+    if (!strcmp(kv, "kind") && strcmp(v, "attached") && strcmp(v, "hosted")) {
+      snprintf(why, why_cap, "--salus: kind=%s: attached or hosted", v);
       return -1;
     }
     for (const char* c = v; *c; ++c) {
@@ -79,6 +89,7 @@ static int salus_parse(const char* arg, char* need, size_t cap, char* why, size_
     }
     have_p |= !strcmp(kv, "persistent");
     have_e |= !strcmp(kv, "ephemeral");
+    *have_kind |= !strcmp(kv, "kind");
     size_t used = strlen(need);
     snprintf(need + used, cap - used, " %s=%s", kv, v);
   }
@@ -86,15 +97,14 @@ static int salus_parse(const char* arg, char* need, size_t cap, char* why, size_
     snprintf(why, why_cap, "--salus: persistent= and ephemeral= are required");
     return -1;
   }
-  size_t used = strlen(need);
-  snprintf(need + used, cap - used, "\n");
   return 0;
 }
 
 static int salus_opt(int val, const char* optarg, int remote) {
   char need[512], why[256];
+  int have_kind;
   (void)val;
-  if (!optarg || salus_parse(optarg, need, sizeof need, why, sizeof why) != 0) {
+  if (!optarg || salus_parse(optarg, need, sizeof need, &have_kind, why, sizeof why) != 0) {
     if (!remote) slurm_error("%s", optarg ? why : "--salus needs an argument");
     return -1;
   }
@@ -103,7 +113,7 @@ static int salus_opt(int val, const char* optarg, int remote) {
 }
 
 struct spank_option spank_options[] = {
-    {"salus", "persistent=SIZE,ephemeral=SIZE[,iters=N,priority=N,gpu=N|any]",
+    {"salus", "persistent=SIZE,ephemeral=SIZE[,iters=N,priority=N,gpu=N|any,kind=attached|hosted]",
      "Run each step in a salusd session with these needs (see docs/slurm.md)", 1, 0,
      (spank_opt_cb_f)salus_opt},
     SPANK_OPTIONS_TABLE_END};
@@ -147,11 +157,16 @@ __attribute__((format(printf, 1, 2))) static int salus_fail(const char* fmt, ...
   return 0;
 }
 
+/* Whether the tasks get the shim: it is configured and installed. */
+static int salus_shim_installed(void) {
+  return salus_shim[0] != '\0' && access(salus_shim, R_OK) == 0;
+}
+
 /* Puts the shim first in the tasks' LD_PRELOAD when it is installed; a node
  * without it runs the step with the file interface only. */
 static int salus_preload_shim(spank_t sp) {
   char old[2048] = "", preload[4096];
-  if (salus_shim[0] == '\0' || access(salus_shim, R_OK) != 0) return 0;
+  if (!salus_shim_installed()) return 0;
   if (spank_getenv(sp, "LD_PRELOAD", old, sizeof old) != ESPANK_SUCCESS) old[0] = '\0';
   if (old[0])
     snprintf(preload, sizeof preload, "%s %s", salus_shim, old);
@@ -166,12 +181,18 @@ static int salus_preload_shim(spank_t sp) {
 int slurm_spank_user_init(spank_t sp, int ac, char** av) {
   uint32_t job = 0, step = 0;
   char need[512], why[256], dir[SALUS_PATH_MAX], ctl[SALUS_PATH_MAX + 8], stepname[32];
+  int have_kind;
   (void)ac;
   (void)av;
   if (salus_arg[0] == '\0') return 0;
-  if (salus_parse(salus_arg, need, sizeof need, why, sizeof why) != 0) {
+  if (salus_parse(salus_arg, need, sizeof need, &have_kind, why, sizeof why) != 0) {
     return salus_fail("salus: %s", why);
   }
+  /* With the shim, the tasks' CUDA programs attach: say so from the first need,
+   * so that placement counts their contexts (salusd --attach-context-reserve). */
+  size_t used = strlen(need);
+  snprintf(need + used, sizeof need - used, "%s\n",
+           !have_kind && salus_shim_installed() ? " kind=attached" : "");
   if (spank_get_item(sp, S_JOB_ID, &job) != ESPANK_SUCCESS ||
       spank_get_item(sp, S_JOB_STEPID, &step) != ESPANK_SUCCESS) {
     return salus_fail("salus: cannot get the job and step ids");

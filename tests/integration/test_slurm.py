@@ -196,7 +196,8 @@ def need_slurm():
 def node():
     """salusd and a one-node Slurm whose plugstack.conf loads the plugin with its mount."""
     need_slurm()
-    d = Salusd(sim_memory="1G", gpus=2)
+    # A context reserve (0 on sim unless named) shows which steps say kind=attached.
+    d = Salusd(["--attach-context-reserve", "64M"], sim_memory="1G", gpus=2)
     cluster = SlurmCluster(d.mnt)
     try:
         d.start()
@@ -232,6 +233,20 @@ def test_tasks_preload_the_shim_when_it_is_installed(node):
     # Steps without --salus are left alone.
     r = c.run(["srun", "-N1", "-n1", "sh", "-c", 'echo "[$LD_PRELOAD][$SALUS_SESSION]"'])
     assert r.returncode == 0 and r.stdout.strip() == "[][]", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("kind,reserved", [("", 69), (",kind=attached", 69), (",kind=hosted", 4)])
+def test_a_step_with_the_shim_is_placed_as_attached(node, kind, reserved):
+    """With the shim preloaded, the step's need says kind=attached, so placement
+    counts the program's context reserve (64M here) from the start, and its
+    ephemeral memory as its own (an attached program's is not shared in a lane);
+    --salus kind=hosted leaves both out."""
+    d, c = node
+    r = c.run(["srun", "-N1", "-n1", f"--salus=persistent=4M,ephemeral=1M,gpu=1{kind}", "sh",
+               "-c", 'grep "^persistent_reserved:" "$SALUS_MOUNT/gpus/1/memory"'])
+    assert r.returncode == 0, r.stdout + r.stderr + c.logs()
+    assert r.stdout.split() == ["persistent_reserved:", str(reserved << 20)], r.stdout
+    assert wait_until(lambda: os.listdir(d.path("sessions")) == [], 10)
 
 
 def test_two_jobs_from_two_uids(node):
@@ -277,6 +292,9 @@ def test_bad_option_is_refused_by_srun(node):
     r = c.run(["srun", "-N1", "-n1", "--salus=persistent=4M,ephemeral=1M,colour=red", "true"],
               timeout=30)
     assert r.returncode != 0 and "unknown key 'colour'" in r.stderr, r.stderr
+    r = c.run(["srun", "-N1", "-n1", "--salus=persistent=4M,ephemeral=1M,kind=both", "true"],
+              timeout=30)
+    assert r.returncode != 0 and "kind=both: attached or hosted" in r.stderr, r.stderr
 
 
 def test_need_that_fits_no_gpu_fails_the_step(node):
