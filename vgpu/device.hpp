@@ -212,6 +212,10 @@ class Device {
   }
   // Bytes of the arena with physical memory behind them.
   virtual Bytes backed_bytes() const { return info().arena_size; }
+  // Changes when the device has lost the backing it was last given (a restarted
+  // executor could not back it again): the caller gives it again before any op
+  // touches held memory. Thread-safe, cheap: read before every dispatch.
+  virtual std::uint64_t backing_epoch() const { return 0; }
 
   // Nothing lives in [offset, offset+length) any more. Afterwards the range reads
   // as zero, so memory never carries data from one owner to the next.

@@ -42,6 +42,14 @@ std::vector<arena::ByteRange> Broker::held_ranges(const Gpu& g) const {
 
 bool Broker::backing_ready(Gpu& g) {
   if (!g.device->info().backs_on_demand) return true;
+  if (const std::uint64_t epoch = g.device->backing_epoch(); epoch != g.backing_epoch) {
+    // The device lost what it was told (an executor restarted and could not back
+    // it again): nothing is backed until it is told again, whatever the layout.
+    spdlog::warn("gpu{}: the device lost the arena's backing; backing it again", g.index);
+    g.backing_epoch = epoch;
+    g.backed.clear();
+    g.backed_version = g.backing_failed_version = ~std::uint64_t{0};
+  }
   const std::uint64_t version = g.sched.arena().layout_version();
   if (version == g.backed_version) return true;
   if (version == g.backing_failed_version && now() - g.backing_tried < kBackingRetryNs)

@@ -79,6 +79,7 @@ struct Broker::Gpu {
   TimeNs backing_reported = 0;
   TimeNs backing_tried = 0;
   std::uint64_t backing_failed_version = ~std::uint64_t{0};
+  std::uint64_t backing_epoch = 0;  // the device's Device::backing_epoch() when told
   // Compaction moves whose destinations wait for memory, by session.
   std::vector<std::pair<SessionId, std::vector<arena::PersistentMove>>> unbacked_moves;
 

@@ -345,7 +345,9 @@ bool RemoteDevice::restore(Child& c, std::string& why) {
 }
 
 // The new executor's arena backs what the old one did. A failure is logged and
-// not fatal: the executor is up, and every session's memory was lost anyway.
+// not fatal: the executor is up, and every session's memory was lost anyway. The
+// broker sees the new backing_epoch and holds work that touches held memory
+// until it has backed it again (Broker::backing_ready).
 void RemoteDevice::restore_backing(Child& c, std::uint64_t& request) {
   std::vector<arena::ByteRange> held;
   {
@@ -364,6 +366,7 @@ void RemoteDevice::restore_backing(Child& c, std::uint64_t& request) {
       !await_reply(c.socket.get(), req, r, why) || r.status != 0) {
     spdlog::error("gpu {}: the new executor's arena is not backed where salusd holds memory: {}",
                   opts_.index, why.empty() ? r.why : why);
+    backing_epoch_.fetch_add(1);
     return;
   }
   if (r.param_sizes.size() == 1) backed_bytes_.store(Bytes{r.param_sizes[0]} << 20);

@@ -107,6 +107,7 @@ class RemoteDevice final : public Device {
   // Forwarded and waited for; kept, and sent again to a restarted executor.
   int set_backing(const std::vector<arena::ByteRange>& held, std::string& why) override;
   Bytes backed_bytes() const override;
+  std::uint64_t backing_epoch() const override { return backing_epoch_.load(); }
   int clear_lane_memory(int fd, Bytes size, std::string& why) override;
   void drop_lane_memory(int fd) override;
   void unmap_region(RegionId region) override;
@@ -301,6 +302,7 @@ class RemoteDevice final : public Device {
   std::mutex backing_mu_;  // guards backing_; taken alone
   std::vector<arena::ByteRange> backing_;
   std::atomic<Bytes> backed_bytes_{0};
+  std::atomic<std::uint64_t> backing_epoch_{0};  // bumped when a new executor could not back it
   RegionId next_region_ = 1;
   std::uint64_t next_ticket_ = 1;
   std::uint64_t next_request_ = 1;

@@ -86,6 +86,14 @@ class BackingDevice final : public Device {
     return backed_bytes_locked();
   }
 
+  std::uint64_t backing_epoch() const override { return epoch_.load(); }
+  // What a restarted executor that could not back the arena again looks like.
+  void lose_backing() {
+    std::lock_guard lk(mu_);
+    backed_.clear();
+    ++epoch_;
+  }
+
   void limit_room(Bytes room) {
     std::lock_guard lk(mu_);
     room_ = room;
@@ -119,6 +127,7 @@ class BackingDevice final : public Device {
   Bytes room_ = ~Bytes{0};
   int calls_ = 0;
   std::atomic<int> violations_{0};
+  std::atomic<std::uint64_t> epoch_{0};
 };
 
 const Caller kAlice{1000, 1000, 0, false};
@@ -188,6 +197,28 @@ TEST(BrokerBacking, ACardWithNoRoomFailsTheAllocationClearlyAndLosesNothing) {
   ASSERT_EQ(test::wait_session(*f.broker, id).first, 0);
   EXPECT_EQ(f.dev->violations(), 0);
   EXPECT_EQ(f.dev->backed_bytes(), Bytes{8} << 20);
+}
+
+// A restarted executor that could not back the arena again: the layout did not
+// change, but no op may touch held memory until the device is told again; while
+// the card has no room for it, work waits.
+TEST(BrokerBacking, WorkWaitsUntilADeviceThatLostItsBackingIsBackedAgain) {
+  Fixture f;
+  const auto id = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(id, "need persistent=32M ephemeral=0\nalloc a 4M\nfill a 9 dtype=u8\n").first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, id).first, 0);
+  const Bytes backed = f.dev->backed_bytes();
+  f.dev->lose_backing();
+  f.dev->limit_room(0);
+  ASSERT_EQ(f.run(id, "fill a 3 dtype=u8\n").first, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(f.dev->violations(), 0) << "an op ran on memory the device lost";
+  EXPECT_EQ(f.dev->backed_bytes(), 0u);
+  f.dev->limit_room(~Bytes{0});
+  ASSERT_EQ(test::wait_session(*f.broker, id).first, 0);
+  EXPECT_EQ(f.dev->violations(), 0);
+  EXPECT_EQ(f.dev->backed_bytes(), backed);
+  EXPECT_EQ(f.read(id, "a", 4)[0], 3);
 }
 
 TEST(BrokerBacking, ASwapInWithoutRoomOnTheCardWaitsSwappedAndKeepsEveryByte) {
