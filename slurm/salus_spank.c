@@ -72,8 +72,7 @@ static int salus_parse(const char* arg, char* need, size_t cap, int* have_kind, 
     if (strcmp(kv, "persistent") && strcmp(kv, "ephemeral") && strcmp(kv, "iters") &&
         strcmp(kv, "priority") && strcmp(kv, "gpu") && strcmp(kv, "kind")) {
       snprintf(why, why_cap,
-               "--salus: unknown key '%s' (persistent, ephemeral, iters, priority, gpu, kind)",
-               kv);
+               "--salus: unknown key '%s' (persistent, ephemeral, iters, priority, gpu, kind)", kv);
       return -1;
     }
     if (!strcmp(kv, "kind") && strcmp(v, "attached") && strcmp(v, "hosted")) {
