@@ -6,6 +6,7 @@
 #include <sys/timerfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -460,10 +461,18 @@ void Broker::gate_event(std::uint64_t key) {
 // admission counts for it: on the card, with its charge and the context reserve;
 // swapped out, with what it said stays there.
 void Broker::check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& telemetry) {
+  // NVML has one figure per process: a process attached to several sessions (a
+  // test harness, an odd program) cannot be held to any one of them.
+  std::vector<pid_t> pids;
+  for (SessionId id : attached_)
+    if (const Session* s = get(id); s && s->gate && !s->gate->exited) pids.push_back(s->gate->pid);
+  std::sort(pids.begin(), pids.end());
   for (SessionId id : attached_) {
     Session* s = get(id);
     if (!s || !s->gate || s->gate->exited) continue;
     if (s->gpu < 0 || static_cast<std::size_t>(s->gpu) >= telemetry.size()) continue;
+    const auto same = std::equal_range(pids.begin(), pids.end(), s->gate->pid);
+    if (same.second - same.first > 1) continue;
     Gpu* g = gpu_of(*s);
     if (!g) continue;
     const std::optional<Bytes> used = process_gpu_bytes(s->gate->pid, &telemetry[s->gpu]);
