@@ -548,6 +548,7 @@ def test_the_drivers_figure_for_an_attached_program_is_held_against_its_reserve(
         assert (f'salus_session_memory_gpu_bytes{{session="{s.id}",uid="0",'
                 f'pid="{os.getpid()}"}} {300 * M}\n') in metrics, metrics
         assert wait_until(lambda: "warning: the driver counts 300.0M" in s.read("log"), timeout=10)
+        assert gpu_memory(d)["context_measured"] == str(300 * M)
         time.sleep(1.2)
         assert s.read("log").count("warning: the driver counts") == 1, s.read("log")
     finally:

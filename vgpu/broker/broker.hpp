@@ -378,7 +378,7 @@ class Broker {
   // What the driver counts for each attached program beyond its charge, against
   // the context reserve (once a second, from the gate service).
   void check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& telemetry);
-  void check_context(Session& s, std::optional<Bytes> used);
+  void check_context(Gpu& g, Session& s, std::optional<Bytes> used);
   // A swapped-out program whose driver figure stays past what it said it leaves
   // on the card: the arena counts what the driver shows (broker_swap.cpp).
   void check_swapped_program(Gpu& g, Session& s, std::optional<Bytes> used);

@@ -480,7 +480,7 @@ void Broker::check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& te
       check_swapped_program(*g, *s, used);
     } else {
       s->gate->swapped_checks = s->gate->leftover_over = 0;
-      check_context(*s, used);
+      check_context(*g, *s, used);
     }
   }
 }
@@ -489,7 +489,7 @@ void Broker::check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& te
 // rest outside the shim take, which admission counts as the context reserve.
 // Past it, the card holds more than admission knows of; said once per session,
 // with the figure to set.
-void Broker::check_context(Session& s, std::optional<Bytes> used) {
+void Broker::check_context(Gpu& g, Session& s, std::optional<Bytes> used) {
   AttachedGate& gt = *s.gate;
   // NVML's sample is up to a second old: compare it with the larger charge of
   // this check and the last, so that memory freed since is not taken for context.
@@ -501,6 +501,7 @@ void Broker::check_context(Session& s, std::optional<Bytes> used) {
     return;
   }
   gt.context_seen = std::max<std::uint64_t>(gt.context_seen, *used - charged);
+  g.context_measured = std::max<Bytes>(g.context_measured, gt.context_seen);
   const Bytes reserve = context_of(s);  // as admitted (possibly cut)
   if (*used - charged <= reserve) {
     gt.context_over = 0;

@@ -80,6 +80,9 @@ struct Broker::Gpu {
   TimeNs backing_tried = 0;
   std::uint64_t backing_failed_version = ~std::uint64_t{0};
   std::uint64_t backing_epoch = 0;  // the device's Device::backing_epoch() when told
+  // The most any attached program's driver figure passed its charge here (its
+  // context, measured): what --attach-context-reserve should be at least.
+  Bytes context_measured = 0;
   // Compaction moves whose destinations wait for memory, by session.
   std::vector<std::pair<SessionId, std::vector<arena::PersistentMove>>> unbacked_moves;
 

@@ -302,7 +302,8 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       "persistent_bytes_moved: {}\nlane_moves: {}\n"
       "oversubscribe: {}\nadmit_capacity: {}\nresident: {}\nresident_reserved: {}\n"
       "swapped: {}\nhost_swapped: {}\n"
-      "spilled: {}\nbacking: {}\nbacked: {}\nbacking_wait: {}\ncontext_reserve: {}\n",
+      "spilled: {}\nbacking: {}\nbacked: {}\nbacking_wait: {}\ncontext_reserve: {}\n"
+      "context_measured: {}\n",
       m.capacity, m.persistent_used, m.persistent_reserved, m.lane_total, m.lanes, m.free,
       m.largest_hole, m.fragmentation, m.queued, st.persistent_bytes_moved, st.lane_moves,
       gpus_[gi]->sched.arena().options().oversubscribe, m.admit_capacity,
@@ -311,7 +312,7 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       gpus_[gi]->device->info().backs_on_demand ? "on-demand" : "up-front",
       gpus_[gi]->device->backed_bytes(),
       gpus_[gi]->backing_why.empty() ? std::string("-") : gpus_[gi]->backing_why,
-      config_.attach_context_reserve);
+      config_.attach_context_reserve, gpus_[gi]->context_measured);
 }
 
 std::string Broker::render_gpu_lanes(std::size_t gi) const {

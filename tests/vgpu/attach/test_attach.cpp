@@ -495,6 +495,10 @@ TEST(Attach, ADriverFigurePastTheReserveIsSaidOnce) {
     std::this_thread::sleep_for(20ms);
   EXPECT_EQ(warnings(), 1u) << b.render_log(id);
   EXPECT_NE(b.render_log(id).find("123.0M on gpu 0 for pid"), std::string::npos);
+  // The largest context measured on the GPU, for the operator to set the reserve.
+  EXPECT_NE(b.render_gpu_memory(0).find(fmt::format("\ncontext_measured: {}\n", 107u << 20)),
+            std::string::npos)
+      << b.render_gpu_memory(0);
   std::this_thread::sleep_for(1100ms);
   EXPECT_EQ(warnings(), 1u);  // once per session
   // Two sessions of one process (every Program here is this process): NVML's one
