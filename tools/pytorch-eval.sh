@@ -170,6 +170,9 @@ EOF
       "salus-run p50 $(jget "$d/$model-infer-salus.json" 'round(d["p50_ms"],3)') ms," \
       "$(jget "$d/$model-infer-salus.json" 'd["session"]["iterations_completed"]') iterations seen by salusd"
   done
+  # The largest context salusd measured (NVML less charge): --attach-context-reserve's value.
+  echo "largest context measured on gpu 0: $(sed -n 's/^context_measured: //p' "$work/mnt/gpus/0/memory") B" \
+    "(reserve $(sed -n 's/^context_reserve: //p' "$work/mnt/gpus/0/memory") B)"
 }
 
 part_throughput() {

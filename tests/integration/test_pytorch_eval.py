@@ -49,6 +49,8 @@ def test_dry_run_compat(tmp_path):
         assert f"{model}-eager-default: 6 steps, losses bit-identical; under salus-run: attached" \
             in text, text
         assert f"{model} inference_mode: native p50" in text, text
+    # The sim backend has no driver figure: nothing measured, and no reserve.
+    assert "largest context measured on gpu 0: 0 B (reserve 0 B)" in text, text
 
 
 def test_dry_run_oversub(tmp_path):
