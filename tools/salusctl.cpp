@@ -375,7 +375,7 @@ Table session_table(const std::vector<SessionView>& sessions, bool exact,
 // context, which admission covers with salusd's --attach-context-reserve).
 Table attached_table(const std::vector<SessionView>& sessions, bool exact) {
   Table t({"ID", "PID", "GPU", "BUDGET", "CHARGED", "PEAK", "GPU_MEM", "CONTEXT", "RESERVE",
-           "RESIDENCY", "GATE_WAITS", "GATE_WAIT_MS"});
+           "RESIDENCY", "ON_CARD", "GATE_WAITS", "GATE_WAIT_MS"});
   // NVML's figure, or "-" where there is none ("unavailable (why)" has spaces).
   auto figure = [&](const KeyValues& k, const char* key) {
     const std::string v = get(k, key);
@@ -388,7 +388,8 @@ Table attached_table(const std::vector<SessionView>& sessions, bool exact) {
            human_bytes(get(k, "memory_charged"), exact), human_bytes(get(k, "memory_peak"), exact),
            figure(k, "memory_gpu"), figure(k, "memory_context"),
            human_bytes(get(k, "memory_context_reserve"), exact), get(k, "residency"),
-           get(k, "gate_waits"), get(k, "gate_wait_ms")});
+           human_bytes(get(k, "memory_counted_on_card"), exact), get(k, "gate_waits"),
+           get(k, "gate_wait_ms")});
   }
   return t;
 }
