@@ -75,6 +75,7 @@ struct Settings {
   // Card memory counted per attached program for its CUDA context (auto: 512M on
   // cuda, 0 on sim, whose attached programs use another driver's memory).
   std::string attach_context_reserve = "auto";
+  std::string attach_overrun = "warn";
   // Past the host limit, swapped-out bytes spill to an unnamed (O_TMPFILE) file
   // here, written by salusd; empty: no spill file.
   std::string swap_dir = "/var/tmp";
@@ -187,6 +188,7 @@ bool load_config(const std::string& path, Settings& s, std::string& why) {
   s.swap_host_limit = t["swap_host_limit"].value_or(s.swap_host_limit);
   s.swap_dir = t["swap_dir"].value_or(s.swap_dir);
   s.attach_context_reserve = t["attach"]["context_reserve"].value_or(s.attach_context_reserve);
+  s.attach_overrun = t["attach"]["overrun"].value_or(s.attach_overrun);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.cuda_arena = t["cuda"]["arena"].value_or(s.cuda_arena);
@@ -272,6 +274,8 @@ bool validate(const Settings& s, std::string& why) {
   if (s.attach_context_reserve != "auto" && !salus::arena::parse_size(s.attach_context_reserve))
     return bad(fmt::format("attach_context_reserve '{}': expected a size, e.g. 512M, or auto",
                            s.attach_context_reserve));
+  if (s.attach_overrun != "warn" && s.attach_overrun != "kill")
+    return bad(fmt::format("attach_overrun '{}': expected warn or kill", s.attach_overrun));
   if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, sub_why))
     return bad(fmt::format("metrics_listen {}", sub_why));
   return true;
@@ -366,6 +370,9 @@ void add_flags(CLI::App& flags, Settings& s) {
   flags.add_option("--attach-context-reserve", s.attach_context_reserve,
                    "Card memory admission counts for each attached program's CUDA context, "
                    "e.g. 512M (auto: 512M on cuda, 0 on sim)");
+  flags.add_option("--attach-overrun", s.attach_overrun,
+                   "What salusd does with a program the driver shows holding more card memory "
+                   "than admission counts for it: warn (and count it), or kill (SIGKILL)");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -558,6 +565,7 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s, const std::string& ba
                                   ? *salus::arena::parse_size(s.attach_context_reserve)
                               : backend == "cuda" ? kCudaContextReserve
                                                   : 0;
+  bc.attach_overrun_kill = s.attach_overrun == "kill";
   return bc;
 }
 

@@ -597,8 +597,8 @@ def test_the_cuda_arena_is_backed_only_where_salusd_holds_memory(isolation):
         d.stop()
 
 
-@pytest.mark.parametrize("honest", [True, False])
-def test_a_swapped_program_is_held_to_the_drivers_figure(tmp_path, honest):
+@pytest.mark.parametrize("honest,overrun", [(True, "warn"), (False, "warn"), (False, "kill")])
+def test_a_swapped_program_is_held_to_the_drivers_figure(tmp_path, honest, overrun):
     """Swapped out, a program's driver figure (NVML) is held against what it said
     stays on the card. The mock NVML lists the program (250M charged) at 254M
     while it runs, its 4M context within the reserve. Once the planner has
@@ -606,7 +606,8 @@ def test_a_swapped_program_is_held_to_the_drivers_figure(tmp_path, honest):
     alone and nothing is said; one that still holds everything (its shim reported
     nothing unmovable) gets, after two checks past what was counted, what the
     driver shows counted on the card as far as the card has room, and its log
-    says so. The program finishes either way, every byte checked."""
+    says so. The program finishes either way, every byte checked; under
+    --attach-overrun kill the lying one is killed instead."""
     nvml = os.environ.get("SALUS_TEST_NVML_MOCK_DIR", "")
     if not nvml:
         pytest.skip("built without the mock NVML")
@@ -619,7 +620,8 @@ def test_a_swapped_program_is_held_to_the_drivers_figure(tmp_path, honest):
         tmp.write_text(f"{uuid}:{pid}:{nbytes}\n")
         os.rename(tmp, listing)
     d = start_on_mock_cuda(["--oversubscribe", "2", "--policy", "priority",
-                            "--attach-context-reserve", "4M"], [MOCK_DIR, nvml],
+                            "--attach-context-reserve", "4M", "--attach-overrun", overrun],
+                           [MOCK_DIR, nvml],
                            {"MOCK_NVML_DEVICES": uuid, "MOCK_NVML_PROCESSES_FILE": str(listing)})
     s = Session(d)
     go = tmp_path / "go"
@@ -644,6 +646,12 @@ def test_a_swapped_program_is_held_to_the_drivers_figure(tmp_path, honest):
             assert "swapped out, pid" not in s.read("log"), s.read("log")
             assert s.status()["memory_counted_on_card"] == str(4 * M)
             assert int(gpu_memory(d)["resident_reserved"]) == before
+        elif overrun == "kill":
+            assert p.wait(timeout=15) == -signal.SIGKILL
+            assert f"killed pid {p.pid} (--attach-overrun kill): the driver counts 254.0M" \
+                in d.daemon_log(), d.daemon_log()
+            assert "warning: swapped out" not in d.daemon_log()
+            return
         else:
             assert wait_until(lambda: "warning: swapped out, pid" in s.read("log"), timeout=10)
             log = s.read("log")
@@ -666,4 +674,66 @@ def test_a_swapped_program_is_held_to_the_drivers_figure(tmp_path, honest):
         if h:
             h.close()
         s.close()
+        d.stop()
+
+
+# A program that attaches its own gate to the session named by argv[1] and waits.
+GATE_PROGRAM = """
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+import salus_gate
+g = salus_gate.Gate()
+fd = os.open(sys.argv[1], os.O_WRONLY)
+os.write(fd, g.attach_line().encode())
+os.close(fd)
+print("attached", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("overrun", ["warn", "kill"])
+def test_a_program_past_what_admission_counts_is_warned_about_or_killed(tmp_path, overrun):
+    """--attach-overrun: a program (its own process) whose driver figure (the mock
+    NVML: 300M) stays past its charge (0) and context reserve (64M) is warned
+    about by default, and under `kill` SIGKILLed through its pidfd, its session
+    ending as at any exit, with the reason in salusd's log."""
+    nvml = os.environ.get("SALUS_TEST_NVML_MOCK_DIR", "")
+    if not nvml:
+        pytest.skip("built without the mock NVML")
+    M = 1 << 20
+    uuid = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf"
+    listing = tmp_path / "nvml"
+    d = start_on_mock_cuda(["--attach-context-reserve", "64M", "--attach-overrun", overrun],
+                           [MOCK_DIR, nvml],
+                           {"MOCK_NVML_DEVICES": uuid, "MOCK_NVML_PROCESSES_FILE": str(listing)})
+    s = Session(d)
+    prog = None
+    try:
+        s.cmd("need persistent=100M ephemeral=0 gpu=0\n")
+        client = os.path.join(HERE, "..", "..", "client")
+        prog = subprocess.Popen([sys.executable, "-c", GATE_PROGRAM, s.file("ctl"), client],
+                                stdout=subprocess.PIPE, text=True)
+        assert prog.stdout.readline().strip() == "attached"
+        tmp = tmp_path / "nvml.tmp"
+        tmp.write_text(f"{uuid}:{prog.pid}:{300 * M}\n")
+        os.rename(tmp, listing)
+        if overrun == "kill":
+            assert prog.wait(timeout=15) == -signal.SIGKILL
+            assert wait_until(lambda: "(--attach-overrun kill): the driver counts 300.0M on gpu 0"
+                              in d.daemon_log(), timeout=5), d.daemon_log()
+            assert f"killed pid {prog.pid}" in d.daemon_log()
+            assert wait_until(lambda: not os.path.exists(s.file("status")), timeout=5)
+        else:
+            assert wait_until(lambda: "warning: the driver counts 300.0M" in s.read("log"),
+                              timeout=10)
+            assert prog.poll() is None, "warn never kills"
+            assert "attach-overrun kill" not in d.daemon_log()
+    finally:
+        if prog and prog.poll() is None:
+            prog.kill()
+            prog.wait()
+        try:
+            s.close()
+        except OSError:
+            pass
         d.stop()

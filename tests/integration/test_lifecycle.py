@@ -85,7 +85,9 @@ def test_bad_config_values_are_refused(tmp_path):
     for text, word in [('policy = "lottery"\n', "lottery"), ('[sim]\ngpus = 0\n', "gpus"),
                        ('placement = "random"\n', "random"), ('log_level = "loud"\n', "loud"),
                        ('policy = \n', "config"),
-                       ('[attach]\ncontext_reserve = "lots"\n', "attach_context_reserve 'lots'")]:
+                       ('[attach]\ncontext_reserve = "lots"\n', "attach_context_reserve 'lots'"),
+                       ('[attach]\noverrun = "shout"\n',
+                        "attach_overrun 'shout': expected warn or kill")]:
         cfg = tmp_path / "bad.toml"
         cfg.write_text(text)
         out = subprocess.run([SALUSD, "--config", str(cfg), "--mount", str(tmp_path)],

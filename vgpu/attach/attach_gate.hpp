@@ -82,6 +82,7 @@ struct AttachedGate {
   std::uint32_t leftover_over = 0;
   std::uint64_t leftover_floor = 0;
   bool leftover_warned = false;
+  bool overrun_killed = false;  // SIGKILL sent (--attach-overrun kill); its exit ends it
 
   // Swap (issue 15): salusd's last request and what it saw of the answer.
   std::uint32_t swap_seq = 0;                        // the last swap_seq written

@@ -82,6 +82,12 @@ struct BrokerConfig {
   // need (as unswappable: it stays on the card while the program's memory is
   // swapped out). salusd: 512 MiB on the cuda backend, 0 on sim.
   Bytes attach_context_reserve = 0;
+  // A program whose driver figure (NVML) stays past what admission counts for it
+  // (its charge and context reserve on the card; swapped out, what it said stays)
+  // is SIGKILLed rather than only warned about or counted: for hosts where
+  // programs that take memory around the shim must not run (salusd
+  // --attach-overrun kill).
+  bool attach_overrun_kill = false;
   // Threads that open, read and write what callers name (see caller_io.hpp).
   CallerIo::Options caller_io;
   // Per GPU, the MPS control daemon salusd runs for it (--mps), or null; owned
@@ -382,6 +388,9 @@ class Broker {
   // A swapped-out program whose driver figure stays past what it said it leaves
   // on the card: the arena counts what the driver shows (broker_swap.cpp).
   void check_swapped_program(Gpu& g, Session& s, std::optional<Bytes> used);
+  // Under --attach-overrun kill: SIGKILLs the program when `used` is past
+  // `counted` and the slack, and says why; true if it did.
+  bool kill_overrun(Session& s, Bytes used, Bytes counted);
   std::string context_reserve_note(const Session& s) const;
   static bool will_attach(const Session& s);
 

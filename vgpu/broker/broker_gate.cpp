@@ -507,7 +507,8 @@ void Broker::check_context(Gpu& g, Session& s, std::optional<Bytes> used) {
     gt.context_over = 0;
     return;
   }
-  if (++gt.context_over < 2 || gt.context_warned) return;
+  if (++gt.context_over < 2) return;
+  if (kill_overrun(s, *used, charged + reserve) || gt.context_warned) return;
   gt.context_warned = true;
   const std::string text = fmt::format(
       "warning: the driver counts {} on gpu {} for pid {}, {} more than its charged {}: "

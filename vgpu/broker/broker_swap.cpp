@@ -4,11 +4,15 @@
 // move theirs through the gate. The copies run on a per-GPU swap stream, like
 // compaction's moves, and are started and finished by the GPU's worker, never on a
 // FUSE thread. Device memory is freed only once its copy is safe on the host.
-#include <fmt/format.h>
-#include <spdlog/spdlog.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstring>
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include "vgpu/broker/broker.hpp"
 #include "vgpu/broker/broker_gpu.hpp"
@@ -101,6 +105,7 @@ void Broker::check_swapped_program(Gpu& g, Session& s, std::optional<Bytes> used
     return;
   }
   if (++gt.leftover_over < 2) return;
+  if (kill_overrun(s, *used, counted)) return;
   const Bytes shown = *used - context_beyond;
   gt.leftover_floor = std::max<Bytes>(gt.leftover_floor, shown);
   const Bytes now_counted = ar.raise_unswappable(s.id, shown);
@@ -119,6 +124,24 @@ void Broker::check_swapped_program(Gpu& g, Session& s, std::optional<Bytes> used
         arena::format_size(shown - now_counted), s.gpu);
   log(s, text);
   spdlog::warn("session {}: {}", s.id, text);
+}
+
+// The program's pidfd names it however its pid is reused; the exit it causes
+// ends the session as any exit does (gate_event).
+bool Broker::kill_overrun(Session& s, Bytes used, Bytes counted) {
+  AttachedGate& gt = *s.gate;
+  if (!config_.attach_overrun_kill || used <= counted + kLeftoverSlack) return false;
+  if (gt.overrun_killed) return true;
+  gt.overrun_killed = true;
+  const bool sent = ::syscall(SYS_pidfd_send_signal, gt.pidfd.get(), SIGKILL, nullptr, 0) == 0;
+  const std::string text = fmt::format(
+      "{} pid {} (--attach-overrun kill): the driver counts {} on gpu {} for it, past the {} "
+      "admission counts for it{}",
+      sent ? "killed" : "could not kill", gt.pid, arena::format_size(used), s.gpu,
+      arena::format_size(counted), sent ? "" : fmt::format(": {}", std::strerror(errno)));
+  log(s, text);
+  spdlog::warn("session {}: {}", s.id, text);
+  return true;
 }
 
 // Prefetch of an attached session before its grant: room is taken in the arena
