@@ -334,6 +334,9 @@ for p in sys.argv[1:]:
     print("  %s: %s steps, swaps out %s / in %s, swap %s ms, gpu %s ms" % (
         g("name"), r.get("steps"), g("swaps_out"), g("swaps_in"), g("swap_ms"), g("gpu_time_ms")))
 ' "$d"/over-*.json
+  # Honest programs give none: each would mean the driver showed a swapped-out
+  # PyTorch job holding more than its context and reported part (+16 MiB).
+  echo "  driver-figure warnings for swapped-out jobs: $(grep -c "warning: swapped out" "$work/salusd.log")"
   if [ $dry = 1 ]; then
     echo "unified memory, no gate: skipped (needs a GPU and torch >= 2.0)"
     return 0

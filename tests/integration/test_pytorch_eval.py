@@ -63,6 +63,7 @@ def test_dry_run_oversub(tmp_path):
     assert "both at once under salusd --oversubscribe 2" in text, text
     for name in ("over0", "over1"):
         assert f"  {name}: 4 steps, swaps out" in text, text
+    assert "  driver-figure warnings for swapped-out jobs: 0\n" in text, text
     assert "unified memory, no gate: skipped" in text, text
 
 
