@@ -970,6 +970,16 @@ std::string Broker::host_queue_position(SessionId id) const {
   return fmt::format("{} of {}", at, host_queue_.size());
 }
 
+// What to do about an iteration's ephemeral memory that its lane cannot hold. A
+// session declared kind=attached (e.g. by the Slurm plugin where the shim is
+// installed) has a lane without ephemeral memory: a program's is its own.
+std::string Broker::ephemeral_hint(const Session& s) {
+  if (will_attach(s) && !s.gate)
+    return "the session's need says kind=attached, whose ephemeral memory is the program's own "
+           "(its lane holds none); for iterations written to ctl, declare `need ... kind=hosted`";
+  return "raise it with `need ... ephemeral=`";
+}
+
 int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& suspend) {
   auto fail = [&](int err, std::string msg) {
     log(s, fmt::format("line {}: alloc {}: {}", ln, c.name, msg));
@@ -988,8 +998,8 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& su
       s.recording.reset();
       return fail(ENOMEM, fmt::format("the iteration needs {} bytes of ephemeral memory but its "
                                       "lane holds {} (declared ephemeral={}); the iteration is "
-                                      "discarded — raise it with `need ... ephemeral=`",
-                                      off + size, lane_size, s.need.ephemeral));
+                                      "discarded — {}",
+                                      off + size, lane_size, s.need.ephemeral, ephemeral_hint(s)));
     }
     r.ephemeral[c.name] = {off, size};
     r.iter->ephemeral_bytes = off + size;
@@ -1223,8 +1233,8 @@ int Broker::submit_iteration(Session& s, std::shared_ptr<const Iteration> iter,
   const Bytes lane_size = g.sched.arena().lane_size(*s.lane);
   if (iter->ephemeral_bytes > lane_size) {
     log(s, fmt::format("line {}: the iteration needs {} bytes of ephemeral memory but its lane "
-                       "holds {}; raise it with `need ... ephemeral=`",
-                       ln, iter->ephemeral_bytes, lane_size));
+                       "holds {}; {}",
+                       ln, iter->ephemeral_bytes, lane_size, ephemeral_hint(s)));
     return ENOMEM;
   }
   UidUsage& u = usage_[s.uid];

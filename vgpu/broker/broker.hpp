@@ -393,6 +393,7 @@ class Broker {
   bool kill_overrun(Session& s, Bytes used, Bytes counted);
   std::string context_reserve_note(const Session& s) const;
   static bool will_attach(const Session& s);
+  static std::string ephemeral_hint(const Session& s);
 
   // Oversubscription (broker_swap.cpp). Swaps happen between a session's
   // iterations, on the GPU's swap stream; the residency planner decides whom.

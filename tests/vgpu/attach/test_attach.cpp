@@ -532,6 +532,20 @@ TEST(Attach, ADriverFigurePastTheReserveIsSaidOnce) {
       << b.render_log(ir);
 }
 
+// A session declared kind=attached has no ephemeral memory in its lane: hosted
+// iterations that need some are refused with what to declare instead.
+TEST(Attach, HostedWorkInASessionDeclaredAttachedSaysWhatToDeclare) {
+  auto b = make_broker();
+  const auto id = static_cast<SessionId>(b->create_session(me(), ""));
+  ASSERT_EQ(run(*b, id, "need persistent=8M ephemeral=4M kind=attached\n").first, 0);
+  EXPECT_EQ(run(*b, id, "begin\nalloc t 1M\n").first, ENOMEM);
+  EXPECT_NE(b->render_log(id).find("declare `need ... kind=hosted`"), std::string::npos)
+      << b->render_log(id);
+  ASSERT_EQ(run(*b, id, "need persistent=8M ephemeral=4M kind=hosted\n").first, 0);
+  EXPECT_EQ(run(*b, id, "begin\nalloc t 1M\nfill t 1 dtype=u8\nend\n").first, 0)
+      << b->render_log(id);
+}
+
 TEST(Attach, AttachingAgainContinuesTheNumbering) {
   auto b = make_broker();
   Program p;
