@@ -508,7 +508,10 @@ void Broker::check_context(Gpu& g, Session& s, std::optional<Bytes> used) {
     return;
   }
   if (++gt.context_over < 2) return;
-  if (kill_overrun(s, *used, charged + reserve) || gt.context_warned) return;
+  // A kill must not rest on a sample taken between an allocation and its free:
+  // the program's highest charge ever bounds what the shim let it hold.
+  const std::uint64_t peak = std::max(charged, gate_load(gt.g().peak_bytes));
+  if (kill_overrun(s, *used, peak + reserve) || gt.context_warned) return;
   gt.context_warned = true;
   const std::string text = fmt::format(
       "warning: the driver counts {} on gpu {} for pid {}, {} more than its charged {}: "
