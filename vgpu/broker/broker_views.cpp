@@ -642,6 +642,13 @@ std::string Broker::render_metrics() const {
   auto seconds = [](TimeNs ns) { return fmt::format("{:.9f}", static_cast<double>(ns) / 1e9); };
 
   memory_families(m, gpus_);
+  m.per_gpu_by(gpus_, "salus_gpu_attach_context_bytes", "gauge",
+               "Attached programs' CUDA contexts: the reserve admission counts for each, and the "
+               "largest measured (the driver's figure less the charge).",
+               "kind", [&](const Gpu& g) {
+                 return Labelled{{"reserve", str(config_.attach_context_reserve)},
+                                 {"measured", str(g.context_measured)}};
+               });
   m.per_gpu(gpus_, "salus_gpu_lanes", "gauge", "Lanes open on the GPU.",
             [&](const Gpu& g) { return str(g.sched.arena().memory().lanes); });
   m.per_gpu(gpus_, "salus_gpu_busy_seconds_total", "counter",

@@ -499,6 +499,13 @@ TEST(Attach, ADriverFigurePastTheReserveIsSaidOnce) {
   EXPECT_NE(b.render_gpu_memory(0).find(fmt::format("\ncontext_measured: {}\n", 107u << 20)),
             std::string::npos)
       << b.render_gpu_memory(0);
+  EXPECT_NE(b.render_metrics().find(fmt::format(
+                "salus_gpu_attach_context_bytes{{gpu=\"0\",kind=\"measured\"}} {}\n", 107u << 20)),
+            std::string::npos)
+      << b.render_metrics();
+  EXPECT_NE(b.render_metrics().find(fmt::format(
+                "salus_gpu_attach_context_bytes{{gpu=\"0\",kind=\"reserve\"}} {}\n", 100u << 20)),
+            std::string::npos);
   std::this_thread::sleep_for(1100ms);
   EXPECT_EQ(warnings(), 1u);  // once per session
   // Two sessions of one process (every Program here is this process): NVML's one
