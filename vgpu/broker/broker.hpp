@@ -388,7 +388,7 @@ class Broker {
   // A swapped-out program whose driver figure stays past what it said it leaves
   // on the card: the arena counts what the driver shows (broker_swap.cpp).
   void check_swapped_program(Gpu& g, Session& s, std::optional<Bytes> used);
-  // Under --attach-overrun kill: SIGKILLs the program when `used` is past
+  // Under --attach-overrun kill (broker_gate.cpp): SIGKILLs the program when `used` is past
   // `counted` and the slack, and says why; true if it did.
   bool kill_overrun(Session& s, Bytes used, Bytes counted);
   std::string context_reserve_note(const Session& s) const;

@@ -3,11 +3,13 @@
 // and swap requests to the program (issue 15).
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -522,6 +524,24 @@ void Broker::check_context(Gpu& g, Session& s, std::optional<Bytes> used) {
       arena::format_size(charged), arena::format_size(reserve));
   log(s, text);
   spdlog::warn("session {}: {}", s.id, text);
+}
+
+// The program's pidfd names it however its pid is reused; the exit it causes
+// ends the session as any exit does (gate_event).
+bool Broker::kill_overrun(Session& s, Bytes used, Bytes counted) {
+  AttachedGate& gt = *s.gate;
+  if (!config_.attach_overrun_kill || used <= counted + kDriverFigureSlack) return false;
+  if (gt.overrun_killed) return true;
+  gt.overrun_killed = true;
+  const bool sent = ::syscall(SYS_pidfd_send_signal, gt.pidfd.get(), SIGKILL, nullptr, 0) == 0;
+  const std::string text = fmt::format(
+      "{} pid {} (--attach-overrun kill): the driver counts {} on gpu {} for it, past the {} "
+      "admission counts for it{}",
+      sent ? "killed" : "could not kill", gt.pid, arena::format_size(used), s.gpu,
+      arena::format_size(counted), sent ? "" : fmt::format(": {}", std::strerror(errno)));
+  log(s, text);
+  spdlog::warn("session {}: {}", s.id, text);
+  return true;
 }
 
 void Broker::gate_tick() {

@@ -18,6 +18,11 @@
 
 namespace salus::vgpu {
 
+// The driver's figure (NVML) for a program rounds each allocation to its pages
+// and grows the context as modules load: differences below this are not taken
+// for memory held past what admission counts (broker_gate.cpp, broker_swap.cpp).
+inline constexpr Bytes kDriverFigureSlack = Bytes{16} << 20;
+
 // Runs the replies and releases collected under the broker's lock, after it is
 // dropped, and empties the list. Nothing they throw escapes into a FUSE callback.
 void run_deferred(std::vector<std::function<void()>>& later);

@@ -4,15 +4,11 @@
 // move theirs through the gate. The copies run on a per-GPU swap stream, like
 // compaction's moves, and are started and finished by the GPU's worker, never on a
 // FUSE thread. Device memory is freed only once its copy is safe on the host.
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <csignal>
-#include <cstring>
-
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include "vgpu/broker/broker.hpp"
 #include "vgpu/broker/broker_gpu.hpp"
@@ -79,12 +75,6 @@ void Broker::learn_unswappable(Gpu& g, Session& s) {
   g.sched.arena().set_unswappable(s.id, std::max<Bytes>(said, s.gate->leftover_floor));
 }
 
-namespace {
-// The driver's figure rounds each allocation to its pages and grows the context
-// as modules load: differences below this are not taken for memory kept back.
-constexpr Bytes kLeftoverSlack = Bytes{16} << 20;
-}  // namespace
-
 // The shim's report of what it cannot move is the program's word (a hostile or
 // buggy one may keep memory on the card while others are let into its room). Once
 // it has been out for a whole check (NVML's sample may predate the swap-out), the
@@ -100,7 +90,7 @@ void Broker::check_swapped_program(Gpu& g, Session& s, std::optional<Bytes> used
   const Bytes counted = ar.on_card_bytes(s.id);
   const Bytes reserve = context_of(s);
   const Bytes context_beyond = gt.context_seen > reserve ? gt.context_seen - reserve : 0;
-  if (*used <= counted + context_beyond + kLeftoverSlack) {
+  if (*used <= counted + context_beyond + kDriverFigureSlack) {
     gt.leftover_over = 0;
     return;
   }
@@ -124,24 +114,6 @@ void Broker::check_swapped_program(Gpu& g, Session& s, std::optional<Bytes> used
         arena::format_size(shown - now_counted), s.gpu);
   log(s, text);
   spdlog::warn("session {}: {}", s.id, text);
-}
-
-// The program's pidfd names it however its pid is reused; the exit it causes
-// ends the session as any exit does (gate_event).
-bool Broker::kill_overrun(Session& s, Bytes used, Bytes counted) {
-  AttachedGate& gt = *s.gate;
-  if (!config_.attach_overrun_kill || used <= counted + kLeftoverSlack) return false;
-  if (gt.overrun_killed) return true;
-  gt.overrun_killed = true;
-  const bool sent = ::syscall(SYS_pidfd_send_signal, gt.pidfd.get(), SIGKILL, nullptr, 0) == 0;
-  const std::string text = fmt::format(
-      "{} pid {} (--attach-overrun kill): the driver counts {} on gpu {} for it, past the {} "
-      "admission counts for it{}",
-      sent ? "killed" : "could not kill", gt.pid, arena::format_size(used), s.gpu,
-      arena::format_size(counted), sent ? "" : fmt::format(": {}", std::strerror(errno)));
-  log(s, text);
-  spdlog::warn("session {}: {}", s.id, text);
-  return true;
 }
 
 // Prefetch of an attached session before its grant: room is taken in the arena
