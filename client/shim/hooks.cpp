@@ -55,6 +55,7 @@ Shard& shard_of(CUdeviceptr p) {
 // VMM: physical handles and where they are mapped.
 struct Handle {
   std::uint64_t bytes = 0;  // charged (0 for host-located handles)
+  int refs = 1;             // cuMemCreate, cuMemRetainAllocationHandle; cuMemRelease drops one
   int maps = 0;
   bool released = false;
 };
@@ -355,7 +356,9 @@ extern "C" SALUS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* h, st
   const bool on_device = prop != nullptr && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
   const std::uint64_t bytes = on_device ? n : 0;
   if (bytes > 0 && !charge(bytes, "cuMemCreate")) return CUDA_ERROR_OUT_OF_MEMORY;
-  const CUresult r = f(h, n, prop, flags);
+  // Movable (SALUS_SWAP=1): the program gets a handle of the shim's.
+  const CUresult r =
+      program_handle_wanted(prop, flags) ? program_handle_create(h, n, prop) : f(h, n, prop, flags);
   if (r != CUDA_SUCCESS || h == nullptr) {
     refund(bytes);
     return r;
@@ -367,16 +370,21 @@ extern "C" SALUS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* h, st
 }
 
 extern "C" SALUS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
-  auto f = real<PFN_cuMemRelease_v10020>(kMemRelease);
-  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
-  const CUresult r = f(h);
+  CUresult r;
+  if (is_program_handle(h)) {
+    r = program_handle_release(h);
+  } else {
+    auto f = real<PFN_cuMemRelease_v10020>(kMemRelease);
+    if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+    r = f(h);
+  }
   if (r != CUDA_SUCCESS) return r;
   std::uint64_t n = 0;
   {
     Vmm& v = vmm();
     std::lock_guard lk(v.mu);
     auto it = v.handles.find(h);
-    if (it != v.handles.end()) {
+    if (it != v.handles.end() && --it->second.refs == 0) {
       it->second.released = true;
       if (it->second.maps == 0) {
         n = it->second.bytes;
@@ -388,12 +396,34 @@ extern "C" SALUS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
   return r;
 }
 
+// Another reference to the handle mapped at addr: the charge stays until the
+// last one is released.
+extern "C" SALUS_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle* h,
+                                                             void* addr) {
+  CUresult r = CUDA_SUCCESS;
+  if (!program_handle_retain(h, addr)) {
+    auto f = real<PFN_cuMemRetainAllocationHandle_v11000>(kMemRetainAllocationHandle);
+    if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+    r = f(h, addr);
+  }
+  if (r != CUDA_SUCCESS || h == nullptr) return r;
+  Vmm& v = vmm();
+  std::lock_guard lk(v.mu);
+  if (auto it = v.handles.find(*h); it != v.handles.end()) ++it->second.refs;
+  return r;
+}
+
 extern "C" SALUS_EXPORT CUresult cuMemMap(CUdeviceptr p, std::size_t n, std::size_t off,
                                           CUmemGenericAllocationHandle h,
                                           unsigned long long flags) {
-  auto f = real<PFN_cuMemMap_v10020>(kMemMap);
-  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
-  const CUresult r = f(p, n, off, h, flags);
+  CUresult r;
+  if (is_program_handle(h)) {
+    r = program_handle_map(p, n, off, h, flags);
+  } else {
+    auto f = real<PFN_cuMemMap_v10020>(kMemMap);
+    if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+    r = f(p, n, off, h, flags);
+  }
   if (r != CUDA_SUCCESS) return r;
   Vmm& v = vmm();
   std::lock_guard lk(v.mu);
@@ -406,9 +436,12 @@ extern "C" SALUS_EXPORT CUresult cuMemMap(CUdeviceptr p, std::size_t n, std::siz
 }
 
 extern "C" SALUS_EXPORT CUresult cuMemUnmap(CUdeviceptr p, std::size_t n) {
-  auto f = real<PFN_cuMemUnmap_v10020>(kMemUnmap);
-  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
-  const CUresult r = f(p, n);
+  CUresult r;
+  if (!program_handles_unmap(p, n, &r)) {
+    auto f = real<PFN_cuMemUnmap_v10020>(kMemUnmap);
+    if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+    r = f(p, n);
+  }
   if (r != CUDA_SUCCESS) return r;
   std::uint64_t refunded = 0;
   {
@@ -421,6 +454,66 @@ extern "C" SALUS_EXPORT CUresult cuMemUnmap(CUdeviceptr p, std::size_t n) {
   }
   refund(refunded);
   return r;
+}
+
+extern "C" SALUS_EXPORT CUresult cuMemSetAccess(CUdeviceptr p, std::size_t n,
+                                                const CUmemAccessDesc* desc, std::size_t count) {
+  if (CUresult r; program_handles_set_access(p, n, desc, count, &r)) return r;
+  auto f = real<PFN_cuMemSetAccess_v10020>(kMemSetAccess);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  return f(p, n, desc, count);
+}
+
+extern "C" SALUS_EXPORT CUresult
+cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CUmemGenericAllocationHandle h) {
+  if (is_program_handle(h)) return program_handle_properties(prop, h);
+  auto f = real<PFN_cuMemGetAllocationPropertiesFromHandle_v10020>(
+      kMemGetAllocationPropertiesFromHandle);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  return f(prop, h);
+}
+
+// Sharing memory with the world (another process, a multicast team, a dma-buf
+// importer) pins a program handle on the GPU: the shim cannot move what others map.
+extern "C" SALUS_EXPORT CUresult cuMemExportToShareableHandle(void* out,
+                                                              CUmemGenericAllocationHandle h,
+                                                              CUmemAllocationHandleType type,
+                                                              unsigned long long flags) {
+  auto f = real<PFN_cuMemExportToShareableHandle_v10020>(kMemExportToShareableHandle);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  if (is_program_handle(h))
+    if (CUresult r = program_handle_pin(h, &h); r != CUDA_SUCCESS) return r;
+  return f(out, h, type, flags);
+}
+
+extern "C" SALUS_EXPORT CUresult cuMemGetHandleForAddressRange(void* out, CUdeviceptr p,
+                                                               std::size_t n,
+                                                               CUmemRangeHandleType type,
+                                                               unsigned long long flags) {
+  auto f = real<PFN_cuMemGetHandleForAddressRange_v11070>(kMemGetHandleForAddressRange);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  program_handles_pin_range(p, n);
+  return f(out, p, n, type, flags);
+}
+
+extern "C" SALUS_EXPORT CUresult cuMulticastBindMem(CUmemGenericAllocationHandle mc,
+                                                    std::size_t mc_off,
+                                                    CUmemGenericAllocationHandle h, std::size_t off,
+                                                    std::size_t n, unsigned long long flags) {
+  auto f = real<PFN_cuMulticastBindMem_v12010>(kMulticastBindMem);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  if (is_program_handle(h))
+    if (CUresult r = program_handle_pin(h, &h); r != CUDA_SUCCESS) return r;
+  return f(mc, mc_off, h, off, n, flags);
+}
+
+extern "C" SALUS_EXPORT CUresult cuMulticastBindAddr(CUmemGenericAllocationHandle mc,
+                                                     std::size_t mc_off, CUdeviceptr p,
+                                                     std::size_t n, unsigned long long flags) {
+  auto f = real<PFN_cuMulticastBindAddr_v12010>(kMulticastBindAddr);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  program_handles_pin_range(p, n);
+  return f(mc, mc_off, p, n, flags);
 }
 
 extern "C" SALUS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr*, std::size_t n, unsigned) {
@@ -511,11 +604,20 @@ const HookEntry kHooks[] = {
     ONE("cuMemAllocManaged", 6000, kMemAllocManaged, cuMemAllocManaged),
     ONE("cuMemAllocPitch", 3020, kMemAllocPitch, cuMemAllocPitch_v2),
     ONE("cuMemCreate", 10020, kMemCreate, cuMemCreate),
+    ONE("cuMemExportToShareableHandle", 10020, kMemExportToShareableHandle,
+        cuMemExportToShareableHandle),
     ONE("cuMemFree", 3020, kMemFree, cuMemFree_v2),
     TWO("cuMemFreeAsync", 11020, kMemFreeAsync, cuMemFreeAsync),
+    ONE("cuMemGetAllocationPropertiesFromHandle", 10020, kMemGetAllocationPropertiesFromHandle,
+        cuMemGetAllocationPropertiesFromHandle),
+    ONE("cuMemGetHandleForAddressRange", 11070, kMemGetHandleForAddressRange,
+        cuMemGetHandleForAddressRange),
     ONE("cuMemGetInfo", 3020, kMemGetInfo, cuMemGetInfo_v2),
     ONE("cuMemMap", 10020, kMemMap, cuMemMap),
     ONE("cuMemRelease", 10020, kMemRelease, cuMemRelease),
+    ONE("cuMemRetainAllocationHandle", 11000, kMemRetainAllocationHandle,
+        cuMemRetainAllocationHandle),
+    ONE("cuMemSetAccess", 10020, kMemSetAccess, cuMemSetAccess),
     ONE("cuMemUnmap", 10020, kMemUnmap, cuMemUnmap),
     TWO("cuMemcpyAsync", 4000, kMemcpyAsync, cuMemcpyAsync),
     TWO("cuMemcpyDtoDAsync", 3020, kMemcpyDtoDAsync, cuMemcpyDtoDAsync_v2),
@@ -523,6 +625,8 @@ const HookEntry kHooks[] = {
     TWO("cuMemcpyHtoDAsync", 3020, kMemcpyHtoDAsync, cuMemcpyHtoDAsync_v2),
     TWO("cuMemsetD32Async", 3020, kMemsetD32Async, cuMemsetD32Async),
     TWO("cuMemsetD8Async", 3020, kMemsetD8Async, cuMemsetD8Async),
+    ONE("cuMulticastBindAddr", 12010, kMulticastBindAddr, cuMulticastBindAddr),
+    ONE("cuMulticastBindMem", 12010, kMulticastBindMem, cuMulticastBindMem),
 };
 #undef H
 #undef ONE

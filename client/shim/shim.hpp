@@ -5,7 +5,8 @@
 //                    session's budget, and the launch counter with its yield check
 //   gate_client.cpp  the gate of client/salus_gate.h: attach, iteration boundaries,
 //                    completion of iterations on the GPU, re-attach
-//   swap.cpp         movable memory (SALUS_SWAP=1): swapped out and in at boundaries
+//   swap.cpp         movable memory (SALUS_SWAP=1): swapped out and in at boundaries;
+//                    program_handles.cpp: the program's own cuMemCreate handles, movable too
 //   lane.cpp         the shared lane (SALUS_SHARED_LANE): its memory and allocator;
 //                    lane_promotion.cpp: blocks that outlive an iteration, promoted
 // The shim depends on nothing of salusd's: it is loaded into arbitrary programs.
@@ -38,6 +39,13 @@ enum Fn : int {
   kMemRelease,
   kMemMap,
   kMemUnmap,
+  kMemSetAccess,
+  kMemRetainAllocationHandle,
+  kMemGetAllocationPropertiesFromHandle,
+  kMemExportToShareableHandle,
+  kMemGetHandleForAddressRange,
+  kMulticastBindMem,
+  kMulticastBindAddr,
   kMemAllocManaged,
   kLaunchKernel,
   kLaunchKernelEx,
@@ -149,6 +157,40 @@ void serve_swap(salus_gate* g, bool running);
 // Before the program runs: brings swapped memory back. False if it could not
 // (device memory not free yet; the result and a note are in the gate).
 bool ensure_resident(salus_gate* g);
+
+// ---- program_handles.cpp: the program's own physical allocations (SALUS_SWAP=1) ----
+// A cuMemCreate of plain device memory gives the program a handle of the
+// shim's standing for the driver's (which a swap releases and makes again at
+// the same addresses); every entry point that takes or returns a handle
+// translates it. The tag is in bits no driver handle uses; a tagged value the
+// shim does not know is answered as the driver answers an unknown handle.
+constexpr CUmemGenericAllocationHandle kProgramHandleTag = 0x5a15000000000000ULL;
+inline bool is_program_handle(CUmemGenericAllocationHandle h) {
+  return (h & 0xffff000000000000ULL) == kProgramHandleTag;
+}
+// Whether a cuMemCreate of `prop` gets a handle of the shim's: SALUS_SWAP=1,
+// pinned device memory, no special usage (tile pools stay the driver's).
+bool program_handle_wanted(const CUmemAllocationProp* prop, unsigned long long flags);
+CUresult program_handle_create(CUmemGenericAllocationHandle* h, std::size_t n,
+                               const CUmemAllocationProp* prop);
+CUresult program_handle_release(CUmemGenericAllocationHandle h);
+CUresult program_handle_map(CUdeviceptr p, std::size_t n, std::size_t off,
+                            CUmemGenericAllocationHandle h, unsigned long long flags);
+// cuMemUnmap / cuMemSetAccess of a range holding mappings of the program's
+// handles: true with the answer in *r; false: none there, the caller passes
+// the call on to the driver.
+bool program_handles_unmap(CUdeviceptr p, std::size_t n, CUresult* r);
+bool program_handles_set_access(CUdeviceptr p, std::size_t n, const CUmemAccessDesc* desc,
+                                std::size_t count, CUresult* r);
+// cuMemRetainAllocationHandle of an address a program handle is mapped at:
+// true with *h set (one more reference); false: not one of them.
+bool program_handle_retain(CUmemGenericAllocationHandle* h, void* addr);
+CUresult program_handle_properties(CUmemAllocationProp* prop, CUmemGenericAllocationHandle h);
+// The driver's handle behind h, which is being shared with the world
+// (exported, bound to a multicast object): it stays on the GPU from now on.
+// CUDA_ERROR_NOT_PERMITTED while it is swapped out (with a note).
+CUresult program_handle_pin(CUmemGenericAllocationHandle h, CUmemGenericAllocationHandle* real);
+void program_handles_pin_range(CUdeviceptr p, std::size_t n);  // a dma-buf, a multicast bind
 
 // ---- lane.cpp: the shared lane (SALUS_SHARED_LANE=1 or alloc) ----
 

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "client/shim/shim.hpp"
+#include "client/shim/swap_state.hpp"
 
 namespace salus::shim {
 
@@ -39,44 +39,11 @@ CUmemAllocationProp device_prop(CUdevice dev) {
   return prop;
 }
 
-namespace {
+namespace swap_detail {
 
-using Clock = std::chrono::steady_clock;
-
-// The VMM and copy entry points, the real driver's (never the hooks: the
-// shim's own memory is charged once, by the allocation hook that asked).
-struct Vmm {
-  bool ok = false;
-  CUresult (*reserve)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr,
-                      unsigned long long) = nullptr;
-  CUresult (*addr_free)(CUdeviceptr, std::size_t) = nullptr;
-  CUresult (*create)(CUmemGenericAllocationHandle*, std::size_t, const CUmemAllocationProp*,
-                     unsigned long long) = nullptr;
-  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*map)(CUdeviceptr, std::size_t, std::size_t, CUmemGenericAllocationHandle,
-                  unsigned long long) = nullptr;
-  CUresult (*unmap)(CUdeviceptr, std::size_t) = nullptr;
-  CUresult (*set_access)(CUdeviceptr, std::size_t, const CUmemAccessDesc*, std::size_t) = nullptr;
-  CUresult (*granularity)(std::size_t*, const CUmemAllocationProp*,
-                          CUmemAllocationGranularity_flags) = nullptr;
-  CUresult (*ctx_get_device)(CUdevice*) = nullptr;
-  CUresult (*ctx_synchronize)() = nullptr;
-  CUresult (*host_alloc)(void**, std::size_t, unsigned) = nullptr;
-  CUresult (*free_host)(void*) = nullptr;
-  CUresult (*dtoh)(void*, CUdeviceptr, std::size_t) = nullptr;
-  CUresult (*htod)(CUdeviceptr, const void*, std::size_t) = nullptr;
-  CUresult (*event_query)(CUevent) = nullptr;
-  CUresult (*event_destroy)(CUevent) = nullptr;
-  // Optional (the spill file's overlapped copy; without them it copies in turns).
-  CUresult (*dtoh_async)(void*, CUdeviceptr, std::size_t, CUstream) = nullptr;
-  CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
-  CUresult (*stream_sync)(CUstream) = nullptr;
-  CUresult (*stream_destroy)(CUstream) = nullptr;
-  std::size_t gran = std::size_t{2} << 20;
-};
-const Vmm& vmm() {
-  static const Vmm v = [] {
-    Vmm r;
+const VmmDriver& vmm_driver() {
+  static const VmmDriver v = [] {
+    VmmDriver r;
     bool ok = true;
     auto get = [&](const char* name, auto& out) {
       void* p = driver_proc(name);
@@ -111,42 +78,19 @@ const Vmm& vmm() {
   return v;
 }
 
-// One movable allocation. Its address range is reserved from allocation to
-// free; `handle` is 0 while swapped out.
-struct Alloc {
-  std::size_t size = 0;
-  CUdevice dev = 0;
-  CUcontext ctx = nullptr;
-  CUmemGenericAllocationHandle handle = 0;
-  void* host = nullptr;  // pinned copy while swapped (or being swapped)
-  off_t spill_at = -1;   // else its offset in the spill file
-};
-
-struct Registry {
-  std::mutex mu;
-  std::map<CUdeviceptr, Alloc> allocs;
-  bool swapped = false;  // the last swap-out succeeded and no swap-in since
-  int spill_fd = -1;
-  off_t spill_end = 0;
-  std::uint64_t pinned = 0;                 // host bytes held for copies, spare buffers included
-  std::multimap<std::size_t, void*> spare;  // pinned buffers kept for the next swap-out
-  // Freed with cuMemFreeAsync, released once its event (recorded on the
-  // freeing stream) has completed.
-  struct Freed {
-    CUdeviceptr va;
-    Alloc a;
-    CUevent done;
-  };
-  std::vector<Freed> freed;
-  const salus_gate* seq_gate = nullptr;  // the gate done_seq counts on (each attach starts at 0)
-  std::uint32_t done_seq = 0;
-};
-Registry& reg() {
+Registry& registry() {
   static Registry* r = new Registry;  // never destroyed: hooks may run at exit
   return *r;
 }
 std::atomic<std::uint64_t> g_movable{0};
 std::atomic<std::uint64_t> g_swapped{0};
+
+}  // namespace swap_detail
+
+namespace {
+
+using namespace swap_detail;
+using Clock = std::chrono::steady_clock;
 
 std::uint64_t env_bytes(const char* name, std::uint64_t dflt) {
   const char* v = std::getenv(name);
@@ -157,7 +101,7 @@ std::uint64_t env_bytes(const char* name, std::uint64_t dflt) {
 }
 
 // Maps a fresh handle at a.va-to-be: create, map, access. 0 or a CUresult.
-CUresult map_new(const Vmm& d, CUdeviceptr va, Alloc& a) {
+CUresult map_new(const VmmDriver& d, CUdeviceptr va, Alloc& a) {
   const CUmemAllocationProp prop = device_prop(a.dev);
   CUmemGenericAllocationHandle h = 0;
   CUresult r = d.create(&h, a.size, &prop, 0);
@@ -179,18 +123,16 @@ CUresult map_new(const Vmm& d, CUdeviceptr va, Alloc& a) {
 }
 
 // Gives the device memory of a back (its address stays reserved).
-void unmap_release(const Vmm& d, CUdeviceptr va, Alloc& a) {
+void unmap_release(const VmmDriver& d, CUdeviceptr va, Alloc& a) {
   d.unmap(va, a.size);
   d.release(a.handle);
   a.handle = 0;
 }
 
-void use_ctx(CUcontext ctx, CUcontext& cur);
-
 // Releases what cuMemFreeAsync freed and its stream has finished with.
 // Caller holds the registry; `cur`: the thread's current context, switched to
 // each allocation's own (null: the caller's context is theirs already).
-void reap_locked(const Vmm& d, Registry& R, CUcontext* cur = nullptr) {
+void reap_locked(const VmmDriver& d, Registry& R, CUcontext* cur = nullptr) {
   for (std::size_t i = 0; i < R.freed.size();) {
     Registry::Freed& f = R.freed[i];
     if (cur != nullptr) use_ctx(f.a.ctx, *cur);
@@ -217,7 +159,7 @@ bool keep_pinned() {
   return keep;
 }
 
-void free_spare(const Vmm& d, Registry& R, std::multimap<std::size_t, void*>::iterator it) {
+void free_spare(const VmmDriver& d, Registry& R, std::multimap<std::size_t, void*>::iterator it) {
   d.free_host(it->second);
   R.pinned -= it->first;
   R.spare.erase(it);
@@ -225,7 +167,7 @@ void free_spare(const Vmm& d, Registry& R, std::multimap<std::size_t, void*>::it
 
 // A pinned buffer of n bytes for a copy: a kept one of that size, or a new one
 // within the host limit (kept ones of other sizes give way). Caller holds the registry.
-void* take_pinned(const Vmm& d, Registry& R, std::size_t n, std::uint64_t limit) {
+void* take_pinned(const VmmDriver& d, Registry& R, std::size_t n, std::uint64_t limit) {
   if (auto it = R.spare.find(n); it != R.spare.end()) {
     void* p = it->second;
     R.spare.erase(it);
@@ -243,9 +185,15 @@ void* take_pinned(const Vmm& d, Registry& R, std::size_t n, std::uint64_t limit)
   return p;
 }
 
-// Drops a's host copy, if any, keeping its buffer for reuse when `keep`.
-// Caller holds the registry.
-void drop_copy(const Vmm& d, Registry& R, Alloc& a, bool keep = true) {
+}  // namespace
+
+namespace swap_detail {
+
+void use_ctx(CUcontext ctx, CUcontext& cur) {
+  if (ctx != cur && driver().ctx_set_current(ctx) == CUDA_SUCCESS) cur = ctx;
+}
+
+void drop_copy(const VmmDriver& d, Registry& R, Alloc& a, bool keep) {
   if (a.host != nullptr) {
     if (keep && keep_pinned()) {
       R.spare.emplace(a.size, a.host);
@@ -258,10 +206,9 @@ void drop_copy(const Vmm& d, Registry& R, Alloc& a, bool keep = true) {
   a.spill_at = -1;
 }
 
-// Sets ctx current if it is not; the caller restores `prev`.
-void use_ctx(CUcontext ctx, CUcontext& cur) {
-  if (ctx != cur && driver().ctx_set_current(ctx) == CUDA_SUCCESS) cur = ctx;
-}
+}  // namespace swap_detail
+
+namespace {
 
 constexpr std::size_t kChunk = std::size_t{8} << 20;  // spill file I/O unit
 
@@ -274,7 +221,7 @@ struct Bounce {
   bool pinned = false;
   CUstream stream = nullptr;
   bool ok() const { return buf[0] != nullptr; }
-  void make(const Vmm& d) {
+  void make(const VmmDriver& d) {
     if (d.dtoh_async && d.stream_create(&stream, CU_STREAM_NON_BLOCKING) == CUDA_SUCCESS) {
       void* p[2] = {nullptr, nullptr};
       if (d.host_alloc(&p[0], kChunk, 0) == CUDA_SUCCESS &&
@@ -290,7 +237,7 @@ struct Bounce {
     }
     buf[0] = static_cast<char*>(std::malloc(kChunk));
   }
-  void drop(const Vmm& d) {
+  void drop(const VmmDriver& d) {
     if (pinned) {
       d.stream_sync(stream);  // nothing may still be copying into them
       d.stream_destroy(stream);
@@ -314,7 +261,7 @@ int write_all(int fd, const char* p, std::size_t n, off_t at) {
 }
 
 // Copies a to the spill file through the bounce buffers. 0 or -errno.
-int spill_out(const Vmm& d, Registry& R, CUdeviceptr va, Alloc& a, Bounce& b) {
+int spill_out(const VmmDriver& d, Registry& R, CUdeviceptr va, Alloc& a, Bounce& b) {
   if (R.spill_fd < 0) {
     const char* dir = std::getenv("SALUS_SWAP_DIR");
     if (dir == nullptr || *dir == '\0') return -ENOMEM;  // no spill place: host memory is all
@@ -350,7 +297,7 @@ int spill_out(const Vmm& d, Registry& R, CUdeviceptr va, Alloc& a, Bounce& b) {
   return 0;
 }
 
-int spill_in(const Vmm& d, Registry& R, CUdeviceptr va, const Alloc& a, char* bounce) {
+int spill_in(const VmmDriver& d, Registry& R, CUdeviceptr va, const Alloc& a, char* bounce) {
   for (std::size_t done = 0; done < a.size; done += kChunk) {
     const std::size_t n = std::min(kChunk, a.size - done);
     for (std::size_t got = 0; got < n;) {
@@ -371,27 +318,27 @@ void close_spill(Registry& R) {
   R.spill_end = 0;
 }
 
-// Copies every resident allocation off the GPU. 0 or -errno (copies made so
-// far are dropped by the caller). Caller holds the registry.
-int copy_out(const Vmm& d, Registry& R, CUcontext& cur, std::string& why) {
+// Copies each piece off the GPU. 0 or -errno (copies made so far are dropped
+// by the caller). Caller holds the registry.
+int copy_out(const VmmDriver& d, Registry& R, const std::vector<Piece>& pieces, CUcontext& cur,
+             std::string& why) {
   const std::uint64_t limit = env_bytes("SALUS_SWAP_HOST_LIMIT", UINT64_MAX);
   Bounce bounce;
   int rc = 0;
-  for (auto& [va, a] : R.allocs) {
-    if (a.handle == 0) continue;
+  for (const Piece& p : pieces) {
+    Alloc& a = *p.a;
     use_ctx(a.ctx, cur);
     a.host = take_pinned(d, R, a.size, limit);
     if (a.host != nullptr) {
-      if (d.dtoh(a.host, va, a.size) != CUDA_SUCCESS) {
+      if (d.dtoh(a.host, p.va, a.size) != CUDA_SUCCESS) {
         why = "cuMemcpyDtoH failed";
         rc = -EIO;
         break;
       }
       continue;
     }
-    a.host = nullptr;
     if (!bounce.ok()) bounce.make(d);
-    rc = !bounce.ok() ? -ENOMEM : spill_out(d, R, va, a, bounce);
+    rc = !bounce.ok() ? -ENOMEM : spill_out(d, R, p.va, a, bounce);
     if (rc != 0) {
       why = rc == -ENOMEM ? "pinned host memory ran out and no SALUS_SWAP_DIR is set"
                           : std::string("spill file: ") + std::strerror(-rc);
@@ -400,6 +347,13 @@ int copy_out(const Vmm& d, Registry& R, CUcontext& cur, std::string& why) {
   }
   if (bounce.ok()) bounce.drop(d);
   return rc;
+}
+
+// Puts a piece's copy back at va (mapped already). 0 or -errno.
+int copy_in(const VmmDriver& d, Registry& R, CUdeviceptr va, const Alloc& a, char*& bounce) {
+  if (a.host != nullptr) return d.htod(va, a.host, a.size) == CUDA_SUCCESS ? 0 : -EIO;
+  if (bounce == nullptr) bounce = static_cast<char*>(std::malloc(kChunk));
+  return bounce == nullptr ? -ENOMEM : spill_in(d, R, va, a, bounce);
 }
 
 void report(salus_gate* g, std::uint32_t seq, int result, std::uint32_t state) {
@@ -418,38 +372,50 @@ void note_failure(const char* what, int rc, const std::string& why) {
   post_note(line);
 }
 
+// What a swap-out moves now: the shim's allocations and the program's own
+// handles that are on the GPU.
+std::vector<Piece> resident_pieces(Registry& R) {
+  std::vector<Piece> out;
+  for (auto& [va, a] : R.allocs)
+    if (a.handle != 0) out.push_back({va, &a, nullptr});
+  program_handles_to_move(R, out);
+  return out;
+}
+
 // Swap-out, all or nothing. Caller holds the registry. 0 or -errno.
 int swap_out_locked(Registry& R, salus_gate* g) {
-  const Vmm& d = vmm();
+  const VmmDriver& d = vmm_driver();
   const auto t0 = Clock::now();
   CUcontext prev = nullptr, cur = nullptr;
   driver().ctx_get_current(&prev);
   cur = prev;
   __atomic_store_n(&g->swap_state, SALUS_SWAP_OUT_BUSY, __ATOMIC_RELAXED);
+  const std::vector<Piece> pieces = resident_pieces(R);
   // Nothing of the program's may still run on memory about to move: one
   // synchronize per context (allocations come in runs of the same one).
   CUcontext synced = nullptr;
-  for (auto& [va, a] : R.allocs)
-    if (a.handle != 0 && (synced == nullptr || a.ctx != synced)) {
-      use_ctx(a.ctx, cur);
+  for (const Piece& p : pieces)
+    if (synced == nullptr || p.a->ctx != synced) {
+      use_ctx(p.a->ctx, cur);
       d.ctx_synchronize();
-      synced = a.ctx;
+      synced = p.a->ctx;
     }
   reap_locked(d, R, &cur);  // what was freed in stream order is free now
   std::string why;
-  int rc = copy_out(d, R, cur, why);
+  int rc = copy_out(d, R, pieces, cur, why);
   if (rc != 0) {
-    for (auto& [va, a] : R.allocs)
-      if (a.handle != 0) drop_copy(d, R, a);
+    for (const Piece& p : pieces) drop_copy(d, R, *p.a);
     close_spill(R);
     note_failure("out", rc, why);
   } else {
     std::uint64_t moved = 0;
-    for (auto& [va, a] : R.allocs)
-      if (a.handle != 0) {
-        unmap_release(d, va, a);
-        moved += a.size;
-      }
+    for (const Piece& p : pieces) {
+      if (p.program != nullptr)
+        program_handle_out(d, *p.program);
+      else
+        unmap_release(d, p.va, *p.a);
+      moved += p.a->size;
+    }
     g_swapped.fetch_add(moved);
     R.swapped = true;
     __atomic_fetch_add(&g->swaps_out, 1, __ATOMIC_RELAXED);
@@ -460,44 +426,63 @@ int swap_out_locked(Registry& R, salus_gate* g) {
   return rc;
 }
 
+// Brings one piece back: mapped again (at its address, or wherever the
+// program's handle was mapped) and its copy put back. 0 or -errno.
+int restore(const VmmDriver& d, Registry& R, const Piece& p, char*& bounce, std::string& why) {
+  Alloc& a = *p.a;
+  bool copying = false;
+  const auto put_back = [&](CUdeviceptr va) {
+    copying = true;
+    return copy_in(d, R, va, a, bounce);
+  };
+  int rc = 0;
+  if (p.program != nullptr) {
+    rc = program_handle_in(d, *p.program, put_back);
+  } else if (const CUresult r = map_new(d, p.va, a); r != CUDA_SUCCESS) {
+    rc = r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
+  } else if (rc = put_back(p.va); rc != 0) {
+    unmap_release(d, p.va, a);
+  }
+  if (rc != 0)
+    why = copying         ? "copying back failed"
+          : rc == -ENOMEM ? "the GPU has no room for it yet"
+                          : "cuMemCreate/cuMemMap failed";
+  return rc;
+}
+
 // Swap-in, all or nothing. Caller holds the registry. 0 or -errno.
 int swap_in_locked(Registry& R, salus_gate* g) {
-  const Vmm& d = vmm();
+  const VmmDriver& d = vmm_driver();
   const auto t0 = Clock::now();
   CUcontext prev = nullptr, cur = nullptr;
   driver().ctx_get_current(&prev);
   cur = prev;
   __atomic_store_n(&g->swap_state, SALUS_SWAP_IN_BUSY, __ATOMIC_RELAXED);
+  std::vector<Piece> pieces;
+  for (auto& [va, a] : R.allocs)
+    if (a.handle == 0) pieces.push_back({va, &a, nullptr});
+  program_handles_to_restore(R, pieces);
   char* bounce = nullptr;
   int rc = 0;
   std::string why;
-  for (auto& [va, a] : R.allocs) {
-    if (a.handle != 0) continue;
-    use_ctx(a.ctx, cur);
-    if (const CUresult r = map_new(d, va, a); r != CUDA_SUCCESS) {
-      rc = r == CUDA_ERROR_OUT_OF_MEMORY ? -ENOMEM : -EIO;
-      why = rc == -ENOMEM ? "the GPU has no room for it yet" : "cuMemCreate/cuMemMap failed";
-      break;
-    }
-    if (a.host != nullptr) {
-      rc = d.htod(va, a.host, a.size) == CUDA_SUCCESS ? 0 : -EIO;
-    } else {
-      if (bounce == nullptr) bounce = static_cast<char*>(std::malloc(kChunk));
-      rc = bounce == nullptr ? -ENOMEM : spill_in(d, R, va, a, bounce);
-    }
-    if (rc != 0) {
-      why = "copying back failed";
-      break;
-    }
+  std::size_t done = 0;
+  for (; done < pieces.size() && rc == 0; ++done) {
+    use_ctx(pieces[done].a->ctx, cur);
+    rc = restore(d, R, pieces[done], bounce, why);
   }
   std::free(bounce);
   if (rc != 0) {
-    // Undo: what was mapped again goes, the copies stay.
-    for (auto& [va, a] : R.allocs)
-      if (a.handle != 0 && (a.host != nullptr || a.spill_at >= 0)) unmap_release(d, va, a);
+    // Undo: what was mapped again goes (the failed piece undid itself), the copies stay.
+    for (std::size_t i = 0; i + 1 < done; ++i) {
+      use_ctx(pieces[i].a->ctx, cur);
+      if (pieces[i].program != nullptr)
+        program_handle_out(d, *pieces[i].program);
+      else
+        unmap_release(d, pieces[i].va, *pieces[i].a);
+    }
     note_failure("in", rc, why);
   } else {
-    for (auto& [va, a] : R.allocs) drop_copy(d, R, a);
+    for (const Piece& p : pieces) drop_copy(d, R, *p.a);
     close_spill(R);
     g_swapped.store(0);
     R.swapped = false;
@@ -515,7 +500,7 @@ bool swap_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("SALUS_SWAP");
     if (v == nullptr || std::strcmp(v, "1") != 0) return false;
-    if (vmm().ok) return true;
+    if (vmm_driver().ok) return true;
     std::fprintf(stderr,
                  "salus-shim: SALUS_SWAP=1, but the driver has no VMM: memory stays "
                  "unmovable\n");
@@ -526,7 +511,7 @@ bool swap_enabled() {
 
 std::size_t swap_granularity() {
   static const std::size_t gran = [] {
-    const Vmm& d = vmm();
+    const VmmDriver& d = vmm_driver();
     CUdevice dev = 0;
     std::size_t n = 0;
     if (d.ctx_get_device(&dev) != CUDA_SUCCESS) dev = 0;
@@ -539,7 +524,7 @@ std::size_t swap_granularity() {
 }
 
 CUresult movable_alloc(CUdeviceptr* p, std::size_t n) {
-  const Vmm& d = vmm();
+  const VmmDriver& d = vmm_driver();
   Alloc a;
   a.size = n;
   if (CUresult r = d.ctx_get_device(&a.dev); r != CUDA_SUCCESS) return r;
@@ -550,7 +535,7 @@ CUresult movable_alloc(CUdeviceptr* p, std::size_t n) {
     d.addr_free(va, n);
     return r;
   }
-  Registry& R = reg();
+  Registry& R = registry();
   std::lock_guard lk(R.mu);
   reap_locked(d, R);
   R.allocs[va] = a;
@@ -561,8 +546,8 @@ CUresult movable_alloc(CUdeviceptr* p, std::size_t n) {
 
 bool movable_free(CUdeviceptr p, CUresult* r) {
   if (!swap_enabled()) return false;
-  const Vmm& d = vmm();
-  Registry& R = reg();
+  const VmmDriver& d = vmm_driver();
+  Registry& R = registry();
   std::lock_guard lk(R.mu);
   auto it = R.allocs.find(p);
   if (it == R.allocs.end()) return false;
@@ -590,8 +575,8 @@ bool movable_free(CUdeviceptr p, CUresult* r) {
 
 bool movable_free_async(CUdeviceptr p, CUstream stream, CUresult* r) {
   if (!swap_enabled()) return false;
-  const Vmm& d = vmm();
-  Registry& R = reg();
+  const VmmDriver& d = vmm_driver();
+  Registry& R = registry();
   std::lock_guard lk(R.mu);
   auto it = R.allocs.find(p);
   if (it == R.allocs.end()) return false;
@@ -634,7 +619,7 @@ std::uint64_t swapped_bytes() {
 
 void serve_swap(salus_gate* g, bool running) {
   const std::uint32_t seq = __atomic_load_n(&g->swap_seq, __ATOMIC_ACQUIRE);
-  Registry& R = reg();
+  Registry& R = registry();
   std::lock_guard lk(R.mu);
   if (R.seq_gate != g) {
     R.seq_gate = g;
@@ -645,7 +630,7 @@ void serve_swap(salus_gate* g, bool running) {
   const std::uint32_t req = __atomic_load_n(&g->swap_request, __ATOMIC_ACQUIRE);
   int rc = 0;
   if (req == SALUS_SWAP_REQ_OUT) {
-    if (!swap_enabled() || !vmm().ok)
+    if (!swap_enabled() || !vmm_driver().ok)
       rc = -ENOTSUP;  // nothing is movable: the program was started without SALUS_SWAP=1
     else if (running)
       rc = -EBUSY;  // only a program waiting at its boundary may lose its memory
@@ -661,7 +646,7 @@ void serve_swap(salus_gate* g, bool running) {
 }
 
 bool ensure_resident(salus_gate* g) {
-  Registry& R = reg();
+  Registry& R = registry();
   std::lock_guard lk(R.mu);
   if (!R.swapped) return true;
   const int rc = swap_in_locked(R, g);

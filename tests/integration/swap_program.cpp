@@ -15,8 +15,13 @@
 // baseline of tools/swap-eval.sh.
 //
 // With SWAP_PROGRAM_UNMOVABLE_MIB=N it also makes a physical allocation of its
-// own (cuMemCreate, as PyTorch's expandable segments do) of N MiB that it keeps
-// to the end: charged, but not movable by the shim (memory_unswappable).
+// own (cuMemCreate) of N MiB that it keeps to the end but never maps: charged,
+// but not movable by the shim (memory_unswappable).
+//
+// With SWAP_PROGRAM_SEGMENT_MIB=N it also builds N MiB of memory of its own as
+// PyTorch's expandable segments do (one reservation, 2 MiB cuMemCreate handles
+// of the POSIX-fd type mapped one after another, access set over the range),
+// filled and checked at every iteration like the cuMemAlloc memory.
 #include <cuda.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -41,6 +46,36 @@ static void get(const char* name, F& out) {
 
 static void fill(uint32_t* h, size_t n, uint32_t seed) {
   for (size_t i = 0; i < n; ++i) h[i] = seed * 2654435761u + static_cast<uint32_t>(i);
+}
+
+// N MiB as an expandable segment: reserved once, mapped in 2 MiB handles.
+static CUdeviceptr segment(size_t bytes) {
+  CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                     unsigned long long);
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+  CUresult (*access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+  get("cuMemAddressReserve", reserve);
+  get("cuMemCreate", create);
+  get("cuMemMap", map);
+  get("cuMemSetAccess", access);
+  const size_t piece = size_t{2} << 20;
+  CUdeviceptr va = 0;
+  if (reserve(&va, bytes, 0, 0, 0)) exit(2);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  for (size_t at = 0; at < bytes; at += piece) {
+    CUmemGenericAllocationHandle h;
+    if (create(&h, piece, &prop, 0) || map(va + at, piece, 0, h, 0)) exit(2);
+  }
+  CUmemAccessDesc rw{};
+  rw.location = prop.location;
+  rw.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if (access(va, bytes, &rw, 1)) exit(2);
+  return va;
 }
 
 int main(int argc, char** argv) {
@@ -78,10 +113,19 @@ int main(int argc, char** argv) {
     CUmemGenericAllocationHandle own;
     if (create(&own, static_cast<size_t>(atoi(u)) << 20, &prop, 0)) return 2;
   }
-  auto* want = static_cast<uint32_t*>(malloc(bytes));
-  auto* got = static_cast<uint32_t*>(malloc(bytes));
-  fill(want, bytes / 4, 1);
-  if (htod(d, want, bytes)) return 2;
+  const char* seg_mib = getenv("SWAP_PROGRAM_SEGMENT_MIB");
+  const size_t seg_bytes = seg_mib != nullptr ? static_cast<size_t>(atoi(seg_mib)) << 20 : 0;
+  const CUdeviceptr seg = seg_bytes > 0 ? segment(seg_bytes) : 0;
+  // The cuMemAlloc memory, then the segment, checked as one.
+  const size_t total = bytes + seg_bytes;
+  auto* want = static_cast<uint32_t*>(malloc(total));
+  auto* got = static_cast<uint32_t*>(malloc(total));
+  auto put = [&] {
+    return htod(d, want, bytes) || (seg && htod(seg, want + bytes / 4, seg_bytes));
+  };
+  auto take = [&] { return dtoh(got, d, bytes) || (seg && dtoh(got + bytes / 4, seg, seg_bytes)); };
+  fill(want, total / 4, 1);
+  if (put()) return 2;
   if (const char* b = getenv("SWAP_PROGRAM_BASELINE"); b != nullptr && b[0] == '1') {
     CUresult (*host_alloc)(void**, size_t, unsigned);
     CUresult (*free_host)(void*);
@@ -107,16 +151,16 @@ int main(int argc, char** argv) {
   while (access(argv[3], F_OK) != 0) usleep(1000);
   for (int k = 1; k <= iters; ++k) {
     step();
-    if (dtoh(got, d, bytes)) return 2;
-    for (size_t i = 0; i < bytes / 4; ++i)
+    if (take()) return 2;
+    for (size_t i = 0; i < total / 4; ++i)
       if (got[i] != want[i]) {
         printf("mismatch at iteration %d, word %zu: %#x, expected %#x\n", k, i, got[i], want[i]);
         return 1;
       }
     printf("verified %d\n", k);
     fflush(stdout);
-    fill(want, bytes / 4, static_cast<uint32_t>(k) + 1);
-    if (htod(d, want, bytes)) return 2;
+    fill(want, total / 4, static_cast<uint32_t>(k) + 1);
+    if (put()) return 2;
   }
   return 0;
 }

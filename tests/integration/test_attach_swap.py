@@ -289,7 +289,9 @@ def stop_all(procs, sessions, d):
 
 def watch(procs, sessions, seen):
     """Until every program has exited: the largest swaps_out/swaps_in each session
-    showed and the last log read (both go with the session when its program exits)."""
+    showed, the last log read (both go with the session when its program exits),
+    and, from its first iteration on (a charge comes before the memory is mapped
+    and made movable), its largest memory_swapped and memory_unswappable."""
     while any(p.poll() is None for p in procs):
         for k, s in enumerate(sessions):
             try:
@@ -299,9 +301,26 @@ def watch(procs, sessions, seen):
                 seen[k]["swap_error"] = st.get("swap_error", seen[k]["swap_error"])
                 seen[k]["swappable"] = st.get("swappable", "")
                 seen[k]["log"] = s.read("log")
-            except (OSError, ValueError):
+                if st.get("gate") == "attached" and int(st["iterations_completed"]) >= 1:
+                    for key in ("swapped", "unswappable"):
+                        seen[k][key] = max(seen[k][key], int(st["memory_" + key]))
+            except (OSError, ValueError, KeyError):
                 pass
         time.sleep(0.005)
+
+
+def all_verified(procs, iters):
+    """Waits for each program and asserts it checked every byte at every one of
+    its ITERS iterations."""
+    for p in procs:
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0, (out, err)
+        assert out.count("verified") == iters, out
+
+
+def fresh_seen(n):
+    return [{"out": 0, "in": 0, "swap_error": "-", "swappable": "", "log": "", "swapped": 0,
+             "unswappable": 0} for _ in range(n)]
 
 
 def test_residency_swaps_attached_programs_that_do_not_fit_together(tmp_path):
@@ -329,13 +348,9 @@ def test_residency_swaps_attached_programs_that_do_not_fit_together(tmp_path):
             sessions.append(s)
             procs.append(start_program(d, s, 40, ITERS, go,
                                        {"SALUS_MOCK_COPY_US_PER_MIB": "2000"}))
-        seen = [{"out": 0, "in": 0, "swap_error": "-", "swappable": "", "log": ""}
-                for _ in sessions]
+        seen = fresh_seen(len(sessions))
         watch(procs, sessions, seen)
-        for p in procs:
-            out, err = p.communicate(timeout=30)
-            assert p.returncode == 0, (out, err)
-            assert out.count("verified") == ITERS, out
+        all_verified(procs, ITERS)
         for k in range(2):
             assert seen[k]["out"] >= 1 and seen[k]["in"] >= 1, (k, seen[k])
             assert "swap-out done" in seen[k]["log"], seen[k]["log"]
@@ -392,6 +407,35 @@ def test_what_a_swapped_program_leaves_on_the_card_stays_counted(tmp_path):
         stop_all(procs, sessions, d)
 
 
+def test_a_programs_own_segments_move_with_it(tmp_path):
+    """The program's own cuMemCreate memory, made as PyTorch's expandable
+    segments make it (2 MiB handles of the POSIX-fd type mapped into one
+    reservation), moves with the rest: two programs of 24M cuMemAlloc + 16M of
+    segments (need 40M each) on a 64M card at --oversubscribe 2 are swapped out
+    by the planner and back, each checks every byte of both after every grant,
+    none of their memory is unswappable, and one swapped out has all 40M off
+    the card."""
+    from conftest import Salusd
+    M = 1 << 20
+    d = Salusd(extra_args=["--oversubscribe", "2", "--policy", "fair"], sim_memory="64M",
+               gpus=1).start()
+    procs = []
+    sessions = []
+    try:
+        ITERS = 60  # several quanta of each (see the test above)
+        start_two(d, tmp_path, 24, ITERS, procs, sessions,
+                  {"SALUS_MOCK_COPY_US_PER_MIB": "2000", "SWAP_PROGRAM_SEGMENT_MIB": "16"})
+        seen = fresh_seen(len(sessions))
+        watch(procs, sessions, seen)
+        all_verified(procs, ITERS)
+        for k in range(2):
+            assert seen[k]["out"] >= 1 and seen[k]["in"] >= 1, (k, seen[k])
+            assert seen[k]["unswappable"] == 0, (k, seen[k])
+        assert max(x["swapped"] for x in seen) == 40 * M, seen
+    finally:
+        stop_all(procs, sessions, d)
+
+
 def test_residency_asks_a_program_without_salus_swap_once(tmp_path):
     """A program started without SALUS_SWAP=1 answers the planner's swap-out with
     ENOTSUP: it is marked unswappable and never asked again (no retry storm while
@@ -422,8 +466,7 @@ def test_residency_asks_a_program_without_salus_swap_once(tmp_path):
         time.sleep(0.2)  # past A's residency quantum: B, wanting A's room, makes A a victim
         assert a.status()["swap_error"] == "-"  # not asked inside its iteration
         go_a.write_text("")  # A's boundary 1: asked there, it answers ENOTSUP and runs on
-        seen = [{"out": 0, "in": 0, "swap_error": "-", "swappable": "", "log": ""}
-                for _ in sessions]
+        seen = fresh_seen(len(sessions))
         watch(procs, sessions, seen)
         out, err = pa.communicate(timeout=30)
         assert pa.returncode == 0 and out.count("verified") == 20, (out, err)

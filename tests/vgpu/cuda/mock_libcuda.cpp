@@ -15,7 +15,9 @@
 // program's own CUDA use reaches: the driver entry points at several versions
 // (cuGetProcAddress v1 and v2, cuMemGetInfo v1 and v2), a few exported symbols
 // for dlsym, stream-ordered allocation, VMM with real memory (memfd-backed
-// handles, reservations, mappings, access, POSIX-fd export and import), the
+// handles, reservations, mappings, access, POSIX-fd export and import,
+// retained handles and their properties, a dma-buf of a range, multicast binds
+// that check their arguments only), the
 // synchronous copies (device-to-device too), managed memory, the other
 // launch calls, and the legacy NULL stream, which salusd must never use and
 // which is therefore emulated only with SALUS_MOCK_LEGACY_STREAM=1 in the
@@ -934,14 +936,26 @@ constexpr std::size_t kGranularity = std::size_t{2} << 20;
 struct MockHandle {
   std::size_t size;
   int fd = -1;
+  int refs = 1;  // cuMemCreate or import, cuMemRetainAllocationHandle; cuMemRelease drops one
   int maps = 0;
   bool released = false;
   bool imported = false;
   bool exportable = false;
+  CUmemAllocationProp prop{};
 };
+// Every handle this driver made (never freed: a stale handle is still known).
+std::vector<MockHandle*>& g_handles = *new std::vector<MockHandle*>;
+MockHandle* new_handle(std::size_t size, int fd) {
+  auto* m = keep(new MockHandle{size, fd});
+  g_handles.push_back(m);
+  return m;
+}
+// Strict: a value this driver never handed out (a handle of the shim's that
+// reached the driver untranslated) aborts.
 MockHandle* handle_of(CUmemGenericAllocationHandle h) {
   auto* m = reinterpret_cast<MockHandle*>(h);
-  if (m == nullptr) misuse("null VMM handle");
+  if (std::find(g_handles.begin(), g_handles.end(), m) == g_handles.end())
+    misuse("VMM handle %#llx was never made by this driver", h);
   return m;
 }
 // Copies through device memory take SALUS_MOCK_COPY_US_PER_MIB microseconds per
@@ -979,8 +993,9 @@ CUresult m_cuMemCreate(CUmemGenericAllocationHandle* h, std::size_t n,
     ::munmap(tmp, n);
   }
   g.used += n;
-  auto* m = keep(new MockHandle{n, fd});
+  auto* m = new_handle(n, fd);
   m->exportable = (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) != 0;
+  m->prop = *prop;
   *h = reinterpret_cast<CUmemGenericAllocationHandle>(m);
   return CUDA_SUCCESS;
 }
@@ -994,8 +1009,25 @@ CUresult m_cuMemRelease(CUmemGenericAllocationHandle h) {
   ENTER();
   auto* m = handle_of(h);
   if (m->released) misuse("cuMemRelease twice");
-  m->released = true;
+  m->released = --m->refs == 0;
   drop_handle_locked(m);
+  return CUDA_SUCCESS;
+}
+MockHandle* mapped_at_locked(CUdeviceptr p);
+CUresult m_cuMemRetainAllocationHandle(CUmemGenericAllocationHandle* h, void* addr) {
+  ENTER();
+  MockHandle* m = mapped_at_locked(reinterpret_cast<CUdeviceptr>(addr));
+  if (h == nullptr || m == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  ++m->refs;
+  *h = reinterpret_cast<CUmemGenericAllocationHandle>(m);
+  return CUDA_SUCCESS;
+}
+CUresult m_cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop,
+                                                  CUmemGenericAllocationHandle h) {
+  ENTER();
+  auto* m = handle_of(h);
+  if (prop == nullptr || m->released) return CUDA_ERROR_INVALID_VALUE;
+  *prop = m->prop;
   return CUDA_SUCCESS;
 }
 CUresult m_cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h,
@@ -1023,8 +1055,11 @@ CUresult m_cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* h, void*
     if (fd >= 0) ::close(fd);
     return CUDA_ERROR_INVALID_HANDLE;
   }
-  auto* m = keep(new MockHandle{static_cast<std::size_t>(st.st_size), fd});
+  auto* m = new_handle(static_cast<std::size_t>(st.st_size), fd);
   m->imported = true;
+  m->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  m->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  m->prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   m->exportable = true;
   *h = reinterpret_cast<CUmemGenericAllocationHandle>(m);
   return CUDA_SUCCESS;
@@ -1134,6 +1169,39 @@ CUresult m_cuMemUnmap(CUdeviceptr p, std::size_t n) {
   for (auto it = g.mapped.lower_bound(p); it != g.mapped.end() && it->first < p + n;)
     it = unmap_locked(it);
   return CUDA_SUCCESS;
+}
+MockHandle* mapped_at_locked(CUdeviceptr p) {
+  auto it = g.mapped.upper_bound(p);
+  if (it == g.mapped.begin()) return nullptr;
+  --it;
+  auto* m = static_cast<MockHandle*>(it->second);
+  return p < it->first + m->size ? m : nullptr;
+}
+// A dma-buf of a mapped range stands in as the fd of the handle mapped there.
+CUresult m_cuMemGetHandleForAddressRange(void* out, CUdeviceptr p, std::size_t n,
+                                         CUmemRangeHandleType type, unsigned long long flags) {
+  ENTER();
+  MockHandle* m = mapped_at_locked(p);
+  if (out == nullptr || n == 0 || flags != 0 || type != CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD ||
+      m == nullptr)
+    return CUDA_ERROR_INVALID_VALUE;
+  const int fd = ::fcntl(m->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+  *static_cast<int*>(out) = fd;
+  return CUDA_SUCCESS;
+}
+// Multicast objects are not emulated: binding only checks what it is given.
+CUresult m_cuMulticastBindMem(CUmemGenericAllocationHandle, std::size_t,
+                              CUmemGenericAllocationHandle h, std::size_t, std::size_t n,
+                              unsigned long long) {
+  ENTER();
+  auto* m = handle_of(h);
+  return m->released || n == 0 || n > m->size ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+CUresult m_cuMulticastBindAddr(CUmemGenericAllocationHandle, std::size_t, CUdeviceptr p,
+                               std::size_t n, unsigned long long) {
+  ENTER();
+  return n == 0 || mapped_at_locked(p) == nullptr ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 // Synchronous copies (the legacy stream's semantics: after earlier work, done on return).
 template <typename Copy>
@@ -1275,6 +1343,11 @@ const Entry kEntries[] = {
     V(cuMemGetAllocationGranularity, m_cuMemGetAllocationGranularity, 10020),
     V(cuMemExportToShareableHandle, m_cuMemExportToShareableHandle, 10020),
     V(cuMemImportFromShareableHandle, m_cuMemImportFromShareableHandle, 10020),
+    V(cuMemRetainAllocationHandle, m_cuMemRetainAllocationHandle, 11000),
+    V(cuMemGetAllocationPropertiesFromHandle, m_cuMemGetAllocationPropertiesFromHandle, 10020),
+    V(cuMemGetHandleForAddressRange, m_cuMemGetHandleForAddressRange, 11070),
+    V(cuMulticastBindMem, m_cuMulticastBindMem, 12010),
+    V(cuMulticastBindAddr, m_cuMulticastBindAddr, 12010),
     V(cuMemcpyHtoD, m_cuMemcpyHtoD, 3020),
     V(cuMemcpyDtoH, m_cuMemcpyDtoH, 3020),
     V(cuMemcpyDtoD, m_cuMemcpyDtoD, 3020),

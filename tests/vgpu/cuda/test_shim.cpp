@@ -1090,6 +1090,236 @@ TEST(Swap, StreamOrderedAllocationsMoveTooAndAreFreedInStreamOrder) {
   salusd->auto_grant = true;
 }
 
+// ---- the program's own physical allocations (cuMemCreate), movable too ----
+
+// The program's own VMM memory as PyTorch's expandable segments make it: one
+// reservation, 2 MiB handles created with the POSIX-fd handle type, each
+// mapped whole, then access set over the whole range in one call.
+struct Segment {
+  std::size_t n = 2;  // handles
+  CUdeviceptr va = 0;
+  std::vector<CUmemGenericAllocationHandle> h;
+  std::vector<std::uint32_t> data;
+  static constexpr std::size_t kPiece = 2 * kMiB;
+  std::size_t bytes() const { return n * kPiece; }
+  static CUmemAllocationProp prop() {
+    CUmemAllocationProp p{};
+    p.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = 0;
+    p.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    return p;
+  }
+  static CUmemAccessDesc rw() {
+    CUmemAccessDesc d{};
+    d.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    d.location.id = 0;
+    d.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return d;
+  }
+  void make() {
+    Cuda& c = cuda();
+    ASSERT_EQ(c.get<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve")(&va, bytes(), 0, 0, 0),
+              CUDA_SUCCESS);
+    const CUmemAllocationProp p = prop();
+    h.assign(n, 0);
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h[i], kPiece, &p, 0), CUDA_SUCCESS);
+      ASSERT_EQ(c.get<PFN_cuMemMap_v10020>("cuMemMap")(va + i * kPiece, kPiece, 0, h[i], 0),
+                CUDA_SUCCESS);
+    }
+    const CUmemAccessDesc d = rw();
+    ASSERT_EQ(c.get<PFN_cuMemSetAccess_v10020>("cuMemSetAccess")(va, bytes(), &d, 1), CUDA_SUCCESS);
+    data = pattern(bytes(), 31);
+    put(va, data);
+  }
+  void check() { EXPECT_TRUE(get(va, bytes()) == data) << "contents of the segment changed"; }
+  void drop() {
+    Cuda& c = cuda();
+    for (std::size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(c.get<PFN_cuMemUnmap_v10020>("cuMemUnmap")(va + i * kPiece, kPiece), CUDA_SUCCESS);
+      EXPECT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(h[i]), CUDA_SUCCESS);
+    }
+    EXPECT_EQ(c.get<PFN_cuMemAddressFree_v10020>("cuMemAddressFree")(va, bytes()), CUDA_SUCCESS);
+  }
+};
+
+// Lets the shim release what earlier tests freed in stream order (it does at
+// its next allocation), so that the driver's free figure moves only with what
+// a test does.
+void settle() {
+  CUdeviceptr x = 0;
+  ASSERT_EQ(cuda().get<PFN_cuMemAlloc_v3020>("cuMemAlloc")(&x, kMiB), CUDA_SUCCESS);
+  ASSERT_EQ(cuda().get<PFN_cuMemFree_v3020>("cuMemFree")(x), CUDA_SUCCESS);
+}
+
+TEST(Swap, TheProgramsOwnHandlesMoveAndKeepTheirAddresses) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Cuda& c = cuda();
+  const std::uint64_t base = load(g->charged_bytes), fixed = load(g->unswappable_bytes);
+  Segment seg;
+  seg.make();
+  EXPECT_EQ(load(g->charged_bytes), base + 4 * kMiB);
+  EXPECT_EQ(load(g->unswappable_bytes), fixed) << "mapped whole and writable: movable";
+  for (CUmemGenericAllocationHandle h : seg.h)
+    EXPECT_EQ(h >> 48, 0x5a15u) << "a handle of the shim's";
+  // The handle is the program's wherever it asks: by address, and its properties.
+  CUmemGenericAllocationHandle again = 0;
+  ASSERT_EQ(c.get<PFN_cuMemRetainAllocationHandle_v11000>("cuMemRetainAllocationHandle")(
+                &again, reinterpret_cast<void*>(seg.va + 2 * kMiB + 100)),
+            CUDA_SUCCESS);
+  EXPECT_EQ(again, seg.h[1]);
+  ASSERT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(again), CUDA_SUCCESS);
+  CUmemAllocationProp prop{};
+  ASSERT_EQ(c.get<PFN_cuMemGetAllocationPropertiesFromHandle_v10020>(
+                "cuMemGetAllocationPropertiesFromHandle")(&prop, seg.h[0]),
+            CUDA_SUCCESS);
+  EXPECT_EQ(prop.requestedHandleTypes, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  EXPECT_EQ(prop.location.type, CU_MEM_LOCATION_TYPE_DEVICE);
+  // Not movable: a handle never mapped (nowhere to copy it from), and one
+  // mapped but never made accessible.
+  const CUmemAllocationProp p = Segment::prop();
+  CUmemGenericAllocationHandle unmapped = 0, closed = 0;
+  CUdeviceptr closed_va = 0;
+  ASSERT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&unmapped, 2 * kMiB, &p, 0), CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&closed, 2 * kMiB, &p, 0), CUDA_SUCCESS);
+  ASSERT_EQ(
+      c.get<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve")(&closed_va, 2 * kMiB, 0, 0, 0),
+      CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemMap_v10020>("cuMemMap")(closed_va, 2 * kMiB, 0, closed, 0),
+            CUDA_SUCCESS);
+  EXPECT_EQ(load(g->unswappable_bytes), fixed + 4 * kMiB);
+  settle();
+  const std::size_t free_before = driver_free();
+  Boundary k;
+  k.start();
+  ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+  EXPECT_EQ(load(g->swapped_bytes), 4 * kMiB);
+  EXPECT_EQ(driver_free(), free_before + 4 * kMiB) << "the segment's memory was given back";
+  EXPECT_EQ(load(g->charged_bytes), base + 8 * kMiB);
+  k.finish();
+  EXPECT_EQ(load(g->swapped_bytes), 0u);
+  EXPECT_EQ(driver_free(), free_before);
+  seg.check();
+  EXPECT_EQ(c.get<PFN_cuMemUnmap_v10020>("cuMemUnmap")(closed_va, 2 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(c.get<PFN_cuMemAddressFree_v10020>("cuMemAddressFree")(closed_va, 2 * kMiB),
+            CUDA_SUCCESS);
+  EXPECT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(closed), CUDA_SUCCESS);
+  EXPECT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(unmapped), CUDA_SUCCESS);
+  seg.drop();
+  EXPECT_EQ(load(g->charged_bytes), base);
+  EXPECT_EQ(load(g->unswappable_bytes), fixed);
+  EXPECT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(seg.h[0]), CUDA_ERROR_INVALID_VALUE)
+      << "a released handle is unknown, as to the driver";
+  salusd->auto_grant = true;
+}
+
+TEST(Swap, AHandleSharedWithTheWorldStaysOnTheCard) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Cuda& c = cuda();
+  const std::uint64_t fixed = load(g->unswappable_bytes);
+  Segment seg;
+  seg.n = 4;
+  seg.make();
+  EXPECT_EQ(load(g->unswappable_bytes), fixed);
+  // Exported as an fd, a dma-buf of its range, bound to a multicast object:
+  // each reaches the driver with the driver's handle, and stays put from now on.
+  int fd = -1, dmabuf = -1;
+  ASSERT_EQ(c.get<PFN_cuMemExportToShareableHandle_v10020>("cuMemExportToShareableHandle")(
+                &fd, seg.h[0], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemGetHandleForAddressRange_v11070>("cuMemGetHandleForAddressRange")(
+                &dmabuf, seg.va + 2 * kMiB, 2 * kMiB, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0),
+            CUDA_SUCCESS);
+  auto bind = c.get<PFN_cuMulticastBindMem_v12010>("cuMulticastBindMem", 12010);
+  ASSERT_NE(bind, nullptr);
+  ASSERT_EQ(bind(0, 0, seg.h[2], 0, 2 * kMiB, 0), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->unswappable_bytes), fixed + 6 * kMiB);
+  settle();
+  const std::size_t free_before = driver_free();
+  Boundary k;
+  k.start();
+  ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+  EXPECT_EQ(load(g->swapped_bytes), 2 * kMiB) << "only the handle nobody else holds";
+  EXPECT_EQ(driver_free(), free_before + 2 * kMiB);
+  // What another process maps through the fd is still the program's memory.
+  void* shared = ::mmap(nullptr, 2 * kMiB, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(shared, MAP_FAILED);
+  EXPECT_EQ(std::memcmp(shared, seg.data.data(), 2 * kMiB), 0);
+  ::munmap(shared, 2 * kMiB);
+  k.finish();
+  seg.check();
+  ::close(fd);
+  ::close(dmabuf);
+  seg.drop();
+  EXPECT_EQ(load(g->unswappable_bytes), fixed);
+  salusd->auto_grant = true;
+}
+
+TEST(Swap, TheProgramsHandlesWorkWhileItIsSwappedOut) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Cuda& c = cuda();
+  const std::uint64_t base = load(g->charged_bytes);
+  Segment seg;
+  seg.make();
+  Boundary k;
+  k.start();
+  ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+  ASSERT_EQ(load(g->swapped_bytes), 4 * kMiB);
+  // Another thread of the program, while its memory is off the GPU: access is
+  // set again (recorded), the second handle is unmapped and released, a new
+  // one is made and mapped in its place, and one is retained by address.
+  const CUmemAccessDesc rw = Segment::rw();
+  EXPECT_EQ(c.get<PFN_cuMemSetAccess_v10020>("cuMemSetAccess")(seg.va, seg.bytes(), &rw, 1),
+            CUDA_SUCCESS);
+  EXPECT_EQ(c.get<PFN_cuMemUnmap_v10020>("cuMemUnmap")(seg.va + 2 * kMiB, 2 * kMiB), CUDA_SUCCESS);
+  EXPECT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(seg.h[1]), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->swapped_bytes), 2 * kMiB);
+  EXPECT_EQ(load(g->charged_bytes), base + 2 * kMiB);
+  const CUmemAllocationProp p = Segment::prop();
+  ASSERT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&seg.h[1], 2 * kMiB, &p, 0), CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemMap_v10020>("cuMemMap")(seg.va + 2 * kMiB, 2 * kMiB, 0, seg.h[1], 0),
+            CUDA_SUCCESS);
+  ASSERT_EQ(c.get<PFN_cuMemSetAccess_v10020>("cuMemSetAccess")(seg.va + 2 * kMiB, 2 * kMiB, &rw, 1),
+            CUDA_SUCCESS);
+  const auto fresh = pattern(2 * kMiB, 77);
+  put(seg.va + 2 * kMiB, fresh);
+  std::copy(fresh.begin(), fresh.end(), seg.data.begin() + 2 * kMiB / 4);
+  CUmemGenericAllocationHandle again = 0;
+  ASSERT_EQ(c.get<PFN_cuMemRetainAllocationHandle_v11000>("cuMemRetainAllocationHandle")(
+                &again, reinterpret_cast<void*>(seg.va)),
+            CUDA_SUCCESS);
+  EXPECT_EQ(again, seg.h[0]);
+  int fd = -1;
+  EXPECT_EQ(c.get<PFN_cuMemExportToShareableHandle_v10020>("cuMemExportToShareableHandle")(
+                &fd, seg.h[0], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            CUDA_ERROR_NOT_PERMITTED)
+      << "off the GPU: cannot be shared now";
+  EXPECT_NE(std::strstr(g->note, "swapped out"), nullptr) << g->note;
+  ASSERT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(again), CUDA_SUCCESS);
+  k.finish();
+  EXPECT_EQ(load(g->swapped_bytes), 0u);
+  seg.check();
+  // Swapped out and in again with the new handle: both halves come back.
+  {
+    Boundary k2;
+    k2.start();
+    ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+    EXPECT_EQ(load(g->swapped_bytes), 4 * kMiB);
+    k2.finish();
+  }
+  seg.check();
+  seg.drop();
+  EXPECT_EQ(load(g->charged_bytes), base);
+  salusd->auto_grant = true;
+}
+
 // salusd stopping (or ending the session) while the program is swapped out:
 // the program runs on ungated, with its memory back first. Last of the suite:
 // it leaves the program detached.
