@@ -24,7 +24,9 @@
 #   oversub     issue 15, nvshare's experiment: two GPT jobs that each hold
 #               SALUS_OVERSUB_SHARE (0.65) of the GPU's memory in live state, run
 #               back to back natively, then both at once under salusd
-#               --oversubscribe 2 (FAIR, movable memory: SALUS_SWAP=1), then both
+#               --oversubscribe 2 (FAIR, movable memory: SALUS_SWAP=1; with
+#               PyTorch's default allocator, then with expandable segments, whose
+#               handles the shim moves too; SALUS_OVERSUB_ALLOC picks), then both
 #               at once natively on unified memory with no gate (um_alloc.c;
 #               "scheduler off"): total completion times and their ratios
 #   lanes       issue 15, shared lanes with real jobs: SALUS_LANES_N GPT jobs (by
@@ -314,26 +316,32 @@ part_oversub() {
   seq_s=$($py -c "print(round($t1 - $t0, 3))")
   echo "back to back, native: $seq_s s"
   policy fair
-  t0=$(date +%s.%N)
-  for i in 0 1; do
-    SALUS_SWAP=1 "${srun[@]}" --gpu 0 --persistent "$((state_mib + extra_mib))M" \
-      --ephemeral "${eph_mib}M" --policy-hint name=over$i -- "${job[@]}" --tag over$i \
-      >"$d/over-$i.json" &
-  done
-  wait
-  t1=$(date +%s.%N)
-  over_s=$($py -c "print(round($t1 - $t0, 3))")
-  echo "both at once under salusd --oversubscribe 2 (FAIR, SALUS_SWAP=1): $over_s s," \
-    "$($py -c "print(round($seq_s / $over_s, 3))")x back to back (nvshare: 1.35x)"
-  $py -c '
+  # PyTorch's default allocator, then expandable segments (the program's own
+  # cuMemCreate handles, which the shim moves too: memory_unswappable ~0).
+  local conf
+  for conf in ${SALUS_OVERSUB_ALLOC:-default expandable}; do
+    t0=$(date +%s.%N)
+    for i in 0 1; do
+      env SALUS_SWAP=1 $(alloc_env "$conf") "${srun[@]}" --gpu 0 \
+        --persistent "$((state_mib + extra_mib))M" --ephemeral "${eph_mib}M" \
+        --policy-hint name=over$i -- "${job[@]}" --tag over$i >"$d/over-$conf-$i.json" &
+    done
+    wait
+    t1=$(date +%s.%N)
+    over_s=$($py -c "print(round($t1 - $t0, 3))")
+    echo "both at once under salusd --oversubscribe 2 (FAIR, SALUS_SWAP=1, allocator $conf):" \
+      "$over_s s, $($py -c "print(round($seq_s / $over_s, 3))")x back to back (nvshare: 1.35x)"
+    $py -c '
 import json, sys
 for p in sys.argv[1:]:
     r = json.load(open(p))
     s = r.get("session") or {}
     g = lambda k: s.get(k) or "-"
-    print("  %s: %s steps, swaps out %s / in %s, swap %s ms, gpu %s ms" % (
-        g("name"), r.get("steps"), g("swaps_out"), g("swaps_in"), g("swap_ms"), g("gpu_time_ms")))
-' "$d"/over-*.json
+    print("  %s: %s steps, swaps out %s / in %s, swap %s ms, gpu %s ms, unswappable %s" % (
+        g("name"), r.get("steps"), g("swaps_out"), g("swaps_in"), g("swap_ms"),
+        g("gpu_time_ms"), g("memory_unswappable")))
+' "$d"/over-"$conf"-*.json
+  done
   # Honest programs give none: each would mean the driver showed a swapped-out
   # PyTorch job holding more than its context and reported part (+16 MiB).
   echo "  driver-figure warnings for swapped-out jobs: $(grep -c "warning: swapped out" "$work/salusd.log")"
