@@ -16,6 +16,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import threading
 
 import pytest
 
@@ -315,6 +316,58 @@ def test_a_cuda_kernel_fault_restarts_the_executor(driver):
         for s in (culprit, bystander):
             s.close()
     finally:
+        d.stop()
+
+
+def test_work_waits_while_a_new_executor_cannot_back_the_arena(tmp_path):
+    """cuda backend on the mock driver, arena backed on demand: an executor
+    replaced while the card has no memory to give (the mock's cuMemCreate fails
+    while a file exists) cannot back the arena where salusd still holds memory.
+    salusd must then treat nothing as backed: a mem/ write to a buffer held from
+    before waits (an op on unbacked memory would abort the mock's executor)
+    and completes, with its bytes, once the card has room again."""
+    mock = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
+    if not mock:
+        pytest.skip("built without the cuda backend's mock driver")
+    no_memory = tmp_path / "no-memory"
+    d = Salusd(["--gpu-isolation", "process", "--cuda-memory-fraction", "0.2"])
+    d.args[d.args.index("--backend") + 1] = "cuda"
+    d.env = {**os.environ, "LD_LIBRARY_PATH": mock, "SALUS_MOCK_NO_MEMORY_FILE": str(no_memory)}
+    d.start(timeout=120)
+    s = None
+    try:
+        s = Session(d)
+        s.cmd("need persistent=4M ephemeral=1M gpu=0\nalloc m 1M\n")
+        with open(s.file("mem/m"), "r+b") as f:
+            f.write(b"a" * 4096)
+        no_memory.write_text("")
+        os.kill(int(info(d)["executor_pid"]), signal.SIGKILL)
+        wait_back(d, 1, timeout=60)
+        assert wait_until(lambda: "gpu context lost" in s.status()["error"]), s.status()
+        assert wait_until(lambda: "not backed where salusd holds memory" in d.daemon_log())
+        s.cmd("reset\n")
+        done = []
+
+        def write_and_read():
+            # The write is queued as the session's next op; the read waits for it.
+            fd = os.open(s.file("mem/m"), os.O_RDWR)
+            try:
+                os.pwrite(fd, b"b" * 4096, 0)
+                done.append(os.pread(fd, 4096, 0))
+            finally:
+                os.close(fd)
+        t = threading.Thread(target=write_and_read)
+        t.start()
+        t.join(1.0)
+        assert t.is_alive() and not done, "the write ran on memory the executor has not backed"
+        assert "lost the arena's backing" in d.daemon_log(), d.daemon_log()
+        no_memory.unlink()
+        t.join(20)
+        assert done == [b"b" * 4096], d.daemon_log()
+        assert info(d)["restarts"] == "1", info(d)
+    finally:
+        if s is not None:
+            s.close()
         d.stop()
 
 

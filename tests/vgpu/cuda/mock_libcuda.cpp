@@ -981,6 +981,10 @@ CUresult m_cuMemCreate(CUmemGenericAllocationHandle* h, std::size_t n,
   if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
     return CUDA_ERROR_INVALID_DEVICE;
   if (n > kTotalMemory - g.used) return CUDA_ERROR_OUT_OF_MEMORY;
+  // A card with no memory to give while SALUS_MOCK_NO_MEMORY_FILE names a file
+  // that exists (a test creates and removes it while the process runs).
+  if (const char* f = std::getenv("SALUS_MOCK_NO_MEMORY_FILE"); f && ::access(f, F_OK) == 0)
+    return CUDA_ERROR_OUT_OF_MEMORY;
   const int fd = ::memfd_create("mock-vmm", MFD_CLOEXEC);
   if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(n)) != 0) {
     if (fd >= 0) ::close(fd);
