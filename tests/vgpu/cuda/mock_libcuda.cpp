@@ -973,6 +973,23 @@ CUresult m_cuMemGetAllocationGranularity(std::size_t* gran, const CUmemAllocatio
   *gran = kGranularity;
   return CUDA_SUCCESS;
 }
+// A card with no memory to give while SALUS_MOCK_NO_MEMORY_FILE names a file
+// that exists (a test creates and removes it while the process runs); a number
+// in it is how many cuMemCreate calls still succeed first (each takes one).
+bool no_memory_now() {
+  const char* path = std::getenv("SALUS_MOCK_NO_MEMORY_FILE");
+  if (path == nullptr) return false;
+  FILE* f = std::fopen(path, "r+");
+  if (f == nullptr) return false;
+  long left = 0;
+  const bool counted = std::fscanf(f, "%ld", &left) == 1 && left > 0;
+  if (counted) {
+    std::rewind(f);
+    std::fprintf(f, "%ld\n", left - 1);
+  }
+  std::fclose(f);
+  return !counted;
+}
 CUresult m_cuMemCreate(CUmemGenericAllocationHandle* h, std::size_t n,
                        const CUmemAllocationProp* prop, unsigned long long flags) {
   ENTER();
@@ -981,10 +998,7 @@ CUresult m_cuMemCreate(CUmemGenericAllocationHandle* h, std::size_t n,
   if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id != 0)
     return CUDA_ERROR_INVALID_DEVICE;
   if (n > kTotalMemory - g.used) return CUDA_ERROR_OUT_OF_MEMORY;
-  // A card with no memory to give while SALUS_MOCK_NO_MEMORY_FILE names a file
-  // that exists (a test creates and removes it while the process runs).
-  if (const char* f = std::getenv("SALUS_MOCK_NO_MEMORY_FILE"); f && ::access(f, F_OK) == 0)
-    return CUDA_ERROR_OUT_OF_MEMORY;
+  if (no_memory_now()) return CUDA_ERROR_OUT_OF_MEMORY;
   const int fd = ::memfd_create("mock-vmm", MFD_CLOEXEC);
   if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(n)) != 0) {
     if (fd >= 0) ::close(fd);

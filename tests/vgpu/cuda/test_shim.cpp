@@ -1320,6 +1320,47 @@ TEST(Swap, TheProgramsHandlesWorkWhileItIsSwappedOut) {
   salusd->auto_grant = true;
 }
 
+// The GPU has no room for a swap-in: the mock's cuMemCreate fails after the
+// third piece (the shim's own two allocations come first, then the program's
+// handles), so what was mapped again is undone and the copies stay; the grant
+// brings everything back once there is room.
+TEST(Swap, NoRoomToComeBackUndoesWhatWasMappedAndKeepsTheCopies) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  salusd->auto_grant = false;
+  Movable m;
+  m.make();
+  Segment seg;
+  seg.make();
+  settle();
+  const std::size_t free_before = driver_free();
+  Boundary k;
+  k.start();
+  ASSERT_EQ(ask_swap(SALUS_SWAP_REQ_OUT), 0);
+  ASSERT_EQ(load(g->swapped_bytes), 12 * kMiB);
+  char path[] = "/tmp/salus-no-memory-XXXXXX";
+  const int fd = ::mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, "3\n", 2), 2);  // three pieces come back, the fourth cannot
+  ::close(fd);
+  ::setenv("SALUS_MOCK_NO_MEMORY_FILE", path, 1);
+  EXPECT_EQ(ask_swap(SALUS_SWAP_REQ_IN), -ENOMEM);
+  EXPECT_EQ(load32(g->swap_state), SALUS_SWAP_SWAPPED);
+  EXPECT_EQ(load(g->swapped_bytes), 12 * kMiB);
+  EXPECT_EQ(driver_free(), free_before + 12 * kMiB) << "what came back was undone";
+  EXPECT_NE(std::strstr(g->note, "the GPU has no room for it yet"), nullptr) << g->note;
+  ::unlink(path);
+  ::unsetenv("SALUS_MOCK_NO_MEMORY_FILE");
+  k.finish();  // room again: the grant brings it all back
+  EXPECT_EQ(load(g->swapped_bytes), 0u);
+  EXPECT_EQ(driver_free(), free_before);
+  m.check();
+  seg.check();
+  seg.drop();
+  m.drop();
+  salusd->auto_grant = true;
+}
+
 // salusd stopping (or ending the session) while the program is swapped out:
 // the program runs on ungated, with its memory back first. Last of the suite:
 // it leaves the program detached.
