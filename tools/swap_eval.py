@@ -11,12 +11,17 @@ plain write(2) of the same bytes to that directory, its own baseline. Before tha
 cuMemcpyDtoH/HtoD of the same size in the same run: the baseline. Finally it
 lets the program run on and check every byte at the same pointer.
 
+With --segments N the program also builds as much memory again of its own
+as PyTorch's expandable segments do (cuMemCreate handles of N MiB mapped into
+one reservation: PyTorch's large pool takes 20 MiB), which the shim swaps
+through its handle translation: the figures are then for both together.
+
 Prints one line per figure (GiB/s and the ratio to the baseline) and exits 0,
 or prints why and exits 1. Everything it starts is stopped, and its mount
 removed, also on failure.
 
 usage: swap_eval.py --salusd PATH --shim PATH --program PATH [--mib N] [--rounds R]
-                    [--libcuda PATH] [--host-limit BYTES --spill-dir DIR]
+                    [--libcuda PATH] [--host-limit BYTES --spill-dir DIR] [--segments MIB]
 """
 import argparse
 import os
@@ -50,7 +55,7 @@ class Daemon:
         self.mnt = os.path.join(self.tmp, "mnt")
         os.mkdir(self.mnt)
         self.log = open(os.path.join(self.tmp, "salusd.log"), "w")
-        mem = f"{max(2, (2 * mib) // 1024 + 2)}G"
+        mem = f"{max(2, (4 * mib) // 1024 + 2)}G"
         self.proc = subprocess.Popen(
             [salusd, "--backend", "sim", "--sim-gpus", "1", "--sim-memory", mem, "--mount",
              self.mnt, "--state-dir", os.path.join(self.tmp, "state")],
@@ -131,13 +136,19 @@ def swap(d, s, direction, want):
 def run(a, d, out):
     with open(d.path("policy"), "w") as f:
         f.write("priority\n")
-    s = Session(d, f"need persistent={a.mib * 2}M ephemeral=0 gpu=0")
+    # As much again in whole handles (e.g. 4080 MiB of 20 MiB handles beside 4096).
+    seg_mib = a.mib // a.segments * a.segments if a.segments else 0
+    total = a.mib + seg_mib
+    s = Session(d, f"need persistent={total * 2}M ephemeral=0 gpu=0")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SALUS_")}
     env.update({"LD_PRELOAD": a.shim, "SALUS_SWAP": "1", "SALUS_MOUNT": d.mnt,
                 "SALUS_SESSION": os.path.dirname(s.file("ctl")), "SWAP_PROGRAM_BASELINE": "1"})
     if a.libcuda:  # the mock, for CI's smoke run
         env.update({"SALUS_SHIM_LIBCUDA": a.libcuda, "LD_LIBRARY_PATH": os.path.dirname(a.libcuda),
                     "SALUS_MOCK_LEGACY_STREAM": "1"})
+    if a.segments:
+        env.update({"SWAP_PROGRAM_SEGMENT_MIB": str(seg_mib),
+                    "SWAP_PROGRAM_SEGMENT_PIECE_MIB": str(a.segments)})
     if a.spill_dir:
         env.update({"SALUS_SWAP_DIR": a.spill_dir, "SALUS_SWAP_HOST_LIMIT": str(a.host_limit)})
     go = os.path.join(d.tmp, "go")
@@ -162,7 +173,7 @@ def run(a, d, out):
         outs, ins, plains = [], [], []
         for _ in range(a.rounds):
             if a.spill_dir:  # right before the swap-out that writes the same bytes
-                plains.append(plain_write(a.spill_dir, a.mib << 20))
+                plains.append(plain_write(a.spill_dir, total << 20))
             outs.append(swap(d, s, "out", "swapped"))
             ins.append(swap(d, s, "in", "resident"))
         holder.g.gpu_ns_total = 1
@@ -176,16 +187,19 @@ def run(a, d, out):
         holder.close()
         hs.close()
         s.close()
-    size = a.mib * (1 << 20)
+    size = total * (1 << 20)  # the baseline copies a.mib; GiB/s compare across sizes
+    gibs_base = lambda t: a.mib * (1 << 20) / GIB / t if t > 0 else float("inf")  # noqa: E731
     gibs = lambda t: size / GIB / t if t > 0 else float("inf")  # noqa: E731
-    b_out, b_in = gibs(float(base["dtoh_s"])), gibs(float(base["htod_s"]))
+    b_out, b_in = gibs_base(float(base["dtoh_s"])), gibs_base(float(base["htod_s"]))
     m_out, m_in = gibs(statistics.median(outs)), gibs(statistics.median(ins))
     first = gibs(outs[0])
     if plains:
         p = gibs(statistics.median(plains))
         out(f"plain write(2) of the same bytes to {a.spill_dir} {p:.2f} GiB/s; swap-out "
             f"through the spill file {m_out:.2f} GiB/s = {m_out / p:.3f} x plain write")
-    out(f"size {a.mib} MiB in one allocation, {a.rounds} rounds (median)"
+    what = (f"{a.mib} MiB in one allocation + {seg_mib} MiB of the program's own {a.segments} MiB "
+            "handles (expandable segments)" if a.segments else f"{a.mib} MiB in one allocation")
+    out(f"size {what}, {a.rounds} rounds (median)"
         + (f", spill past {a.host_limit} bytes to {a.spill_dir}" if a.spill_dir else ""))
     out(f"baseline pinned cuMemcpyDtoH {b_out:.2f} GiB/s, cuMemcpyHtoD {b_in:.2f} GiB/s")
     out(f"swap-out {m_out:.2f} GiB/s = {m_out / b_out:.3f} x baseline DtoH")
@@ -206,6 +220,8 @@ def main():
     ap.add_argument("--libcuda", default="")
     ap.add_argument("--host-limit", type=int, default=0)
     ap.add_argument("--spill-dir", default="")
+    ap.add_argument("--segments", type=int, default=0,
+                    help="also MIB of expandable-segment-style handles of this size in MiB")
     a = ap.parse_args()
     d = Daemon(a.salusd, a.mib)
     try:

@@ -21,7 +21,9 @@
 // With SWAP_PROGRAM_SEGMENT_MIB=N it also builds N MiB of memory of its own as
 // PyTorch's expandable segments do (one reservation, 2 MiB cuMemCreate handles
 // of the POSIX-fd type mapped one after another, access set over the range),
-// filled and checked at every iteration like the cuMemAlloc memory.
+// filled and checked at every iteration like the cuMemAlloc memory;
+// SWAP_PROGRAM_SEGMENT_PIECE_MIB sets the handles' size (default 2; PyTorch's
+// large pool uses 20).
 #include <cuda.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -59,7 +61,9 @@ static CUdeviceptr segment(size_t bytes) {
   get("cuMemCreate", create);
   get("cuMemMap", map);
   get("cuMemSetAccess", access);
-  const size_t piece = size_t{2} << 20;
+  const char* piece_mib = getenv("SWAP_PROGRAM_SEGMENT_PIECE_MIB");
+  const size_t piece = static_cast<size_t>(piece_mib != nullptr ? atoi(piece_mib) : 2) << 20;
+  if (piece == 0 || bytes % piece != 0) exit(2);
   CUdeviceptr va = 0;
   if (reserve(&va, bytes, 0, 0, 0)) exit(2);
   CUmemAllocationProp prop{};

@@ -219,16 +219,19 @@ def test_a_program_without_movable_memory_says_so(salusd, tmp_path):
         s.close()
 
 
-@pytest.mark.parametrize("spill", [False, True])
-def test_swap_eval_runs_against_the_mock(tmp_path, spill):
+@pytest.mark.parametrize("spill,segments", [(False, 0), (True, 0), (False, 4)])
+def test_swap_eval_runs_against_the_mock(tmp_path, spill, segments):
     """tools/swap_eval.py end to end (its own salusd), with the mock driver:
-    its figures mean nothing here; this keeps the device script working."""
+    its figures mean nothing here; this keeps the device script working (also
+    with the program's own expandable-segment-style handles)."""
     tool = os.path.join(HERE, "..", "..", "tools", "swap_eval.py")
     args = [sys.executable, tool, "--salusd", os.environ["SALUSD"], "--shim", SHIM,
             "--program", PROGRAM, "--mib", "16", "--rounds", "2",
             "--libcuda", os.path.join(MOCK_DIR, "libcuda.so.1")]
     if spill:
         args += ["--host-limit", "0", "--spill-dir", str(tmp_path)]
+    if segments:
+        args += ["--segments", str(segments)]
     r = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "baseline pinned cuMemcpyDtoH" in r.stdout
@@ -236,6 +239,8 @@ def test_swap_eval_runs_against_the_mock(tmp_path, spill):
     assert "swap-in " in r.stdout
     assert "contents after the swaps: identical" in r.stdout
     assert os.listdir(tmp_path) == [], "the spill file is never visible"
+    if segments:
+        assert "16 MiB of the program's own 4 MiB handles" in r.stdout, r.stdout
 
 
 def test_a_session_is_not_granted_while_its_swap_out_runs(salusd, tmp_path):
