@@ -1,7 +1,8 @@
-// Movable memory of an attached program (SALUS_SWAP=1): cuMemAlloc_v2 and
-// cuMemAllocPitch_v2 are served from the driver's VMM (an address range
-// reserved for good, a physical handle mapped into it), so the shim owns the
-// physical memory and can move it. Swap-out, asked by salusd while the program
+// Movable memory of an attached program (SALUS_SWAP=1): cuMemAlloc_v2,
+// cuMemAllocPitch_v2 and cuMemAllocAsync are served from the driver's VMM (an
+// address range reserved for good, a physical handle mapped into it), so the
+// shim owns the physical memory and can move it; the program's own cuMemCreate
+// handles move with them (program_handles.cpp). Swap-out, asked by salusd while the program
 // waits at the gate: synchronize, copy every allocation to pinned host memory
 // (past SALUS_SWAP_HOST_LIMIT, to an unlinked spill file in SALUS_SWAP_DIR),
 // and only once *every* copy is safe unmap and release the device memory; the
