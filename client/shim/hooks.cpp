@@ -464,6 +464,14 @@ extern "C" SALUS_EXPORT CUresult cuMemSetAccess(CUdeviceptr p, std::size_t n,
   return f(p, n, desc, count);
 }
 
+extern "C" SALUS_EXPORT CUresult cuMemGetAccess(unsigned long long* flags,
+                                                const CUmemLocation* where, CUdeviceptr p) {
+  if (program_handle_access(flags, where, p)) return CUDA_SUCCESS;
+  auto f = real<PFN_cuMemGetAccess_v10020>(kMemGetAccess);
+  if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
+  return f(flags, where, p);
+}
+
 extern "C" SALUS_EXPORT CUresult
 cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* prop, CUmemGenericAllocationHandle h) {
   if (is_program_handle(h)) return program_handle_properties(prop, h);
@@ -608,6 +616,7 @@ const HookEntry kHooks[] = {
         cuMemExportToShareableHandle),
     ONE("cuMemFree", 3020, kMemFree, cuMemFree_v2),
     TWO("cuMemFreeAsync", 11020, kMemFreeAsync, cuMemFreeAsync),
+    ONE("cuMemGetAccess", 10020, kMemGetAccess, cuMemGetAccess),
     ONE("cuMemGetAllocationPropertiesFromHandle", 10020, kMemGetAllocationPropertiesFromHandle,
         cuMemGetAllocationPropertiesFromHandle),
     ONE("cuMemGetHandleForAddressRange", 11070, kMemGetHandleForAddressRange,

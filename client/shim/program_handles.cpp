@@ -375,6 +375,23 @@ bool program_handle_retain(CUmemGenericAllocationHandle* out, void* addr) {
   return true;
 }
 
+bool program_handle_access(unsigned long long* flags, const CUmemLocation* where, CUdeviceptr p) {
+  if (!swap_enabled() || flags == nullptr || where == nullptr) return false;
+  Registry& R = registry();
+  std::lock_guard lk(R.mu);
+  Mapping* m = nullptr;
+  const ProgramHandle* h = mapped_at(R, p, &m);
+  if (h == nullptr || h->mem.handle != 0) return false;  // on the GPU: the driver knows
+  // Off the GPU: what the program set last on that byte for that location.
+  unsigned long long got = CU_MEM_ACCESS_FLAGS_PROT_NONE;
+  for (const Access& e : m->access)
+    if (p - m->va >= e.off && p - m->va < e.off + e.size)
+      for (const CUmemAccessDesc& x : e.descs)
+        if (x.location.type == where->type && x.location.id == where->id) got = x.flags;
+  *flags = got;
+  return true;
+}
+
 CUresult program_handle_properties(CUmemAllocationProp* prop, CUmemGenericAllocationHandle id) {
   if (prop == nullptr) return CUDA_ERROR_INVALID_VALUE;
   Registry& R = registry();

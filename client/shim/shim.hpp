@@ -40,6 +40,7 @@ enum Fn : int {
   kMemMap,
   kMemUnmap,
   kMemSetAccess,
+  kMemGetAccess,
   kMemRetainAllocationHandle,
   kMemGetAllocationPropertiesFromHandle,
   kMemExportToShareableHandle,
@@ -186,6 +187,9 @@ bool program_handles_set_access(CUdeviceptr p, std::size_t n, const CUmemAccessD
 // true with *h set (one more reference); false: not one of them.
 bool program_handle_retain(CUmemGenericAllocationHandle* h, void* addr);
 CUresult program_handle_properties(CUmemAllocationProp* prop, CUmemGenericAllocationHandle h);
+// cuMemGetAccess of a program mapping that is off the GPU: true with what the
+// program set there; false: the driver answers.
+bool program_handle_access(unsigned long long* flags, const CUmemLocation* where, CUdeviceptr p);
 // The driver's handle behind h, which is being shared with the world
 // (exported, bound to a multicast object): it stays on the GPU from now on.
 // CUDA_ERROR_NOT_PERMITTED while it is swapped out (with a note).

@@ -1195,6 +1195,19 @@ MockHandle* mapped_at_locked(CUdeviceptr p) {
   auto* m = static_cast<MockHandle*>(it->second);
   return p < it->first + m->size ? m : nullptr;
 }
+// Read-write where access was set (the mock keeps no finer grain), else none.
+CUresult m_cuMemGetAccess(unsigned long long* flags, const CUmemLocation* where, CUdeviceptr p) {
+  ENTER();
+  if (flags == nullptr || where == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  auto it = g.mapped.upper_bound(p);
+  if (it == g.mapped.begin() || mapped_at_locked(p) == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  --it;
+  *flags = g.accessible.count(it->first) != 0 && where->type == CU_MEM_LOCATION_TYPE_DEVICE &&
+                   where->id == 0
+               ? CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+               : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+  return CUDA_SUCCESS;
+}
 // A dma-buf of a mapped range stands in as the fd of the handle mapped there.
 CUresult m_cuMemGetHandleForAddressRange(void* out, CUdeviceptr p, std::size_t n,
                                          CUmemRangeHandleType type, unsigned long long flags) {
@@ -1362,6 +1375,7 @@ const Entry kEntries[] = {
     V(cuMemExportToShareableHandle, m_cuMemExportToShareableHandle, 10020),
     V(cuMemImportFromShareableHandle, m_cuMemImportFromShareableHandle, 10020),
     V(cuMemRetainAllocationHandle, m_cuMemRetainAllocationHandle, 11000),
+    V(cuMemGetAccess, m_cuMemGetAccess, 10020),
     V(cuMemGetAllocationPropertiesFromHandle, m_cuMemGetAllocationPropertiesFromHandle, 10020),
     V(cuMemGetHandleForAddressRange, m_cuMemGetHandleForAddressRange, 11070),
     V(cuMulticastBindMem, m_cuMulticastBindMem, 12010),

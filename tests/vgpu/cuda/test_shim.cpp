@@ -1296,6 +1296,15 @@ TEST(Swap, TheProgramsHandlesWorkWhileItIsSwappedOut) {
                 &again, reinterpret_cast<void*>(seg.va)),
             CUDA_SUCCESS);
   EXPECT_EQ(again, seg.h[0]);
+  // Its access, as the program set it, though the driver sees nothing mapped.
+  auto get_access = c.get<PFN_cuMemGetAccess_v10020>("cuMemGetAccess");
+  unsigned long long flags = 0;
+  ASSERT_EQ(get_access(&flags, &rw.location, seg.va + 4096), CUDA_SUCCESS);
+  EXPECT_EQ(flags, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  CUmemLocation other = rw.location;
+  other.id = 1;
+  ASSERT_EQ(get_access(&flags, &other, seg.va + 4096), CUDA_SUCCESS);
+  EXPECT_EQ(flags, CU_MEM_ACCESS_FLAGS_PROT_NONE);
   int fd = -1;
   EXPECT_EQ(c.get<PFN_cuMemExportToShareableHandle_v10020>("cuMemExportToShareableHandle")(
                 &fd, seg.h[0], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
