@@ -110,6 +110,26 @@ std::vector<Overlap> overlapping(Registry& R, CUdeviceptr p, std::size_t n) {
   return out;
 }
 
+// Does a range call (cuMemUnmap, cuMemSetAccess) on the driver for [p, p + n),
+// whose program mappings are `hit`: the driver's own answer for the whole range
+// when they are all on the GPU (other mappings in it too); else piece by piece
+// for what is on the GPU and what lies between, skipping what is off it (the
+// swap-in does its part). A CUresult.
+template <typename Call>
+CUresult on_driver(const std::vector<Overlap>& hit, CUdeviceptr p, std::size_t n, Call call) {
+  if (std::all_of(hit.begin(), hit.end(), [](const Overlap& o) { return o.h->mem.handle != 0; }))
+    return call(p, n);
+  CUdeviceptr at = p;
+  for (const Overlap& o : hit) {
+    const CUdeviceptr lo = std::max(p, o.m->va), hi = std::min(p + n, o.m->va + o.m->size);
+    if (lo > at) call(at, lo - at);
+    if (o.h->mem.handle != 0) call(lo, hi - lo);
+    at = hi;
+  }
+  if (at < p + n) call(at, p + n - at);
+  return CUDA_SUCCESS;
+}
+
 // Forgets h once the program released it and nothing maps it: the driver's
 // handle goes (or the copy, while it is off the GPU). Caller holds the registry.
 void forget_if_done(const VmmDriver& d, Registry& R, CUmemGenericAllocationHandle id) {
@@ -295,21 +315,10 @@ bool program_handles_unmap(CUdeviceptr p, std::size_t n, CUresult* r) {
         *r = CUDA_ERROR_INVALID_VALUE;  // a mapping is unmapped whole, as the driver wants
         return true;
       }
-    const bool all_on_gpu =
-        std::all_of(hit.begin(), hit.end(), [](const Overlap& o) { return o.h->mem.handle != 0; });
-    if (all_on_gpu) {
-      // The driver's own answer for the whole range (other mappings in it too).
-      if (*r = d.unmap(p, n); *r != CUDA_SUCCESS) return true;
-    } else {
-      // Some are off the GPU: unmap the rest piece by piece, with what lies between.
-      CUdeviceptr at = p;
-      for (const Overlap& o : hit) {
-        if (o.m->va > at) d.unmap(at, o.m->va - at);
-        if (o.h->mem.handle != 0) d.unmap(o.m->va, o.m->size);
-        at = o.m->va + o.m->size;
-      }
-      if (at < p + n) d.unmap(at, p + n - at);
-    }
+    if (*r =
+            on_driver(hit, p, n, [&](CUdeviceptr at, std::size_t len) { return d.unmap(at, len); });
+        *r != CUDA_SUCCESS)
+      return true;
     std::vector<std::pair<CUmemGenericAllocationHandle, CUdeviceptr>> gone;
     for (const Overlap& o : hit) gone.emplace_back(o.id, o.m->va);
     for (const auto& [id, va] : gone) {
@@ -336,21 +345,12 @@ bool program_handles_set_access(CUdeviceptr p, std::size_t n, const CUmemAccessD
     std::lock_guard lk(R.mu);
     const std::vector<Overlap> hit = overlapping(R, p, n);
     if (hit.empty()) return false;
-    const bool all_on_gpu =
-        std::all_of(hit.begin(), hit.end(), [](const Overlap& o) { return o.h->mem.handle != 0; });
-    if (all_on_gpu) {
-      if (*r = d.set_access(p, n, desc, count); *r != CUDA_SUCCESS) return true;
-    } else {
-      // Off the GPU: recorded, set at the swap-in; the rest of the range now.
-      CUdeviceptr at = p;
-      for (const Overlap& o : hit) {
-        const CUdeviceptr lo = std::max(p, o.m->va), hi = std::min(p + n, o.m->va + o.m->size);
-        if (lo > at) d.set_access(at, lo - at, desc, count);
-        if (o.h->mem.handle != 0) d.set_access(lo, hi - lo, desc, count);
-        at = hi;
-      }
-      if (at < p + n) d.set_access(at, p + n - at, desc, count);
-    }
+    if (*r = on_driver(
+            hit, p, n,
+            [&](CUdeviceptr at, std::size_t len) { return d.set_access(at, len, desc, count); });
+        *r != CUDA_SUCCESS)
+      return true;
+    // Recorded for every mapping: those off the GPU get it at the swap-in.
     for (const Overlap& o : hit) {
       const CUdeviceptr lo = std::max(p, o.m->va), hi = std::min(p + n, o.m->va + o.m->size);
       record_access(*o.m, lo - o.m->va, hi - lo, desc, count);
