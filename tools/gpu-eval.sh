@@ -1,6 +1,7 @@
 #!/bin/bash
 # The whole GPU evaluation of Salus on one machine with an NVIDIA GPU, run from
-# the repository root against binaries gathered by tools/bundle.sh:
+# the repository root against binaries gathered by tools/bundle.sh (or a build
+# directory: a bundle has its layout):
 #
 #   tools/gpu-eval.sh BUNDLE OUT [PART...]
 #
@@ -33,10 +34,11 @@ shift 2
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests bench compare replay)
 mkdir -p "$out"
-export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PATH="$bundle/bin:$PATH"
-bin=$bundle/bin
-data=$bundle/data
+# The bundle's programs find its libraries through their RPATH; its
+# fusermount3 serves a box without fuse3.
+export PATH="$PATH:$bundle/tools"
+bin=$bundle/tools
+gtests=$bundle/tests/vgpu/cuda
 work=$(mktemp -d /tmp/salus-gpu-eval-XXXXXX)
 daemon_pid=""
 mps_dir=""
@@ -70,7 +72,7 @@ stop_salusd() {
 
 part_tests() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-  export SALUS_TEST_CUDA_FATBIN=$data/test_kernels.fatbin SALUS_TEST_CUDA_PTX=$data/test_kernels.ptx
+  export SALUS_TEST_CUDA_FATBIN=$gtests/test_kernels.fatbin SALUS_TEST_CUDA_PTX=$gtests/test_kernels.ptx
   local t faults="RecoversFromAKernelFault RecoversWhileAnotherThreadKeepsEnqueueing WithoutInProcessRecoveryAFaultTakesTheDeviceOutOfService"
   # A kernel fault can poison the process for good: each fault test gets its own.
   local exclude
@@ -80,15 +82,15 @@ part_tests() {
     timeout 300 "$@" 2>&1 | grep -E '^\[ *(OK|FAILED|SKIPPED|PASSED) *\]|Failure|Which is|Expected|Skipped|no CUDA' 
     echo "exit status ${PIPESTATUS[0]}"
   }
-  run_gtest "$bin/test_cuda_driver"
-  run_gtest "$bin/test_cuda_device" "--gtest_filter=-${exclude%:}"
-  for t in $faults; do run_gtest "$bin/test_cuda_device" "--gtest_filter=*.$t"; done
-  run_gtest "$bin/test_nvml_gpu"
+  run_gtest "$gtests/test_cuda_driver"
+  run_gtest "$gtests/test_cuda_device" "--gtest_filter=-${exclude%:}"
+  for t in $faults; do run_gtest "$gtests/test_cuda_device" "--gtest_filter=*.$t"; done
+  run_gtest "$gtests/test_nvml_gpu"
   echo "== integration (cuda backend, default isolation: one executor process per GPU)"
   SALUSD=$bin/salusd timeout 400 python3 -m pytest -q -rs -p no:cacheprovider \
     tests/integration/test_cuda_backend.py 2>&1 | tail -30
   echo "== executor on the real driver (test_executor.py -k real)"
-  SALUSD=$bin/salusd SALUS_TEST_CUDA_REAL=1 SALUS_TEST_CUDA_FATBIN=$data/test_kernels.fatbin \
+  SALUSD=$bin/salusd SALUS_TEST_CUDA_REAL=1 SALUS_TEST_CUDA_FATBIN=$gtests/test_kernels.fatbin \
     timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -k real \
     tests/integration/test_executor.py 2>&1 | tail -30
   echo "== data plane on the cuda backend (SALUS_TEST_BACKEND=cuda)"
@@ -107,11 +109,11 @@ part_bench() {
   echo "\$ salus-bench --gpu-isolation thread gpu-overhead -n 1000"
   $b --gpu-isolation thread gpu-overhead -n 1000
   echo "\$ salus-bench gpu-switch-gap -n 2000"
-  $b gpu-switch-gap --kernels "$data/salus_bench_kernels.ptx" -n 2000
+  $b gpu-switch-gap --kernels "$bin/salus_bench_kernels.ptx" -n 2000
   echo "\$ salus-bench gpu-switch-gap -n 2000 --salusd-arg=--pipeline-depth=1"
-  $b gpu-switch-gap --kernels "$data/salus_bench_kernels.ptx" -n 2000 --salusd-arg=--pipeline-depth=1
+  $b gpu-switch-gap --kernels "$bin/salus_bench_kernels.ptx" -n 2000 --salusd-arg=--pipeline-depth=1
   echo "\$ salus-bench --gpu-isolation thread gpu-switch-gap -n 2000"
-  $b --gpu-isolation thread gpu-switch-gap --kernels "$data/salus_bench_kernels.ptx" -n 2000
+  $b --gpu-isolation thread gpu-switch-gap --kernels "$bin/salus_bench_kernels.ptx" -n 2000
   echo "\$ salus-bench gpu-pack --sessions 8 --size 512 -n 2000"
   $b gpu-pack --sessions 8 --size 512 -n 2000
   echo "\$ salus-bench dataplane --backend cuda --size 1G --repeat 3"

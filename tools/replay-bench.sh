@@ -5,7 +5,7 @@
 # tools/replay-compare. Results go to OUT.
 #
 #   tools/replay-bench.sh BUILD OUT [policy...]        (default: fifo srtf pack fair)
-#   BUILD: a build directory (BUILD/tools/salusd) or a bundle's bin/ (BUILD/salusd)
+#   BUILD: a build directory or a bundle (BUILD/tools/salusd), or its tools/ (BUILD/salusd)
 #   env: TRACE (traces/online-100.csv), SCALE (256), ITER_SCALE (4: iterations 1/4 as
 #        long and 1/64 as many; fewer boundaries, so less of salusd's jitter adds up),
 #        DEPTH (salusd --pipeline-depth, 1), TIE (seconds, 0.05),
