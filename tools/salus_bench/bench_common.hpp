@@ -92,5 +92,6 @@ void add_gpu_benches(CLI::App& app, Registry& r);
 void add_dataplane_benches(CLI::App& app, Registry& r);
 void add_soak_benches(CLI::App& app, Registry& r);
 void add_gate_benches(CLI::App& app, Registry& r);
+void add_backing_benches(CLI::App& app, Registry& r);
 
 }  // namespace salus::bench
