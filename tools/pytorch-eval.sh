@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 14's GPU evaluation: real PyTorch jobs, unmodified, under salus-run.
 #
-#   tools/pytorch-eval.sh [--dry-run] OUT [PART...]
+#   tools/pytorch-eval.sh [--dry-run | --quick] OUT [PART...]
 #
 # Run from the repository root with a build that has the cuda backend and the
 # shim (SALUS_BUILD, default ./build: tools/salusd, tools/salus-run, tools/salus-sim,
@@ -45,12 +45,20 @@
 # salusd (fewer jobs, seconds not minutes, compile/graphs/expandable segments
 # skipped): what CI runs to keep this script working. Its figures mean nothing.
 #
+# --quick: on the GPU, sized for a short lease (tools/gpu-session.sh): eager
+# mode only in compat (still 100 steps, both allocators), 100 steps for
+# throughput, 20 s for fair, 100 inferences per session, the trace's jobs 3x
+# its lengths rather than 10x, and 40 steps per oversub job.
+#
 # Each part writes OUT/PART.txt (the lines for docs/benchmarks.md) and OUT/PART/
 # (the JSON of every run). No daemon or mount is left behind.
 set -u
-dry=0
-if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
-out=$(realpath -m "${1:?usage: tools/pytorch-eval.sh [--dry-run] OUT [PART...]}")
+dry=0 quick=0
+case "${1:-}" in
+  --dry-run) dry=1; shift ;;
+  --quick) quick=1; shift ;;
+esac
+out=$(realpath -m "${1:?usage: tools/pytorch-eval.sh [--dry-run | --quick] OUT [PART...]}")
 shift
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(compat throughput fair trace inference oversub lanes)
@@ -76,7 +84,11 @@ else
   dev=(--device cuda) backend=(--backend cuda --cuda-memory-fraction "${SALUS_EVAL_ARENA_FRACTION:-0.9}")
   steps=100 tput_steps=300 fair_s=${SALUS_FAIR_S:-60} infer_n=${SALUS_INFER_N:-42}
   infer_iters=500 warm=20 modes=(eager compile graphs) alloc_confs=(default expandable)
-  trace_scale=10
+  trace_scale=10 oversub_steps=200
+  if [ $quick = 1 ]; then
+    tput_steps=100 fair_s=${SALUS_FAIR_S:-20} infer_iters=100 warm=10 modes=(eager)
+    trace_scale=3 oversub_steps=40
+  fi
 fi
 
 cleanup() {
@@ -131,6 +143,7 @@ versions() {
   $py -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   [ $dry = 1 ] && echo "DRY RUN (CPU, tiny models, sim salusd): these figures mean nothing"
+  [ $quick = 1 ] && echo "quick profile (--quick): eager only, fewer steps and shorter runs than the full evaluation"
 }
 
 part_compat() {
@@ -303,7 +316,7 @@ part_oversub() {
   else
     cap_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
     extra_mib=${SALUS_OVERSUB_EXTRA_MIB:-3072} eph_mib=${SALUS_OVERSUB_EPHEMERAL_MIB:-8192}
-    steps=${SALUS_OVERSUB_STEPS:-200}
+    steps=${SALUS_OVERSUB_STEPS:-$oversub_steps}
   fi
   local state_mib
   state_mib=$($py -c "print(int($cap_mib * ${SALUS_OVERSUB_SHARE:-0.65}))")
