@@ -28,7 +28,11 @@
 #               PyTorch's default allocator, then with expandable segments, whose
 #               handles the shim moves too; SALUS_OVERSUB_ALLOC picks), then both
 #               at once natively on unified memory with no gate (um_alloc.c;
-#               "scheduler off"): total completion times and their ratios
+#               "scheduler off"): total completion times and their ratios. A
+#               swapped-out job waits in pinned host memory: where 65% of the
+#               card is more than 40% of the host's memory (an H200 on a 128 GB
+#               host), a ballast process holds the rest of the card for the
+#               whole part and the output says so
 #   lanes       issue 15, shared lanes with real jobs: SALUS_LANES_N GPT jobs (by
 #               default one more than fit with their own memory) at once under
 #               FAIR, first each with its own memory (need P + E), then with
@@ -91,8 +95,10 @@ else
   fi
 fi
 
+ballast_pid=""
 cleanup() {
   if [ -n "$daemon_pid" ]; then kill "$daemon_pid" 2>/dev/null; wait "$daemon_pid" 2>/dev/null; fi
+  if [ -n "$ballast_pid" ]; then kill "$ballast_pid" 2>/dev/null; wait "$ballast_pid" 2>/dev/null; fi
   grep -q " $work/mnt " /proc/mounts && fusermount3 -u -z "$work/mnt" 2>/dev/null
   rm -rf "$work"
 }
@@ -314,14 +320,15 @@ part_oversub() {
   if [ $dry = 1 ]; then
     cap_mib=1024 extra_mib=64 eph_mib=64 steps=4
   else
-    cap_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+    cap_mib=$oversub_card_mib
     extra_mib=${SALUS_OVERSUB_EXTRA_MIB:-3072} eph_mib=${SALUS_OVERSUB_EPHEMERAL_MIB:-8192}
     steps=${SALUS_OVERSUB_STEPS:-$oversub_steps}
   fi
   local state_mib
   state_mib=$($py -c "print(int($cap_mib * ${SALUS_OVERSUB_SHARE:-0.65}))")
   local job=($wl train --model gpt "${dev[@]}" --steps "$steps" --warmup 0 --state-mib "$state_mib")
-  echo "two GPT jobs of $steps steps, each with $state_mib MiB of live state on a $cap_mib MiB GPU"
+  echo "two GPT jobs of $steps steps, each with $state_mib MiB of live state on a $cap_mib MiB GPU" \
+    "${oversub_note:-}"
   local t0 t1 seq_s over_s um_s
   t0=$(date +%s.%N)
   "${job[@]}" --tag seq0 >"$d/seq-0.json" && "${job[@]}" --tag seq1 >"$d/seq-1.json"
@@ -371,6 +378,33 @@ for p in sys.argv[1:]:
   um_s=$($py -c "print(round($t1 - $t0, 3))")
   echo "both at once natively on unified memory, no gate: $um_s s," \
     "$($py -c "print(round($seq_s / $um_s, 3))")x back to back"
+}
+
+# The card the oversub part runs on (oversub_card_mib). A swapped-out job's
+# state waits in pinned host memory, so it must stay well inside the host's
+# memory: 65% of an H200 (93 GB) is most of a 128 GB host, and pinning it could
+# take the machine down. Where the card holds more than that allows (the state
+# under 40% of the host), a ballast process takes the rest of the card for the
+# whole part, native runs included, so every row of the comparison sees the
+# same smaller GPU; said in the part's output.
+oversub_card() {
+  local card host fit
+  card=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+  host=$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)
+  fit=$($py -c "print(int(0.4 * $host / ${SALUS_OVERSUB_SHARE:-0.65}))")
+  oversub_card_mib=$card oversub_note=""
+  [ "$fit" -ge $((card - 2048)) ] && return 0
+  local ready=$work/ballast.ready
+  CUDA_VISIBLE_DEVICES=0 $py -c '
+import sys, time, torch
+x = torch.empty(int(sys.argv[1]) << 20, dtype=torch.uint8, device="cuda")
+open(sys.argv[2], "w").close()
+time.sleep(1e6)' "$((card - fit))" "$ready" &
+  ballast_pid=$!
+  for _ in $(seq 600); do [ -e "$ready" ] || ! kill -0 "$ballast_pid" 2>/dev/null && break; sleep 0.1; done
+  [ -e "$ready" ] || { echo "pytorch-eval: the ballast process did not take the card" >&2; exit 1; }
+  oversub_card_mib=$fit
+  oversub_note="(the card's $card MiB are more than this host's $host MiB can hold swapped out: a ballast process holds $((card - fit)) MiB of it for the whole part)"
 }
 
 # The most sessions in state admitted at once, sampled until FILE exists.
@@ -441,13 +475,14 @@ for part in "${parts[@]}"; do
       if [ $dry = 1 ]; then
         backend=(--backend sim --sim-gpus 1 --sim-memory 1024M)
       else
-        backend=(--backend sim --sim-gpus 1 --sim-memory
-          "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)M")
+        oversub_card
+        backend=(--backend sim --sim-gpus 1 --sim-memory "${oversub_card_mib}M")
       fi
       ensure_salusd --oversubscribe 2 ;;
     *) echo "pytorch-eval: unknown part '$part'" >&2; exit 2 ;;
   esac
   echo "== $part"
   { versions; "part_$part"; } 2>"$out/$part.err" | tee "$out/$part.txt"
+  if [ -n "$ballast_pid" ]; then kill "$ballast_pid"; wait "$ballast_pid" 2>/dev/null; ballast_pid=""; fi
 done
 stop_salusd
