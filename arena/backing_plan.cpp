@@ -83,4 +83,12 @@ BackingChange backing_change(const std::vector<bool>& backed, const std::vector<
   return out;
 }
 
+std::vector<ChunkRun> split_run(const ChunkRun& run, std::uint64_t most) {
+  if (most == 0) most = 1;
+  std::vector<ChunkRun> out;
+  for (std::uint64_t done = 0; done < run.count; done += most)
+    out.push_back({run.first + done, std::min(most, run.count - done)});
+  return out;
+}
+
 }  // namespace salus::arena

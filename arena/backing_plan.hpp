@@ -52,4 +52,8 @@ struct BackingChange {
 // end of `backed` count as unbacked; a wanted run past it is the caller's error.
 BackingChange backing_change(const std::vector<bool>& backed, const std::vector<ChunkRun>& wanted);
 
+// `run` cut into consecutive pieces of at most `most` (>= 1) chunks, so that a
+// device can hold a lock for one piece at a time while it maps a long run.
+std::vector<ChunkRun> split_run(const ChunkRun& run, std::uint64_t most);
+
 }  // namespace salus::arena

@@ -81,6 +81,14 @@ TEST(BackingPlan, ChangeMapsTheMissingAndUnmapsTheUnwanted) {
   EXPECT_TRUE(none.unmap.empty());
 }
 
+TEST(BackingPlan, SplitRunCutsIntoConsecutivePiecesOfAtMostN) {
+  EXPECT_EQ(split_run({10, 7}, 3), (std::vector<ChunkRun>{{10, 3}, {13, 3}, {16, 1}}));
+  EXPECT_EQ(split_run({0, 6}, 3), (std::vector<ChunkRun>{{0, 3}, {3, 3}}));
+  EXPECT_EQ(split_run({5, 2}, 64), (std::vector<ChunkRun>{{5, 2}}));
+  EXPECT_TRUE(split_run({5, 0}, 4).empty());
+  EXPECT_EQ(split_run({1, 2}, 0), (std::vector<ChunkRun>{{1, 1}, {2, 1}}));
+}
+
 TEST(BackingPlan, AgreesWithAChunkByChunkReferenceOnRandomLayouts) {
   for (std::uint64_t seed = 1; seed <= 2000; ++seed) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed);

@@ -127,6 +127,8 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
   for (auto& g : gpus_) {
     Gpu* gp = g.get();
     gp->worker = std::thread([this, gp] { worker_loop(*gp); });
+    if (gp->device->info().backs_on_demand)
+      gp->backer = std::thread([this, gp] { backer_loop(*gp); });
   }
   start_gate_service();
 }
@@ -1043,8 +1045,14 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& su
                                     arena::format_size(s.need.persistent), s.gpu,
                                     arena::format_size(g.sched.arena().memory().free)));
   }
-  if (!backing_ready(g)) {
+  if (const Backing b = backing_state(g); b != Backing::ready) {
     g.sched.arena().free_persistent(r.handle);
+    if (b == Backing::pending) {
+      // Its memory is being mapped off the lock: the write waits (holding no
+      // thread) and retries when that is done (finish_backing).
+      suspend = true;
+      return 0;
+    }
     return fail(ENOMEM,
                 fmt::format("gpu {} has no card memory to back it: {}", s.gpu, g.backing_why));
   }
@@ -2055,6 +2063,7 @@ void Broker::shutdown(std::chrono::milliseconds bound) {
   // flight (their completions take the broker lock, so not under it).
   for (auto& g : gpus_) g->transfers->stop();
   stop_gate_service();
+  for (auto& g : gpus_) stop_backer(*g);  // a job under way ends first
   for (auto& g : gpus_) {
     {
       std::lock_guard lk(g->cq_mu);

@@ -353,10 +353,23 @@ class Broker {
   void compact(Gpu& g);
   void start_moves(Gpu& g, SessionId id, const std::vector<arena::PersistentMove>& moves);
   // The arena backed on demand (broker_backing.cpp): whether every range held in
-  // g's arena has memory behind it, telling the device when the layout changed.
-  // False (logged, retried by the next pass) while the card has no room.
-  bool backing_ready(Gpu& g);
+  // g's arena has memory behind it. New memory is backed by g's backer thread,
+  // off the broker lock (mapping gigabytes takes the driver long: no other user
+  // may wait on it): `pending` until that job ends, when the GPU's worker is
+  // woken, its sessions' suspended writes resume and `backing_waiters` run.
+  // `failed` (logged, retried after a pause) while the card has no room. Memory
+  // no longer held goes back to the card once it has stayed free a moment.
+  enum class Backing { ready, pending, failed };
+  Backing backing_state(Gpu& g);
+  bool backing_ready(Gpu& g) { return backing_state(g) == Backing::ready; }
   std::vector<arena::ByteRange> held_ranges(const Gpu& g) const;
+  void start_backing(Gpu& g, std::vector<arena::ByteRange> target);
+  void resize_locked(SessionId id, const Caller& caller, std::uint32_t buffer_id, Bytes size,
+                     std::function<void(int err)> done, Deferred& later);
+  void maybe_give_back(Gpu& g);
+  void backer_loop(Gpu& g);
+  void finish_backing(Gpu& g, int status, const std::string& why, Deferred& later);
+  void stop_backer(Gpu& g);
   void finish_compaction(Gpu& g, const Completion& c, Deferred& later);
   void finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std::int64_t device_ns,
                        Deferred& later);

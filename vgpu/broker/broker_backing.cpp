@@ -1,7 +1,11 @@
 // The arena backed on demand (cuda with VMM, design.md "The arena backed on
 // demand"): the device is told which ranges salusd holds before any work uses
 // them, so that the rest of the card is free for attached programs, whose
-// memory is their own. One compare per call while the layout stands still.
+// memory is their own. Telling it maps or unmaps one 2 MiB chunk at a time,
+// which for gigabytes takes the driver a long while: each GPU's backer thread
+// does it off the broker lock, one job at a time, so that no other session,
+// FUSE call or GPU waits on it; only work that needs the new memory does. One
+// compare per call while the layout stands still.
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
@@ -15,9 +19,40 @@ namespace salus::vgpu {
 namespace {
 
 // A failure is said again at most this often, and tried again at most this
-// often while the layout stands still (each try may be an IPC to the executor).
+// often for the same memory (each try may be an IPC to the executor).
 constexpr std::int64_t kBackingReportNs = 10'000'000'000;
 constexpr std::int64_t kBackingRetryNs = 50'000'000;
+// Memory no longer held goes back to the card after this long: a write or a
+// swap-in that waited for a job retries right after it and finds its memory
+// still there, instead of each giving back what the other needs.
+constexpr std::int64_t kGiveBackDelayNs = 200'000'000;
+
+// Whether every range of `inner` lies inside one of `outer` (both sorted,
+// disjoint and merged, as merge_ranges makes them).
+bool covers(const std::vector<arena::ByteRange>& outer,
+            const std::vector<arena::ByteRange>& inner) {
+  auto o = outer.begin();
+  for (const arena::ByteRange& r : inner) {
+    while (o != outer.end() && o->offset + o->size <= r.offset) ++o;
+    if (o == outer.end() || o->offset > r.offset || o->offset + o->size < r.offset + r.size)
+      return false;
+  }
+  return true;
+}
+
+std::vector<arena::ByteRange> intersect(const std::vector<arena::ByteRange>& a,
+                                        const std::vector<arena::ByteRange>& b) {
+  std::vector<arena::ByteRange> out;
+  auto i = a.begin();
+  auto j = b.begin();
+  while (i != a.end() && j != b.end()) {
+    const Bytes lo = std::max(i->offset, j->offset);
+    const Bytes hi = std::min(i->offset + i->size, j->offset + j->size);
+    if (lo < hi) out.push_back({lo, hi - lo});
+    (i->offset + i->size < j->offset + j->size) ? ++i : ++j;
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -40,44 +75,133 @@ std::vector<arena::ByteRange> Broker::held_ranges(const Gpu& g) const {
   return arena::merge_ranges(std::move(held));
 }
 
-bool Broker::backing_ready(Gpu& g) {
-  if (!g.device->info().backs_on_demand) return true;
+Broker::Backing Broker::backing_state(Gpu& g) {
+  if (!g.device->info().backs_on_demand) return Backing::ready;
   if (const std::uint64_t epoch = g.device->backing_epoch(); epoch != g.backing_epoch) {
     // The device lost what it was told (an executor restarted and could not back
     // it again): nothing is backed until it is told again, whatever the layout.
     spdlog::warn("gpu{}: the device lost the arena's backing; backing it again", g.index);
     g.backing_epoch = epoch;
     g.backed.clear();
-    g.backed_version = g.backing_failed_version = ~std::uint64_t{0};
+    g.backing_safe.clear();
+    g.backing_failed_target.clear();
   }
-  const std::uint64_t version = g.sched.arena().layout_version();
-  if (version == g.backed_version) return true;
-  if (version == g.backing_failed_version && now() - g.backing_tried < kBackingRetryNs)
-    return false;
-  std::vector<arena::ByteRange> held = held_ranges(g);
-  if (held == g.backed) {  // e.g. a swap-in undone: back where it was
-    g.backed_version = version;
-    return true;
+  if (const std::uint64_t version = g.sched.arena().layout_version(); version != g.held_version) {
+    g.held = held_ranges(g);
+    g.held_version = version;
   }
-  std::string why;
-  if (g.device->set_backing(held, why) == 0) {
+  if (g.backing_busy) return covers(g.backing_safe, g.held) ? Backing::ready : Backing::pending;
+  if (covers(g.backed, g.held)) {
+    maybe_give_back(g);
+    return Backing::ready;
+  }
+  if (now() - g.backing_tried < kBackingRetryNs && covers(g.backing_failed_target, g.held))
+    return Backing::failed;
+  // Never unmaps what it keeps mapped: whatever is backed now stays usable
+  // while the job runs.
+  std::vector<arena::ByteRange> target = g.held;
+  target.insert(target.end(), g.backed.begin(), g.backed.end());
+  start_backing(g, arena::merge_ranges(std::move(target)));
+  return covers(g.backing_safe, g.held) ? Backing::ready : Backing::pending;
+}
+
+void Broker::maybe_give_back(Gpu& g) {
+  if (g.backed == g.held) {
+    g.backing_excess_since = 0;
+    return;
+  }
+  const TimeNs t = now();
+  if (g.backing_excess_since == 0)
+    g.backing_excess_since = t;  // the worker comes back within 100 ms
+  if (t - g.backing_excess_since >= kGiveBackDelayNs) start_backing(g, g.held);
+}
+
+void Broker::start_backing(Gpu& g, std::vector<arena::ByteRange> target) {
+  g.backing_busy = true;
+  g.backing_safe = intersect(g.backed, target);
+  g.backing_target = target;
+  g.backing_job_epoch = g.backing_epoch;
+  g.backing_excess_since = 0;
+  {
+    std::lock_guard lk(g.backer_mu);
+    g.backer_job = std::move(target);
+  }
+  g.backer_cv.notify_one();
+}
+
+void Broker::backer_loop(Gpu& g) {
+  for (;;) {
+    std::vector<arena::ByteRange> job;
+    {
+      std::unique_lock lk(g.backer_mu);
+      g.backer_cv.wait(lk, [&] { return g.backer_job || g.backer_stop; });
+      if (g.backer_stop) return;
+      job = std::move(*g.backer_job);
+      g.backer_job.reset();
+    }
+    std::string why;
+    int status = 0;
+    try {
+      status = g.device->set_backing(job, why);
+    } catch (const std::exception& e) {
+      status = EIO;
+      why = e.what();
+    }
+    Deferred later;
+    try {
+      std::lock_guard lk(mu_);
+      finish_backing(g, status, why, later);
+    } catch (const std::exception& e) {
+      spdlog::error("gpu {} backer: {}", g.index, e.what());
+    }
+    run_deferred(later);
+    {
+      std::lock_guard lk(g.cq_mu);
+      g.wake = true;
+    }
+    g.cq_cv.notify_one();
+  }
+}
+
+void Broker::finish_backing(Gpu& g, int status, const std::string& why, Deferred& later) {
+  g.backing_busy = false;
+  if (g.device->backing_epoch() != g.backing_job_epoch) {
+    g.backed.clear();  // lost meanwhile: backing_state tells the device again
+  } else if (status == 0) {
     // backing_why stays until new memory is backed: it says why work waited.
     if (!g.backing_why.empty())
       spdlog::info("gpu{}: the arena is backed again; work goes on", g.index);
     g.backing_why.clear();
-    g.backed = std::move(held);
-    g.backed_version = version;
-    return true;
+    g.backed = std::move(g.backing_target);
+  } else {
+    // What was backed and still wanted stays; of the rest nothing is certain.
+    g.backed = std::move(g.backing_safe);
+    g.backing_failed_target = std::move(g.backing_target);
+    const TimeNs t = now();
+    g.backing_tried = t;
+    if (why != g.backing_why || t - g.backing_reported >= kBackingReportNs) {
+      spdlog::warn("gpu{}: work that needs new memory waits: {}", g.index, why);
+      g.backing_reported = t;
+    }
+    g.backing_why = why;
   }
-  const TimeNs t = now();
-  g.backing_tried = t;
-  g.backing_failed_version = version;
-  if (why != g.backing_why || t - g.backing_reported >= kBackingReportNs) {
-    spdlog::warn("gpu{}: work that needs new memory waits: {}", g.index, why);
-    g.backing_reported = t;
+  g.backing_target.clear();
+  g.backing_safe.clear();
+  // Writes whose allocation waited for the job retry now (and find out).
+  for (auto& [sid, sp] : sessions_)
+    if (sp->gpu == static_cast<int>(g.index) && !sp->writes.empty()) resume_writes(*sp, later);
+  auto waiters = std::move(g.backing_waiters);
+  g.backing_waiters.clear();
+  for (auto& w : waiters) w(later);
+}
+
+void Broker::stop_backer(Gpu& g) {
+  {
+    std::lock_guard lk(g.backer_mu);
+    g.backer_stop = true;
   }
-  g.backing_why = why;
-  return false;
+  g.backer_cv.notify_one();
+  if (g.backer.joinable()) g.backer.join();
 }
 
 }  // namespace salus::vgpu

@@ -93,9 +93,19 @@ int Broker::remove_buffer(SessionId id, const Caller& caller, const std::string&
 void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid, Bytes size,
                            std::function<void(int err)> done) {
   Deferred later;
-  int err = 0;
   {
     std::lock_guard lk(mu_);
+    resize_locked(id, caller, bid, size, std::move(done), later);
+  }
+  run_deferred(later);
+}
+
+// Under the broker lock; `done` is called after it (through `later`), or when
+// the kept prefix has been copied.
+void Broker::resize_locked(SessionId id, const Caller& caller, std::uint32_t bid, Bytes size,
+                           std::function<void(int err)> done, Deferred& later) {
+  int err = 0;
+  {
     Session* s = get(id);
     auto bit = s && !s->dead ? s->buffers.find(bid) : decltype(s->buffers)::iterator{};
     if (!s || s->dead || bit == s->buffers.end()) {
@@ -124,7 +134,14 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
                                   ? "persistent memory is fragmented; retry shortly"
                                   : "persistent memory exhausted under the safety condition"));
           err = r.error == arena::ArenaError::fragmented ? EAGAIN : ENOMEM;
-        } else if (!backing_ready(g)) {
+        } else if (const Backing state = backing_state(g); state == Backing::pending) {
+          // Mapped off the lock: tried again when that is done.
+          g.sched.arena().free_persistent(r.handle);
+          g.backing_waiters.push_back([this, id, caller, bid, size, done](Deferred& l) {
+            resize_locked(id, caller, bid, size, done, l);
+          });
+          return;
+        } else if (state == Backing::failed) {
           g.sched.arena().free_persistent(r.handle);
           log(*s, fmt::format("mem/{}: resize to {} failed: gpu {} has no card memory to back "
                               "it: {}",
@@ -164,8 +181,7 @@ void Broker::resize_buffer(SessionId id, const Caller& caller, std::uint32_t bid
       }
     }
   }
-  done(err);
-  run_deferred(later);
+  later.push_back([done = std::move(done), err] { done(err); });
 }
 
 // mem/ reads and writes: one host copy through a staging block, queued like any

@@ -75,16 +75,33 @@ struct Broker::Gpu {
   bool draining = false;
   std::uint32_t placed = 0;  // sessions placed on this GPU
   SharedLane shared_lane;    // attached sessions' shared ephemeral memory (broker_lanes.cpp)
-  // The arena backed on demand (broker_backing.cpp): what the device was told it
-  // holds, at which layout version, and why the last try to back new memory
-  // failed (empty once one succeeds).
+  // The arena backed on demand (broker_backing.cpp). Under the broker lock:
+  // what the device holds backed for certain, the ranges held at `held_version`
+  // of the layout, and why the last try to back new memory failed (empty once
+  // one succeeds).
   std::vector<arena::ByteRange> backed;
-  std::uint64_t backed_version = ~std::uint64_t{0};
+  std::vector<arena::ByteRange> held;
+  std::uint64_t held_version = ~std::uint64_t{0};
   std::string backing_why;
   TimeNs backing_reported = 0;
   TimeNs backing_tried = 0;
-  std::uint64_t backing_failed_version = ~std::uint64_t{0};
+  std::vector<arena::ByteRange> backing_failed_target;  // of the last failed job
   std::uint64_t backing_epoch = 0;  // the device's Device::backing_epoch() when told
+  TimeNs backing_excess_since = 0;  // backed past what is held since: given back after a delay
+  // The job the backer thread runs off the broker lock: what it backs, what
+  // stays backed while it runs, the device's epoch when it started; and what
+  // waits for it to end (resizes; suspended writes are resumed anyway).
+  bool backing_busy = false;
+  std::vector<arena::ByteRange> backing_target;
+  std::vector<arena::ByteRange> backing_safe;
+  std::uint64_t backing_job_epoch = 0;
+  std::vector<std::function<void(std::vector<std::function<void()>>&)>> backing_waiters;
+  // The backer thread (devices that back on demand only) and its mailbox.
+  std::mutex backer_mu;
+  std::condition_variable backer_cv;
+  std::optional<std::vector<arena::ByteRange>> backer_job;
+  bool backer_stop = false;
+  std::thread backer;
   // The most any attached program's driver figure passed its charge here (its
   // context, measured): what --attach-context-reserve should be at least.
   Bytes context_measured = 0;

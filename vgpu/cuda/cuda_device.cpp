@@ -19,6 +19,9 @@ constexpr Bytes kArenaAlign = Bytes{2} << 20;  // the driver's large-page granul
 constexpr Bytes kMinStagingClass = Bytes{64} << 10;
 constexpr std::size_t kArgAlign = 16;  // kernel parameters up to float4/double2
 constexpr std::uint32_t kMaxParams = 4096;
+// set_backing maps and unmaps this many chunks (128 MiB) per hold of maint_mu_,
+// which every op's enqueue also takes.
+constexpr std::uint64_t kBackingPiece = 64;
 
 std::runtime_error failure(int index, const std::string& what) {
   return std::runtime_error(fmt::format("gpu{}: {}", index, what));
@@ -282,38 +285,49 @@ int CudaDevice::set_backing(const std::vector<arena::ByteRange>& held, std::stri
     return EIO;
   }
   set_current();
-  std::lock_guard lock(maint_mu_);
-  const auto change =
-      arena::backing_change(vmm_->backed(), arena::chunks_covering(held, vmm_->chunk()));
-  if (!change.unmap.empty()) {
+  // maint_mu_ is taken per piece of at most kBackingPiece chunks, not for the
+  // whole change: every op's enqueue takes it too, and mapping gigabytes takes
+  // the driver long (the broker calls this off its lock, one call at a time).
+  arena::BackingChange change;
+  {
+    std::lock_guard lock(maint_mu_);
+    change = arena::backing_change(vmm_->backed(), arena::chunks_covering(held, vmm_->chunk()));
     // Nothing but discards (on maint_) may still use memory that nobody holds.
-    if (const CUresult r = drv_.stream_synchronize(maint_); r != CUDA_SUCCESS) {
-      why = fmt::format("waiting for the discards before giving memory back: {}", drv_.describe(r));
-      if (is_sticky(r)) note_fault(r);
-      return EIO;
-    }
-    for (const arena::ChunkRun& run : change.unmap) vmm_->unmap(run);
-  }
-  for (const arena::ChunkRun& run : change.map) {
-    if (const CUresult r = back_run(run); r != CUDA_SUCCESS) {
-      std::size_t free = 0, total = 0;
-      drv_.mem_get_info(&free, &total);
-      why = fmt::format(
-          "backing {} MiB of the arena at {} MiB: {}; {} MiB of the card are free and salusd "
-          "backs {} MiB (memory taken by processes outside salusd?)",
-          run.count * vmm_->chunk() >> 20, run.first * vmm_->chunk() >> 20, drv_.describe(r),
-          free >> 20, vmm_->backed_bytes() >> 20);
-      if (is_sticky(r)) note_fault(r);
-      return r == CUDA_ERROR_OUT_OF_MEMORY ? ENOMEM : to_errno(r);
+    if (!change.unmap.empty()) {
+      if (const CUresult r = drv_.stream_synchronize(maint_); r != CUDA_SUCCESS) {
+        why =
+            fmt::format("waiting for the discards before giving memory back: {}", drv_.describe(r));
+        if (is_sticky(r)) note_fault(r);
+        return EIO;
+      }
     }
   }
+  for (const arena::ChunkRun& run : change.unmap)
+    for (const arena::ChunkRun& piece : arena::split_run(run, kBackingPiece)) {
+      std::lock_guard lock(maint_mu_);
+      vmm_->unmap(piece);
+    }
+  for (const arena::ChunkRun& run : change.map)
+    for (const arena::ChunkRun& piece : arena::split_run(run, kBackingPiece)) {
+      std::lock_guard lock(maint_mu_);
+      if (const CUresult r = back_run(piece); r != CUDA_SUCCESS) {
+        std::size_t free = 0, total = 0;
+        drv_.mem_get_info(&free, &total);
+        why = fmt::format(
+            "backing {} MiB of the arena at {} MiB: {}; {} MiB of the card are free and salusd "
+            "backs {} MiB (memory taken by processes outside salusd?)",
+            run.count * vmm_->chunk() >> 20, run.first * vmm_->chunk() >> 20, drv_.describe(r),
+            free >> 20, vmm_->backed_bytes() >> 20);
+        if (is_sticky(r)) note_fault(r);
+        return r == CUDA_ERROR_OUT_OF_MEMORY ? ENOMEM : to_errno(r);
+      }
+    }
   return 0;
 }
 
 Bytes CudaDevice::backed_bytes() const {
-  if (!vmm_) return info_.arena_size;
-  std::lock_guard lock(maint_mu_);
-  return vmm_->backed_bytes();
+  // Not under maint_mu_: set_backing may hold it for a piece of a long change.
+  return vmm_ ? vmm_->backed_bytes() : info_.arena_size;
 }
 
 void CudaDevice::load_builtins() {

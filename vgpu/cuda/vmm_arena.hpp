@@ -7,6 +7,7 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <vector>
 
 #include "arena/backing_plan.hpp"
@@ -33,7 +34,8 @@ class VmmArena {
   CUdeviceptr base() const { return base_; }
   Bytes chunk() const { return chunk_; }
   const std::vector<bool>& backed() const { return backed_; }
-  Bytes backed_bytes() const { return backed_count_ * chunk_; }
+  // Read from any thread (gpus/N/memory), without the lock that serializes the rest.
+  Bytes backed_bytes() const { return backed_count_.load(std::memory_order_relaxed) * chunk_; }
 
   // Backs the run's chunks: cuMemCreate, cuMemMap, cuMemSetAccess. Stops at the
   // first failure; the chunks mapped before it stay mapped. Fresh memory holds
@@ -55,7 +57,7 @@ class VmmArena {
   Bytes size_ = 0;
   std::vector<CUmemGenericAllocationHandle> handles_;  // per chunk; 0: not backed
   std::vector<bool> backed_;
-  std::uint64_t backed_count_ = 0;
+  std::atomic<std::uint64_t> backed_count_{0};
 };
 
 }  // namespace salus::vgpu::cuda

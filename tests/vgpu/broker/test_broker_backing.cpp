@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <future>
 #include <mutex>
 #include <span>
@@ -65,6 +66,15 @@ class BackingDevice final : public Device {
   std::int64_t busy_ns() const override { return sim_.busy_ns(); }
 
   int set_backing(const std::vector<arena::ByteRange>& held, std::string& why) override {
+    {
+      // A driver mapping gigabytes, for as long as the test says.
+      std::unique_lock hold(hold_mu_);
+      if (hold_) {
+        blocked_ = true;
+        hold_cv_.wait(hold, [&] { return !hold_; });
+        blocked_ = false;
+      }
+    }
     std::lock_guard lk(mu_);
     ++calls_;
     const auto wanted = arena::chunks_covering(held, kChunk);
@@ -93,6 +103,19 @@ class BackingDevice final : public Device {
     backed_.clear();
     ++epoch_;
   }
+
+  void hold_backing() {
+    std::lock_guard lk(hold_mu_);
+    hold_ = true;
+  }
+  void release_backing() {
+    {
+      std::lock_guard lk(hold_mu_);
+      hold_ = false;
+    }
+    hold_cv_.notify_all();
+  }
+  bool backing_blocked() const { return blocked_.load(); }
 
   void limit_room(Bytes room) {
     std::lock_guard lk(mu_);
@@ -128,6 +151,10 @@ class BackingDevice final : public Device {
   int calls_ = 0;
   std::atomic<int> violations_{0};
   std::atomic<std::uint64_t> epoch_{0};
+  std::mutex hold_mu_;
+  std::condition_variable hold_cv_;
+  bool hold_ = false;
+  std::atomic<bool> blocked_{false};
 };
 
 const Caller kAlice{1000, 1000, 0, false};
@@ -154,6 +181,14 @@ struct Fixture {
   std::pair<int, std::string> run(SessionId id, const std::string& text) {
     return test::run_commands(*broker, id, text, kAlice);
   }
+  // Whether the device backs exactly `bytes` within `limit` (memory goes back
+  // to the card a moment after it is freed).
+  bool backed_within(Bytes bytes, std::chrono::milliseconds limit) {
+    const auto end = std::chrono::steady_clock::now() + limit;
+    while (dev->backed_bytes() != bytes && std::chrono::steady_clock::now() < end)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return dev->backed_bytes() == bytes;
+  }
 };
 
 TEST(BrokerBacking, NoOpEverTouchesMemoryThatIsNotBacked) {
@@ -174,10 +209,10 @@ TEST(BrokerBacking, NoOpEverTouchesMemoryThatIsNotBacked) {
   EXPECT_EQ(f.dev->violations(), 0);
   EXPECT_GT(f.dev->backed_bytes(), 0u);
   for (SessionId id : ids) f.broker->end_session(id);
-  // The next pass gives everything back to the card.
+  // What is no longer held goes back to the card once it has stayed free 200 ms.
   const auto id = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
   ASSERT_EQ(f.run(id, "need persistent=1M ephemeral=0\nalloc z 4K\n").first, 0);
-  EXPECT_EQ(f.dev->backed_bytes(), kChunk);
+  EXPECT_TRUE(f.backed_within(kChunk, std::chrono::seconds(3))) << f.dev->backed_bytes();
   EXPECT_EQ(f.dev->violations(), 0);
 }
 
@@ -193,10 +228,48 @@ TEST(BrokerBacking, ACardWithNoRoomFailsTheAllocationClearlyAndLosesNothing) {
             std::string::npos)
       << f.broker->render_log(id);
   f.dev->limit_room(~Bytes{0});
+  // The card is tried again for the same memory at most every 50 ms.
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
   ASSERT_EQ(f.run(id, "alloc b 4M\ncopy b a 4M\n").first, 0);
   ASSERT_EQ(test::wait_session(*f.broker, id).first, 0);
   EXPECT_EQ(f.dev->violations(), 0);
   EXPECT_EQ(f.dev->backed_bytes(), Bytes{8} << 20);
+}
+
+// Backing gigabytes takes the driver long (salus-bench backing): it runs off the
+// broker lock, so that while one session's new buffer is being backed, another
+// session's status, commands and work on memory already backed go on; only the
+// allocating write waits, and gets its memory with nothing touched unbacked.
+TEST(BrokerBacking, WhileNewMemoryIsBackedEveryoneElseGoesOn) {
+  Fixture f;
+  const auto a = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  const auto b = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(a, "need persistent=32M ephemeral=0\nalloc small 1M\n").first, 0);
+  ASSERT_EQ(f.run(b, "need persistent=8M ephemeral=2M\nalloc x 1M\nfill x 1 dtype=u8\n").first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, b).first, 0);
+  f.dev->hold_backing();
+  auto big = std::async(std::launch::async,
+                        [&] { return f.run(a, "alloc big 20M\nfill big 5 dtype=u8\n"); });
+  for (int i = 0; i < 500 && !f.dev->backing_blocked(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_TRUE(f.dev->backing_blocked()) << "the allocation never asked the device for memory";
+  // The device is busy backing a's buffer: b is served meanwhile.
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_NE(f.broker->render_status(b).find("state: admitted"), std::string::npos);
+  ASSERT_EQ(f.run(b, "begin\nfill x 2 dtype=u8\nend x5\nfill x 3 dtype=u8\n").first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, b).first, 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  EXPECT_EQ(f.read(b, "x", 1)[0], 3);
+  EXPECT_EQ(big.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout)
+      << "the allocation returned before its memory was backed";
+  f.dev->release_backing();
+  ASSERT_EQ(big.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_EQ(big.get().first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, a).first, 0);
+  const auto v = f.read(a, "big", Bytes{20} << 20);
+  ASSERT_EQ(v.size(), Bytes{20} << 20);
+  EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](char c) { return c == 5; }));
+  EXPECT_EQ(f.dev->violations(), 0);
 }
 
 // A restarted executor that could not back the arena again: the layout did not
@@ -227,16 +300,20 @@ TEST(BrokerBacking, ASwapInWithoutRoomOnTheCardWaitsSwappedAndKeepsEveryByte) {
   Fixture f(config);
   const auto a = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
   const auto b = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
-  // 2 x 38M on a 64M card: one of them resident at a time.
+  // 38M + 28M on a 64M card: one of them resident at a time.
   ASSERT_EQ(f.run(a, "need persistent=36M ephemeral=2M\nalloc w 36M\nfill w 17 dtype=u8\n").first,
             0);
   ASSERT_EQ(test::wait_session(*f.broker, a).first, 0);
-  ASSERT_EQ(f.run(b, "need persistent=36M ephemeral=2M\nalloc w 36M\nfill w 34 dtype=u8\n").first,
+  ASSERT_EQ(f.run(b, "need persistent=26M ephemeral=2M\nalloc w 26M\nfill w 34 dtype=u8\n").first,
             0);  // a is swapped out for it
   ASSERT_EQ(test::wait_session(*f.broker, b).first, 0);
-  // Room for half of one session's memory: once b is out, a's swap-in cannot be
-  // backed, so a goes back to swapped and waits.
-  f.dev->limit_room(f.dev->backed_bytes() / 2);
+  // a's memory goes back to the card a moment after a left; then no more room
+  // than b's: once b is out, a's swap-in needs memory the card cannot give, so
+  // a goes back to swapped and waits.
+  for (int i = 0; i < 300 && f.dev->backed_bytes() >= (Bytes{36} << 20); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_LT(f.dev->backed_bytes(), Bytes{36} << 20) << "a's memory was never given back";
+  f.dev->limit_room(f.dev->backed_bytes());
   std::promise<std::pair<int, std::string>> done;
   auto waited = done.get_future();
   ASSERT_EQ(f.run(a, "begin\ncopy w w+1M 1M\nend x3\n").first, 0);
