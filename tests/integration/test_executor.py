@@ -17,6 +17,7 @@ import signal
 import struct
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -368,6 +369,50 @@ def test_work_waits_while_a_new_executor_cannot_back_the_arena(tmp_path):
     finally:
         if s is not None:
             s.close()
+        d.stop()
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_large_allocation_holds_up_no_other_session(isolation):
+    """cuda backend on the mock driver, each cuMemCreate taking 5 ms: backing
+    a 400 MiB buffer (200 chunks) takes about a second. Meanwhile another
+    session's status, its commands and its work on memory already backed
+    complete, in both isolations, while the allocation still waits (before,
+    salusd backed under its broker lock and the executor on its one request
+    thread, so everyone waited for the whole job); the allocating write
+    returns only once its memory is there, and it reads zero."""
+    mock = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
+    if not mock:
+        pytest.skip("built without the cuda backend's mock driver")
+    d = Salusd(["--gpu-isolation", isolation, "--cuda-memory-fraction", "0.9"])
+    d.args[d.args.index("--backend") + 1] = "cuda"
+    d.env = {**os.environ, "LD_LIBRARY_PATH": mock, "SALUS_MOCK_CREATE_US": "5000"}
+    d.start(timeout=120)
+    a = b = None
+    try:
+        b = Session(d)
+        b.cmd("need persistent=4M ephemeral=2M gpu=0\nalloc x 1M\nfill x 1 dtype=u8\n")
+        b.wait()
+        a = Session(d)
+        a.cmd("need persistent=400M ephemeral=0 gpu=0\n")
+        done = []
+        t = threading.Thread(target=lambda: done.append(a.cmd("alloc big 400M\n")))
+        t.start()
+        time.sleep(0.1)  # the backing job is under way
+        assert b.status()["state"] == "admitted"
+        b.cmd("begin\nfill x 2 dtype=u8\nend x3\nfill x 3 dtype=u8\n")
+        b.wait()
+        with open(b.file("mem/x"), "rb") as f:
+            assert f.read(4) == b"\x03" * 4
+        assert t.is_alive() and not done, "another session waited for the backing job to end"
+        t.join(30)
+        assert not t.is_alive()
+        with open(a.file("mem/big"), "rb") as f:
+            assert f.read(4096) == bytes(4096)
+    finally:
+        for s in (a, b):
+            if s is not None:
+                s.close()
         d.stop()
 
 

@@ -19,8 +19,8 @@ constexpr Bytes kArenaAlign = Bytes{2} << 20;  // the driver's large-page granul
 constexpr Bytes kMinStagingClass = Bytes{64} << 10;
 constexpr std::size_t kArgAlign = 16;  // kernel parameters up to float4/double2
 constexpr std::uint32_t kMaxParams = 4096;
-// set_backing maps and unmaps this many chunks (128 MiB) per hold of maint_mu_,
-// which every op's enqueue also takes.
+// set_backing clears new memory this many chunks (128 MiB) at a time, each
+// piece as soon as it is mapped.
 constexpr std::uint64_t kBackingPiece = 64;
 
 std::runtime_error failure(int index, const std::string& what) {
@@ -239,10 +239,13 @@ CUresult CudaDevice::reserve_arena(bool first) {
 // nothing is backed yet.
 CUresult CudaDevice::clear_arena() {
   if (vmm_) {
-    std::lock_guard lock(maint_mu_);
-    // The runs an empty wish would unmap are exactly those that were backed.
-    const auto was = arena::backing_change(backed_before_loss_, {}).unmap;
-    backed_before_loss_.clear();
+    std::vector<arena::ChunkRun> was;
+    {
+      std::lock_guard lock(maint_mu_);
+      // The runs an empty wish would unmap are exactly those that were backed.
+      was = arena::backing_change(backed_before_loss_, {}).unmap;
+      backed_before_loss_.clear();
+    }
     for (const arena::ChunkRun& run : was)
       if (const CUresult r = back_run(run); r != CUDA_SUCCESS) return r;
   } else if (const CUresult r =
@@ -254,11 +257,12 @@ CUresult CudaDevice::clear_arena() {
 }
 
 CUresult CudaDevice::back_run(const arena::ChunkRun& run) {
-  const CUresult r = vmm_->map(run);
-  // map() backs a prefix of the run even when it fails part way.
+  // The driver's calls without maint_mu_, which every op's enqueue takes; map()
+  // backs a prefix of the run even when it fails part way.
   std::uint64_t mapped = 0;
-  while (mapped < run.count && vmm_->backed()[run.first + mapped]) ++mapped;
+  const CUresult r = vmm_->map(run, mapped);
   if (mapped > 0) {
+    std::lock_guard lock(maint_mu_);
     const Bytes chunk = vmm_->chunk();
     CUresult c = drv_.memset_d8_async(at(run.first * chunk), 0, mapped * chunk, maint_);
     if (c == CUDA_SUCCESS) c = drv_.event_record(discard_event_, maint_);
@@ -271,10 +275,7 @@ CUresult CudaDevice::back_run(const arena::ChunkRun& run) {
 bool CudaDevice::all_backed(DevOffset offset, Bytes length) const {
   if (!vmm_) return true;
   const Bytes chunk = vmm_->chunk();
-  const auto& backed = vmm_->backed();
-  for (Bytes i = offset / chunk; i <= (offset + length - 1) / chunk; ++i)
-    if (i >= backed.size() || !backed[i]) return false;
-  return true;
+  return vmm_->all_backed(offset / chunk, (offset + length - 1) / chunk);
 }
 
 int CudaDevice::set_backing(const std::vector<arena::ByteRange>& held, std::string& why) {
@@ -285,31 +286,23 @@ int CudaDevice::set_backing(const std::vector<arena::ByteRange>& held, std::stri
     return EIO;
   }
   set_current();
-  // maint_mu_ is taken per piece of at most kBackingPiece chunks, not for the
-  // whole change: every op's enqueue takes it too, and mapping gigabytes takes
-  // the driver long (the broker calls this off its lock, one call at a time).
-  arena::BackingChange change;
-  {
-    std::lock_guard lock(maint_mu_);
-    change = arena::backing_change(vmm_->backed(), arena::chunks_covering(held, vmm_->chunk()));
+  // One caller at a time (the broker's backer thread, or the executor's): the
+  // driver's calls run with no lock that an op's enqueue or a discard takes;
+  // maint_mu_ is held only to clear each new piece (back_run).
+  const auto change =
+      arena::backing_change(vmm_->backed(), arena::chunks_covering(held, vmm_->chunk()));
+  if (!change.unmap.empty()) {
     // Nothing but discards (on maint_) may still use memory that nobody holds.
-    if (!change.unmap.empty()) {
-      if (const CUresult r = drv_.stream_synchronize(maint_); r != CUDA_SUCCESS) {
-        why =
-            fmt::format("waiting for the discards before giving memory back: {}", drv_.describe(r));
-        if (is_sticky(r)) note_fault(r);
-        return EIO;
-      }
+    std::lock_guard lock(maint_mu_);
+    if (const CUresult r = drv_.stream_synchronize(maint_); r != CUDA_SUCCESS) {
+      why = fmt::format("waiting for the discards before giving memory back: {}", drv_.describe(r));
+      if (is_sticky(r)) note_fault(r);
+      return EIO;
     }
   }
-  for (const arena::ChunkRun& run : change.unmap)
-    for (const arena::ChunkRun& piece : arena::split_run(run, kBackingPiece)) {
-      std::lock_guard lock(maint_mu_);
-      vmm_->unmap(piece);
-    }
+  for (const arena::ChunkRun& run : change.unmap) vmm_->unmap(run);
   for (const arena::ChunkRun& run : change.map)
     for (const arena::ChunkRun& piece : arena::split_run(run, kBackingPiece)) {
-      std::lock_guard lock(maint_mu_);
       if (const CUresult r = back_run(piece); r != CUDA_SUCCESS) {
         std::size_t free = 0, total = 0;
         drv_.mem_get_info(&free, &total);

@@ -235,9 +235,10 @@ class CudaDevice final : public Device {
   // The arena's memory at start-up or after a rebuild (caller holds ctx_mu_).
   CUresult reserve_arena(bool first);
   CUresult clear_arena();
-  // Maps the run's chunks and queues their clearing on maint_ (maint_mu_ held).
+  // Maps the run's chunks (no lock held: one mapper at a time) and queues their
+  // clearing on maint_ (taking maint_mu_ for that).
   CUresult back_run(const arena::ChunkRun& run);
-  bool all_backed(DevOffset offset, Bytes length) const;  // maint_mu_ held
+  bool all_backed(DevOffset offset, Bytes length) const;
 
   CUresult acquire_event(CUevent& e);  // from the pool, or a new timing event
   void release_event(CUevent e);
@@ -296,13 +297,14 @@ class CudaDevice final : public Device {
   std::string builtins_why_;  // empty: built-ins available
   CUstream maint_ = nullptr;  // discards and start-up work
 
-  mutable std::mutex maint_mu_;  // discards and backing; guards the four below
+  mutable std::mutex maint_mu_;  // discards and clearing; guards the three below
   CUevent discard_event_ = nullptr;
   std::uint64_t discard_seq_ = 0;
-  // Backing on demand (null: the arena is one cuMemAlloc), and what it backed
-  // when the context was lost, for the rebuilt one.
-  std::unique_ptr<VmmArena> vmm_;
+  // What the arena had backed when the context was lost, for the rebuilt one.
   std::vector<bool> backed_before_loss_;
+  // Backing on demand (null: the arena is one cuMemAlloc). Its chunks change in
+  // one caller at a time (set_backing, the rebuild); it locks what readers share.
+  std::unique_ptr<VmmArena> vmm_;
 
   std::atomic<int> fault_{CUDA_SUCCESS};  // a sticky CUresult awaiting recovery
   std::atomic<bool> dead_{false};

@@ -24,12 +24,26 @@ CUresult VmmArena::reserve(Bytes size) {
   base_ = p;
   size_ = size;
   handles_.assign(size / chunk_, 0);
+  std::lock_guard lk(mu_);
   backed_.assign(size / chunk_, false);
   backed_count_ = 0;
   return CUDA_SUCCESS;
 }
 
-CUresult VmmArena::map(const arena::ChunkRun& run) {
+std::vector<bool> VmmArena::backed() const {
+  std::lock_guard lk(mu_);
+  return backed_;
+}
+
+bool VmmArena::all_backed(std::uint64_t first, std::uint64_t last) const {
+  std::lock_guard lk(mu_);
+  for (std::uint64_t i = first; i <= last; ++i)
+    if (i >= backed_.size() || !backed_[i]) return false;
+  return true;
+}
+
+CUresult VmmArena::map(const arena::ChunkRun& run, std::uint64_t& mapped) {
+  mapped = 0;
   if (run.first > handles_.size() || run.count > handles_.size() - run.first)
     return CUDA_ERROR_INVALID_VALUE;  // past the reservation
   CUmemAllocationProp prop{};
@@ -37,7 +51,6 @@ CUresult VmmArena::map(const arena::ChunkRun& run) {
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = device_;
   CUresult r = CUDA_SUCCESS;
-  std::uint64_t mapped = 0;
   for (std::uint64_t i = run.first; i < run.first + run.count && r == CUDA_SUCCESS; ++i) {
     CUmemGenericAllocationHandle h = 0;
     r = drv_.mem_create(&h, chunk_, &prop, 0);
@@ -64,33 +77,40 @@ CUresult VmmArena::map(const arena::ChunkRun& run) {
       drv_.mem_release(handles_[i]);
       handles_[i] = 0;
     }
+    mapped = 0;
     return a;
   }
+  std::lock_guard lk(mu_);
   for (std::uint64_t i = run.first; i < run.first + mapped; ++i) backed_[i] = true;
   backed_count_ += mapped;
   return r;
 }
 
 void VmmArena::unmap(const arena::ChunkRun& run) {
-  for (std::uint64_t i = run.first; i < run.first + run.count && i < backed_.size(); ++i) {
-    if (!backed_[i]) continue;
+  for (std::uint64_t i = run.first; i < run.first + run.count && i < handles_.size(); ++i) {
+    if (handles_[i] == 0) continue;
+    {
+      // Not backed as far as readers know before the driver unmaps it.
+      std::lock_guard lk(mu_);
+      backed_[i] = false;
+      --backed_count_;
+    }
     drv_.mem_unmap(base_ + i * chunk_, chunk_);
     drv_.mem_release(handles_[i]);
     handles_[i] = 0;
-    backed_[i] = false;
-    --backed_count_;
   }
 }
 
 void VmmArena::release() {
   if (base_ == 0) return;
-  unmap({0, backed_.size()});
+  unmap({0, handles_.size()});
   drv_.mem_address_free(base_, size_);
   base_ = 0;
   size_ = 0;
 }
 
 std::vector<bool> VmmArena::forget() {
+  std::lock_guard lk(mu_);
   std::vector<bool> was = std::move(backed_);
   handles_.clear();
   backed_.clear();

@@ -2,12 +2,16 @@
 // the arena, with physical memory (one cuMemCreate handle per chunk) mapped only
 // where salusd holds memory. What salusd does not hold stays with the card, for
 // attached programs, whose memory is their own (docs/design.md, "The arena backed
-// on demand"). Not thread-safe: CudaDevice serializes the calls.
+// on demand"). One caller at a time maps and unmaps (CudaDevice::set_backing, or
+// the context's rebuild); it makes its driver calls with no lock held, so that
+// readers of which chunks are backed (a discard's check, gpus/N/memory) never
+// wait for the driver: the bookkeeping they read has a lock of its own.
 #pragma once
 
 #include <cuda.h>
 
 #include <atomic>
+#include <mutex>
 #include <vector>
 
 #include "arena/backing_plan.hpp"
@@ -33,14 +37,15 @@ class VmmArena {
   CUresult reserve(Bytes size);
   CUdeviceptr base() const { return base_; }
   Bytes chunk() const { return chunk_; }
-  const std::vector<bool>& backed() const { return backed_; }
-  // Read from any thread (gpus/N/memory), without the lock that serializes the rest.
+  // Which chunks are backed (a copy), and whether all of [first, last] are.
+  std::vector<bool> backed() const;
+  bool all_backed(std::uint64_t first, std::uint64_t last) const;
   Bytes backed_bytes() const { return backed_count_.load(std::memory_order_relaxed) * chunk_; }
 
   // Backs the run's chunks: cuMemCreate, cuMemMap, cuMemSetAccess. Stops at the
-  // first failure; the chunks mapped before it stay mapped. Fresh memory holds
-  // anything: the caller clears it.
-  CUresult map(const arena::ChunkRun& run);
+  // first failure; the chunks mapped before it stay mapped (`mapped` says how
+  // many, from run.first). Fresh memory holds anything: the caller clears it.
+  CUresult map(const arena::ChunkRun& run, std::uint64_t& mapped);
   // Unmaps and releases the run's chunks. Work that used them must be over.
   void unmap(const arena::ChunkRun& run);
   // Unmaps everything and frees the reservation (a healthy context).
@@ -55,7 +60,8 @@ class VmmArena {
   const Bytes chunk_;
   CUdeviceptr base_ = 0;
   Bytes size_ = 0;
-  std::vector<CUmemGenericAllocationHandle> handles_;  // per chunk; 0: not backed
+  std::vector<CUmemGenericAllocationHandle> handles_;  // per chunk; 0: not backed (the mapper's)
+  mutable std::mutex mu_;                              // guards backed_
   std::vector<bool> backed_;
   std::atomic<std::uint64_t> backed_count_{0};
 };

@@ -207,6 +207,9 @@ class Executor final : public CompletionSink {
  public:
   Executor(const ExecutorOptions& o, Outbox& out, char* staging)
       : opts_(o), out_(out), staging_(staging) {}
+  ~Executor() { stop_backing(); }
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
 
   void set_device(std::unique_ptr<Device> d) {
     dev_ = std::move(d);
@@ -223,7 +226,10 @@ class Executor final : public CompletionSink {
   }
   Device* device() { return dev_.get(); }
   // Drains every stream (their completions go out) and closes the device.
-  void close_device() { dev_.reset(); }  // raw_ stays: completions during the drain read it
+  void close_device() {
+    stop_backing();  // a set_backing under way ends first
+    dev_.reset();    // raw_ stays: completions during the drain read it
+  }
 
   // Called on the device's threads.
   void on_complete(StreamId stream, std::uint64_t ticket, int status,
@@ -551,16 +557,51 @@ class Executor final : public CompletionSink {
     lanes_.erase(it);
   }
 
-  // The held ranges follow the fixed part of the record.
+  // The held ranges follow the fixed part of the record. Run on a thread of its
+  // own: mapping gigabytes takes the driver long, and the work of the GPU's
+  // other sessions keeps arriving meanwhile (salusd sends one set_backing at a
+  // time and waits for its reply before anything uses the new memory).
   void on(const SetBackingMsg& m, const char* body, std::size_t size) {
     if (m.count > kMaxBackingRanges || size < sizeof m + m.count * sizeof(arena::ByteRange))
       return reply(m.request, EINVAL, "a set_backing record shorter than its ranges");
     std::vector<arena::ByteRange> held(m.count);
     std::memcpy(held.data(), body + sizeof m, m.count * sizeof(arena::ByteRange));
-    std::string why;
-    const int status = dev_->set_backing(held, why);
-    reply(m.request, status, status == 0 ? std::string() : why,
-          {static_cast<std::uint32_t>(dev_->backed_bytes() >> 20)});
+    {
+      std::lock_guard lk(backing_mu_);
+      backing_jobs_.emplace_back(m.request, std::move(held));
+      if (!backing_thread_.joinable()) backing_thread_ = std::thread([this] { backing_loop(); });
+    }
+    backing_cv_.notify_one();
+  }
+  void backing_loop() {
+    for (;;) {
+      std::pair<std::uint64_t, std::vector<arena::ByteRange>> job;
+      {
+        std::unique_lock lk(backing_mu_);
+        backing_cv_.wait(lk, [&] { return !backing_jobs_.empty() || backing_stop_; });
+        if (backing_jobs_.empty()) return;  // stopping, and nothing left to answer
+        job = std::move(backing_jobs_.front());
+        backing_jobs_.pop_front();
+      }
+      std::string why;
+      int status = 0;
+      try {
+        status = dev_->set_backing(job.second, why);
+      } catch (const std::exception& e) {
+        status = EIO;
+        why = e.what();
+      }
+      reply(job.first, status, status == 0 ? std::string() : why,
+            {static_cast<std::uint32_t>(dev_->backed_bytes() >> 20)});
+    }
+  }
+  void stop_backing() {
+    {
+      std::lock_guard lk(backing_mu_);
+      backing_stop_ = true;
+    }
+    backing_cv_.notify_one();
+    if (backing_thread_.joinable()) backing_thread_.join();
   }
 
   // The function's name follows the fixed part of the record.
@@ -620,6 +661,12 @@ class Executor final : public CompletionSink {
   std::mutex override_mu_;
   std::unordered_map<std::uint64_t, int> overrides_;  // ticket -> status
   std::atomic<bool> has_overrides_{false};
+  // set_backing requests, answered in order by backing_thread_.
+  std::mutex backing_mu_;
+  std::condition_variable backing_cv_;
+  std::deque<std::pair<std::uint64_t, std::vector<arena::ByteRange>>> backing_jobs_;
+  bool backing_stop_ = false;
+  std::thread backing_thread_;  // started by the first set_backing
 };
 
 void send_hello(Outbox& out, const Device* d, int status, const std::string& why) {

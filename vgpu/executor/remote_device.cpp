@@ -636,12 +636,13 @@ void RemoteDevice::handle_record(Msg type, const char* body, std::size_t size,
       if (!read_fixed(body, size, m)) return;
       const std::size_t need = sizeof m + m.why_length + std::size_t{m.param_count} * 4;
       if (need > size) return;
-      reply_.request = m.request;
-      reply_.status = m.status;
-      reply_.why.assign(body + sizeof m, m.why_length);
-      reply_.param_sizes.resize(m.param_count);
+      Reply& r = replies_[m.request];
+      r.request = m.request;
+      r.status = m.status;
+      r.why.assign(body + sizeof m, m.why_length);
+      r.param_sizes.resize(m.param_count);
       if (m.param_count != 0)
-        std::memcpy(reply_.param_sizes.data(), body + sizeof m + m.why_length,
+        std::memcpy(r.param_sizes.data(), body + sizeof m + m.why_length,
                     std::size_t{m.param_count} * 4);
       cv_.notify_all();
       return;
@@ -763,6 +764,7 @@ void RemoteDevice::go_unusable(const std::string& why) {
 void RemoteDevice::lose_child(const std::string& reason, const std::string& fault, bool kernel) {
   state_ = State::restarting;
   ++epoch_;
+  replies_.clear();  // answers the lost executor will never give, or gave too late
   generation_.fetch_add(1);
   last_restart_ = reason;
   if (!fault.empty()) last_fault_ = fault;
@@ -955,12 +957,13 @@ int RemoteDevice::sync_call(std::unique_lock<std::mutex>& lk, std::uint64_t requ
                             std::string& why) {
   const std::uint64_t epoch = epoch_;
   const auto deadline = Clock::now() + opts_.call_timeout;
-  while (reply_.request != request) {
+  auto answered = [&] { return replies_.count(request) != 0; };
+  while (!answered()) {
     if (epoch_ != epoch || state_ != State::running) {
       why = "the GPU's executor was lost during the call";
       return EIO;
     }
-    if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && reply_.request != request) {
+    if (cv_.wait_until(lk, deadline) == std::cv_status::timeout && !answered()) {
       why = fmt::format("the GPU's executor did not answer within {} s and was killed",
                         ms(opts_.call_timeout) / 1000);
       spdlog::error("gpu {}: executor pid {} did not answer within {} s; killing it", opts_.index,
@@ -969,8 +972,9 @@ int RemoteDevice::sync_call(std::unique_lock<std::mutex>& lk, std::uint64_t requ
       return ETIMEDOUT;
     }
   }
-  out = std::move(reply_);
-  reply_ = Reply{};
+  const auto it = replies_.find(request);
+  out = std::move(it->second);
+  replies_.erase(it);
   return 0;
 }
 
@@ -1263,7 +1267,10 @@ int RemoteDevice::set_backing(const std::vector<arena::ByteRange>& held, std::st
     std::lock_guard b(backing_mu_);
     backing_ = sent;  // a restarted executor backs this, whatever this call's fate
   }
-  std::unique_lock sync(sync_mu_);
+  // Not sync_mu_: the executor answers set_backing from a thread of its own,
+  // and mapping gigabytes takes long; other synchronous calls (a staging
+  // block's map_region, under the broker lock) must not wait behind it.
+  std::unique_lock sync(backing_call_mu_);
   std::unique_lock lk(mu_);
   if (const int err = unavailable(why)) return err;
   const std::uint64_t req = next_request_++;

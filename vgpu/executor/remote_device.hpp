@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "vgpu/device.hpp"
@@ -306,7 +307,9 @@ class RemoteDevice final : public Device {
   RegionId next_region_ = 1;
   std::uint64_t next_ticket_ = 1;
   std::uint64_t next_request_ = 1;
-  Reply reply_;                        // the last reply to a caller's request
+  // Replies to callers' requests, by request: set_backing's may come after
+  // later requests' (the executor runs it on a thread of its own).
+  std::unordered_map<std::uint64_t, Reply> replies_;
   std::uint64_t epoch_ = 0;            // bumped whenever an executor is lost: ends waits
   std::uint64_t base_generation_ = 0;  // the generation arena_base belongs to
   bool local_ready_ = false;           // a stream has done entries at its front
@@ -329,8 +332,9 @@ class RemoteDevice final : public Device {
   std::mutex staging_mu_;  // never held while taking mu_ or sync_mu_
   std::map<std::uintptr_t, StagingBlock> staging_blocks_;  // by address
 
-  std::mutex sync_mu_;  // one synchronous request at a time
-  std::thread io_;      // last: starts once everything above exists
+  std::mutex sync_mu_;          // one synchronous request at a time, set_backing aside
+  std::mutex backing_call_mu_;  // one set_backing at a time
+  std::thread io_;              // last: starts once everything above exists
 };
 
 // One RemoteDevice per GPU 0 .. count-1, each in its own executor started from

@@ -990,8 +990,19 @@ bool no_memory_now() {
   std::fclose(f);
   return !counted;
 }
+// Each cuMemCreate takes SALUS_MOCK_CREATE_US microseconds (default 0), outside
+// the mock's lock, as a driver mapping gigabytes takes long while other threads'
+// calls go on.
+void create_delay() {
+  static const unsigned long long us = [] {
+    const char* v = std::getenv("SALUS_MOCK_CREATE_US");
+    return v == nullptr ? 0ULL : std::strtoull(v, nullptr, 10);
+  }();
+  if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
 CUresult m_cuMemCreate(CUmemGenericAllocationHandle* h, std::size_t n,
                        const CUmemAllocationProp* prop, unsigned long long flags) {
+  create_delay();
   ENTER();
   if (prop == nullptr || flags != 0 || n == 0 || n % kGranularity != 0)
     return CUDA_ERROR_INVALID_VALUE;
