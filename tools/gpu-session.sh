@@ -19,19 +19,21 @@
 #               allocators; inference; the largest context measured (150 s)
 #   gate        salus-bench gate; bench_shim_launch on the real driver (30 s)
 #   throughput  pytorch-eval --quick throughput (60 s)
-#   swap        tools/swap-eval.sh 4096 3 with a spill pass (/var/tmp) (90 s)
-#   handover    tools/lane-eval.sh 256,1024,4096,16384 3 (45 s)
-#   backing     salus-bench backing --sizes 1G,10G,40G (60 s)
 #   fair        pytorch-eval --quick fair (70 s)
 #   inference   pytorch-eval --quick inference: 42 sessions (120 s)
-#   oversub     pytorch-eval --quick oversub (240 s)
+#   swap        tools/swap-eval.sh 4096 3 with a spill pass (/var/tmp) (90 s)
+#   oversub     pytorch-eval --quick oversub (180 s)
+#   backing     salus-bench backing --sizes 1G,10G,40G (60 s)
+#   handover    tools/lane-eval.sh 256,1024,4096,16384 3 (45 s)
 #   trace       pytorch-eval --quick trace (150 s)
-#   mps         tools/mps-eval.sh (150 s)
 #   lanes       pytorch-eval --quick lanes (150 s)
+#   mps         tools/mps-eval.sh (150 s)
 #   tests       tools/gpu-eval.sh tests (300 s)
 #
-# A 15-minute lease: `--budget 540` (the first 9 minutes: env to inference),
-# then, if time is left, the rest with `--budget 240 oversub trace`, and so on.
+# A 15-minute lease: `--budget 540` (the first 9 minutes: env to swap), then,
+# with what is left and at once (the machine stays warm 30 s), `--budget 210
+# oversub backing handover`; a later lease `trace lanes mps tests`, then the
+# full runs (pytorch-eval.sh without --quick).
 #
 # --dry-run: the same plumbing without a GPU (what CI runs, with the bundle made
 # from the test build): CPU torch and a sim-backend salusd for the PyTorch
@@ -47,11 +49,11 @@ shift 2
 budget=540
 if [ "${1:-}" = "--budget" ]; then budget=${2:?$usage}; shift 2; fi
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(env compat gate throughput swap handover backing fair inference
-  oversub trace mps lanes tests)
+[ ${#steps[@]} -eq 0 ] && steps=(env compat gate throughput fair inference swap oversub backing
+  handover trace lanes mps tests)
 cd "$(dirname "$0")/.."
-declare -A estimate=([env]=5 [compat]=150 [gate]=30 [throughput]=60 [swap]=90 [handover]=45
-  [backing]=60 [fair]=70 [inference]=120 [oversub]=240 [trace]=150 [mps]=150 [lanes]=150
+declare -A estimate=([env]=5 [compat]=150 [gate]=30 [throughput]=60 [fair]=70 [inference]=120
+  [swap]=90 [oversub]=180 [backing]=60 [handover]=45 [trace]=150 [lanes]=150 [mps]=150
   [tests]=300)
 for s in "${steps[@]}"; do
   [ -n "${estimate[$s]:-}" ] || { echo "gpu-session: unknown step '$s'" >&2; exit 2; }
