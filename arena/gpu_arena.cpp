@@ -696,6 +696,11 @@ Bytes GpuArena::buffer_offset(BufferHandle buffer) const {
   return b ? b->offset : 0;
 }
 
+Bytes GpuArena::buffer_size(BufferHandle buffer) const {
+  const PersistentBuffer* b = impl_->heap.find(buffer);
+  return b ? b->size : 0;
+}
+
 std::vector<PersistentMove> GpuArena::session_idle(SessionId session) {
   Impl& m = *impl_;
   auto it = m.sessions.find(session);

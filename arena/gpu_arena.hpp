@@ -252,6 +252,7 @@ class GpuArena {
   AllocResult alloc_persistent(SessionId session, Bytes size);
   void free_persistent(BufferHandle buffer);
   Bytes buffer_offset(BufferHandle buffer) const;
+  Bytes buffer_size(BufferHandle buffer) const;  // as allocated (aligned); 0 if unknown
   // Whether the buffer holds a GPU range now (false while its session is swapped out).
   bool buffer_on_gpu(BufferHandle buffer) const;
 

@@ -1842,7 +1842,7 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
     return true;
   }
   // A lane placed or moved since the last pass needs memory behind it first.
-  if (!it.ops.empty() && !backing_ready(g)) return false;
+  if (!it.ops.empty() && !work_backed(g, lane_id, item)) return false;
   --item.remaining;
   ++item.outstanding;
   if (it.ops.empty() && s->in_flight == 0) {

@@ -362,6 +362,10 @@ class Broker {
   enum class Backing { ready, pending, failed };
   Backing backing_state(Gpu& g);
   bool backing_ready(Gpu& g) { return backing_state(g) == Backing::ready; }
+  // Whether an instance of `item` may go out on the lane now: all held memory
+  // is backed, or a job backs other memory and everything this work touches
+  // (its lane, its bound buffers) is backed for certain meanwhile.
+  bool work_backed(Gpu& g, LaneId lane_id, const WorkItem& item);
   std::vector<arena::ByteRange> held_ranges(const Gpu& g) const;
   void start_backing(Gpu& g, std::vector<arena::ByteRange> target);
   void resize_locked(SessionId id, const Caller& caller, std::uint32_t buffer_id, Bytes size,

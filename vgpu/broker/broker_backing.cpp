@@ -105,6 +105,18 @@ Broker::Backing Broker::backing_state(Gpu& g) {
   return covers(g.backing_safe, g.held) ? Backing::ready : Backing::pending;
 }
 
+bool Broker::work_backed(Gpu& g, LaneId lane_id, const WorkItem& item) {
+  const Backing b = backing_state(g);
+  if (b != Backing::pending || !g.backing_busy) return b == Backing::ready;
+  // Rare (a job for a new lane or compaction destinations is under way): the
+  // allocation here is off the dispatch path's usual course.
+  const arena::GpuArena& ar = g.sched.arena();
+  std::vector<arena::ByteRange> touched{{ar.lane_offset(lane_id), ar.lane_size(lane_id)}};
+  for (const arena::BufferHandle h : item.bound)
+    if (h != 0 && ar.buffer_on_gpu(h)) touched.push_back({ar.buffer_offset(h), ar.buffer_size(h)});
+  return covers(g.backing_safe, arena::merge_ranges(std::move(touched)));
+}
+
 void Broker::maybe_give_back(Gpu& g) {
   if (g.backed == g.held) {
     g.backing_excess_since = 0;

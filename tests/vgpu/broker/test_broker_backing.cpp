@@ -272,6 +272,37 @@ TEST(BrokerBacking, WhileNewMemoryIsBackedEveryoneElseGoesOn) {
   EXPECT_EQ(f.dev->violations(), 0);
 }
 
+// A job for a new lane holds up only the work that needs that lane: another
+// session's iterations on memory already backed go out meanwhile.
+TEST(BrokerBacking, ANewLaneBeingBackedHoldsUpOnlyItsOwnWork) {
+  Fixture f;
+  const auto b = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(b, "need persistent=4M ephemeral=2M\nalloc x 1M\nfill x 1 dtype=u8\n").first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, b).first, 0);
+  f.dev->hold_backing();
+  const auto c = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(c,
+                  "need persistent=1M ephemeral=20M\nbegin\nalloc e 16M\nfill e 4 dtype=u8\n"
+                  "end\n")
+                .first,
+            0);
+  auto c_done = std::async(std::launch::async, [&] { return test::wait_session(*f.broker, c); });
+  for (int i = 0; i < 500 && !f.dev->backing_blocked(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_TRUE(f.dev->backing_blocked()) << "c's lane never asked the device for memory";
+  ASSERT_EQ(f.run(b, "begin\nfill x 2 dtype=u8\nend x5\n").first, 0);
+  auto b_done = std::async(std::launch::async, [&] { return test::wait_session(*f.broker, b); });
+  ASSERT_EQ(b_done.wait_for(std::chrono::seconds(5)), std::future_status::ready)
+      << "b waited for the job backing c's lane";
+  EXPECT_EQ(b_done.get().first, 0);
+  EXPECT_EQ(c_done.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout)
+      << "c's iteration ran before its lane was backed";
+  f.dev->release_backing();
+  ASSERT_EQ(c_done.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_EQ(c_done.get().first, 0);
+  EXPECT_EQ(f.dev->violations(), 0);
+}
+
 // A restarted executor that could not back the arena again: the layout did not
 // change, but no op may touch held memory until the device is told again; while
 // the card has no room for it, work waits.
