@@ -83,6 +83,30 @@ BackingChange backing_change(const std::vector<bool>& backed, const std::vector<
   return out;
 }
 
+bool covers(const std::vector<ByteRange>& outer, const std::vector<ByteRange>& inner) {
+  auto o = outer.begin();
+  for (const ByteRange& r : inner) {
+    while (o != outer.end() && o->offset + o->size <= r.offset) ++o;
+    if (o == outer.end() || o->offset > r.offset || o->offset + o->size < r.offset + r.size)
+      return false;
+  }
+  return true;
+}
+
+std::vector<ByteRange> intersect_ranges(const std::vector<ByteRange>& a,
+                                        const std::vector<ByteRange>& b) {
+  std::vector<ByteRange> out;
+  auto i = a.begin();
+  auto j = b.begin();
+  while (i != a.end() && j != b.end()) {
+    const Bytes lo = std::max(i->offset, j->offset);
+    const Bytes hi = std::min(i->offset + i->size, j->offset + j->size);
+    if (lo < hi) out.push_back({lo, hi - lo});
+    (i->offset + i->size < j->offset + j->size) ? ++i : ++j;
+  }
+  return out;
+}
+
 std::vector<ChunkRun> split_run(const ChunkRun& run, std::uint64_t most) {
   if (most == 0) most = 1;
   std::vector<ChunkRun> out;

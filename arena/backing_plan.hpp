@@ -39,6 +39,13 @@ std::vector<ByteRange> merge_ranges(std::vector<ByteRange> ranges);
 // message to a device that backs them.
 std::vector<ByteRange> merge_to_at_most(std::vector<ByteRange> ranges, std::size_t limit);
 
+// Range algebra on sorted, disjoint, merged lists (from merge_ranges): whether
+// every range of `inner` lies inside one of `outer`, and the bytes in both
+// (merged too). The broker's readiness check while a backing job runs.
+bool covers(const std::vector<ByteRange>& outer, const std::vector<ByteRange>& inner);
+std::vector<ByteRange> intersect_ranges(const std::vector<ByteRange>& a,
+                                        const std::vector<ByteRange>& b);
+
 // The chunks that cover `held` (any order, may overlap), as sorted, disjoint,
 // non-adjacent runs. A chunk that any held byte falls in is wanted whole.
 std::vector<ChunkRun> chunks_covering(const std::vector<ByteRange>& held, Bytes chunk);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <iterator>
 #include <random>
 #include <set>
 
@@ -87,6 +88,40 @@ TEST(BackingPlan, SplitRunCutsIntoConsecutivePiecesOfAtMostN) {
   EXPECT_EQ(split_run({5, 2}, 64), (std::vector<ChunkRun>{{5, 2}}));
   EXPECT_TRUE(split_run({5, 0}, 4).empty());
   EXPECT_EQ(split_run({1, 2}, 0), (std::vector<ChunkRun>{{1, 1}, {2, 1}}));
+}
+
+// covers and intersect_ranges against a byte-by-byte reference on seeded
+// random merged lists.
+TEST(BackingPlan, CoversAndIntersectAgreeWithAByteReference) {
+  constexpr Bytes kSpace = 256;
+  auto random_list = [](std::mt19937_64& rng) {
+    std::vector<ByteRange> v;
+    for (int n = static_cast<int>(rng() % 6); n > 0; --n)
+      v.push_back({rng() % kSpace, 1 + rng() % 40});
+    for (ByteRange& r : v) r.size = std::min(r.size, kSpace - r.offset);
+    return merge_ranges(std::move(v));
+  };
+  auto bytes = [](const std::vector<ByteRange>& v) {
+    std::set<Bytes> out;
+    for (const ByteRange& r : v)
+      for (Bytes b = r.offset; b < r.offset + r.size; ++b) out.insert(b);
+    return out;
+  };
+  for (std::uint64_t seed = 1; seed <= 2000; ++seed) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    std::mt19937_64 rng(seed);
+    const auto a = random_list(rng);
+    auto b = rng() % 3 == 0 ? intersect_ranges(a, random_list(rng)) : random_list(rng);
+    const auto ba = bytes(a), bb = bytes(b);
+    const bool inside = std::includes(ba.begin(), ba.end(), bb.begin(), bb.end());
+    ASSERT_EQ(covers(a, b), inside);
+    const auto both = intersect_ranges(a, b);
+    ASSERT_EQ(both, merge_ranges(both)) << "not merged";
+    std::set<Bytes> ref;
+    std::set_intersection(ba.begin(), ba.end(), bb.begin(), bb.end(),
+                          std::inserter(ref, ref.end()));
+    ASSERT_EQ(bytes(both), ref);
+  }
 }
 
 TEST(BackingPlan, AgreesWithAChunkByChunkReferenceOnRandomLayouts) {

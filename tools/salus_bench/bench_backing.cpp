@@ -7,13 +7,8 @@
 // lock, so the longest of those reads is how long every other user waited. The
 // baseline in the same run is the same allocations on a salusd whose arena is
 // backed up front (`--cuda-arena up-front`), where `alloc` maps nothing.
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
-#include <cstring>
 #include <memory>
 #include <thread>
 
@@ -31,12 +26,7 @@ std::vector<double> read_status_until(const std::string& dir, const std::atomic<
   const std::string path = dir + "/status";
   while (!stop.load()) {
     const auto t0 = Clock::now();
-    const int fd = ::open(path.c_str(), O_RDONLY);
-    if (fd < 0) die(fmt::format("open {}: {}", path, std::strerror(errno)));
-    char buf[8192];
-    while (::read(fd, buf, sizeof buf) > 0) {
-    }
-    ::close(fd);
+    if (read_file(path).empty()) die("reading " + path + ": nothing");
     lat.push_back(us_since(t0));
   }
   return lat;

@@ -27,33 +27,6 @@ constexpr std::int64_t kBackingRetryNs = 50'000'000;
 // still there, instead of each giving back what the other needs.
 constexpr std::int64_t kGiveBackDelayNs = 200'000'000;
 
-// Whether every range of `inner` lies inside one of `outer` (both sorted,
-// disjoint and merged, as merge_ranges makes them).
-bool covers(const std::vector<arena::ByteRange>& outer,
-            const std::vector<arena::ByteRange>& inner) {
-  auto o = outer.begin();
-  for (const arena::ByteRange& r : inner) {
-    while (o != outer.end() && o->offset + o->size <= r.offset) ++o;
-    if (o == outer.end() || o->offset > r.offset || o->offset + o->size < r.offset + r.size)
-      return false;
-  }
-  return true;
-}
-
-std::vector<arena::ByteRange> intersect(const std::vector<arena::ByteRange>& a,
-                                        const std::vector<arena::ByteRange>& b) {
-  std::vector<arena::ByteRange> out;
-  auto i = a.begin();
-  auto j = b.begin();
-  while (i != a.end() && j != b.end()) {
-    const Bytes lo = std::max(i->offset, j->offset);
-    const Bytes hi = std::min(i->offset + i->size, j->offset + j->size);
-    if (lo < hi) out.push_back({lo, hi - lo});
-    (i->offset + i->size < j->offset + j->size) ? ++i : ++j;
-  }
-  return out;
-}
-
 }  // namespace
 
 std::vector<arena::ByteRange> Broker::held_ranges(const Gpu& g) const {
@@ -90,19 +63,20 @@ Broker::Backing Broker::backing_state(Gpu& g) {
     g.held = held_ranges(g);
     g.held_version = version;
   }
-  if (g.backing_busy) return covers(g.backing_safe, g.held) ? Backing::ready : Backing::pending;
-  if (covers(g.backed, g.held)) {
+  if (g.backing_busy)
+    return arena::covers(g.backing_safe, g.held) ? Backing::ready : Backing::pending;
+  if (arena::covers(g.backed, g.held)) {
     maybe_give_back(g);
     return Backing::ready;
   }
-  if (now() - g.backing_tried < kBackingRetryNs && covers(g.backing_failed_target, g.held))
+  if (now() - g.backing_tried < kBackingRetryNs && arena::covers(g.backing_failed_target, g.held))
     return Backing::failed;
   // Never unmaps what it keeps mapped: whatever is backed now stays usable
   // while the job runs.
   std::vector<arena::ByteRange> target = g.held;
   target.insert(target.end(), g.backed.begin(), g.backed.end());
   start_backing(g, arena::merge_ranges(std::move(target)));
-  return covers(g.backing_safe, g.held) ? Backing::ready : Backing::pending;
+  return arena::covers(g.backing_safe, g.held) ? Backing::ready : Backing::pending;
 }
 
 bool Broker::work_backed(Gpu& g, LaneId lane_id, const WorkItem& item) {
@@ -114,7 +88,7 @@ bool Broker::work_backed(Gpu& g, LaneId lane_id, const WorkItem& item) {
   std::vector<arena::ByteRange> touched{{ar.lane_offset(lane_id), ar.lane_size(lane_id)}};
   for (const arena::BufferHandle h : item.bound)
     if (h != 0 && ar.buffer_on_gpu(h)) touched.push_back({ar.buffer_offset(h), ar.buffer_size(h)});
-  return covers(g.backing_safe, arena::merge_ranges(std::move(touched)));
+  return arena::covers(g.backing_safe, arena::merge_ranges(std::move(touched)));
 }
 
 void Broker::maybe_give_back(Gpu& g) {
@@ -130,7 +104,7 @@ void Broker::maybe_give_back(Gpu& g) {
 
 void Broker::start_backing(Gpu& g, std::vector<arena::ByteRange> target) {
   g.backing_busy = true;
-  g.backing_safe = intersect(g.backed, target);
+  g.backing_safe = arena::intersect_ranges(g.backed, target);
   g.backing_target = target;
   g.backing_job_epoch = g.backing_epoch;
   g.backing_excess_since = 0;

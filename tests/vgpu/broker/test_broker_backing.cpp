@@ -116,6 +116,12 @@ class BackingDevice final : public Device {
     hold_cv_.notify_all();
   }
   bool backing_blocked() const { return blocked_.load(); }
+  // Whether a set_backing call comes to the hold within a second.
+  bool blocked_soon() const {
+    for (int i = 0; i < 500 && !backing_blocked(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    return backing_blocked();
+  }
 
   void limit_room(Bytes room) {
     std::lock_guard lk(mu_);
@@ -250,9 +256,7 @@ TEST(BrokerBacking, WhileNewMemoryIsBackedEveryoneElseGoesOn) {
   f.dev->hold_backing();
   auto big = std::async(std::launch::async,
                         [&] { return f.run(a, "alloc big 20M\nfill big 5 dtype=u8\n"); });
-  for (int i = 0; i < 500 && !f.dev->backing_blocked(); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  ASSERT_TRUE(f.dev->backing_blocked()) << "the allocation never asked the device for memory";
+  ASSERT_TRUE(f.dev->blocked_soon()) << "the allocation never asked the device for memory";
   // The device is busy backing a's buffer: b is served meanwhile.
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_NE(f.broker->render_status(b).find("state: admitted"), std::string::npos);
@@ -287,9 +291,7 @@ TEST(BrokerBacking, ANewLaneBeingBackedHoldsUpOnlyItsOwnWork) {
                 .first,
             0);
   auto c_done = std::async(std::launch::async, [&] { return test::wait_session(*f.broker, c); });
-  for (int i = 0; i < 500 && !f.dev->backing_blocked(); ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  ASSERT_TRUE(f.dev->backing_blocked()) << "c's lane never asked the device for memory";
+  ASSERT_TRUE(f.dev->blocked_soon()) << "c's lane never asked the device for memory";
   ASSERT_EQ(f.run(b, "begin\nfill x 2 dtype=u8\nend x5\n").first, 0);
   auto b_done = std::async(std::launch::async, [&] { return test::wait_session(*f.broker, b); });
   ASSERT_EQ(b_done.wait_for(std::chrono::seconds(5)), std::future_status::ready)
