@@ -88,6 +88,10 @@ struct BrokerConfig {
   // programs that take memory around the shim must not run (salusd
   // --attach-overrun kill).
   bool attach_overrun_kill = false;
+  // Arena memory no longer held stays backed this long before it goes back to
+  // the card (broker_backing.cpp), unless room promised to attached programs
+  // needs it sooner. Tests lengthen it.
+  std::int64_t give_back_delay_ns = 200'000'000;
   // Threads that open, read and write what callers name (see caller_io.hpp).
   CallerIo::Options caller_io;
   // Per GPU, the MPS control daemon salusd runs for it (--mps), or null; owned
@@ -371,6 +375,7 @@ class Broker {
   void resize_locked(SessionId id, const Caller& caller, std::uint32_t buffer_id, Bytes size,
                      std::function<void(int err)> done, Deferred& later);
   void maybe_give_back(Gpu& g);
+  Bytes promised_to_programs(Gpu& g);
   void backer_loop(Gpu& g);
   void finish_backing(Gpu& g, int status, const std::string& why, Deferred& later);
   void stop_backer(Gpu& g);

@@ -22,10 +22,6 @@ namespace {
 // often for the same memory (each try may be an IPC to the executor).
 constexpr std::int64_t kBackingReportNs = 10'000'000'000;
 constexpr std::int64_t kBackingRetryNs = 50'000'000;
-// Memory no longer held goes back to the card after this long: a write or a
-// swap-in that waited for a job retries right after it and finds its memory
-// still there, instead of each giving back what the other needs.
-constexpr std::int64_t kGiveBackDelayNs = 200'000'000;
 
 }  // namespace
 
@@ -91,15 +87,49 @@ bool Broker::work_backed(Gpu& g, LaneId lane_id, const WorkItem& item) {
   return arena::covers(g.backing_safe, arena::merge_ranges(std::move(touched)));
 }
 
+// What the GPU's attached programs were promised on the card, which they take
+// from their own contexts: their resident shares (P and context) and their
+// lanes (the shared lane's memory). Counted again only when an admission or the
+// resident set changed (the key), so the dispatch path pays one compare.
+Bytes Broker::promised_to_programs(Gpu& g) {
+  const arena::GpuArena& ar = g.sched.arena();
+  const std::pair<Bytes, std::uint64_t> key{ar.resident_room(), ar.stats().admissions};
+  if (key == g.promised_key) return g.promised_bytes;
+  Bytes promised = 0;
+  std::unordered_set<arena::SessionId> programs;
+  for (const auto& [id, sp] : sessions_) {
+    if (sp->gpu != static_cast<int>(g.index) || !sp->lane || !will_attach(*sp)) continue;
+    promised += ar.on_card_bytes(id);
+    programs.insert(id);
+  }
+  for (const arena::LaneView& v : ar.lanes())
+    if (!v.sessions.empty() && programs.count(v.sessions.front()) != 0) promised += v.size;
+  g.promised_key = key;
+  g.promised_bytes = promised;
+  return promised;
+}
+
+// Memory no longer held goes back to the card after config_.give_back_delay_ns:
+// a write or a swap-in that waited for a job retries right after it and finds
+// its memory still there, instead of each giving back what the other needs.
+// But not when attached programs were promised that room: one admitted into
+// memory a hosted session just freed allocates it from its own context (at
+// once, for a C program), and the driver would refuse it while salusd still
+// holds it. What salusd keeps backed and what the programs were promised must
+// fit the card together, or the excess goes back now.
 void Broker::maybe_give_back(Gpu& g) {
   if (g.backed == g.held) {
     g.backing_excess_since = 0;
     return;
   }
+  if (g.device->backed_bytes() + promised_to_programs(g) > g.sched.arena().capacity()) {
+    start_backing(g, g.held);
+    return;
+  }
   const TimeNs t = now();
   if (g.backing_excess_since == 0)
     g.backing_excess_since = t;  // the worker comes back within 100 ms
-  if (t - g.backing_excess_since >= kGiveBackDelayNs) start_backing(g, g.held);
+  if (t - g.backing_excess_since >= config_.give_back_delay_ns) start_backing(g, g.held);
 }
 
 void Broker::start_backing(Gpu& g, std::vector<arena::ByteRange> target) {

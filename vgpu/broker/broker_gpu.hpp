@@ -82,6 +82,10 @@ struct Broker::Gpu {
   std::vector<arena::ByteRange> backed;
   std::vector<arena::ByteRange> held;
   std::uint64_t held_version = ~std::uint64_t{0};
+  // What attached programs were promised on the card, at `promised_key`
+  // (resident room, admissions) of the arena (Broker::promised_to_programs).
+  Bytes promised_bytes = 0;
+  std::pair<Bytes, std::uint64_t> promised_key{~Bytes{0}, ~std::uint64_t{0}};
   std::string backing_why;
   TimeNs backing_reported = 0;
   TimeNs backing_tried = 0;

@@ -305,6 +305,39 @@ TEST(BrokerBacking, ANewLaneBeingBackedHoldsUpOnlyItsOwnWork) {
   EXPECT_EQ(f.dev->violations(), 0);
 }
 
+// Memory a hosted session freed stays backed for a moment (a retry finds it
+// still there), unless the room is promised: an attached program admitted into
+// it allocates from its own context at once, and the driver would refuse it
+// while salusd still holds the memory. Then it goes back to the card at once.
+TEST(BrokerBacking, RoomPromisedToAnAttachedProgramGoesBackToTheCardAtOnce) {
+  BrokerConfig config;
+  config.give_back_delay_ns = 60'000'000'000;  // here only a promise gives memory back
+  Fixture f(config);
+  const auto h = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(h, "need persistent=40M ephemeral=0\nalloc a 32M\nfill a 1 dtype=u8\n").first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, h).first, 0);
+  ASSERT_GE(f.dev->backed_bytes(), Bytes{32} << 20);
+  // Freed within a hosted reservation that fills the card: nobody else was
+  // promised it, so it stays for the delay.
+  ASSERT_EQ(f.run(h, "free a\nneed persistent=60M ephemeral=0\n").first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, h).first, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_GE(f.dev->backed_bytes(), Bytes{32} << 20) << "given back before the delay";
+  f.broker->end_session(h);
+  // A program that fits beside what is still backed: nothing needs to go back.
+  const auto small = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(small, "need persistent=8M ephemeral=0 kind=attached\n").first, 0);
+  EXPECT_NE(f.broker->render_status(small).find("state: admitted"), std::string::npos);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_GE(f.dev->backed_bytes(), Bytes{32} << 20) << "given back before the delay";
+  // One that needs the memory still backed: it goes back now.
+  const auto large = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(large, "need persistent=40M ephemeral=0 kind=attached\n").first, 0);
+  EXPECT_NE(f.broker->render_status(large).find("state: admitted"), std::string::npos);
+  EXPECT_TRUE(f.backed_within(0, std::chrono::seconds(3))) << f.dev->backed_bytes();
+  EXPECT_EQ(f.dev->violations(), 0);
+}
+
 // A restarted executor that could not back the arena again: the layout did not
 // change, but no op may touch held memory until the device is told again; while
 // the card has no room for it, work waits.
