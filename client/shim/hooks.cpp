@@ -126,7 +126,7 @@ std::uint64_t untrack(CUdeviceptr p) {
 template <typename Call>
 CUresult charged_alloc(CUdeviceptr* p, std::uint64_t n, const char* what, Call call) {
   if (!charge(n, what)) return CUDA_ERROR_OUT_OF_MEMORY;
-  const CUresult r = call();
+  const CUresult r = with_driver_oom_retry(n, what, call);
   if (r != CUDA_SUCCESS || p == nullptr) {
     refund(n);
     return r;
@@ -238,7 +238,8 @@ extern "C" SALUS_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr* p, std::size_t*
   // The pitch is the driver's choice: charge width*height first, then the padding.
   const std::uint64_t base = std::uint64_t{width} * height;
   if (!charge(base, "cuMemAllocPitch")) return CUDA_ERROR_OUT_OF_MEMORY;
-  const CUresult r = f(p, pitch, width, height, elem);
+  const CUresult r = with_driver_oom_retry(base, "cuMemAllocPitch",
+                                           [&] { return f(p, pitch, width, height, elem); });
   if (r != CUDA_SUCCESS) {
     refund(base);
     return r;
@@ -357,8 +358,9 @@ extern "C" SALUS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* h, st
   const std::uint64_t bytes = on_device ? n : 0;
   if (bytes > 0 && !charge(bytes, "cuMemCreate")) return CUDA_ERROR_OUT_OF_MEMORY;
   // Movable (SALUS_SWAP=1): the program gets a handle of the shim's.
-  const CUresult r =
-      program_handle_wanted(prop, flags) ? program_handle_create(h, n, prop) : f(h, n, prop, flags);
+  const bool own = program_handle_wanted(prop, flags);
+  auto create = [&] { return own ? program_handle_create(h, n, prop) : f(h, n, prop, flags); };
+  const CUresult r = on_device ? with_driver_oom_retry(n, "cuMemCreate", create) : create();
   if (r != CUDA_SUCCESS || h == nullptr) {
     refund(bytes);
     return r;

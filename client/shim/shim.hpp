@@ -131,6 +131,37 @@ void publish();               // mirrors charged, peak and the swap figures into
 bool charge(std::uint64_t n, const char* what);
 void refund(std::uint64_t n);
 
+// ---- driver_oom.cpp ----
+
+// A driver out-of-memory on an allocation the budget allowed, tried again for a
+// moment (the card may still be freeing what admission promised): wait() sleeps
+// before the next try, false once the window is over or nothing was promised;
+// finish() posts the note. Built on the failure path only.
+class DriverOomRetry {
+ public:
+  DriverOomRetry(std::uint64_t bytes, const char* what);
+  bool wait();
+  void finish(CUresult last);
+
+ private:
+  std::uint64_t bytes_;
+  const char* what_;
+  std::int64_t start_ns_;
+  std::int64_t sleep_ns_ = 1'000'000;
+  unsigned tries_ = 0;
+};
+// `call`, an allocation of `bytes` already charged, tried again while the driver
+// has no memory for it (one compare when it succeeds).
+template <typename Call>
+CUresult with_driver_oom_retry(std::uint64_t bytes, const char* what, Call call) {
+  CUresult r = call();
+  if (__builtin_expect(r != CUDA_ERROR_OUT_OF_MEMORY, 1)) return r;
+  DriverOomRetry retry(bytes, what);
+  while (r == CUDA_ERROR_OUT_OF_MEMORY && retry.wait()) r = call();
+  retry.finish(r);
+  return r;
+}
+
 // ---- swap.cpp: movable memory (SALUS_SWAP=1) ----
 // Pinned device memory of `dev`: how the shim's own VMM allocations are made
 // (movable memory here, promoted lane blocks in lane_promotion.cpp).

@@ -502,6 +502,24 @@ CUresult m_cuCtxSynchronize() {
   });
   return g.sticky;
 }
+// A card with no memory to give while the file named by `env` exists (a test
+// creates and removes it while the process runs); a number in it is how many
+// calls still succeed first (each takes one). SALUS_MOCK_NO_MEMORY_FILE holds
+// up cuMemCreate, SALUS_MOCK_NO_ALLOC_FILE cuMemAlloc.
+bool no_memory_now(const char* env = "SALUS_MOCK_NO_MEMORY_FILE") {
+  const char* path = std::getenv(env);
+  if (path == nullptr) return false;
+  FILE* f = std::fopen(path, "r+");
+  if (f == nullptr) return false;
+  long left = 0;
+  const bool counted = std::fscanf(f, "%ld", &left) == 1 && left > 0;
+  if (counted) {
+    std::rewind(f);
+    std::fprintf(f, "%ld\n", left - 1);
+  }
+  std::fclose(f);
+  return !counted;
+}
 CUresult m_cuMemGetInfo(std::size_t* free, std::size_t* total) {
   ENTER();
   *free = kTotalMemory - g.used;
@@ -512,6 +530,7 @@ CUresult m_cuMemAlloc(CUdeviceptr* p, std::size_t n) {
   ENTER();
   if (n == 0) return CUDA_ERROR_INVALID_VALUE;
   if (n > kTotalMemory - g.used) return CUDA_ERROR_OUT_OF_MEMORY;
+  if (no_memory_now("SALUS_MOCK_NO_ALLOC_FILE")) return CUDA_ERROR_OUT_OF_MEMORY;
   void* mem = std::malloc(n);
   if (mem == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
   std::memset(mem, 0xab, n);  // fresh device memory is not zero
@@ -972,23 +991,6 @@ CUresult m_cuMemGetAllocationGranularity(std::size_t* gran, const CUmemAllocatio
   if (gran == nullptr || prop == nullptr) return CUDA_ERROR_INVALID_VALUE;
   *gran = kGranularity;
   return CUDA_SUCCESS;
-}
-// A card with no memory to give while SALUS_MOCK_NO_MEMORY_FILE names a file
-// that exists (a test creates and removes it while the process runs); a number
-// in it is how many cuMemCreate calls still succeed first (each takes one).
-bool no_memory_now() {
-  const char* path = std::getenv("SALUS_MOCK_NO_MEMORY_FILE");
-  if (path == nullptr) return false;
-  FILE* f = std::fopen(path, "r+");
-  if (f == nullptr) return false;
-  long left = 0;
-  const bool counted = std::fscanf(f, "%ld", &left) == 1 && left > 0;
-  if (counted) {
-    std::rewind(f);
-    std::fprintf(f, "%ld\n", left - 1);
-  }
-  std::fclose(f);
-  return !counted;
 }
 // Each cuMemCreate takes SALUS_MOCK_CREATE_US microseconds (default 0), outside
 // the mock's lock, as a driver mapping gigabytes takes long while other threads'

@@ -540,6 +540,74 @@ TEST(Memory, PastTheBudgetIsOutOfMemoryWithANote) {
   EXPECT_EQ(load(g->charged_bytes), base);
 }
 
+// The driver out of memory for an allocation the budget allows: the card is
+// still freeing what admission promised (salusd giving back its arena, an
+// exited program torn down), so the shim tries again for a moment (1 s by
+// default) and says so, instead of failing the program at once.
+TEST(Memory, ADriverOutOfMemoryWithinTheBudgetIsTriedAgainForAMoment) {
+  gpu();
+  salus_gate* g = salusd->gate();
+  ASSERT_NE(load(g->budget_bytes), UINT64_MAX);
+  Cuda& c = cuda();
+  auto alloc = c.get<PFN_cuMemAlloc_v3020>("cuMemAlloc");
+  auto free_ = c.get<PFN_cuMemFree_v3020>("cuMemFree");
+  const std::uint64_t base = load(g->charged_bytes);
+  const std::uint64_t refusals = load(g->oom_refusals);
+  char path[] = "/tmp/salus-no-alloc-XXXXXX";
+  const int fd = ::mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  ::setenv("SALUS_MOCK_NO_ALLOC_FILE", path, 1);
+  ::setenv("SALUS_MOCK_NO_MEMORY_FILE", path, 1);
+  // The card frees the memory 150 ms later.
+  std::thread freer([&] {
+    std::this_thread::sleep_for(150ms);
+    ::unlink(path);
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  CUdeviceptr a = 0;
+  EXPECT_EQ(alloc(&a, kMiB), CUDA_SUCCESS);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 150ms);
+  freer.join();
+  EXPECT_NE(std::strstr(g->note,
+                        "cuMemAlloc of 1048576 bytes: the driver had no memory for it "
+                        "within the budget; it had after"),
+            nullptr)
+      << g->note;
+  EXPECT_EQ(load(g->charged_bytes), base + kMiB);
+  // cuMemCreate the same.
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  CUmemGenericAllocationHandle h{};
+  ASSERT_EQ(::close(::open(path, O_CREAT | O_WRONLY, 0600)), 0);
+  std::thread freer2([&] {
+    std::this_thread::sleep_for(100ms);
+    ::unlink(path);
+  });
+  EXPECT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h, 2 * kMiB, &prop, 0), CUDA_SUCCESS);
+  freer2.join();
+  EXPECT_NE(std::strstr(g->note, "cuMemCreate of 2097152 bytes"), nullptr) << g->note;
+  EXPECT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(h), CUDA_SUCCESS);
+  // Memory that never comes: out of memory after the window, nothing charged,
+  // and not a refusal of the budget's.
+  ASSERT_EQ(::close(::open(path, O_CREAT | O_WRONLY, 0600)), 0);
+  t0 = std::chrono::steady_clock::now();
+  CUdeviceptr b = 0;
+  EXPECT_EQ(alloc(&b, kMiB), CUDA_ERROR_OUT_OF_MEMORY);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 1000ms);
+  EXPECT_NE(std::strstr(g->note, "out of memory from the driver although the budget allows it"),
+            nullptr)
+      << g->note;
+  ::unlink(path);
+  ::unsetenv("SALUS_MOCK_NO_ALLOC_FILE");
+  ::unsetenv("SALUS_MOCK_NO_MEMORY_FILE");
+  EXPECT_EQ(load(g->charged_bytes), base + kMiB);
+  EXPECT_EQ(load(g->oom_refusals), refusals);
+  ASSERT_EQ(free_(a), CUDA_SUCCESS);
+  EXPECT_EQ(load(g->charged_bytes), base);
+}
+
 TEST(Memory, ThreadsAllocatingAndLaunchingAgree) {
   gpu();
   salus_gate* g = salusd->gate();
