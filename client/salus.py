@@ -95,6 +95,11 @@ def _lane_release():
     cuda = getattr(torch, "cuda", None)
     if os.environ.get("SALUS_SHARED_LANE") != "alloc" or cuda is None or not cuda.is_initialized():
         return
+    try:  # never synchronize inside CUDA graph capture: it would invalidate it
+        if cuda.is_current_stream_capturing():
+            return
+    except (AttributeError, RuntimeError):  # an older or CPU-only torch
+        pass
     cuda.synchronize()
     cuda.empty_cache()
 

@@ -55,12 +55,24 @@ def shim_marker():
     return fn
 
 
+def capturing(cuda):
+    """Whether a CUDA graph is being captured on the current stream: a boundary
+    there (make_graphed_callables runs the model's forward while capturing)
+    must not synchronize, which would invalidate the capture."""
+    try:
+        return bool(cuda.is_current_stream_capturing())
+    except (AttributeError, RuntimeError):  # an older or CPU-only torch
+        return False
+
+
 def lane_release(torch):
     """Before a boundary with SALUS_SHARED_LANE=alloc: PyTorch's cached GPU memory
     goes back (to the shared lane, through the shim's cuMemFree), once the work
     queued on it is done. Nothing before CUDA is initialised."""
     cuda = getattr(torch, "cuda", None)
     if cuda is None or not cuda.is_initialized():
+        return
+    if capturing(cuda):
         return
     cuda.synchronize()
     cuda.empty_cache()

@@ -185,10 +185,15 @@ torch.cuda.synchronize = lambda: calls.append(("synchronize", len(marks)))
 torch.cuda.empty_cache = lambda: calls.append(("empty_cache", len(marks)))
 train_step()
 print("cuda", len(marks), calls)
+# Inside CUDA graph capture: a synchronize would invalidate the capture.
+torch.cuda.is_current_stream_capturing = lambda: True
+train_step()
+print("capturing", len(marks), calls)
 """, env_extra={"SALUS_SHARED_LANE": lane}))
     assert "cpu 1 []" in out, out
     if lane == "alloc":  # both before the second mark, in that order
         assert "cuda 2 [('synchronize', 1), ('empty_cache', 1)]" in out, out
+        assert "capturing 3 [('synchronize', 1), ('empty_cache', 1)]" in out, out
     else:
         assert "cuda 2 []" in out, out
 
@@ -205,11 +210,16 @@ sys.modules["torch"] = types.SimpleNamespace(cuda=cuda)
 salus._shim = (lambda: calls.append("salus_step") or 0, lambda: 1, lambda: 0)
 salus.step()
 print(calls)
+calls.clear()
+cuda.is_current_stream_capturing = lambda: True  # inside graph capture: no synchronize
+salus.step()
+print(calls)
 """, env_extra={"SALUS_SHARED_LANE": lane} if lane else None,
                path=(os.path.join(ROOT, "client"),))
-    out = check(r)
+    out = check(r).splitlines()
     want = ["synchronize", "empty_cache", "salus_step"] if lane else ["salus_step"]
-    assert out.strip() == str(want), out
+    assert out[0].strip() == str(want), out
+    assert out[1].strip() == str(["salus_step"]), out
 
 
 @needs_torch
