@@ -79,8 +79,8 @@ void DriverOomRetry::finish(CUresult last) {
                   "(budget %" PRIu64 ", charged %" PRIu64
                   "), still after %.0f ms: something on the GPU holds more than admission "
                   "counts for it",
-                  what_, bytes_, __atomic_load_n(&g->budget_bytes, __ATOMIC_ACQUIRE),
-                  charged_now(), ms);
+                  what_, bytes_, __atomic_load_n(&g->budget_bytes, __ATOMIC_ACQUIRE), charged_now(),
+                  ms);
   }
   post_note(line);
 }

@@ -1045,7 +1045,7 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& su
                                     arena::format_size(s.need.persistent), s.gpu,
                                     arena::format_size(g.sched.arena().memory().free)));
   }
-  if (const Backing b = backing_state(g); b != Backing::ready) {
+  if (const Backing b = backing_of(g, {{r.offset, arena::align_up(c.size)}}); b != Backing::ready) {
     g.sched.arena().free_persistent(r.handle);
     if (b == Backing::pending) {
       // Its memory is being mapped off the lock: the write waits (holding no
@@ -1881,11 +1881,16 @@ bool Broker::dispatch_one(Gpu& g, LaneId lane_id, Lane& lane, Deferred& later) {
 // The session is not dispatched until its copies are done.
 void Broker::compact(Gpu& g) {
   arena::GpuArena& ar = g.sched.arena();
-  // Moves planned earlier whose destinations had no memory behind them yet.
-  if (!g.unbacked_moves.empty() && backing_ready(g)) {
+  // Moves planned earlier whose memory was not backed yet.
+  if (!g.unbacked_moves.empty()) {
     auto waiting = std::move(g.unbacked_moves);
     g.unbacked_moves.clear();
-    for (auto& [id, moves] : waiting) start_moves(g, id, moves);
+    for (auto& [id, moves] : waiting) {
+      if (moves_backed(g, moves))
+        start_moves(g, id, moves);
+      else
+        g.unbacked_moves.emplace_back(id, std::move(moves));
+    }
   }
   if (!ar.compaction_pending()) return;
   for (auto& [id, sp] : sessions_) {
@@ -1897,7 +1902,7 @@ void Broker::compact(Gpu& g) {
     if (moves.empty()) continue;
     s.moving = true;  // until the copies are done, whenever they start
     update_runnable(g, s);
-    if (backing_ready(g))
+    if (moves_backed(g, moves))
       start_moves(g, s.id, moves);
     else
       g.unbacked_moves.emplace_back(s.id, std::move(moves));

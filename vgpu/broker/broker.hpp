@@ -370,6 +370,12 @@ class Broker {
   // is backed, or a job backs other memory and everything this work touches
   // (its lane, its bound buffers) is backed for certain meanwhile.
   bool work_backed(Gpu& g, LaneId lane_id, const WorkItem& item);
+  // The same for compaction copies: everything they read and write is backed.
+  bool moves_backed(Gpu& g, const std::vector<arena::PersistentMove>& moves);
+  // backing_state for one use of memory: ready when the ranges it touches are
+  // backed for certain, even while a job backs other memory or after one
+  // failed; otherwise the GPU's state (pending, failed).
+  Backing backing_of(Gpu& g, std::vector<arena::ByteRange> touched);
   std::vector<arena::ByteRange> held_ranges(const Gpu& g) const;
   void start_backing(Gpu& g, std::vector<arena::ByteRange> target);
   void resize_locked(SessionId id, const Caller& caller, std::uint32_t buffer_id, Bytes size,

@@ -75,16 +75,31 @@ Broker::Backing Broker::backing_state(Gpu& g) {
   return arena::covers(g.backing_safe, g.held) ? Backing::ready : Backing::pending;
 }
 
-bool Broker::work_backed(Gpu& g, LaneId lane_id, const WorkItem& item) {
+Broker::Backing Broker::backing_of(Gpu& g, std::vector<arena::ByteRange> touched) {
   const Backing b = backing_state(g);
-  if (b != Backing::pending || !g.backing_busy) return b == Backing::ready;
-  // Rare (a job for a new lane or compaction destinations is under way): the
-  // allocation here is off the dispatch path's usual course.
+  if (b == Backing::ready) return b;
+  // Rare (a job runs, or the last one failed): what is backed for certain may
+  // still hold everything this use touches.
+  const std::vector<arena::ByteRange>& sure = g.backing_busy ? g.backing_safe : g.backed;
+  return arena::covers(sure, arena::merge_ranges(std::move(touched))) ? Backing::ready : b;
+}
+
+bool Broker::work_backed(Gpu& g, LaneId lane_id, const WorkItem& item) {
+  if (backing_state(g) == Backing::ready) return true;  // the dispatch path: one compare
   const arena::GpuArena& ar = g.sched.arena();
   std::vector<arena::ByteRange> touched{{ar.lane_offset(lane_id), ar.lane_size(lane_id)}};
   for (const arena::BufferHandle h : item.bound)
     if (h != 0 && ar.buffer_on_gpu(h)) touched.push_back({ar.buffer_offset(h), ar.buffer_size(h)});
-  return arena::covers(g.backing_safe, arena::merge_ranges(std::move(touched)));
+  return backing_of(g, std::move(touched)) == Backing::ready;
+}
+
+bool Broker::moves_backed(Gpu& g, const std::vector<arena::PersistentMove>& moves) {
+  std::vector<arena::ByteRange> touched;
+  for (const arena::PersistentMove& m : moves) {
+    touched.push_back({m.from, m.size});
+    touched.push_back({m.to, m.size});
+  }
+  return backing_of(g, std::move(touched)) == Backing::ready;
 }
 
 // What the GPU's attached programs were promised on the card, which they take

@@ -134,7 +134,8 @@ void Broker::resize_locked(SessionId id, const Caller& caller, std::uint32_t bid
                                   ? "persistent memory is fragmented; retry shortly"
                                   : "persistent memory exhausted under the safety condition"));
           err = r.error == arena::ArenaError::fragmented ? EAGAIN : ENOMEM;
-        } else if (const Backing state = backing_state(g); state == Backing::pending) {
+        } else if (const Backing state = backing_of(g, {{r.offset, arena::align_up(size)}});
+                   state == Backing::pending) {
           // Mapped off the lock: tried again when that is done.
           g.sched.arena().free_persistent(r.handle);
           g.backing_waiters.push_back([this, id, caller, bid, size, done](Deferred& l) {

@@ -2,6 +2,7 @@
 // demand (a sim device behind a wrapper that keeps the backed chunks) must never
 // get an op on memory that is not backed, gets freed memory back, and a card
 // with no room fails an allocation with a clear error and loses nothing.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -302,6 +303,45 @@ TEST(BrokerBacking, ANewLaneBeingBackedHoldsUpOnlyItsOwnWork) {
   f.dev->release_backing();
   ASSERT_EQ(c_done.wait_for(std::chrono::seconds(5)), std::future_status::ready);
   EXPECT_EQ(c_done.get().first, 0);
+  EXPECT_EQ(f.dev->violations(), 0);
+}
+
+// Compaction copies within memory already backed go out while a job backs a
+// new lane: a fragmented allocation waits for its compaction, not for another
+// session's new memory.
+TEST(BrokerBacking, CompactionWithinBackedMemoryDoesNotWaitForANewLane) {
+  Fixture f;
+  const auto x = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(f.run(x, "need persistent=40M ephemeral=0\n").first, 0);
+  for (int i = 1; i <= 5; ++i)
+    ASSERT_EQ(f.run(x, fmt::format("alloc b{} 8M\nfill b{} {} dtype=u8\n", i, i, i)).first, 0);
+  ASSERT_EQ(test::wait_session(*f.broker, x).first, 0);
+  ASSERT_EQ(f.run(x, "free b2\nfree b4\n").first, 0);
+  f.dev->hold_backing();
+  const auto c = static_cast<SessionId>(f.broker->create_session(kAlice, ""));
+  ASSERT_EQ(
+      f.run(c, "need persistent=1M ephemeral=20M\nbegin\nalloc e 16M\nfill e 4 dtype=u8\nend\n")
+          .first,
+      0);
+  auto c_done = std::async(std::launch::async, [&] { return test::wait_session(*f.broker, c); });
+  ASSERT_TRUE(f.dev->blocked_soon()) << "c's lane never asked the device for memory";
+  // 12M fits x's reservation but no hole: compaction first, inside what is backed.
+  auto big = std::async(std::launch::async, [&] { return f.run(x, "alloc big 12M\n"); });
+  ASSERT_EQ(big.wait_for(std::chrono::seconds(5)), std::future_status::ready)
+      << "the compaction waited for the job backing c's lane";
+  EXPECT_EQ(big.get().first, 0) << f.broker->render_log(x);
+  EXPECT_EQ(f.broker->render_stats().find("\npersistent_bytes_moved 0\n"), std::string::npos)
+      << "no compaction ran";
+  EXPECT_EQ(c_done.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout)
+      << "c's iteration ran before its lane was backed";
+  f.dev->release_backing();
+  ASSERT_EQ(c_done.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_EQ(c_done.get().first, 0);
+  for (int i : {1, 3, 5}) {
+    const auto v = f.read(x, fmt::format("b{}", i), Bytes{8} << 20);
+    ASSERT_EQ(v.size(), Bytes{8} << 20);
+    EXPECT_TRUE(std::all_of(v.begin(), v.end(), [i](char ch) { return ch == i; })) << "b" << i;
+  }
   EXPECT_EQ(f.dev->violations(), 0);
 }
 
