@@ -32,8 +32,9 @@
 #
 # A 15-minute lease: `--budget 540` (the first 9 minutes: env to swap), then,
 # with what is left and at once (the machine stays warm 30 s), `--budget 210
-# oversub backing handover`; a later lease `trace lanes mps tests`, then the
-# full runs (pytorch-eval.sh without --quick).
+# oversub backing handover` with SALUS_HOST_MIB set to the machine's memory
+# (a microVM's MemTotal starts far lower); a later lease `trace lanes mps
+# tests`, then the full runs (pytorch-eval.sh without --quick).
 #
 # --dry-run: the same plumbing without a GPU (what CI runs, with the bundle made
 # from the test build): CPU torch and a sim-backend salusd for the PyTorch
@@ -94,7 +95,8 @@ step_env() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "no nvidia-smi"
   $py -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())' 2>&1
   uname -sr
-  echo "cpus $(nproc)"
+  echo "cpus $(nproc), $(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo) MiB MemTotal" \
+    "(oversub sizes from SALUS_HOST_MIB=${SALUS_HOST_MIB:-unset} where set)"
   if [ -c /dev/fuse ]; then echo "/dev/fuse present"; else echo "/dev/fuse MISSING: salusd cannot mount"; fi
   "$bundle/tools/salusd" --version 2>&1 | head -1
 }

@@ -111,7 +111,10 @@ fault_run() {
   local label=$1 d=$2; shift 2
   mkdir -p "$d"
   start_salusd "$d/salusd.log" "$@"
-  "${srun[@]}" -- $wl train --model gpt --device cuda --duration 30 >"$d/train.json" 2>"$d/train.err" &
+  # Its own need: a GPT-2-small step at batch 8 peaks near 11 GB, past srun's
+  # 6 GiB (and MPS would hold it to that).
+  "$salus_run" --mount "$work/mnt" --gpu 0 --persistent 16G --ephemeral 0 -- \
+    $wl train --model gpt --device cuda --duration 30 >"$d/train.json" 2>"$d/train.err" &
   local train=$!
   sleep 5
   "${srun[@]}" --no-automark -- $py -c 'import torch

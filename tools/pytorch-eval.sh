@@ -26,15 +26,19 @@
 #               back to back natively, then both at once under salusd
 #               --oversubscribe 2 (FAIR, movable memory: SALUS_SWAP=1; with
 #               PyTorch's default allocator, then with expandable segments, whose
-#               handles the shim moves too; SALUS_OVERSUB_ALLOC picks), then both
-#               at once natively on unified memory with no gate (um_alloc.c;
-#               "scheduler off"): total completion times and their ratios. A
-#               swapped-out job waits in pinned host memory: where 65% of the
-#               card is more than 40% of the host's memory (an H200 on a 128 GB
-#               host), a ballast process holds the rest of the card for the
-#               whole part and the output says so
+#               handles the shim moves too; SALUS_OVERSUB_ALLOC picks), then,
+#               with SALUS_OVERSUB_UM=1 only, both at once natively on unified
+#               memory with no gate (um_alloc.c; "scheduler off": managed memory
+#               past the card's free memory can hang the GPU on some machines):
+#               total completion times and their ratios. A swapped-out job waits
+#               in pinned host memory: where 65% of the card is more than 40% of
+#               the host's memory (MemTotal, or SALUS_HOST_MIB where MemTotal
+#               understates it; an H200 on a 128 GB host), a ballast process
+#               holds the rest of the card for the whole part and the output
+#               says so
 #   lanes       issue 15, shared lanes with real jobs: SALUS_LANES_N GPT jobs (by
-#               default one more than fit with their own memory) at once under
+#               default one more than fit with their own memory, at most 8: on
+#               a large card each job gets live state until 7 fill it) at once under
 #               FAIR, first each with its own memory (need P + E), then with
 #               salus-run --shared-lane=alloc (need P, the lane's E once per GPU):
 #               the most sessions admitted at once, total time, steps/s, and each
@@ -249,10 +253,15 @@ part_trace() {
   startup_s=$($py -c "print(round($t_b - $t_a - $(jget "$d/alone.json" 'd["wall_s"]'), 3))")
   need_mb=$(jget "$d/alone.json" 'max(64, int(int(d["session"].get("memory_peak") or 0) * 1.1 / 2**20) + 1)')
   local lens=(5 40 12 25 3 30 8 18 35 6 15 22)
+  # The simulated GPU is the one salusd admits on: its admission capacity, and
+  # each job's need with the context reserve salusd counts beside it.
+  local sim_mib ctx_mib
+  sim_mib=$(($(sed -n 's/^admit_capacity: //p' "$work/mnt/gpus/0/memory") >> 20))
+  ctx_mib=$(($(sed -n 's/^context_reserve: //p' "$work/mnt/gpus/0/memory") >> 20))
   {
     echo "job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util,priority"
     for i in "${!lens[@]}"; do
-      echo "job$i,$((2 * i)),gpt,$need_mb,0,$step_ms,$((lens[i] * trace_scale)),1.0,0"
+      echo "job$i,$((2 * i)),gpt,$((need_mb + ctx_mib)),0,$step_ms,$((lens[i] * trace_scale)),1.0,0"
     done
   } >"$d/trace.csv"
   for p in fifo srtf; do
@@ -278,7 +287,8 @@ rows=[l.split() for l in open('$d/$p-times.txt')]
 t0=$t0
 print(round(sum(float(e)-t0-2*int(j[3:]) for j,s,e in rows)/len(rows),3))")
     local sim
-    sim=$("$salus_sim" --trace "$d/trace.csv" --policy $p --gpu-memory 80G | awk -v p=$p '$1==p {print $4}')
+    sim=$("$salus_sim" --trace "$d/trace.csv" --policy $p --gpu-memory "$sim_mib"M |
+      awk -v p=$p '$1==p {print $4}')
     echo "$p: measured avg JCT ${avg} s; salus-sim predicts ${sim} s from the iterations alone" \
       "(step ${step_ms} ms alone, need ${need_mb} MiB each; each job's start-up, ${startup_s} s alone, is not in the prediction)"
   done
@@ -321,7 +331,7 @@ part_oversub() {
     cap_mib=1024 extra_mib=64 eph_mib=64 steps=4
   else
     cap_mib=$oversub_card_mib
-    extra_mib=${SALUS_OVERSUB_EXTRA_MIB:-3072} eph_mib=${SALUS_OVERSUB_EPHEMERAL_MIB:-8192}
+    extra_mib=${SALUS_OVERSUB_EXTRA_MIB:-3072} eph_mib=${SALUS_OVERSUB_EPHEMERAL_MIB:-12288}
     steps=${SALUS_OVERSUB_STEPS:-$oversub_steps}
   fi
   local state_mib
@@ -369,8 +379,18 @@ for p in sys.argv[1:]:
     echo "unified memory, no gate: skipped (needs a GPU and torch >= 2.0)"
     return 0
   fi
-  cc -shared -fPIC -O2 -o "$work/um_alloc.so" "$here/pytorch_eval/um_alloc.c" \
-    -I"${CUDA_HOME:-/usr/local/cuda}/include" -lcuda || { echo "um_alloc.so: build failed"; return 1; }
+  # Managed memory past what the card has free is the point of this row, and on
+  # some machines it can hang the GPU itself (a lent machine's rules forbid it):
+  # only when asked for.
+  if [ "${SALUS_OVERSUB_UM:-0}" != 1 ]; then
+    echo "unified memory, no gate: skipped (SALUS_OVERSUB_UM=1 runs it: managed memory" \
+      "past the card's free memory can hang the GPU on some machines)"
+    return 0
+  fi
+  local cuda=${CUDA_HOME:-/usr/local/cuda}
+  cc -shared -fPIC -O2 -o "$work/um_alloc.so" "$here/pytorch_eval/um_alloc.c" -I"$cuda/include" \
+    -L"$cuda/lib64/stubs" -L"$cuda/targets/x86_64-linux/lib/stubs" -lcuda ||
+    { echo "um_alloc.so: build failed"; return 1; }
   t0=$(date +%s.%N)
   for i in 0 1; do "${job[@]}" --managed-alloc "$work/um_alloc.so" --tag um$i >"$d/um-$i.json" & done
   wait
@@ -390,7 +410,9 @@ for p in sys.argv[1:]:
 oversub_card() {
   local card host fit
   card=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
-  host=$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)
+  # SALUS_HOST_MIB: the host's memory where MemTotal understates it (a
+  # microVM whose memory grows as it is used starts with a low MemTotal).
+  host=${SALUS_HOST_MIB:-$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)}
   fit=$($py -c "print(int(0.4 * $host / ${SALUS_OVERSUB_SHARE:-0.65}))")
   oversub_card_mib=$card oversub_note=""
   [ "$fit" -ge $((card - 2048)) ] && return 0
@@ -426,18 +448,25 @@ part_lanes() {
   # One job alone: its peak with its own memory (P + E), then with the lane (what
   # it keeps, P; the lane generous); E is the difference.
   "${srun[@]}" -- "${job[@]}" --tag alone >"$d/alone-own.json"
-  local own_mib p_mib e_mib cap_mib n
+  local own_mib p_mib e_mib cap_mib n state_mib=0
   own_mib=$(jget "$d/alone-own.json" "max(64, int(int(d['session'].get('memory_peak') or 0) * 1.1 / $mib) + 1)")
+  cap_mib=$(($(sed -n 's/^admit_capacity: //p' "$work/mnt/gpus/0/memory") / mib))
+  # One job more than fit with their own memory, 8 at most (time): on a large
+  # card each job gets live state (--state-mib) until 7 of them fill it, so
+  # that the eighth is the one that does not fit.
+  if [ $dry = 0 ] && [ -z "${SALUS_LANES_N:-}" ] && [ $((cap_mib / own_mib)) -gt 7 ]; then
+    state_mib=$((cap_mib / 7 + 1 - own_mib))
+    job+=(--state-mib "$state_mib")
+    own_mib=$((own_mib + state_mib))
+  fi
   "${srun[@]}" --shared-lane=alloc --persistent "${own_mib}M" --ephemeral "${own_mib}M" \
     -- "${job[@]}" --tag alone-lane >"$d/alone-lane.json"
   p_mib=$(jget "$d/alone-lane.json" "max(16, int(int(d['session'].get('memory_peak') or 0) * 1.1 / $mib) + 1)")
   e_mib=$((own_mib > p_mib ? own_mib - p_mib : 16))
-  cap_mib=$(($(sed -n 's/^admit_capacity: //p' "$work/mnt/gpus/0/memory") / mib))
   n=${SALUS_LANES_N:-$((cap_mib / own_mib + 1))}
-  [ "$n" -gt 8 ] && [ -z "${SALUS_LANES_N:-}" ] && n=8
   [ $dry = 1 ] && [ -z "${SALUS_LANES_N:-}" ] && n=2  # the sim card holds any number
   echo "GPT job alone: ${own_mib} MiB with its own memory, ${p_mib} MiB kept with the lane" \
-    "(lane ${e_mib} MiB); ${n} jobs of ${steps} steps on ${cap_mib} MiB:" \
+    "(lane ${e_mib} MiB; ${state_mib} MiB of it live state); ${n} jobs of ${steps} steps on ${cap_mib} MiB:" \
     "own memory needs $((n * own_mib)) MiB, the shared lane $((n * p_mib + e_mib)) MiB"
   policy fair
   local how
