@@ -91,7 +91,7 @@ TEST(SimScale, TotalTimePastTheClockIsRejectedNotHung) {
   for (int i = 0; i < 93; ++i) {
     sc::TraceJob j;
     j.name = fmt::format("j{}", i);
-    j.model = "m";
+    j.model = std::string("m");  // not = "m": GCC 12 -Wrestrict false positive at -O3
     j.persistent_mb = 1;
     j.ephemeral_mb = 1;
     j.iter_ms = 1e9;
@@ -121,7 +121,7 @@ TEST(SimScale, ProgressReportsWorkAndJobs) {
   for (int i = 0; i < 200; ++i) {
     sc::TraceJob j;
     j.name = fmt::format("j{}", i);
-    j.model = "m";
+    j.model = std::string("m");  // not = "m": GCC 12 -Wrestrict false positive at -O3
     j.arrival_s = i * 0.5;
     j.persistent_mb = 100;
     j.ephemeral_mb = 500;
