@@ -92,11 +92,29 @@ def releasing(torch, mark):
     return release_then_mark
 
 
+def compiling_test(torch):
+    """A function that says whether torch.compile is tracing now (never, before 2.0).
+
+    The forward hooks are global, so Dynamo traces them inside a compiled
+    module, and their thread-local depth count would break the graph at every
+    module: different kernels than the same program compiled natively, so its
+    losses would no longer be bit-identical. Dynamo folds this test to a
+    constant, and the hooks return before anything it cannot trace. The
+    compiled module's own call (OptimizedModule) runs its hooks eagerly, so the
+    outermost forward is still counted."""
+    compiler = getattr(torch, "compiler", None)
+    test = getattr(compiler, "is_compiling", None)  # torch >= 2.3
+    if test is None and "torch._dynamo" in sys.modules:  # 2.0 - 2.2; never imported here
+        test = getattr(sys.modules["torch._dynamo"], "is_compiling", None)
+    return test or (lambda: False)
+
+
 class Marker:
     """The hooks' shared state for one process: what has been seen, what to call."""
 
-    def __init__(self, mark):
+    def __init__(self, mark, compiling=lambda: False):
         self.mark = mark               # called at every boundary
+        self.compiling = compiling     # whether torch.compile is tracing (compiling_test)
         self.optimizer_seen = False
         self.local = threading.local()  # .depth: module forwards open on this thread
         self.pending = False           # a grad-enabled forward ended: a boundary, unless a step follows
@@ -119,6 +137,8 @@ class Marker:
 
     # ---- inference
     def forward_pre(self, module, args):
+        if self.compiling():
+            return
         depth = getattr(self.local, "depth", 0)
         self.local.depth = depth + 1
         if depth == 0 and self.pending and not self.optimizer_seen:
@@ -126,6 +146,8 @@ class Marker:
             self.boundary()
 
     def forward_post(self, module, args, output):
+        if self.compiling():
+            return
         depth = getattr(self.local, "depth", 1) - 1
         self.local.depth = max(depth, 0)
         if depth > 0 or self.optimizer_seen:
@@ -196,7 +218,7 @@ def _install_forward_hooks(torch, marker):
 def install(torch, mark):
     """Registers the hooks on an imported torch; `mark` is called at each boundary.
     Returns the Marker (its counters are what tests look at)."""
-    marker = Marker(mark)
+    marker = Marker(mark, compiling_test(torch))
     marker.how = _install_optimizer_hook(torch, marker)
     _install_forward_hooks(torch, marker)
     return marker

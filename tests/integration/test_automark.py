@@ -107,6 +107,30 @@ print("grad", len(marks) - before)
 
 
 @needs_torch
+def test_forward_hooks_step_aside_while_torch_compile_traces():
+    """Inside torch.compile's tracing the global forward hooks return at once
+    (their thread-local count would break the graph at every module); eager
+    forwards around it count as before. torch.compiler.is_compiling stands in
+    for Dynamo here (the CPU torch 1.13 has no torch.compile)."""
+    out = check(run_py("""
+import types, torch, salus_automark
+tracing = [False]
+torch.compiler = types.SimpleNamespace(is_compiling=lambda: tracing[0])
+marks = []
+salus_automark.install(torch, lambda: marks.append(1))
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+with torch.no_grad():
+    model(torch.randn(2, 8))
+    tracing[0] = True
+    model(torch.randn(2, 8))
+    tracing[0] = False
+    model(torch.randn(2, 8))
+print("marks", len(marks))
+"""))
+    assert "marks 2\n" in out, out
+
+
+@needs_torch
 def test_forward_that_raises_does_not_stop_marking():
     out = check(run_py(PRELUDE + """
 import torch
