@@ -20,7 +20,8 @@ static void bind(int device) {
   CUcontext ctx = NULL;
   if (cuCtxGetCurrent(&ctx) == CUDA_SUCCESS && ctx != NULL) return;
   CUdevice dev;
-  if (cuDeviceGet(&dev, device) == CUDA_SUCCESS && cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS)
+  if (cuDeviceGet(&dev, device) == CUDA_SUCCESS &&
+      cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS)
     cuCtxSetCurrent(ctx);
 }
 
