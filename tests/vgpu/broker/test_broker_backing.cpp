@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <future>
 #include <mutex>
+#include <random>
 #include <span>
 #include <thread>
 
@@ -67,6 +68,8 @@ class BackingDevice final : public Device {
   std::int64_t busy_ns() const override { return sim_.busy_ns(); }
 
   int set_backing(const std::vector<arena::ByteRange>& held, std::string& why) override {
+    if (const int us = delay_us_.load(); us > 0)
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
     {
       // A driver mapping gigabytes, for as long as the test says.
       std::unique_lock hold(hold_mu_);
@@ -124,6 +127,8 @@ class BackingDevice final : public Device {
     return backing_blocked();
   }
 
+  // Each set_backing takes this long, as a driver mapping many chunks does.
+  void set_delay(std::chrono::microseconds d) { delay_us_ = static_cast<int>(d.count()); }
   void limit_room(Bytes room) {
     std::lock_guard lk(mu_);
     room_ = room;
@@ -162,6 +167,7 @@ class BackingDevice final : public Device {
   std::condition_variable hold_cv_;
   bool hold_ = false;
   std::atomic<bool> blocked_{false};
+  std::atomic<int> delay_us_{0};
 };
 
 const Caller kAlice{1000, 1000, 0, false};
@@ -343,6 +349,94 @@ TEST(BrokerBacking, CompactionWithinBackedMemoryDoesNotWaitForANewLane) {
     EXPECT_TRUE(std::all_of(v.begin(), v.end(), [i](char ch) { return ch == i; })) << "b" << i;
   }
   EXPECT_EQ(f.dev->violations(), 0);
+}
+
+// Seeded random work of three sessions (allocations, frees, iterations,
+// copies) while backing jobs take a random while and the card's room comes
+// and goes: no op ever touches memory that is not backed, every write is
+// answered, a failure is only ever ENOMEM, and every byte written last is read
+// back.
+TEST(BrokerBacking, RandomWorkWithSlowAndFailingBackingTouchesOnlyBackedMemory) {
+  for (const unsigned seed : {1u, 2u, 3u}) {
+    SCOPED_TRACE(fmt::format("seed {}", seed));
+    BrokerConfig config;
+    config.give_back_delay_ns = 10'000'000;  // more jobs: memory goes back sooner
+    Fixture f(config);
+    std::mt19937 pick(seed);
+    f.dev->set_delay(std::chrono::microseconds(500 + pick() % 2500));
+    std::atomic<bool> done{false};
+    std::thread room([&] {
+      std::mt19937 r(seed * 7);
+      while (!done) {  // roomy for 30-60 ms, then no new memory for 10-25 ms
+        f.dev->limit_room(~Bytes{0});
+        std::this_thread::sleep_for(std::chrono::milliseconds(30 + r() % 30));
+        f.dev->limit_room(f.dev->backed_bytes());
+        std::this_thread::sleep_for(std::chrono::milliseconds(10 + r() % 15));
+      }
+      f.dev->limit_room(~Bytes{0});
+    });
+    struct Live {
+      std::string name;
+      Bytes size;
+      int value;
+    };
+    std::vector<std::vector<Live>> live(3);
+    std::vector<SessionId> ids;
+    for (int i = 0; i < 3; ++i) {
+      ids.push_back(static_cast<SessionId>(f.broker->create_session(kAlice, "")));
+      ASSERT_EQ(f.run(ids.back(), "need persistent=12M ephemeral=4M\n").first, 0);
+    }
+    std::atomic<int> oks{0};
+    auto work = [&](int i) {
+      std::mt19937 r(seed * 100 + static_cast<unsigned>(i));
+      std::vector<Live>& mine = live[static_cast<std::size_t>(i)];
+      for (int op = 0, next = 0; op < 30; ++op) {
+        std::this_thread::sleep_for(std::chrono::microseconds(2000 + r() % 10000));
+        const unsigned what = r() % 4;
+        std::pair<int, std::string> res;
+        if (what == 0 || mine.empty()) {
+          if (mine.size() >= 3) continue;
+          const Live b{fmt::format("b{}", next++), Bytes{1 + r() % 3} << 20,
+                       static_cast<int>(1 + r() % 100)};
+          res = f.run(
+              ids[static_cast<std::size_t>(i)],
+              fmt::format("alloc {} {}\nfill {} {} dtype=u8\n", b.name, b.size, b.name, b.value));
+          if (res.first == 0) mine.push_back(b);
+        } else if (what == 1) {
+          const std::size_t k = r() % mine.size();
+          res = f.run(ids[static_cast<std::size_t>(i)], fmt::format("free {}\n", mine[k].name));
+          if (res.first == 0) mine.erase(mine.begin() + static_cast<std::ptrdiff_t>(k));
+        } else {
+          Live& b = mine[r() % mine.size()];
+          const int v = static_cast<int>(1 + r() % 100);
+          res = f.run(ids[static_cast<std::size_t>(i)],
+                      fmt::format("begin\nalloc t 1M\nfill t {} dtype=u8\ncopy {} t 4096\nend x2\n"
+                                  "fill {} {} dtype=u8\n",
+                                  v, b.name, b.name, v));
+          if (res.first == 0) b.value = v;
+        }
+        if (res.first == 0) ++oks;
+        EXPECT_TRUE(res.first == 0 || res.first == ENOMEM)
+            << "session " << i << " op " << op << ": " << res.first << " " << res.second;
+      }
+    };
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 3; ++i) threads.emplace_back(work, i);
+    for (auto& t : threads) t.join();
+    EXPECT_GT(oks.load(), 30) << "too little work got through to test anything";
+    done = true;
+    room.join();
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_EQ(test::wait_session(*f.broker, ids[static_cast<std::size_t>(i)]).first, 0);
+      for (const Live& b : live[static_cast<std::size_t>(i)]) {
+        const auto v = f.read(ids[static_cast<std::size_t>(i)], b.name, b.size);
+        ASSERT_EQ(v.size(), b.size) << b.name;
+        EXPECT_EQ(v.front(), b.value) << b.name;
+        EXPECT_EQ(v.back(), b.value) << b.name;
+      }
+    }
+    EXPECT_EQ(f.dev->violations(), 0);
+  }
 }
 
 // Memory a hosted session freed stays backed for a moment (a retry finds it
