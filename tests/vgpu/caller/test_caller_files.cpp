@@ -356,7 +356,7 @@ TEST_F(CallerFilesTest, CannotCreateInADirectoryTheCallerMayNotWrite) {
 TransferCmd transfer(bool up, TransferCmd::Endpoint e, std::string source, Bytes off, Bytes len) {
   TransferCmd c;
   c.direction = up ? TransferCmd::Direction::upload : TransferCmd::Direction::download;
-  c.buffer.name = "w";
+  c.buffer.name = std::string("w");  // not = "w": GCC 12 -Wrestrict false positive at -O3
   c.endpoint = e;
   c.source = std::move(source);
   c.source_offset = off;
