@@ -544,6 +544,31 @@ TEST(Memory, PastTheBudgetIsOutOfMemoryWithANote) {
 // still freeing what admission promised (salusd giving back its arena, an
 // exited program torn down), so the shim tries again for a moment (1 s by
 // default) and says so, instead of failing the program at once.
+// The mock's card has no memory while this file exists (cuMemAlloc and
+// cuMemCreate); gone, with the variables, however the test ends.
+struct NoMemoryFile {
+  char path[32] = "/tmp/salus-no-alloc-XXXXXX";
+  NoMemoryFile() {
+    const int fd = ::mkstemp(path);
+    if (fd >= 0) ::close(fd);
+    ::setenv("SALUS_MOCK_NO_ALLOC_FILE", path, 1);
+    ::setenv("SALUS_MOCK_NO_MEMORY_FILE", path, 1);
+  }
+  ~NoMemoryFile() {
+    ::unlink(path);
+    ::unsetenv("SALUS_MOCK_NO_ALLOC_FILE");
+    ::unsetenv("SALUS_MOCK_NO_MEMORY_FILE");
+  }
+  bool make() { return ::close(::open(path, O_CREAT | O_WRONLY, 0600)) == 0; }
+  // The card frees its memory `after` from now.
+  std::thread free_after(std::chrono::milliseconds after) {
+    return std::thread([this, after] {
+      std::this_thread::sleep_for(after);
+      ::unlink(path);
+    });
+  }
+};
+
 TEST(Memory, ADriverOutOfMemoryWithinTheBudgetIsTriedAgainForAMoment) {
   gpu();
   salus_gate* g = salusd->gate();
@@ -553,22 +578,14 @@ TEST(Memory, ADriverOutOfMemoryWithinTheBudgetIsTriedAgainForAMoment) {
   auto free_ = c.get<PFN_cuMemFree_v3020>("cuMemFree");
   const std::uint64_t base = load(g->charged_bytes);
   const std::uint64_t refusals = load(g->oom_refusals);
-  char path[] = "/tmp/salus-no-alloc-XXXXXX";
-  const int fd = ::mkstemp(path);
-  ASSERT_GE(fd, 0);
-  ::close(fd);
-  ::setenv("SALUS_MOCK_NO_ALLOC_FILE", path, 1);
-  ::setenv("SALUS_MOCK_NO_MEMORY_FILE", path, 1);
-  // The card frees the memory 150 ms later.
-  std::thread freer([&] {
-    std::this_thread::sleep_for(150ms);
-    ::unlink(path);
-  });
+  NoMemoryFile card;
+  std::thread freer = card.free_after(150ms);
   auto t0 = std::chrono::steady_clock::now();
   CUdeviceptr a = 0;
-  EXPECT_EQ(alloc(&a, kMiB), CUDA_SUCCESS);
-  EXPECT_GE(std::chrono::steady_clock::now() - t0, 150ms);
+  const CUresult ra = alloc(&a, kMiB);
   freer.join();
+  ASSERT_EQ(ra, CUDA_SUCCESS);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 150ms);
   EXPECT_NE(std::strstr(g->note,
                         "cuMemAlloc of 1048576 bytes: the driver had no memory for it "
                         "within the budget; it had after"),
@@ -580,18 +597,18 @@ TEST(Memory, ADriverOutOfMemoryWithinTheBudgetIsTriedAgainForAMoment) {
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   CUmemGenericAllocationHandle h{};
-  ASSERT_EQ(::close(::open(path, O_CREAT | O_WRONLY, 0600)), 0);
-  std::thread freer2([&] {
-    std::this_thread::sleep_for(100ms);
-    ::unlink(path);
-  });
-  EXPECT_EQ(c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h, 2 * kMiB, &prop, 0), CUDA_SUCCESS);
-  freer2.join();
+  ASSERT_TRUE(card.make());
+  freer = card.free_after(100ms);
+  const CUresult rh = c.get<PFN_cuMemCreate_v10020>("cuMemCreate")(&h, 2 * kMiB, &prop, 0);
+  freer.join();
+  if (rh == CUDA_SUCCESS) {
+    EXPECT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(h), CUDA_SUCCESS);
+  }
+  EXPECT_EQ(rh, CUDA_SUCCESS);
   EXPECT_NE(std::strstr(g->note, "cuMemCreate of 2097152 bytes"), nullptr) << g->note;
-  EXPECT_EQ(c.get<PFN_cuMemRelease_v10020>("cuMemRelease")(h), CUDA_SUCCESS);
   // Memory that never comes: out of memory after the window, nothing charged,
   // and not a refusal of the budget's.
-  ASSERT_EQ(::close(::open(path, O_CREAT | O_WRONLY, 0600)), 0);
+  ASSERT_TRUE(card.make());
   t0 = std::chrono::steady_clock::now();
   CUdeviceptr b = 0;
   EXPECT_EQ(alloc(&b, kMiB), CUDA_ERROR_OUT_OF_MEMORY);
@@ -599,9 +616,6 @@ TEST(Memory, ADriverOutOfMemoryWithinTheBudgetIsTriedAgainForAMoment) {
   EXPECT_NE(std::strstr(g->note, "out of memory from the driver although the budget allows it"),
             nullptr)
       << g->note;
-  ::unlink(path);
-  ::unsetenv("SALUS_MOCK_NO_ALLOC_FILE");
-  ::unsetenv("SALUS_MOCK_NO_MEMORY_FILE");
   EXPECT_EQ(load(g->charged_bytes), base + kMiB);
   EXPECT_EQ(load(g->oom_refusals), refusals);
   ASSERT_EQ(free_(a), CUDA_SUCCESS);
