@@ -608,6 +608,10 @@ std::vector<Admitted> GpuArena::take_admissions() {
   return out;
 }
 
+bool GpuArena::has_admissions() const {
+  return !impl_->admissions.empty();
+}
+
 bool GpuArena::lane_ready(LaneId lane) const {
   return impl_->lanes.ready(lane);
 }
@@ -643,6 +647,10 @@ void GpuArena::end_iteration(LaneId lane, TimeNs /*now*/) {
     drained = !done.empty();
   }
   m.reconcile(drained);
+}
+
+void GpuArena::lane_running(LaneId lane, SessionId session) {
+  impl_->lanes.now_running(lane, session);
 }
 
 AllocResult GpuArena::alloc_persistent(SessionId session, Bytes size) {
@@ -728,6 +736,10 @@ void GpuArena::finish_moves(SessionId session, TimeNs /*now*/) {
 
 bool GpuArena::compaction_pending() const {
   return impl_->heap.compaction_pending(impl_->lanes.total());
+}
+
+void GpuArena::compaction_owners(std::vector<SessionId>& out) const {
+  impl_->heap.owners_to_move(impl_->lanes.total(), out);
 }
 
 Residency GpuArena::residency(SessionId session) const {

@@ -230,6 +230,8 @@ class GpuArena {
   void leave(SessionId session, TimeNs now);
   // Admissions made since the last call, in the order they happened.
   std::vector<Admitted> take_admissions();
+  // Whether take_admissions has something: any change may admit (a free, a move).
+  bool has_admissions() const;
 
   // ---- Lanes and iterations ----
   // True when the lane has a physical place and no move is pending, so an
@@ -243,6 +245,10 @@ class GpuArena {
   // The iteration boundary: the lane goes idle; pending lane moves that are now
   // possible happen, and assignment runs again if anything moved.
   void end_iteration(LaneId lane, TimeNs now);
+  // The lane, still busy, now runs `session`'s iteration, queued behind the one
+  // begin_iteration named: the earlier session is idle from here on (compaction
+  // and swap-out may take it) while the lane stays where it is.
+  void lane_running(LaneId lane, SessionId session);
 
   // ---- Persistent memory ----
   // Allocates `size` (rounded up to kAlignment) for an admitted session.
@@ -267,6 +273,11 @@ class GpuArena {
   void finish_moves(SessionId session, TimeNs now);
   // Whether compaction has moves planned (so the caller knows to visit idle sessions).
   bool compaction_pending() const;
+  // The sessions whose buffers compaction may still have to move, ascending, into
+  // `out` (cleared first). Their moves are planned only at an idle moment, so a
+  // caller that keeps one busy (the next iteration queued before the last ends)
+  // should stop doing so until it is off this list.
+  void compaction_owners(std::vector<SessionId>& out) const;
 
   // ---- Residency (oversubscription) ----
   // Only sessions that are resident (or swapping out) hold GPU ranges, and only they

@@ -103,6 +103,11 @@ bool LaneTable::begin(LaneId lane, SessionId session, Bytes used) {
   return true;
 }
 
+void LaneTable::now_running(LaneId lane, SessionId session) {
+  auto it = lanes_.find(lane);
+  if (it != lanes_.end() && it->second.busy) it->second.running = session;
+}
+
 bool LaneTable::end(LaneId lane) {
   auto it = lanes_.find(lane);
   if (it == lanes_.end() || !it->second.busy) return false;

@@ -76,6 +76,8 @@ class LaneTable {
   bool ready(LaneId lane) const;
   bool begin(LaneId lane, SessionId session, Bytes used);
   bool end(LaneId lane);
+  // A busy lane moved on to `session`'s iteration, queued behind the running one.
+  void now_running(LaneId lane, SessionId session);
 
   // ---- Physical layout ----
   struct SettleResult {

@@ -217,21 +217,16 @@ std::optional<Bytes> best_hole(const SpaceMap& space, Bytes size, Bytes lowest, 
   return best->second - size;
 }
 
-}  // namespace
-
-void PersistentHeap::plan_slide(SpaceMap& space, SessionId owner, std::pair<Bytes, Bytes> range,
-                                std::vector<PersistentMove>& moves) {
-  // Buffers from the top down. Packing buffers k.. under buffer k - 1 (or under the top)
-  // clears the range once they end up at or above its end. The largest such k moves the
-  // fewest buffers; a smaller k moves more, but each by more (the holes above k add up),
-  // and a short slide costs a copy per chunk. So among the largest few valid k, take the
-  // one with the fewest copies. k = 0 (pack everything) is always valid: the range was
-  // sized to the free bytes above the floor.
-  std::vector<PersistentBuffer*> down;
-  down.reserve(by_offset_.size());
-  for (auto it = by_offset_.rbegin(); it != by_offset_.rend(); ++it)
-    down.push_back(&buffers_.at(it->second));
-  const auto anchor = [&](std::size_t k) { return k == 0 ? top_ : down[k - 1]->offset; };
+// Buffers from the top down. Packing buffers k.. under buffer k - 1 (or under the top)
+// clears the range once they end up at or above its end. The largest such k moves the
+// fewest buffers; a smaller k moves more, but each by more (the holes above k add up),
+// and a short slide costs a copy per chunk. So among the largest few valid k, take the
+// one with the fewest copies. k = 0 (pack everything) is always valid: the range was
+// sized to the free bytes above the floor. `Buffer` is PersistentBuffer, const or not.
+template <typename Buffer>
+std::size_t slide_start(const std::vector<Buffer*>& down, Bytes top,
+                        std::pair<Bytes, Bytes> range) {
+  const auto anchor = [&](std::size_t k) { return k == 0 ? top : down[k - 1]->offset; };
   std::size_t k_max = down.size();
   Bytes packed = 0;
   while (k_max > 0) {
@@ -255,9 +250,21 @@ void PersistentHeap::plan_slide(SpaceMap& space, SessionId owner, std::pair<Byte
       k = c;
     }
   }
+  return k;
+}
+
+}  // namespace
+
+void PersistentHeap::plan_slide(SpaceMap& space, SessionId owner, std::pair<Bytes, Bytes> range,
+                                std::vector<PersistentMove>& moves) {
+  std::vector<PersistentBuffer*> down;
+  down.reserve(by_offset_.size());
+  for (auto it = by_offset_.rbegin(); it != by_offset_.rend(); ++it)
+    down.push_back(&buffers_.at(it->second));
+  const std::size_t k = slide_start(down, top_, range);
   // The packed place of each of those buffers is never below it: the ones between it and
   // the anchor fit in the space between.
-  Bytes place = anchor(k);
+  Bytes place = k == 0 ? top_ : down[k - 1]->offset;
   for (std::size_t i = k; i < down.size(); ++i) {
     PersistentBuffer& b = *down[i];
     place -= b.size;
@@ -285,6 +292,27 @@ void PersistentHeap::plan_slide(SpaceMap& space, SessionId owner, std::pair<Byte
     }
     plan_one(space, b, place, moves);
   }
+}
+
+void PersistentHeap::owners_to_move(Bytes floor, std::vector<SessionId>& out) const {
+  out.clear();
+  if (half_done_ != 0)
+    for (const auto& [handle, b] : buffers_)
+      if (b.then_to && !b.move_to) out.push_back(b.owner);
+  if (goal_blocked(floor)) {
+    // Best fit moves only buffers in the range; a slide moves buffers up to the
+    // anchor it packs under, which is never below the range's end.
+    const std::pair<Bytes, Bytes> range = goal_range(floor);
+    std::vector<const PersistentBuffer*> down;
+    down.reserve(by_offset_.size());
+    for (auto it = by_offset_.rbegin(); it != by_offset_.rend(); ++it)
+      down.push_back(&buffers_.at(it->second));
+    const std::size_t k = slide_start(down, top_, range);
+    for (std::size_t i = k; i < down.size(); ++i)
+      if (!down[i]->move_to) out.push_back(down[i]->owner);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
 }
 
 std::vector<PersistentMove> PersistentHeap::plan_moves(SpaceMap& space, SessionId owner,

@@ -78,6 +78,11 @@ class PersistentHeap {
   //    chunks in the listed order moves the whole buffer.
   // Empty while `owner` has moves out.
   std::vector<PersistentMove> plan_moves(SpaceMap& space, SessionId owner, Bytes floor);
+  // The owners of the buffers compaction may have to move before its goal is
+  // reached (every buffer a slide could move, and second copies still due), in
+  // ascending order and once each, into `out`; empty while nothing is pending.
+  // Such an owner must reach an idle moment for its moves to be planned.
+  void owners_to_move(Bytes floor, std::vector<SessionId>& out) const;
   bool has_outstanding(SessionId owner) const { return outstanding_.count(owner) != 0; }
   bool any_outstanding() const { return !outstanding_.empty(); }
   struct Finished {

@@ -303,7 +303,12 @@ class Harness {
     const auto id = random_key(sessions_);
     if (!id || running(*id)) return;
     Sess& s = sessions_[*id];
+    // Compaction names every session it may still need idle (the broker stops
+    // pipelining their iterations): whoever gets moves was on that list.
+    arena_.compaction_owners(owners_);
     const auto moves = arena_.session_idle(*id);
+    if (!moves.empty() && !std::binary_search(owners_.begin(), owners_.end(), *id))
+      return fail("moves for a session compaction_owners did not name");
     if (!moves.empty() && !s.moves.empty()) return fail("moves handed out twice");
     for (const PersistentMove& m : moves) {
       if (m.owner != *id || !s.buffers.count(m.buffer)) return fail("move of a buffer not owned");
@@ -537,6 +542,7 @@ class Harness {
   std::map<BufferHandle, std::pair<SessionId, Bytes>> buffers_;
   Coverage coverage_;
   int quiet_checks_ = 0;
+  std::vector<SessionId> owners_;  // compaction_owners, reused
 };
 
 constexpr int kEvents = 100'000;

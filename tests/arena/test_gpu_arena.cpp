@@ -366,6 +366,37 @@ TEST(GpuArena, FragmentedAllocationCompactsAndThenSucceeds) {
   EXPECT_CLEAN(a);
 }
 
+// Who must reach an idle moment for compaction to go on, and that a session is
+// idle once its lane runs another session's iteration queued behind its own.
+TEST(GpuArena, CompactionNamesTheOwnersItWaitsForAndTakesThemBetweenTheirIterations) {
+  GpuArena a(16 * M);
+  const auto lane = admit(a, 1, 8 * M, 8 * M);  // lane [0, 8M)
+  ASSERT_TRUE(lane);
+  ASSERT_EQ(admit(a, 2, 0, 8 * M), lane);  // no room for a lane of its own: joins
+  std::vector<SessionId> owners;
+  std::vector<AllocResult> b;
+  for (int i = 0; i < 4; ++i) b.push_back(a.alloc_persistent(1, 2 * M));
+  a.free_persistent(b[0].handle);
+  a.free_persistent(b[2].handle);
+  a.compaction_owners(owners);
+  EXPECT_TRUE(owners.empty());
+  EXPECT_EQ(a.alloc_persistent(1, 4 * M).error, ArenaError::fragmented);
+  a.compaction_owners(owners);
+  EXPECT_EQ(owners, std::vector<SessionId>{1});  // 2 owns nothing
+  a.begin_iteration(*lane, 1, 1 * M);
+  EXPECT_TRUE(a.session_idle(1).empty());  // its iteration runs
+  a.lane_running(*lane, 2);                // 2's is queued behind it and runs now
+  const auto moves = a.session_idle(1);
+  ASSERT_EQ(moves.size(), 1u);
+  EXPECT_EQ(moves[0].from, 8 * M);
+  a.finish_moves(1, 1);
+  a.compaction_owners(owners);
+  EXPECT_TRUE(owners.empty());
+  a.end_iteration(*lane, 2);
+  EXPECT_EQ(a.alloc_persistent(1, 4 * M).error, ArenaError::ok);
+  EXPECT_CLEAN(a);
+}
+
 TEST(GpuArena, PersistentBuffersBlockingANewLaneGetCompacted) {
   GpuArena a(16 * M);
   admit(a, 1, 0, 4 * M);

@@ -1572,9 +1572,14 @@ void Broker::update_runnable(Gpu& g, Session& s) {
                                    !(s.in_flight > 0 && s.in_flight_lane != s.lane));
     return;
   }
+  // A session whose buffers compaction waits for gets no pipelined iteration:
+  // it would never be idle, and the allocation or lane waiting for the room
+  // would wait for as long as it keeps queueing work.
+  const bool held = s.in_flight > 0 &&
+                    std::binary_search(g.compaction_holds.begin(), g.compaction_holds.end(), s.id);
   const bool runnable = !s.queue.empty() && !s.dead && s.lane && !s.moving && !s.transferring &&
                         !s.queue.front().transfer && (s.state == SessionState::admitted) &&
-                        !(s.in_flight > 0 && s.in_flight_lane != s.lane);
+                        !(s.in_flight > 0 && s.in_flight_lane != s.lane) && !held;
   g.sched.set_runnable(s.id, runnable);
 }
 
@@ -1716,6 +1721,10 @@ void Broker::dispatch(Gpu& g, Deferred& later) {
   } batch(*g.device);
   // Memory freed since the last pass goes back to the card (and new ranges get theirs).
   backing_ready(g);
+  // Admissions the arena made on its own (a buffer freed when the work that
+  // used it ended): handled here, not only when some lane goes idle, which a
+  // session that keeps its lane busy would put off for as long as it likes.
+  if (g.sched.arena().has_admissions()) handle_admissions(g, later, false);
   compact(g);
   std::uint32_t budget = kInlineBudget;
   bool progress = true;
@@ -1892,22 +1901,36 @@ void Broker::compact(Gpu& g) {
         g.unbacked_moves.emplace_back(id, std::move(moves));
     }
   }
-  if (!ar.compaction_pending()) return;
-  for (auto& [id, sp] : sessions_) {
-    Session& s = *sp;
-    if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0 || s.transferring ||
-        s.swapping)
-      continue;
-    auto moves = ar.session_idle(s.id);
-    if (moves.empty()) continue;
-    s.moving = true;  // until the copies are done, whenever they start
-    update_runnable(g, s);
-    if (moves_backed(g, moves))
-      start_moves(g, s.id, moves);
-    else
-      g.unbacked_moves.emplace_back(s.id, std::move(moves));
-    if (!ar.compaction_pending()) break;
+  if (ar.compaction_pending()) {
+    for (auto& [id, sp] : sessions_) {
+      Session& s = *sp;
+      if (s.gpu != static_cast<int>(g.index) || s.moving || s.in_flight > 0 || s.transferring ||
+          s.swapping)
+        continue;
+      auto moves = ar.session_idle(s.id);
+      if (moves.empty()) continue;
+      s.moving = true;  // until the copies are done, whenever they start
+      update_runnable(g, s);
+      if (moves_backed(g, moves))
+        start_moves(g, s.id, moves);
+      else
+        g.unbacked_moves.emplace_back(s.id, std::move(moves));
+      if (!ar.compaction_pending()) break;
+    }
   }
+  hold_for_compaction(g);
+}
+
+void Broker::hold_for_compaction(Gpu& g) {
+  arena::GpuArena& ar = g.sched.arena();
+  if (g.compaction_holds.empty() && !ar.compaction_pending()) return;  // the usual pass
+  ar.compaction_owners(g.compaction_holds_next);
+  if (g.compaction_holds_next == g.compaction_holds) return;
+  std::swap(g.compaction_holds, g.compaction_holds_next);
+  // Who joined or left: both lists are ascending and hold no session twice.
+  for (const std::vector<SessionId>* list : {&g.compaction_holds, &g.compaction_holds_next})
+    for (SessionId id : *list)
+      if (Session* s = get(id); s && s->gpu == static_cast<int>(g.index)) update_runnable(g, *s);
 }
 
 void Broker::start_moves(Gpu& g, SessionId id, const std::vector<arena::PersistentMove>& moves) {
@@ -1960,6 +1983,9 @@ void Broker::complete(Gpu& g, const Completion& c, Deferred& later) {
   if (lane.in_flight == 0) {
     g.sched.arena().end_iteration(lane_id, now());
     handle_admissions(g, later);
+  } else if (lane.tokens.front().session != f.session) {
+    // Another session's iteration runs now: f's session may be idle.
+    g.sched.arena().lane_running(lane_id, lane.tokens.front().session);
   }
   Session* s = get(f.session);
   if (!s) return;

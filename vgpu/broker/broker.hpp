@@ -355,6 +355,8 @@ class Broker {
   void emit_ops(Gpu& g, StreamId stream, Bytes base, WorkItem& item);
   void complete(Gpu& g, const Completion& c, Deferred& later);
   void compact(Gpu& g);
+  // Brings g.compaction_holds up to date and the runnable state of who joined or left it.
+  void hold_for_compaction(Gpu& g);
   void start_moves(Gpu& g, SessionId id, const std::vector<arena::PersistentMove>& moves);
   // The arena backed on demand (broker_backing.cpp): whether every range held in
   // g's arena has memory behind it. New memory is backed by g's backer thread,
