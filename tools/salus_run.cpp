@@ -42,6 +42,7 @@
 namespace {
 
 using namespace salus::cli;
+using salus::run::expandable_segments_on;
 using salus::run::RunOptions;
 
 // Status keys of an attached session (salusd's gate mirror; see salus.5 status).
@@ -487,6 +488,15 @@ int run(const Ctx& ctx, const RunOptions& o) {
   }
   env.automark = !o.no_automark;
   env.shared_lane = o.shared_lane;
+  if (o.shared_lane == "alloc")
+    for (const char* var : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"})
+      if (const char* conf = std::getenv(var); conf && expandable_segments_on(conf))
+        warn(fmt::format(
+            "warning: {}={}: expandable segments allocate with cuMemCreate, which the shared lane "
+            "does "
+            "not serve; that memory is charged to the persistent budget (--persistent), so "
+            "leave expandable_segments off with --shared-lane=alloc",
+            var, conf));
   if (env.automark) {
     const auto d = find_data("automark", "sitecustomize.py", SALUS_AUTOMARK_SOURCE);
     if (!d) fail("the PyTorch automark (sitecustomize.py) is not installed; use --no-automark");

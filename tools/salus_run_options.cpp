@@ -153,6 +153,24 @@ std::pair<unsigned long long, unsigned long long> measured_need(unsigned long lo
   return {round_up(held), round_up(peak - held + margin)};
 }
 
+bool expandable_segments_on(std::string_view alloc_conf) {
+  // PyTorch's parser drops spaces and reads the settings in order (the last wins).
+  std::string conf;
+  for (char c : alloc_conf)
+    if (c != ' ') conf.push_back(c);
+  bool on = false;
+  std::string_view rest = conf;
+  while (!rest.empty()) {
+    const std::size_t comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    const std::size_t colon = item.find(':');
+    if (colon != std::string_view::npos && item.substr(0, colon) == "expandable_segments")
+      on = item.substr(colon + 1) == "True";
+  }
+  return on;
+}
+
 std::string absolute_mount(std::string mount) {
   while (mount.size() > 1 && mount.back() == '/') mount.pop_back();
   if (!mount.empty() && mount[0] != '/') {

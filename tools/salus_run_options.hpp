@@ -48,6 +48,12 @@ std::string need_after_restart(std::string_view need_line, std::string_view gpu)
 std::pair<unsigned long long, unsigned long long> measured_need(unsigned long long peak,
                                                                 unsigned long long held);
 
+// Whether a PyTorch allocator setting (PYTORCH_CUDA_ALLOC_CONF or
+// PYTORCH_ALLOC_CONF: comma-separated KEY:VALUE) turns expandable segments on.
+// Their memory is the program's own cuMemCreate, which --shared-lane=alloc does
+// not serve, so salus-run warns.
+bool expandable_segments_on(std::string_view alloc_conf);
+
 // The mount point without trailing slashes, made absolute from the cwd.
 std::string absolute_mount(std::string mount);
 

@@ -98,7 +98,7 @@ namespace {
 void refuse(salus_gate* g, std::uint64_t budget, std::uint64_t charged, std::uint64_t n,
             const char* what) {
   __atomic_fetch_add(&g->oom_refusals, 1, __ATOMIC_RELAXED);
-  char line[200];
+  char line[320];
   std::snprintf(line, sizeof line,
                 "out of memory: budget %" PRIu64 ", charged %" PRIu64 ", request %" PRIu64 " (%s)",
                 budget, charged, n, what);
@@ -356,7 +356,13 @@ extern "C" SALUS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* h, st
   // Only device-located memory counts against the GPU budget (host VMM does not).
   const bool on_device = prop != nullptr && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
   const std::uint64_t bytes = on_device ? n : 0;
-  if (bytes > 0 && !charge(bytes, "cuMemCreate")) return CUDA_ERROR_OUT_OF_MEMORY;
+  // With SALUS_SHARED_LANE=alloc the budget is the persistent need alone: say
+  // why memory the program means as ephemeral (expandable segments) ran out.
+  const char* what = lane_serves_allocs()
+                         ? "cuMemCreate, which the shared lane does not serve: PyTorch's "
+                           "expandable_segments memory is charged as persistent"
+                         : "cuMemCreate";
+  if (bytes > 0 && !charge(bytes, what)) return CUDA_ERROR_OUT_OF_MEMORY;
   // Movable (SALUS_SWAP=1): the program gets a handle of the shim's.
   const bool own = program_handle_wanted(prop, flags);
   auto create = [&] { return own ? program_handle_create(h, n, prop) : f(h, n, prop, flags); };

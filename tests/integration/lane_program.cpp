@@ -24,8 +24,12 @@
 // own and goes with cuMemFreeAsync there (stream-ordered, as PyTorch's
 // cudaMallocAsync backend frees); --pitch: from cuMemAllocPitch (rows of 4 KiB)
 // and cuMemFree. Both imply --malloc's SALUS_SHARED_LANE=alloc path.
+// --create: the block is a device cuMemCreate handle (PyTorch's expandable
+// segments), which the lane does not serve: the test sizes it past the budget,
+// so it exits 3 once the session's log has the shim's note (printed as
+// "log: LINE"; or after 5 s); exit 4 if the handle was made after all.
 //
-// usage: lane_program [--malloc|--async|--pitch] [--keep KMIB] SEED MIB ITERS [HOLD_FILE]
+// usage: lane_program [--malloc|--async|--pitch|--create] [--keep KMIB] SEED MIB ITERS [HOLD_FILE]
 #include <cuda.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -60,6 +64,8 @@ struct Cuda {
   CUresult (*free_async)(CUdeviceptr, CUstream);
   CUresult (*alloc_pitch)(CUdeviceptr*, size_t*, size_t, size_t, unsigned);
   CUresult (*stream_create)(CUstream*, unsigned);
+  CUresult (*create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                     unsigned long long);
 };
 static Cuda cu;
 
@@ -86,6 +92,30 @@ static void fill(CUdeviceptr d, size_t n, uint32_t seed, int k) {
   free(want);
 }
 
+// Waits up to 5 s for `text` to appear in the session's log ($SALUS_SESSION/log)
+// and prints the line that has it ("log: LINE").
+static void wait_for_log(const char* text) {
+  const char* dir = getenv("SALUS_SESSION");
+  if (dir == nullptr) return;
+  char path[4096];
+  snprintf(path, sizeof path, "%s/log", dir);
+  for (int i = 0; i < 500; ++i) {
+    FILE* f = fopen(path, "r");
+    char buf[8192];
+    const size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = 0;
+    if (const char* at = strstr(buf, text)) {
+      const char* begin = at;
+      while (begin > buf && begin[-1] != '\n') --begin;
+      const char* end = strchr(at, '\n');
+      printf("log: %.*s\n", static_cast<int>(end ? end - begin : strlen(begin)), begin);
+      return;
+    }
+    usleep(10000);
+  }
+}
+
 static size_t budget_left() {
   size_t free = 0, total = 0;
   if (cu.info(&free, &total)) exit(2);
@@ -93,7 +123,7 @@ static size_t budget_left() {
 }
 
 int main(int argc, char** argv) {
-  bool use_malloc = false, use_async = false, use_pitch = false;
+  bool use_malloc = false, use_async = false, use_pitch = false, use_create = false;
   size_t keep = 0;
   int a = 1;
   for (; a < argc && argv[a][0] == '-'; ++a) {
@@ -103,6 +133,8 @@ int main(int argc, char** argv) {
       use_malloc = use_async = true;
     } else if (strcmp(argv[a], "--pitch") == 0) {
       use_malloc = use_pitch = true;
+    } else if (strcmp(argv[a], "--create") == 0) {
+      use_create = true;
     } else if (strcmp(argv[a], "--keep") == 0 && a + 1 < argc) {
       keep = static_cast<size_t>(atoi(argv[++a])) << 20;
 
@@ -140,6 +172,7 @@ int main(int argc, char** argv) {
   get("cuMemFreeAsync", cu.free_async);
   get("cuMemAllocPitch", cu.alloc_pitch);
   get("cuStreamCreate", cu.stream_create);
+  get("cuMemCreate", cu.create);
   CUcontext ctx;
   if (init(0) || retain(&ctx, 0) || set(ctx)) return 2;
   CUstream stream = nullptr;
@@ -162,7 +195,19 @@ int main(int argc, char** argv) {
     unsigned long long d = 0;
     int r = 0;
     size_t pitch = 0;
-    if (use_async)
+    if (use_create) {
+      CUmemAllocationProp prop{};
+      prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+      prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      CUmemGenericAllocationHandle h = 0;
+      const CUresult made = cu.create(&h, bytes, &prop, 0);
+      if (made == CUDA_SUCCESS) return 4;
+      printf("cuMemCreate: %d\n", static_cast<int>(made));
+      // The session (and its log) ends with this process: the note salusd
+      // logged for the shim goes to stdout for the test.
+      wait_for_log("cuMemCreate");
+      r = -12;
+    } else if (use_async)
       r = cu.alloc_async(&d, bytes, stream) ? -12 : 0;
     else if (use_pitch)
       r = cu.alloc_pitch(&d, &pitch, 4096, bytes / 4096, 4) || pitch != 4096 ? -12 : 0;

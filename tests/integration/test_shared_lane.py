@@ -200,6 +200,24 @@ def test_cuda_malloc_freed_within_iterations_takes_the_lane_uncharged(salusd):
         stop_all((pa, pb), (a, b))
 
 
+def test_cumemcreate_is_charged_and_its_refusal_says_the_lane_does_not_serve_it(salusd):
+    """SALUS_SHARED_LANE=alloc: the program's own cuMemCreate (PyTorch's
+    expandable segments) is not served by the lane, so 16M on the 8M budget is
+    refused, and the log says why, not only that the budget ran out. The
+    program prints the log's line: its session ends with it."""
+    s = session(salusd, 16)
+    p = start(salusd, s, 1, 16, 1, lane="alloc", extra=["--create"])
+    try:
+        r, out, err = finish(p)
+        assert r == 3, (out, err)
+        assert "cuMemCreate: 2\n" in out, out  # CUDA_ERROR_OUT_OF_MEMORY
+        assert ("out of memory: budget 8388608, charged 0, request 16777216 (cuMemCreate, which "
+                "the shared lane does not serve: PyTorch's expandable_segments memory is charged "
+                "as persistent)") in out, out
+    finally:
+        stop_all((p,), (s,))
+
+
 @pytest.mark.parametrize("how", ["--async", "--pitch"])
 def test_async_and_pitched_allocations_also_take_the_lane_uncharged(salusd, how):
     """cuMemAllocAsync (freed with cuMemFreeAsync on its stream, which the

@@ -10,6 +10,7 @@
 
 namespace {
 
+using salus::run::expandable_segments_on;
 using salus::run::RunOptions;
 constexpr unsigned long long MiB = 1ULL << 20;
 
@@ -66,6 +67,16 @@ TEST(SalusRunOptions, SharedLaneAloneIsTheExplicitLaneAndAllocIsTheAllocatorHook
   EXPECT_EQ(parse({"--shared-lane=alloc", "--", "prog"}, alloc), std::nullopt);
   EXPECT_EQ(alloc.shared_lane, "alloc");
   EXPECT_NE(parse({"--shared-lane=yes", "prog"}, bad), std::nullopt);
+}
+
+TEST(SalusRunOptions, ExpandableSegmentsAreSeenAsPyTorchReadsTheSetting) {
+  EXPECT_TRUE(expandable_segments_on("expandable_segments:True"));
+  EXPECT_TRUE(expandable_segments_on("max_split_size_mb:128, expandable_segments : True"));
+  EXPECT_FALSE(expandable_segments_on(""));
+  EXPECT_FALSE(expandable_segments_on("expandable_segments:False"));
+  EXPECT_FALSE(expandable_segments_on("expandable_segments:true"));  // PyTorch wants True
+  EXPECT_FALSE(expandable_segments_on("expandable_segments:True,expandable_segments:False"));
+  EXPECT_FALSE(expandable_segments_on("my_expandable_segments:True"));
 }
 
 TEST(SalusRunMeasure, PersistentIsWhatWasHeldAndTheRestIsEphemeralWithAMargin) {
