@@ -1,5 +1,6 @@
 // salus-bench subcommands that time salusd itself through /salus on the sim
-// backend: the ctl round trip, the dispatch rate and behaviour with many sessions.
+// backend: the ctl round trip, the dispatch rate, behaviour with many sessions,
+// and how long an allocation waits for compaction beside a busy session.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -104,6 +105,66 @@ int bench_scale(const std::string& mnt, pid_t daemon, int n) {
   return 0;
 }
 
+// One round of `compaction`: an owner whose 6M buffers leave no 7M hole on a
+// 64M GPU, and a second session's 7M alloc that needs them moved. With
+// `busy`, the owner runs `iters` 1 ms iterations (pipelined) meanwhile.
+struct CompactionRound {
+  double alloc_ms = 0;     // the alloc write, until it returned
+  long owner_during = 0;   // the owner's iterations done when it returned
+  double owner_run_s = 0;  // the owner's whole run (busy only)
+};
+CompactionRound compaction_round(const std::string& mnt, bool busy, long iters) {
+  Clone owner(mnt);
+  std::string setup = "need persistent=48M ephemeral=8M gpu=0\n";
+  for (int i = 1; i <= 9; ++i) setup += fmt::format("alloc a{} 6M\n", i);
+  owner.run_and_wait(setup + "free a2\nfree a4\nfree a6\nfree a8\n");
+  const auto t_run = Clock::now();
+  if (busy) {
+    write_all(owner.fd, fmt::format("begin\nspin 1000\nend x{}\n", iters));
+    ::usleep(20000);  // its lane is busy, the next iteration queued behind
+  }
+  Clone other(mnt);
+  write_all(other.fd, "need persistent=7M ephemeral=8M gpu=0\n");
+  CompactionRound r;
+  const auto moved = [&] {
+    return std::stoll(field(read_file(mnt + "/gpus/0/memory"), "persistent_bytes_moved"));
+  };
+  const long long moved_before = moved();
+  const auto t0 = Clock::now();
+  write_all(other.fd, "alloc big 7M\n");  // returns once the buffers in the way moved
+  r.alloc_ms = us_since(t0) / 1e3;
+  r.owner_during = std::stol(field(owner.status(), "iterations_done"));
+  if (moved() == moved_before)
+    die("the alloc did not need compaction: the bench no longer measures it");
+  if (busy) {
+    wait_done(mnt, owner.id);
+    r.owner_run_s = us_since(t_run) / 1e6;
+  }
+  return r;
+}
+
+int bench_compaction(const std::string& mnt, int rounds, long iters) {
+  std::vector<double> idle_ms, busy_ms, run_s;
+  long during = 0;
+  for (int i = 0; i < rounds; ++i) {
+    idle_ms.push_back(compaction_round(mnt, false, iters).alloc_ms);
+    const CompactionRound b = compaction_round(mnt, true, iters);
+    busy_ms.push_back(b.alloc_ms);
+    run_s.push_back(b.owner_run_s);
+    during = std::max(during, b.owner_during);
+  }
+  fmt::print("compaction rounds={} owner iterations={} x 1 ms\n", rounds, iters);
+  fmt::print("  alloc beside an idle owner      p50 {:.2f} ms  max {:.2f} ms\n",
+             percentile(idle_ms, 0.5), percentile(idle_ms, 1.0));
+  fmt::print(
+      "  alloc beside a pipelining owner p50 {:.2f} ms  max {:.2f} ms  (owner's iterations by "
+      "then: at most {}; the owner's run alone would take {:.0f} ms)\n",
+      percentile(busy_ms, 0.5), percentile(busy_ms, 1.0), during, static_cast<double>(iters));
+  fmt::print("  owner's run with the compaction p50 {:.3f} s for {:.3f} s of spins\n",
+             percentile(run_s, 0.5), static_cast<double>(iters) / 1e3);
+  return 0;
+}
+
 }  // namespace
 
 void add_broker_benches(CLI::App& app, Registry& r) {
@@ -121,6 +182,18 @@ void add_broker_benches(CLI::App& app, Registry& r) {
   disp->add_option("--body", *body, "Iteration body, e.g. 'spin 0' (default: empty)");
   r.add(disp,
         [=](Target& t) { return bench_dispatch(t.start(kSimArgs), *iters, *sessions, *body); });
+
+  auto* cp = app.add_subcommand("compaction",
+                                "How long an alloc waits for compaction beside a pipelining owner");
+  auto rounds = std::make_shared<int>(5);
+  auto owner_iters = std::make_shared<long>(1000);
+  cp->add_option("--rounds", *rounds, "Rounds (each: the owner idle, then busy)");
+  cp->add_option("--iterations", *owner_iters, "The busy owner's 1 ms iterations");
+  r.add(cp, [=](Target& t) {
+    return bench_compaction(
+        t.start({"--backend", "sim", "--log-level", "warn", "--sim-memory", "64M"}), *rounds,
+        *owner_iters);
+  });
 
   auto* sc = app.add_subcommand("scale", "ls and stats latency and RSS with many idle sessions");
   auto scale = std::make_shared<int>(1000);
