@@ -508,6 +508,35 @@ def test_need_again_during_a_long_iteration_blocks_nobody(salusd_factory):
         a.close()
 
 
+def test_a_session_that_keeps_its_lane_busy_does_not_starve_anothers_alloc(salusd_factory):
+    """Session 16: nobody keeps its lane busy with pipelined 1 ms iterations
+    while its buffers leave no hole another user's alloc fits. Compaction must
+    move them between nobody's iterations, not after its whole 3 s run."""
+    d = salusd_factory(sim_memory="64M", gpus=1).start()
+    setup = ("need persistent=48M ephemeral=8M gpu=0\n"
+             + "".join(f"alloc a{i} 6M\n" for i in range(1, 10))
+             + "free a2\nfree a4\nfree a6\nfree a8\n")
+    # The write's sync holds it (and so the session) until the run is over.
+    a = client(d, setup, "begin\nspin 1000\nend x3000\nsync\n", user=NOBODY)
+    b = Session(d)
+    try:
+        a_status = lambda: dict(  # noqa: E731
+            line.split(": ", 1) for line in open(d.path(f"sessions/{a.sid}/status")).read()
+            .splitlines() if ": " in line)
+        assert wait_until(lambda: int(a_status()["iterations_done"]) > 10, 5), a_status()
+        b.cmd("need persistent=7M ephemeral=8M gpu=0\n")
+        t0 = time.monotonic()
+        b.cmd("alloc big 7M\n")  # returns once nobody's buffers in the way have moved
+        waited = time.monotonic() - t0
+        done = int(a_status()["iterations_done"])
+        assert waited < 1.5 and done < 1500, (waited, done, b.read("log"))
+        memory = open(d.path("gpus/0/memory")).read()
+        assert "\npersistent_bytes_moved: 0\n" not in memory, memory
+    finally:
+        b.close()
+        kill_all([a])
+
+
 def test_sigterm_is_bounded_with_process_isolation_too():
     """issue 17 item 7 on the other isolation mode: the spin runs in an executor
     process, which salusd must not wait for past --shutdown-grace-ms."""
