@@ -1725,6 +1725,7 @@ void Broker::dispatch(Gpu& g, Deferred& later) {
   // used it ended): handled here, not only when some lane goes idle, which a
   // session that keeps its lane busy would put off for as long as it likes.
   if (g.sched.arena().has_admissions()) handle_admissions(g, later, false);
+  offer_room_host_wide(g, later);
   compact(g);
   std::uint32_t budget = kInlineBudget;
   bool progress = true;
@@ -1749,6 +1750,16 @@ void Broker::dispatch(Gpu& g, Deferred& later) {
     std::lock_guard lk(g.cq_mu);
     g.wake = true;  // more to do: come back after letting others take the lock
   }
+}
+
+// Room freed outside the events that bind waiting sessions (a buffer freed when
+// the work that used it ends) would otherwise reach a session waiting host-wide
+// only when some lane goes idle, which a busy session can put off at will.
+void Broker::offer_room_host_wide(Gpu& g, Deferred& later) {
+  if (host_queue_.empty()) return;
+  const arena::AdmissionBounds b = g.sched.arena().admission_bounds();
+  if (b.room > g.host_offered.room || b.total > g.host_offered.total) bind_waiting(later);
+  g.host_offered = g.sched.arena().admission_bounds();  // what binding left
 }
 
 // Clears what the lane must not pass on before `sid`'s instance (design.md,

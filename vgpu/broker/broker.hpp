@@ -355,6 +355,8 @@ class Broker {
   void emit_ops(Gpu& g, StreamId stream, Bytes base, WorkItem& item);
   void complete(Gpu& g, const Completion& c, Deferred& later);
   void compact(Gpu& g);
+  // Offers room this GPU gained since the last offer to sessions waiting host-wide.
+  void offer_room_host_wide(Gpu& g, Deferred& later);
   // Brings g.compaction_holds up to date and the runnable state of who joined or left it.
   void hold_for_compaction(Gpu& g);
   void start_moves(Gpu& g, SessionId id, const std::vector<arena::PersistentMove>& moves);

@@ -111,6 +111,9 @@ struct Broker::Gpu {
   Bytes context_measured = 0;
   // Compaction moves whose destinations wait for memory, by session.
   std::vector<std::pair<SessionId, std::vector<arena::PersistentMove>>> unbacked_moves;
+  // The admission bounds when sessions waiting host-wide were last offered this
+  // GPU: more room since then offers it again (Broker::offer_room_host_wide).
+  arena::AdmissionBounds host_offered{0, 0};
   // Sessions whose buffers compaction still has to move (ascending): they get
   // no iteration while one is in flight, so that each reaches an idle moment.
   std::vector<SessionId> compaction_holds, compaction_holds_next;

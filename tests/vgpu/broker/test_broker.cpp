@@ -283,24 +283,53 @@ TEST(Broker, ANeighbourKeepingTheLaneBusyDoesNotStarveCompaction) {
 // Memory freed when the work that used it ends, by a session that keeps its
 // lane busy, admits the session queued for it at once, not when the lane next
 // goes idle.
+namespace {
+
+constexpr int kBusyIters = 1000;
+
+// A session on GPU 0 of 64M holding 48M until its fill of w ends, 50 ms from
+// now, and then running kBusyIters pipelined 1 ms iterations; and a session
+// that waits (queued) for 30M, whose write of `alloc x 1M` returns once it is
+// admitted.
+SessionId busy_session_freeing_40m(Broker& b) {
+  const auto a = static_cast<SessionId>(b.create_session(kRoot, ""));
+  EXPECT_EQ(run(b, a, "need persistent=8M ephemeral=1M gpu=0\nalloc w 40M\n").first, 0);
+  EXPECT_EQ(run(b, a,
+                fmt::format("spin 50000\nfill w 7 dtype=u8\nfree w\nbegin\nspin 1000\nend x{}\n",
+                            kBusyIters))
+                .first,
+            0);
+  return a;
+}
+
+}  // namespace
+
 TEST(Broker, MemoryFreedByABusySessionAdmitsTheQueueAtOnce) {
   auto b = make_broker(1, 64u << 20);
-  constexpr int kIters = 1000;
-  const auto a = static_cast<SessionId>(b->create_session(kRoot, ""));
-  ASSERT_EQ(run(*b, a, "need persistent=8M ephemeral=1M\nalloc w 40M\n").first, 0);
-  // w is freed once the fill that uses it has run, 50 ms from now.
-  ASSERT_EQ(
-      run(*b, a,
-          fmt::format("spin 50000\nfill w 7 dtype=u8\nfree w\nbegin\nspin 1000\nend x{}\n", kIters))
-          .first,
-      0);
+  const SessionId a = busy_session_freeing_40m(*b);
   const auto c = static_cast<SessionId>(b->create_session(kRoot, ""));
   ASSERT_EQ(run(*b, c, "need persistent=30M ephemeral=1M\n").first, 0);
   ASSERT_EQ(field(b->render_status(c), "state"), "queued");
-  // The write waits for the admission.
-  ASSERT_EQ(run(*b, c, "alloc x 1M\n").first, 0) << b->render_log(c);
-  EXPECT_LT(iterations_done(*b, a), kIters / 2) << "the admission waited for a's run";
+  ASSERT_EQ(run(*b, c, "alloc x 1M\n").first, 0) << b->render_log(c);  // waits for admission
+  EXPECT_LT(iterations_done(*b, a), kBusyIters / 2) << "the admission waited for a's run";
   EXPECT_EQ(field(b->render_status(c), "state"), "admitted");
+  ASSERT_EQ(wait_for(*b, a).first, 0) << b->render_log(a);
+}
+
+// The same for a session waiting host-wide (gpu=any, no GPU has room yet):
+// memory a busy session frees when its work ends binds it at once.
+TEST(Broker, MemoryFreedByABusySessionPlacesAHostWideWaiterAtOnce) {
+  auto b = make_broker(2, 64u << 20);
+  const SessionId a = busy_session_freeing_40m(*b);
+  const auto full = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, full, "need persistent=48M ephemeral=1M gpu=1\n").first, 0);
+  const auto c = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, c, "need persistent=30M ephemeral=1M\n").first, 0);
+  ASSERT_EQ(field(b->render_status(c), "state"), "queued");
+  ASSERT_EQ(field(b->render_status(c), "gpu"), "-");  // no GPU has room: host-wide
+  ASSERT_EQ(run(*b, c, "alloc x 1M\n").first, 0) << b->render_log(c);
+  EXPECT_LT(iterations_done(*b, a), kBusyIters / 2) << "the placement waited for a's run";
+  EXPECT_EQ(field(b->render_status(c), "gpu"), "0");
   ASSERT_EQ(wait_for(*b, a).first, 0) << b->render_log(a);
 }
 
