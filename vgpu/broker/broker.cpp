@@ -1938,7 +1938,7 @@ void Broker::hold_for_compaction(Gpu& g) {
   ar.compaction_owners(g.compaction_holds_next);
   if (g.compaction_holds_next == g.compaction_holds) return;
   std::swap(g.compaction_holds, g.compaction_holds_next);
-  // Who joined or left: both lists are ascending and hold no session twice.
+  // Everyone on the old list or the new: who joined is held now, who left may run.
   for (const std::vector<SessionId>* list : {&g.compaction_holds, &g.compaction_holds_next})
     for (SessionId id : *list)
       if (Session* s = get(id); s && s->gpu == static_cast<int>(g.index)) update_runnable(g, *s);
