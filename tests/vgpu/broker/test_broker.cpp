@@ -269,12 +269,14 @@ TEST(Broker, ANeighbourKeepingTheLaneBusyDoesNotStarveCompaction) {
   const auto c = static_cast<SessionId>(b->create_session(kRoot, ""));
   ASSERT_EQ(run(*b, c, "need persistent=7M ephemeral=8M\n").first, 0);
   std::this_thread::sleep_for(20ms);
+  const int before = iterations_done(*b, a) + iterations_done(*b, n);
   auto [err, reply] = run(*b, c, "alloc big 7M\n");
   ASSERT_EQ(err, 0) << b->render_log(c);
-  // About a dozen here; without taking the owner between its neighbour's
-  // iterations, it waits for a moment the lane happens to be idle (the worker late).
-  EXPECT_LT(iterations_done(*b, a) + iterations_done(*b, n), kIters / 10)
-      << "the allocation waited for the lane's whole run";
+  // A few iterations ran meanwhile here; without taking the owner between its
+  // neighbour's iterations, it waits for a moment the lane happens to be idle
+  // (the worker late), tens to hundreds of iterations later.
+  EXPECT_LT(iterations_done(*b, a) + iterations_done(*b, n) - before, 50)
+      << "the allocation waited for the lane to go idle";
   ASSERT_EQ(wait_for(*b, a).first, 0) << b->render_log(a);
   ASSERT_EQ(wait_for(*b, n).first, 0) << b->render_log(n);
   expect_owner_buffers_intact(*b, a);
