@@ -1944,6 +1944,15 @@ void Broker::hold_for_compaction(Gpu& g) {
       if (Session* s = get(id); s && s->gpu == static_cast<int>(g.index)) update_runnable(g, *s);
 }
 
+const char* Broker::compaction_role(const Session& s) const {
+  if (s.moving) return "moving";
+  if (s.gpu < 0 || s.gate) return "-";
+  const Gpu& g = *gpus_[static_cast<std::size_t>(s.gpu)];
+  const bool held = s.in_flight > 0 &&
+                    std::binary_search(g.compaction_holds.begin(), g.compaction_holds.end(), s.id);
+  return held ? "held" : "-";
+}
+
 void Broker::start_moves(Gpu& g, SessionId id, const std::vector<arena::PersistentMove>& moves) {
   if (!g.move_stream) g.move_stream = g.device->create_stream();
   for (const arena::PersistentMove& m : moves) g.device->copy(*g.move_stream, m.to, m.from, m.size);

@@ -113,6 +113,7 @@ std::string Broker::render_status(SessionId id) const {
   if (s->state == SessionState::queued) waited += now() - s->queued_at;
   kv("queue_wait_ms", fmt::format("{:.3f}", ms(waited)));
   kv("rank", rank);
+  kv("compaction", compaction_role(*s));
   kv("recording", s->recording ? "yes" : "no");
   kv("recording_begun", s->recording ? fmt::format("line {} of write {}", s->recording->begun_line,
                                                    s->recording->begun_write)

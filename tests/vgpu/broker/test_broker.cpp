@@ -253,6 +253,36 @@ TEST(Broker, APipeliningOwnerDoesNotStarveCompactionOfItsBuffers) {
   expect_owner_buffers_intact(*b, a);
 }
 
+// status says so while an owner is held: what it has in flight runs, no
+// iteration starts, and its buffers move at the boundary.
+TEST(Broker, StatusSaysWhileCompactionHoldsASession) {
+  auto b = make_broker(1, 64u << 20);
+  const auto a = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, a, "need persistent=48M ephemeral=8M\n").first, 0);
+  for (int i = 1; i <= 9; ++i) ASSERT_EQ(run(*b, a, fmt::format("alloc a{} 6M\n", i)).first, 0);
+  ASSERT_EQ(run(*b, a, "free a2\nfree a4\nfree a6\nfree a8\nbegin\nspin 300000\nend x3\n").first,
+            0);
+  EXPECT_EQ(field(b->render_status(a), "compaction"), "-");
+  for (int i = 0; i < 200 && field(b->render_status(a), "in_flight") != "2"; ++i)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(field(b->render_status(a), "in_flight"), "2");  // busy: nothing can move yet
+  const auto c = static_cast<SessionId>(b->create_session(kRoot, ""));
+  ASSERT_EQ(run(*b, c, "need persistent=7M ephemeral=8M\n").first, 0);
+  auto alloc = std::async(std::launch::async, [&] { return run(*b, c, "alloc big 7M\n").first; });
+  bool seen = false;
+  for (int i = 0; i < 200 && !seen; ++i) {
+    seen = field(b->render_status(a), "compaction") == "held";
+    if (!seen) std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_TRUE(seen) << b->render_status(a);
+  // No iteration starts while it is held: the third waits for the first two.
+  const std::string st = b->render_status(a);
+  EXPECT_LT(std::stoi(field(st, "iterations_done")) + std::stoi(field(st, "in_flight")), 3) << st;
+  ASSERT_EQ(alloc.get(), 0) << b->render_log(c);
+  EXPECT_EQ(field(b->render_status(a), "compaction"), "-");
+  ASSERT_EQ(wait_for(*b, a).first, 0) << b->render_log(a);
+}
+
 // The same when the owner shares its lane with a session that keeps it busy:
 // the lane never goes idle, but the owner does, between its iterations.
 TEST(Broker, ANeighbourKeepingTheLaneBusyDoesNotStarveCompaction) {
