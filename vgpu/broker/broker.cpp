@@ -1575,11 +1575,10 @@ void Broker::update_runnable(Gpu& g, Session& s) {
   // A session whose buffers compaction waits for gets no pipelined iteration:
   // it would never be idle, and the allocation or lane waiting for the room
   // would wait for as long as it keeps queueing work.
-  const bool held = s.in_flight > 0 &&
-                    std::binary_search(g.compaction_holds.begin(), g.compaction_holds.end(), s.id);
   const bool runnable = !s.queue.empty() && !s.dead && s.lane && !s.moving && !s.transferring &&
                         !s.queue.front().transfer && (s.state == SessionState::admitted) &&
-                        !(s.in_flight > 0 && s.in_flight_lane != s.lane) && !held;
+                        !(s.in_flight > 0 && s.in_flight_lane != s.lane) &&
+                        !g.held_for_compaction(s.id, s.in_flight);
   g.sched.set_runnable(s.id, runnable);
 }
 
@@ -1758,7 +1757,11 @@ void Broker::dispatch(Gpu& g, Deferred& later) {
 void Broker::offer_room_host_wide(Gpu& g, Deferred& later) {
   if (host_queue_.empty()) return;
   const arena::AdmissionBounds b = g.sched.arena().admission_bounds();
-  if (b.room > g.host_offered.room || b.total > g.host_offered.total) bind_waiting(later);
+  if (b.room <= g.host_offered.room && b.total <= g.host_offered.total) {
+    g.host_offered = b;
+    return;
+  }
+  bind_waiting(later);
   g.host_offered = g.sched.arena().admission_bounds();  // what binding left
 }
 
@@ -1948,9 +1951,7 @@ const char* Broker::compaction_role(const Session& s) const {
   if (s.moving) return "moving";
   if (s.gpu < 0 || s.gate) return "-";
   const Gpu& g = *gpus_[static_cast<std::size_t>(s.gpu)];
-  const bool held = s.in_flight > 0 &&
-                    std::binary_search(g.compaction_holds.begin(), g.compaction_holds.end(), s.id);
-  return held ? "held" : "-";
+  return g.held_for_compaction(s.id, s.in_flight) ? "held" : "-";
 }
 
 void Broker::start_moves(Gpu& g, SessionId id, const std::vector<arena::PersistentMove>& moves) {

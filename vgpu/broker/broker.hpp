@@ -356,8 +356,8 @@ class Broker {
   void complete(Gpu& g, const Completion& c, Deferred& later);
   void compact(Gpu& g);
   // What compaction does with the session's buffers, for its status: "moving"
-  // (copies out, not dispatched), "held" (in the way: one iteration at a time
-  // until they move) or "-".
+  // (copies out, not dispatched), "held" (in the way, with work in flight: no
+  // new iteration until they move) or "-".
   const char* compaction_role(const Session& s) const;
   // Offers room this GPU gained since the last offer to sessions waiting host-wide.
   void offer_room_host_wide(Gpu& g, Deferred& later);

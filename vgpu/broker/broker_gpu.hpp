@@ -2,6 +2,7 @@
 // Only broker*.cpp include this.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -117,6 +118,11 @@ struct Broker::Gpu {
   // Sessions whose buffers compaction still has to move (ascending): they get
   // no iteration while one is in flight, so that each reaches an idle moment.
   std::vector<SessionId> compaction_holds, compaction_holds_next;
+  // On that list with work in flight: no new iteration until it is idle.
+  bool held_for_compaction(SessionId id, std::uint64_t in_flight) const {
+    return in_flight > 0 &&
+           std::binary_search(compaction_holds.begin(), compaction_holds.end(), id);
+  }
 
   // Completions from the device and wake-ups for the worker.
   std::mutex cq_mu;
