@@ -53,7 +53,8 @@ import secrets
 import sys
 import threading
 
-__all__ = ["Session", "Segment", "default_mount", "step", "iteration", "attached", "iterations"]
+__all__ = ["Session", "Segment", "default_mount", "step", "iteration", "attached", "iterations",
+           "lane_release"]
 
 
 def default_mount():
@@ -86,11 +87,12 @@ def _shim_functions():
         return _shim or None
 
 
-def _lane_release():
+def lane_release():
     """With SALUS_SHARED_LANE=alloc: PyTorch's cached GPU memory goes back to the
     shared lane before the boundary (synchronize, then empty_cache), so that only
     segments holding live tensors are promoted to the program's own memory.
-    Nothing without torch imported or before CUDA is initialised."""
+    Nothing without torch imported or before CUDA is initialised. step() and
+    salus-run's automatic marks call it before every boundary."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if os.environ.get("SALUS_SHARED_LANE") != "alloc" or cuda is None or not cuda.is_initialized():
@@ -112,7 +114,7 @@ def step():
     (torch.cuda.synchronize() and torch.cuda.empty_cache())."""
     fns = _shim_functions()
     if fns:
-        _lane_release()
+        lane_release()
     return fns[0]() if fns else 0
 
 

@@ -55,37 +55,22 @@ def shim_marker():
     return fn
 
 
-def capturing(cuda):
-    """Whether a CUDA graph is being captured on the current stream: a boundary
-    there (make_graphed_callables runs the model's forward while capturing)
-    must not synchronize, which would invalidate the capture."""
-    try:
-        return bool(cuda.is_current_stream_capturing())
-    except (AttributeError, RuntimeError):  # an older or CPU-only torch
-        return False
-
-
-def lane_release(torch):
-    """Before a boundary with SALUS_SHARED_LANE=alloc: PyTorch's cached GPU memory
-    goes back (to the shared lane, through the shim's cuMemFree), once the work
-    queued on it is done. Nothing before CUDA is initialised."""
-    cuda = getattr(torch, "cuda", None)
-    if cuda is None or not cuda.is_initialized():
-        return
-    if capturing(cuda):
-        return
-    cuda.synchronize()
-    cuda.empty_cache()
-
-
-def releasing(torch, mark):
-    """`mark` preceded by lane_release(torch) when SALUS_SHARED_LANE=alloc."""
+def releasing(mark):
+    """`mark` preceded by salus.lane_release() when SALUS_SHARED_LANE=alloc: the
+    client module's, which salus.step() runs too (salus-run puts both on
+    PYTHONPATH)."""
     if os.environ.get("SALUS_SHARED_LANE") != "alloc":
+        return mark
+    try:
+        import salus
+    except ImportError:
+        _warn("salus.py is not on PYTHONPATH (run the program under salus-run); PyTorch's "
+              "cached GPU memory is not released to the shared lane at boundaries")
         return mark
 
     def release_then_mark():
         try:
-            lane_release(torch)
+            salus.lane_release()
         finally:
             mark()
 
@@ -326,7 +311,7 @@ def enable(mark=None):
             return
         os.environ["SALUS_AUTOMARK_OWNER"] = str(os.getpid())
         try:
-            marker = install(torch, releasing(torch, mark))
+            marker = install(torch, releasing(mark))
         except Exception as e:  # never break the program's import of torch
             _warn(f"could not register PyTorch hooks ({type(e).__name__}: {e}); "
                   "iterations are not marked")

@@ -213,7 +213,7 @@ print("cuda", len(marks), calls)
 torch.cuda.is_current_stream_capturing = lambda: True
 train_step()
 print("capturing", len(marks), calls)
-""", env_extra={"SALUS_SHARED_LANE": lane}))
+""", env_extra={"SALUS_SHARED_LANE": lane}, path=(AUTOMARK, os.path.join(ROOT, "client"))))
     assert "cpu 1 []" in out, out
     if lane == "alloc":  # both before the second mark, in that order
         assert "cuda 2 [('synchronize', 1), ('empty_cache', 1)]" in out, out
