@@ -44,6 +44,18 @@
  * SALUS_GATE_DETACHED, runs ungated (it never exits because of salusd) and
  * tries to attach again later.
  *
+ * Hand-over: a session has one attached process. A launcher that attached
+ * before its job started (salus-run's PyTorch automark attaches a process when
+ * it imports torch, so torchrun's or mp.spawn's parent does) hands the session
+ * to the process that does the GPU work: an attach from a process whose gate
+ * says `cuda` = 1 takes the session over from the attached one when that one's
+ * gate says `cuda` = 0 and the newcomer descends from it (its parent, or the
+ * parent's parent, ...). salusd ends the old gate as at a detach, but sets
+ * `state` = SALUS_GATE_HANDED_OVER: the old process runs on ungated and never
+ * tries to attach again. The program sets `cuda` before its attach write when it
+ * has initialised CUDA, and in the live gate when it does so later (a program
+ * that attached at `import torch` and then made its context keeps the session).
+ *
  * Memory: `budget_bytes` is what the session may hold on the GPU (persistent +
  * ephemeral of its `need`; UINT64_MAX: no limit). The shim charges every
  * allocation to `charged_bytes` before it reaches the driver and refuses one
@@ -99,6 +111,8 @@
 #define SALUS_GATE_ATTACHING 0u /* the program filled in the header; salusd has not taken it */
 #define SALUS_GATE_ATTACHED 1u  /* salusd serves the gate */
 #define SALUS_GATE_DETACHED 2u  /* salusd let go (session ended, salusd stopping): run ungated */
+/* a descendant that uses CUDA took the session (hand-over): run ungated, never attach again */
+#define SALUS_GATE_HANDED_OVER 3u
 
 /* swap_request, written by salusd (with a new swap_seq) */
 #define SALUS_SWAP_REQ_NONE 0u
@@ -122,7 +136,8 @@ struct salus_gate {
   uint32_t version; /* SALUS_GATE_VERSION */
   uint32_t size;    /* sizeof(struct salus_gate) */
   int32_t pid;      /* the program's pid in its own namespace (for messages only) */
-  uint32_t reserved0;
+  uint32_t cuda;    /* the program's, at any time: 1 once it has initialised CUDA (the
+                       hand-over, below; reserved0 before, so 0 from older shims) */
 
   /* ---- written by salusd ---- */
   uint32_t state;           /* SALUS_GATE_* */

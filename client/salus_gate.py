@@ -18,7 +18,7 @@ DEAD_MS = 2000
 NOTE_BYTES = 512
 
 # state (salusd)
-ATTACHING, ATTACHED, DETACHED = 0, 1, 2
+ATTACHING, ATTACHED, DETACHED, HANDED_OVER = 0, 1, 2, 3
 # swap_request (salusd), swap_state (program)
 SWAP_REQ_NONE, SWAP_REQ_OUT, SWAP_REQ_IN = 0, 1, 2
 SWAP_RESIDENT, SWAP_OUT_BUSY, SWAP_SWAPPED, SWAP_IN_BUSY = 0, 1, 2, 3
@@ -43,7 +43,7 @@ class SalusGate(ctypes.Structure):
         ("version", _u32),
         ("size", _u32),
         ("pid", _i32),
-        ("reserved0", _u32),
+        ("cuda", _u32),  # the program's at any time: 1 once it initialised CUDA
         # salusd's
         ("state", _u32),
         ("grant_word", _u32),

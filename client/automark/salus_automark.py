@@ -303,13 +303,11 @@ def enable(mark=None):
 
     def on_torch(torch):
         global marker
-        # One process per session marks: the first to import torch. Its children
-        # (DataLoader workers started with spawn, torch.compile's compile workers)
-        # inherit the claim and leave the shim alone.
-        owner = os.environ.get("SALUS_AUTOMARK_OWNER")
-        if owner and owner != str(os.getpid()):
-            return
-        os.environ["SALUS_AUTOMARK_OWNER"] = str(os.getpid())
+        # Every process of the job marks, but only the one attached to the session
+        # reaches salusd: the shim refuses a second process (DataLoader workers
+        # started with spawn, torch.compile's compile workers) quietly, and a
+        # launcher (torchrun, mp.spawn) hands the session to the child that
+        # initialises CUDA (client/salus_gate.h, hand-over).
         try:
             marker = install(torch, releasing(mark))
         except Exception as e:  # never break the program's import of torch

@@ -96,6 +96,10 @@ struct Client {
   CUcontext last_ctx = nullptr;  // of the last boundary that had one
   bool attempted = false;        // a first attach was tried
   bool forbidden = false;        // never attach (forked child, or salusd said no for good)
+  // Refused (EBUSY) before this process initialised CUDA: another process of
+  // the job holds the session. Its cuInit tries once more, as a process with
+  // CUDA may take the session over from a launcher (salus_gate.h, hand-over).
+  bool retry_at_cuinit = false;
   int memfd = -1;
   bool ever_attached = false;
   Clock::time_point attached_at{};  // of the last successful attach
@@ -364,6 +368,7 @@ salus_gate* make_gate(Client& c, const salus_gate* from) {
   g->version = SALUS_GATE_VERSION;
   g->size = sizeof(salus_gate);
   g->pid = static_cast<std::int32_t>(::getpid());
+  g->cuda = g_cuda_up.load() ? 1 : 0;
   g->state = SALUS_GATE_ATTACHING;
   g->budget_bytes = __atomic_load_n(&from->budget_bytes, __ATOMIC_ACQUIRE);
   g->requested = 1;  // the program waits for iteration 1 right after attaching
@@ -393,6 +398,11 @@ bool final_refusal(int err) {
 
 bool wait_grant(Client& c, salus_gate* g, std::uint64_t want);
 void go_local(Client& c, salus_gate* g);
+
+// Whether salusd's `state` lets the program go (detached, or handed over).
+bool let_go(std::uint32_t state) {
+  return state == SALUS_GATE_DETACHED || state == SALUS_GATE_HANDED_OVER;
+}
 
 // Attaches to the session (caller holds c.mu) and waits for the grant of the
 // gate's iteration 1. Returns whether the program is attached.
@@ -441,7 +451,10 @@ bool try_attach(Client& c, bool reattach) {
     if (c.memfd >= 0) ::close(c.memfd);
     c.memfd = -1;
     c.forbidden = final_refusal(err);
-    report(c, dir, err);
+    // Busy before CUDA: a launcher's worker importing torch while its parent
+    // holds the session, or a DataLoader worker. Quiet: cuInit tries again.
+    c.retry_at_cuinit = err == EBUSY && !g_cuda_up.load();
+    if (!c.retry_at_cuinit) report(c, dir, err);
     return false;
   }
   // The old gate (private, or a dead session's page) stays mapped: hooks on
@@ -471,10 +484,13 @@ void go_local(Client& c, salus_gate* g) {
   if (c.memfd >= 0) ::close(c.memfd);
   c.memfd = -1;
   c.last_attempt = Clock::now();
+  const std::uint32_t state = __atomic_load_n(&g->state, __ATOMIC_ACQUIRE);
+  if (state == SALUS_GATE_HANDED_OVER) {
+    c.forbidden = true;  // the job's process that uses CUDA holds the session now
+    return;
+  }
   std::fprintf(stderr, "salus-shim: salusd %s; running ungated\n",
-               __atomic_load_n(&g->state, __ATOMIC_ACQUIRE) == SALUS_GATE_DETACHED
-                   ? "let go of the session"
-                   : "stopped answering");
+               state == SALUS_GATE_DETACHED ? "let go of the session" : "stopped answering");
 }
 
 // Waits until `granted` >= want. Returns false (and goes local) when salusd
@@ -486,7 +502,7 @@ bool wait_grant(Client& c, salus_gate* g, std::uint64_t want) {
   bool rang = false;
   for (;;) {
     const std::uint32_t word = __atomic_load_n(&g->grant_word, __ATOMIC_ACQUIRE);
-    if (__atomic_load_n(&g->state, __ATOMIC_ACQUIRE) == SALUS_GATE_DETACHED) break;
+    if (let_go(__atomic_load_n(&g->state, __ATOMIC_ACQUIRE))) break;
     const bool granted = __atomic_load_n(&g->granted, __ATOMIC_ACQUIRE) >= want;
     // A swap request is carried out here, while the program waits (never on a
     // launch); a grant brings swapped memory back before the program runs.
@@ -602,7 +618,17 @@ void after_cuinit() {
   if (g_cuda_up.exchange(true)) return;
   Client& c = client();
   std::lock_guard lk(c.mu);
-  if (!c.attempted) try_attach(c, false);
+  // Attached before CUDA (at import torch): the gate says so from now on, and
+  // the session stays this process's (no descendant takes it over).
+  if (salus_gate* g = gate(); g != &g_local) __atomic_store_n(&g->cuda, 1u, __ATOMIC_RELEASE);
+  if (c.retry_at_cuinit) {
+    c.retry_at_cuinit = false;
+    c.forbidden = false;
+    c.reported_errno = 0;
+    try_attach(c, false);
+  } else if (!c.attempted) {
+    try_attach(c, false);
+  }
 }
 
 void implicit_boundary(CUstream stream) {

@@ -263,17 +263,3 @@ def test_oom_report_reaches_the_fd():
         os.close(rfd)
         if wfd >= 0:
             os.close(wfd)
-
-
-@needs_torch
-def test_children_that_import_torch_do_not_mark():
-    out = check(run_py(PRELUDE + """
-import subprocess, sys, torch
-assert salus_automark.marker is not None
-child = subprocess.run([sys.executable, "-c",
-    "import salus_automark; marks = []; salus_automark.enable(mark=lambda: marks.append(1)); "
-    "import torch; print('child marker', salus_automark.marker)"],
-    capture_output=True, text=True)
-print(child.stdout.strip(), child.returncode)
-"""))
-    assert "child marker None 0" in out, out

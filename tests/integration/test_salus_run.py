@@ -21,6 +21,8 @@ TOOLS = os.path.dirname(os.path.abspath(SALUSD))
 SALUS_RUN = os.path.join(TOOLS, "salus-run")
 SHIM = os.path.join(os.path.dirname(TOOLS), "client", "shim", "libsalus-shim.so")
 JOB = os.path.join(HERE, "torch_job.py")
+LAUNCHER = os.path.join(HERE, "torch_launcher.py")
+MOCK_DIR = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
 PY = sys.executable
 
 
@@ -31,6 +33,8 @@ def have_torch():
 needs_shim = pytest.mark.skipif(not os.path.exists(SHIM),
                                 reason=f"libsalus-shim.so not built at {SHIM} (needs cuda.h)")
 needs_torch = pytest.mark.skipif(not have_torch(), reason="python3-torch is not installed")
+needs_mock = pytest.mark.skipif(not os.path.isdir(MOCK_DIR),
+                                reason="SALUS_TEST_CUDA_MOCK_DIR (the mock libcuda) is not set")
 
 
 def env():
@@ -39,9 +43,9 @@ def env():
     return e
 
 
-def salus_run(d, *args, timeout=120, **kw):
+def salus_run(d, *args, timeout=120, extra_env=None, **kw):
     return subprocess.run([SALUS_RUN, "--mount", d.mnt, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env(), **kw)
+                          timeout=timeout, env={**env(), **(extra_env or {})}, **kw)
 
 
 def report(stdout):
@@ -229,6 +233,41 @@ def test_no_automark_marks_nothing(salusd):
                   JOB, "train", "5", "--wait-key", "iterations_completed=0")
     assert r.returncode == 0, r.stdout + r.stderr
     assert report(r.stdout)["iterations_completed"] in ("0", "-"), r.stdout
+
+
+@needs_shim
+@needs_torch
+@needs_mock
+@pytest.mark.parametrize("how", ["subprocess", "spawn"])
+def test_a_launcher_hands_the_session_to_the_worker_that_initialises_cuda(salusd, how):
+    """torchrun or mp.spawn under salus-run: the launcher imports torch (the
+    automark attaches it), its worker initialises CUDA (the mock driver) and
+    trains. The worker takes the session over: its 12 optimizer steps are the
+    session's iterations, and nobody prints a shim warning."""
+    r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, LAUNCHER, how,
+                  "train", "12", "--cuinit",
+                  extra_env={"SALUS_SHIM_LIBCUDA": os.path.join(MOCK_DIR, "libcuda.so.1")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(r.stdout)
+    assert rep["kind"] == "attached" and rep["marking"] == "explicit", r.stdout + r.stderr
+    assert rep["pid"] == rep["self_pid"], r.stdout + r.stderr
+    assert rep["iterations_completed"] == "12", r.stdout + r.stderr
+    assert "salus-shim" not in r.stderr, r.stderr
+
+
+@needs_shim
+@needs_torch
+def test_spawned_dataloader_workers_leave_the_session_to_the_main_process(salusd):
+    """Two DataLoader workers started with spawn import torch and run module
+    forwards (their automark marks too): the shim refuses them the session
+    quietly, and only the main process's optimizer steps count."""
+    r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, JOB, "train",
+                  "12", "--loader-workers", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(r.stdout)
+    assert rep["pid"] == rep["self_pid"], r.stdout + r.stderr
+    assert rep["iterations_completed"] == "12", r.stdout + r.stderr
+    assert "salus-shim" not in r.stderr, r.stderr
 
 
 def pair_progress(d, policy, tmp_path):

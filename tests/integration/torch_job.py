@@ -2,9 +2,11 @@
 loop, then (test-only) a report of what salusd shows for its own session, read
 before it exits (an attached session ends with its program).
 
-    torch_job.py train|infer N [--wait-key KEY=VALUE] [--sleep-ms MS] [--log FILE]
+    torch_job.py train|infer N [--wait-key KEY=VALUE] [--sleep-ms MS] [--log FILE] [--cuinit]
+                 [--loader-workers N]
 """
 import argparse
+import ctypes
 import os
 import sys
 import time
@@ -24,6 +26,20 @@ def wait_for(key, value, timeout=10.0):
         time.sleep(0.02)
 
 
+class Batches:
+    """A map-style dataset for DataLoader whose items come out of a module's
+    forward, as transforms that are modules make them: with spawned workers,
+    each worker imports torch and runs forwards of its own."""
+
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, i):
+        import torch
+        with torch.no_grad():
+            return torch.nn.Linear(16, 16)(torch.randn(16))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["train", "infer"])
@@ -33,6 +49,11 @@ def main():
     ap.add_argument("--log", default=None)
     ap.add_argument("--go", default=None, help="wait for this file before import torch")
     ap.add_argument("--stop", default=None, help="with N = 0: train until this file exists")
+    ap.add_argument("--loader-workers", type=int, default=0,
+                    help="train on batches from a DataLoader with this many spawned workers")
+    ap.add_argument("--cuinit", action="store_true",
+                    help="call cuInit after import torch, as a GPU job's first CUDA call does "
+                         "(the shim's; SALUS_SHIM_LIBCUDA names the mock driver)")
     ap.add_argument("--fail-first-oom", default=None,
                     help="raise a CUDA OOM unless this file exists (and create it)")
     args = ap.parse_args()
@@ -44,6 +65,8 @@ def main():
         while not os.path.exists(args.go):
             time.sleep(0.01)
     import torch
+    if args.cuinit:
+        assert ctypes.CDLL(None).cuInit(0) == 0
     if args.log:
         print(f"imported {os.getpid()}", file=open(args.log, "a"), flush=True)
     torch.manual_seed(0)
@@ -51,11 +74,15 @@ def main():
     log = open(args.log, "a") if args.log else None
     if args.mode == "train":
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        batches = iter(torch.utils.data.DataLoader(
+            Batches(), batch_size=8, num_workers=args.loader_workers,
+            multiprocessing_context="spawn")) if args.loader_workers else None
         i = 0
         while i < args.n or (args.n == 0 and not os.path.exists(args.stop)):
             i += 1
             opt.zero_grad()
-            model(torch.randn(8, 16)).pow(2).mean().backward()
+            x = next(batches) if batches else torch.randn(8, 16)
+            model(x).pow(2).mean().backward()
             opt.step()
             if log:
                 print(f"{os.getpid()} {i}", file=log, flush=True)
@@ -68,8 +95,9 @@ def main():
     key, value = (args.wait_key or f"iterations_completed={args.n or i}").split("=", 1)
     st = wait_for(key, value)
     for k in ("kind", "marking", "iterations_completed", "iterations_requested", "ephemeral",
-              "persistent", "name", "gpu"):
+              "persistent", "name", "gpu", "pid"):
         print(f"{k}: {st.get(k, '-')}")
+    print(f"self_pid: {os.getpid()}")
     sys.stdout.flush()
 
 

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -183,24 +184,44 @@ const char* swap_state_name(std::uint32_t state) {
   }
 }
 
-pid_t thread_group_of(pid_t tid) {
-  if (tid <= 0) return -EPERM;
+namespace {
+
+// The number after `key` (e.g. "\nTgid:") in /proc/PID/status, or -ESRCH.
+pid_t status_number(pid_t pid, std::string_view key) {
   char path[64];
-  std::snprintf(path, sizeof path, "/proc/%d/status", static_cast<int>(tid));
+  std::snprintf(path, sizeof path, "/proc/%d/status", static_cast<int>(pid));
   UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
   if (!fd) return -ESRCH;
   char buf[4096];
   const ssize_t n = ::read(fd.get(), buf, sizeof buf - 1);
   if (n <= 0) return -ESRCH;
   const std::string_view text(buf, static_cast<std::size_t>(n));
-  const auto at = text.find("\nTgid:");
+  const auto at = text.find(key);
   if (at == std::string_view::npos) return -ESRCH;
-  long tgid = 0;
-  for (std::size_t i = at + 6; i < text.size() && text[i] != '\n'; ++i) {
-    if (text[i] >= '0' && text[i] <= '9') tgid = tgid * 10 + (text[i] - '0');
-    if (tgid > INT_MAX) return -ESRCH;
+  long number = 0;
+  for (std::size_t i = at + key.size(); i < text.size() && text[i] != '\n'; ++i) {
+    if (text[i] >= '0' && text[i] <= '9') number = number * 10 + (text[i] - '0');
+    if (number > INT_MAX) return -ESRCH;
   }
-  return tgid > 0 ? static_cast<pid_t>(tgid) : -ESRCH;
+  return static_cast<pid_t>(number);
+}
+
+}  // namespace
+
+pid_t thread_group_of(pid_t tid) {
+  if (tid <= 0) return -EPERM;
+  const pid_t tgid = status_number(tid, "\nTgid:");
+  return tgid > 0 ? tgid : -ESRCH;
+}
+
+std::vector<pid_t> ancestors_of(pid_t pid) {
+  std::vector<pid_t> out;
+  for (pid_t p = pid; out.size() < kMostAncestors;) {
+    p = status_number(p, "\nPPid:");
+    if (p <= 1) break;  // init, a reaper's adoption, or gone
+    out.push_back(p);
+  }
+  return out;
 }
 
 int take_gate(pid_t tid, int gate_fd, int bell_fd, int lane_fd, AttachedGate& out,
@@ -249,6 +270,10 @@ int take_gate(pid_t tid, int gate_fd, int bell_fd, int lane_fd, AttachedGate& ou
   GateMapping map(static_cast<salus_gate*>(p), sizeof(salus_gate));
   if (int e = check_header(*map.get(), why)) return e;
   out.pid = tgid;
+  // Only a program that has initialised CUDA may take a session over from an
+  // ancestor (client/salus_gate.h, hand-over): read its ancestry now, before
+  // the broker locks.
+  if (gate_load(map.get()->cuda) == 1) out.ancestors = ancestors_of(tgid);
   out.pidfd = std::move(pidfd);
   out.memfd = std::move(memfd);
   out.bell = std::move(bell);

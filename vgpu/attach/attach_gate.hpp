@@ -7,9 +7,11 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "client/salus_gate.h"
 #include "vgpu/unique_fd.hpp"
@@ -46,6 +48,9 @@ void gate_store(T& field, T value) {
 
 struct AttachedGate {
   pid_t pid = 0;  // the program's thread-group id, in salusd's pid namespace
+  // Its parent, the parent's parent, ... (at most kMostAncestors), read at the
+  // attach when its gate said `cuda` = 1: who it may take the session over from.
+  std::vector<pid_t> ancestors;
   UniqueFd pidfd;
   UniqueFd memfd;
   UniqueFd bell;
@@ -118,5 +123,13 @@ int take_gate(pid_t tid, int gate_fd, int bell_fd, int lane_fd, AttachedGate& ou
 
 // The thread-group id of thread `tid` (from /proc/TID/status), or -errno.
 pid_t thread_group_of(pid_t tid);
+
+// How far up the process tree a hand-over looks: launchers start their
+// workers within a few levels (torchrun: its child; a shell in between: two).
+inline constexpr std::size_t kMostAncestors = 32;
+
+// The parent of process `pid`, its parent, ... up to (not including) pid 1, at
+// most kMostAncestors, from /proc/PID/status; empty when `pid` is gone.
+std::vector<pid_t> ancestors_of(pid_t pid);
 
 }  // namespace salus::vgpu

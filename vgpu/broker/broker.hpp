@@ -460,6 +460,11 @@ class Broker {
   // Attached sessions (broker_gate.cpp).
   int exec_attach(Session& s, const AttachCmd& cmd, PendingWrite& w, std::uint32_t line,
                   Deferred& later);
+  // The hand-over of client/salus_gate.h: when `incoming` has initialised CUDA,
+  // descends from the attached process and that one has not, lets the attached
+  // one go (SALUS_GATE_HANDED_OVER) and returns true; else changes nothing.
+  bool hand_over_gate(Session& s, const AttachedGate& incoming, std::uint32_t line,
+                      Deferred& later);
   // The need the arena of GPU `gpu` admits for session `s` declaring `persistent`
   // and `ephemeral`: an attached session's whole need is its own (persistent),
   // in the GPU's shared attached lane, with the context reserve beside it.
@@ -509,8 +514,9 @@ class Broker {
   // Reads the program's side of the gate: completions, requests, the note.
   void serve_gate(Gpu& g, Session& s, Deferred& later);
   void finish_grant(Gpu& g, Session& s, std::int64_t device_ns, bool counts, Deferred& later);
-  // Lets go of the gate: DETACHED, woken, its grants no longer in flight.
-  void detach_gate(Session& s, Deferred& later);
+  // Lets go of the gate: `state` (DETACHED, or HANDED_OVER), woken, its grants no
+  // longer in flight.
+  void detach_gate(Session& s, Deferred& later, std::uint32_t state = SALUS_GATE_DETACHED);
   // Swap of an attached session (issue 15). Under the lock; never waits.
   // Asks s's program to move its movable memory off the GPU at its boundary
   // (out: only with no iteration in flight) or back (in: a prefetch ahead of

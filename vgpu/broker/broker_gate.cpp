@@ -143,15 +143,16 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
     return err;
   };
   if (s.recording) return fail(EINVAL, "not allowed inside begin/end");
-  if (s.gate)
+  auto taken = w.attach_gates.find(w.next);
+  if (taken == w.attach_gates.end()) return fail(EIO, "internal: the gate was not taken");
+  const AttachedGate* incoming = taken->second.error ? nullptr : taken->second.gate.get();
+  if (s.gate && !(incoming && hand_over_gate(s, *incoming, ln, later)))
     return fail(EBUSY, fmt::format("the session is already attached (pid {})", s.gate->pid));
   if (s.gpu < 0 || s.state == SessionState::idle)
     return fail(ENXIO,
                 "no GPU yet: declare needs first with `need persistent=SIZE ephemeral=SIZE`");
   if (!s.queue.empty() || s.in_flight > 0 || s.transferring)
     return fail(EBUSY, "hosted work of this session is still queued or running; `sync` first");
-  auto taken = w.attach_gates.find(w.next);
-  if (taken == w.attach_gates.end()) return fail(EIO, "internal: the gate was not taken");
   if (taken->second.error) return fail(taken->second.error, taken->second.why);
   std::unique_ptr<AttachedGate> gate = std::move(taken->second.gate);
   Gpu& g = *gpu_of(s);
@@ -214,6 +215,23 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
                        "admitted",
                        ln, g.index));
   return 0;
+}
+
+bool Broker::hand_over_gate(Session& s, const AttachedGate& incoming, std::uint32_t ln,
+                            Deferred& later) {
+  AttachedGate& held = *s.gate;
+  if (held.exited || gate_load(held.g().cuda) != 0 || gate_load(incoming.g().cuda) != 1 ||
+      std::find(incoming.ancestors.begin(), incoming.ancestors.end(), held.pid) ==
+          incoming.ancestors.end())
+    return false;
+  const pid_t from = held.pid;
+  detach_gate(s, later, SALUS_GATE_HANDED_OVER);  // it never attaches again
+  s.gate.reset();
+  log(s, fmt::format("line {}: attach: pid {}, which has initialised CUDA, takes the session "
+                     "over from pid {}, its ancestor, which has not (a launcher); pid {} runs on "
+                     "ungated",
+                     ln, incoming.pid, from, from));
+  return true;
 }
 
 bool Broker::must_drain(const Lane& lane, const Session& next) const {
@@ -312,7 +330,7 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
   update_runnable(g, s);
 }
 
-void Broker::detach_gate(Session& s, Deferred& later) {
+void Broker::detach_gate(Session& s, Deferred& later, std::uint32_t state) {
   if (!s.gate) return;
   AttachedGate& gt = *s.gate;
   // salusd holds nothing of a swap (the copies are the program's own memory),
@@ -328,7 +346,7 @@ void Broker::detach_gate(Session& s, Deferred& later) {
   lane_detach(s);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.bell.get(), nullptr);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.pidfd.get(), nullptr);
-  gate_store(gt.g().state, SALUS_GATE_DETACHED);
+  gate_store(gt.g().state, state);
   gt.wake();
   // Its iterations in flight are the program's own now: the lane is free.
   if (Gpu* g = gpu_of(s)) {

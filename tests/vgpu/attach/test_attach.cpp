@@ -639,3 +639,100 @@ TEST(Attach, SwapRequestsAndAnswersGoThroughTheGate) {
   const auto hosted = static_cast<SessionId>(b->create_session(me(), ""));
   EXPECT_EQ(b->admin_command("swap out " + std::to_string(hosted), reply, why), ENOTCONN);
 }
+
+namespace {
+
+// A forked child of the test process that only waits: Programs made before the
+// fork have the same fds in it, so it can be named as the attaching process.
+struct Child {
+  pid_t pid = fork();
+  Child() {
+    if (pid == 0) {
+      pause();
+      _exit(0);
+    }
+  }
+  ~Child() {
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+  Caller caller() const { return Caller{0, 0, pid, true}; }
+};
+
+}  // namespace
+
+// torchrun, mp.spawn: the launcher imported torch (and so attached, cuda = 0);
+// its worker initialises CUDA and attaches: the session becomes the worker's.
+TEST(Attach, ALauncherHandsItsSessionToTheChildThatInitialisesCuda) {
+  auto b = make_broker();
+  Program launcher, worker;
+  Child child;
+  ASSERT_GT(child.pid, 0);
+  const SessionId id = attached_session(*b, launcher);
+  launcher.request(1);
+  ASSERT_TRUE(launcher.granted(1));
+  st(worker.g->cuda, 1u);
+  ASSERT_EQ(run(*b, id, worker.attach(), child.caller()).first, 0) << b->render_log(id);
+  EXPECT_EQ(ld(launcher.g->state), SALUS_GATE_HANDED_OVER);
+  EXPECT_EQ(ld(worker.g->state), SALUS_GATE_ATTACHED);
+  EXPECT_EQ(field(b->render_status(id), "pid"), std::to_string(child.pid));
+  EXPECT_NE(b->render_log(id).find(fmt::format(
+                "pid {}, which has initialised CUDA, takes the session over from pid {}", child.pid,
+                getpid())),
+            std::string::npos)
+      << b->render_log(id);
+  // The worker's iterations are the session's; the launcher's grant was let go.
+  worker.request(1);
+  ASSERT_TRUE(worker.granted(1));
+  worker.request(2);
+  worker.complete(1, 1'000'000);
+  ASSERT_TRUE(worker.granted(2));
+  EXPECT_EQ(field(b->render_status(id), "iterations_done"), "1");
+  // The worker's exit ends the session, as any attached program's.
+  kill(child.pid, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (b->find_session(std::to_string(id)) && std::chrono::steady_clock::now() - t0 < 2s)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_FALSE(b->find_session(std::to_string(id)));
+}
+
+TEST(Attach, OnlyADescendantWithCudaTakesOverAndOnlyFromAHolderWithout) {
+  auto b = make_broker();
+  auto refused = [&](SessionId id, const Program& p, const Caller& who, pid_t holder) {
+    const auto [err, _] = run(*b, id, p.attach(), who);
+    EXPECT_EQ(err, EBUSY) << b->render_log(id);
+    EXPECT_NE(last_log(*b, id).find(fmt::format("already attached (pid {})", holder)),
+              std::string::npos)
+        << last_log(*b, id);
+    EXPECT_EQ(ld(p.g->state), SALUS_GATE_ATTACHING);
+  };
+  {  // The holder initialised CUDA after it attached (import torch, then .cuda()).
+    Program holder, worker;
+    Child child;
+    const SessionId id = attached_session(*b, holder);
+    st(holder.g->cuda, 1u);
+    st(worker.g->cuda, 1u);
+    refused(id, worker, child.caller(), getpid());
+    EXPECT_EQ(ld(holder.g->state), SALUS_GATE_ATTACHED);
+  }
+  {  // A child without CUDA (a DataLoader worker importing torch).
+    Program holder, worker;
+    Child child;
+    const SessionId id = attached_session(*b, holder);
+    refused(id, worker, child.caller(), getpid());
+    EXPECT_EQ(ld(holder.g->state), SALUS_GATE_ATTACHED);
+  }
+  {  // A process with CUDA that does not descend from the holder (its parent here).
+    Program holder, contender;
+    Child child;
+    const auto id = static_cast<SessionId>(b->create_session(me(), ""));
+    ASSERT_EQ(
+        run(*b, id, "need persistent=8M ephemeral=8M\n" + holder.attach(), child.caller()).first, 0)
+        << b->render_log(id);
+    st(contender.g->cuda, 1u);
+    refused(id, contender, me(), child.pid);
+    EXPECT_EQ(ld(holder.g->state), SALUS_GATE_ATTACHED);
+  }
+}

@@ -1,0 +1,38 @@
+"""A launcher for test_salus_run.py, as torchrun and torch.multiprocessing.spawn
+are: it imports torch (so salus-run's automark attaches it to the session) and
+runs torch_job.py in a child process, whose exit status it returns.
+(Debian's torchrun, PyTorch 1.13, fails on Python 3.11 before it starts a
+worker, so the tests use this instead.)
+
+    torch_launcher.py subprocess|spawn TORCH_JOB_ARGS...
+
+subprocess: the job as a new program (torchrun's agent starts workers so);
+spawn: torch.multiprocessing.spawn of a function that runs the job's main.
+"""
+import os
+import subprocess
+import sys
+
+import torch  # noqa: F401  (a launcher imports torch before its workers start)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "torch_job.py")
+
+
+def worker(_rank, argv):
+    sys.path.insert(0, HERE)
+    sys.argv = [JOB, *argv]
+    import torch_job
+    torch_job.main()
+
+
+def main():
+    how, argv = sys.argv[1], sys.argv[2:]
+    if how == "subprocess":
+        sys.exit(subprocess.run([sys.executable, JOB, *argv]).returncode)
+    import torch.multiprocessing as mp
+    mp.spawn(worker, args=(argv,), nprocs=1)
+
+
+if __name__ == "__main__":
+    main()
