@@ -257,6 +257,26 @@ def test_a_launcher_hands_the_session_to_the_worker_that_initialises_cuda(salusd
 
 @needs_shim
 @needs_torch
+@needs_mock
+def test_a_launchers_second_worker_attaches_after_the_first_exits(salusd):
+    """A launcher that runs two workers one after the other (a second stage, or
+    an elastic restart): the first one's exit leaves the session, and the
+    second attaches and adds its 12 steps."""
+    r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, LAUNCHER,
+                  "twice", "train", "12", "--cuinit",
+                  extra_env={"SALUS_SHIM_LIBCUDA": os.path.join(MOCK_DIR, "libcuda.so.1")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    firsts = [l for l in r.stdout.splitlines() if l.startswith("self_pid: ")]
+    assert len(firsts) == 2 and firsts[0] != firsts[1], r.stdout
+    rep = report(r.stdout)  # the second worker's
+    assert rep["pid"] == rep["self_pid"], r.stdout + r.stderr
+    assert rep["iterations_completed"] == "12", r.stdout + r.stderr  # its own gate's
+    assert rep["iterations_done"] == "24", r.stdout + r.stderr  # the session's
+    assert "salus-shim" not in r.stderr, r.stderr
+
+
+@needs_shim
+@needs_torch
 def test_spawned_dataloader_workers_leave_the_session_to_the_main_process(salusd):
     """Two DataLoader workers started with spawn import torch and run module
     forwards (their automark marks too): the shim refuses them the session

@@ -94,8 +94,8 @@ def main():
                 time.sleep(args.sleep_ms / 1000)
     key, value = (args.wait_key or f"iterations_completed={args.n or i}").split("=", 1)
     st = wait_for(key, value)
-    for k in ("kind", "marking", "iterations_completed", "iterations_requested", "ephemeral",
-              "persistent", "name", "gpu", "pid"):
+    for k in ("kind", "marking", "iterations_completed", "iterations_done", "iterations_requested",
+              "ephemeral", "persistent", "name", "gpu", "pid"):
         print(f"{k}: {st.get(k, '-')}")
     print(f"self_pid: {os.getpid()}")
     sys.stdout.flush()

@@ -4,9 +4,11 @@ runs torch_job.py in a child process, whose exit status it returns.
 (Debian's torchrun, PyTorch 1.13, fails on Python 3.11 before it starts a
 worker, so the tests use this instead.)
 
-    torch_launcher.py subprocess|spawn TORCH_JOB_ARGS...
+    torch_launcher.py subprocess|twice|spawn TORCH_JOB_ARGS...
 
 subprocess: the job as a new program (torchrun's agent starts workers so);
+twice: that, then once more (a second stage, or an elastic restart), whose
+report waits for both runs' iterations (iterations_done, the session's) (TORCH_JOB_ARGS start with MODE N);
 spawn: torch.multiprocessing.spawn of a function that runs the job's main.
 """
 import os
@@ -30,6 +32,10 @@ def main():
     how, argv = sys.argv[1], sys.argv[2:]
     if how == "subprocess":
         sys.exit(subprocess.run([sys.executable, JOB, *argv]).returncode)
+    if how == "twice":
+        first = subprocess.run([sys.executable, JOB, *argv]).returncode
+        wait = ["--wait-key", f"iterations_done={2 * int(argv[1])}"]
+        sys.exit(first or subprocess.run([sys.executable, JOB, *argv, *wait]).returncode)
     import torch.multiprocessing as mp
     mp.spawn(worker, args=(argv,), nprocs=1)
 

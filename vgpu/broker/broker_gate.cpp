@@ -226,6 +226,8 @@ bool Broker::hand_over_gate(Session& s, const AttachedGate& incoming, std::uint3
     return false;
   const pid_t from = held.pid;
   detach_gate(s, later, SALUS_GATE_HANDED_OVER);  // it never attaches again
+  s.launcher_pidfd = std::move(held.pidfd);
+  s.launcher_pid = from;
   s.gate.reset();
   log(s, fmt::format("line {}: attach: pid {}, which has initialised CUDA, takes the session "
                      "over from pid {}, its ancestor, which has not (a launcher); pid {} runs on "
@@ -447,6 +449,13 @@ int Broker::admin_swap(const std::string& name, bool out, std::string& reply, st
   return 0;
 }
 
+bool Broker::launcher_waits(Gpu& g, const Session& s) {
+  // A program whose memory is swapped out leaves residency bookkeeping that a
+  // new program could not answer: its session ends, as any other's.
+  return s.launcher_pidfd && !process_exited(s.launcher_pidfd.get()) &&
+         g.sched.arena().residency(s.id) != arena::Residency::swapped;
+}
+
 void Broker::gate_event(std::uint64_t key) {
   const SessionId id = key >> 1;
   const bool exited = key & 1;
@@ -464,7 +473,13 @@ void Broker::gate_event(std::uint64_t key) {
       }
     }
     serve_gate(*g, *s, later);
-    if (exited) {
+    if (exited && launcher_waits(*g, *s)) {
+      log(*s, fmt::format("the program (pid {}) exited; the session stays for the next process "
+                          "of pid {}, the launcher it took the session over from, to attach",
+                          s->gate->pid, s->launcher_pid));
+      detach_gate(*s, later);
+      s->gate.reset();
+    } else if (exited) {
       log(*s, fmt::format("the program (pid {}) exited; the session ends", s->gate->pid));
       detach_gate(*s, later);
       end = !s->dead;

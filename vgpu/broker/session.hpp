@@ -269,6 +269,11 @@ struct Session {
   // Attached sessions (attach): the program's gate. Its work runs in the
   // program's own CUDA context; salusd grants iterations through the gate.
   std::unique_ptr<AttachedGate> gate;
+  // The launcher the program took the session over from (hand-over): while it
+  // runs, the program's exit leaves the session for the launcher's next worker
+  // (an elastic restart, a second stage) instead of ending it.
+  UniqueFd launcher_pidfd;
+  pid_t launcher_pid = 0;
 
   std::deque<LogLine> log;
   std::uint64_t log_lines_total = 0;

@@ -690,8 +690,60 @@ TEST(Attach, ALauncherHandsItsSessionToTheChildThatInitialisesCuda) {
   worker.complete(1, 1'000'000);
   ASSERT_TRUE(worker.granted(2));
   EXPECT_EQ(field(b->render_status(id), "iterations_done"), "1");
-  // The worker's exit ends the session, as any attached program's.
+  // The worker's exit, while the launcher runs, leaves the session for its next
+  // worker (an elastic restart, a second stage), which attaches as any program.
   kill(child.pid, SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (b->render_log(id).find("session stays") == std::string::npos &&
+         std::chrono::steady_clock::now() - t0 < 2s)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_NE(last_log(*b, id).find(fmt::format(
+                "the program (pid {}) exited; the session stays for the next process of pid {}",
+                child.pid, getpid())),
+            std::string::npos)
+      << b->render_log(id);
+  ASSERT_TRUE(b->find_session(std::to_string(id)));
+  Program next;
+  Child restarted;
+  ASSERT_EQ(run(*b, id, next.attach(), restarted.caller()).first, 0) << b->render_log(id);
+  EXPECT_EQ(field(b->render_status(id), "pid"), std::to_string(restarted.pid));
+  next.request(1);
+  EXPECT_TRUE(next.granted(1));
+}
+
+// The launcher gone when its worker exits: the session ends with the worker.
+TEST(Attach, AWorkerWhoseLauncherIsGoneEndsTheSessionAtItsExit) {
+  auto b = make_broker();
+  Program launcher, worker;
+  st(worker.g->cuda, 1u);
+  int pids[2];
+  ASSERT_EQ(pipe(pids), 0);
+  const pid_t a = fork();  // the launcher, which forks the worker
+  ASSERT_GE(a, 0);
+  if (a == 0) {
+    const pid_t w = fork();
+    if (w == 0) {
+      pause();
+      _exit(0);
+    }
+    [[maybe_unused]] ssize_t n = write(pids[1], &w, sizeof w);
+    pause();
+    _exit(0);
+  }
+  pid_t w = 0;
+  ASSERT_EQ(read(pids[0], &w, sizeof w), static_cast<ssize_t>(sizeof w));
+  close(pids[0]);
+  close(pids[1]);
+  const auto id = static_cast<SessionId>(b->create_session(me(), ""));
+  ASSERT_EQ(
+      run(*b, id, "need persistent=8M ephemeral=8M\n" + launcher.attach(), Caller{0, 0, a, true})
+          .first,
+      0)
+      << b->render_log(id);
+  ASSERT_EQ(run(*b, id, worker.attach(), Caller{0, 0, w, true}).first, 0) << b->render_log(id);
+  kill(a, SIGKILL);
+  waitpid(a, nullptr, 0);  // the worker is now init's (or a subreaper's)
+  kill(w, SIGKILL);
   const auto t0 = std::chrono::steady_clock::now();
   while (b->find_session(std::to_string(id)) && std::chrono::steady_clock::now() - t0 < 2s)
     std::this_thread::sleep_for(5ms);
