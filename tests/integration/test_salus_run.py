@@ -277,6 +277,22 @@ def test_a_launchers_second_worker_attaches_after_the_first_exits(salusd):
 
 @needs_shim
 @needs_torch
+def test_the_jobs_next_program_attaches_after_the_first_exits(salusd):
+    """A shell runs two PyTorch programs one after the other (a script's stages,
+    a notebook's restarted kernel): salus-run's session outlives the first, and
+    the second attaches and adds its 12 steps."""
+    second = f"{PY} {JOB} train 12 --wait-key iterations_done=24"
+    r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", "sh", "-c",
+                  f"{PY} {JOB} train 12 && {second}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(r.stdout)  # the second program's
+    assert rep["pid"] == rep["self_pid"], r.stdout + r.stderr
+    assert rep["iterations_done"] == "24", r.stdout + r.stderr
+    assert "salus-shim" not in r.stderr, r.stderr
+
+
+@needs_shim
+@needs_torch
 def test_spawned_dataloader_workers_leave_the_session_to_the_main_process(salusd):
     """Two DataLoader workers started with spawn import torch and run module
     forwards (their automark marks too): the shim refuses them the session

@@ -465,9 +465,11 @@ class Broker {
   // one go (SALUS_GATE_HANDED_OVER) and returns true; else changes nothing.
   bool hand_over_gate(Session& s, const AttachedGate& incoming, std::uint32_t line,
                       Deferred& later);
-  // At the exit of a program that took s over: whether the launcher still runs
-  // (and s is resident), so that s waits for its next worker instead of ending.
-  bool launcher_waits(Gpu& g, const Session& s);
+  // At its attached program's exit: why s stays, without a program, for the
+  // job's next process (declared kind=attached: its creator, salus-run or the
+  // Slurm plugin, ends it; or the launcher it was handed over from still
+  // runs), or empty when it ends. Never while s is swapped out.
+  std::string outlives_its_program(Gpu& g, const Session& s);
   // The need the arena of GPU `gpu` admits for session `s` declaring `persistent`
   // and `ephemeral`: an attached session's whole need is its own (persistent),
   // in the GPU's shared attached lane, with the context reserve beside it.

@@ -449,11 +449,14 @@ int Broker::admin_swap(const std::string& name, bool out, std::string& reply, st
   return 0;
 }
 
-bool Broker::launcher_waits(Gpu& g, const Session& s) {
+std::string Broker::outlives_its_program(Gpu& g, const Session& s) {
   // A program whose memory is swapped out leaves residency bookkeeping that a
   // new program could not answer: its session ends, as any other's.
-  return s.launcher_pidfd && !process_exited(s.launcher_pidfd.get()) &&
-         g.sched.arena().residency(s.id) != arena::Residency::swapped;
+  if (g.sched.arena().residency(s.id) == arena::Residency::swapped) return {};
+  if (s.need.attached.value_or(false)) return "its creator ends it (kind=attached)";
+  if (s.launcher_pidfd && !process_exited(s.launcher_pidfd.get()))
+    return fmt::format("pid {}, the launcher it was taken over from, runs", s.launcher_pid);
+  return {};
 }
 
 void Broker::gate_event(std::uint64_t key) {
@@ -473,10 +476,11 @@ void Broker::gate_event(std::uint64_t key) {
       }
     }
     serve_gate(*g, *s, later);
-    if (exited && launcher_waits(*g, *s)) {
-      log(*s, fmt::format("the program (pid {}) exited; the session stays for the next process "
-                          "of pid {}, the launcher it took the session over from, to attach",
-                          s->gate->pid, s->launcher_pid));
+    const std::string stays = exited ? outlives_its_program(*g, *s) : std::string();
+    if (!stays.empty()) {
+      log(*s, fmt::format("the program (pid {}) exited; the session stays for the job's next "
+                          "process to attach, as {}",
+                          s->gate->pid, stays));
       detach_gate(*s, later);
       s->gate.reset();
     } else if (exited) {

@@ -126,6 +126,26 @@ struct Program {
   }
 };
 
+// A forked child of the test process that only waits: Programs made before the
+// fork have the same fds in it, so it can be named as the attaching process.
+struct Child {
+  pid_t pid = fork();
+  Child() {
+    if (pid == 0) {
+      pause();
+      _exit(0);
+    }
+  }
+  ~Child() { kill_and_reap(); }
+  Caller caller() const { return Caller{0, 0, pid, true}; }
+  void kill_and_reap() {
+    if (pid <= 0) return;
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    pid = -1;  // never signal a pid that may be reused
+  }
+};
+
 SessionId attached_session(Broker& b, Program& p,
                            const std::string& need = "need persistent=8M ephemeral=8M\n") {
   const auto id = static_cast<SessionId>(b.create_session(me(), ""));
@@ -294,21 +314,17 @@ TEST(Attach, UnmarkedProgramIsAskedToYield) {
 TEST(Attach, ProgramDeathEndsTheSessionWithinASecond) {
   auto b = make_broker();
   Program p;  // made before fork: the child has the same fd numbers
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    pause();
-    _exit(0);
-  }
+  Child kid;
+  ASSERT_GT(kid.pid, 0);
+  const pid_t child = kid.pid;
   const auto id = static_cast<SessionId>(b->create_session(me(), ""));
-  const Caller kid{0, 0, child, true};
-  ASSERT_EQ(run(*b, id, "need persistent=64M ephemeral=0\n" + p.attach(), kid).first, 0)
+  ASSERT_EQ(run(*b, id, "need persistent=64M ephemeral=0\n" + p.attach(), kid.caller()).first, 0)
       << b->render_log(id);
   EXPECT_EQ(field(b->render_status(id), "pid"), std::to_string(child));
   p.request(1);
   ASSERT_TRUE(p.granted(1));
   const std::string before = b->render_gpu_memory(0);
-  kill(child, SIGKILL);
+  kill(child, SIGKILL);  // reaped below, once its exit was seen
   const auto t0 = std::chrono::steady_clock::now();
   while (b->find_session(std::to_string(id)) && std::chrono::steady_clock::now() - t0 < 2s)
     std::this_thread::sleep_for(5ms);
@@ -316,12 +332,45 @@ TEST(Attach, ProgramDeathEndsTheSessionWithinASecond) {
   EXPECT_FALSE(b->find_session(std::to_string(id)));
   EXPECT_EQ(b->render_status(id), "state: ended\n");
   EXPECT_EQ(ld(p.g->state), SALUS_GATE_DETACHED);
-  int status = 0;
-  waitpid(child, &status, 0);
+  kid.kill_and_reap();
   // Its reservation is gone: a new session can take the whole GPU.
   const auto id2 = static_cast<SessionId>(b->create_session(me(), ""));
   EXPECT_EQ(run(*b, id2, "need persistent=250M ephemeral=0\n").first, 0);
   EXPECT_EQ(field(b->render_status(id2), "state"), "admitted") << before;
+}
+
+// salus-run and the Slurm plugin declare kind=attached and end the session
+// themselves: a program's exit leaves it for the job's next process (a
+// notebook's restarted kernel, a script's second stage).
+TEST(Attach, ASessionDeclaredKindAttachedOutlivesItsProgram) {
+  auto b = make_broker();
+  Program first, second;
+  Child kid;
+  ASSERT_GT(kid.pid, 0);
+  const pid_t child = kid.pid;
+  const auto id = static_cast<SessionId>(b->create_session(me(), ""));
+  ASSERT_EQ(
+      run(*b, id, "need persistent=8M ephemeral=8M kind=attached\n" + first.attach(), kid.caller())
+          .first,
+      0)
+      << b->render_log(id);
+  first.request(1);
+  ASSERT_TRUE(first.granted(1));
+  kid.kill_and_reap();
+  const auto t0 = std::chrono::steady_clock::now();
+  while (ld(first.g->state) != SALUS_GATE_DETACHED && std::chrono::steady_clock::now() - t0 < 2s)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_NE(last_log(*b, id).find(fmt::format(
+                "the program (pid {}) exited; the session stays for the job's next process to "
+                "attach, as its creator ends it (kind=attached)",
+                child)),
+            std::string::npos)
+      << b->render_log(id);
+  ASSERT_TRUE(b->find_session(std::to_string(id)));
+  ASSERT_EQ(run(*b, id, second.attach()).first, 0) << b->render_log(id);
+  EXPECT_EQ(field(b->render_status(id), "pid"), std::to_string(getpid()));
+  second.request(1);
+  EXPECT_TRUE(second.granted(1));
 }
 
 TEST(Attach, ShutdownDetachesPrograms) {
@@ -640,29 +689,6 @@ TEST(Attach, SwapRequestsAndAnswersGoThroughTheGate) {
   EXPECT_EQ(b->admin_command("swap out " + std::to_string(hosted), reply, why), ENOTCONN);
 }
 
-namespace {
-
-// A forked child of the test process that only waits: Programs made before the
-// fork have the same fds in it, so it can be named as the attaching process.
-struct Child {
-  pid_t pid = fork();
-  Child() {
-    if (pid == 0) {
-      pause();
-      _exit(0);
-    }
-  }
-  ~Child() {
-    if (pid > 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-    }
-  }
-  Caller caller() const { return Caller{0, 0, pid, true}; }
-};
-
-}  // namespace
-
 // torchrun, mp.spawn: the launcher imported torch (and so attached, cuda = 0);
 // its worker initialises CUDA and attaches: the session becomes the worker's.
 TEST(Attach, ALauncherHandsItsSessionToTheChildThatInitialisesCuda) {
@@ -692,14 +718,16 @@ TEST(Attach, ALauncherHandsItsSessionToTheChildThatInitialisesCuda) {
   EXPECT_EQ(field(b->render_status(id), "iterations_done"), "1");
   // The worker's exit, while the launcher runs, leaves the session for its next
   // worker (an elastic restart, a second stage), which attaches as any program.
-  kill(child.pid, SIGKILL);
+  const pid_t worker_pid = child.pid;
+  child.kill_and_reap();
   const auto t0 = std::chrono::steady_clock::now();
   while (b->render_log(id).find("session stays") == std::string::npos &&
          std::chrono::steady_clock::now() - t0 < 2s)
     std::this_thread::sleep_for(5ms);
   EXPECT_NE(last_log(*b, id).find(fmt::format(
-                "the program (pid {}) exited; the session stays for the next process of pid {}",
-                child.pid, getpid())),
+                "the program (pid {}) exited; the session stays for the job's next process to "
+                "attach, as pid {}, the launcher it was taken over from, runs",
+                worker_pid, getpid())),
             std::string::npos)
       << b->render_log(id);
   ASSERT_TRUE(b->find_session(std::to_string(id)));
