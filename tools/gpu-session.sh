@@ -16,7 +16,8 @@
 #   env         GPU, driver, torch, /dev/fuse, the bundle's salusd (5 s)
 #   compat      pytorch-eval --quick compat: ResNet-50-style and GPT-2-style
 #               training, 100 steps, losses native vs salus-run, both
-#               allocators; inference; the largest context measured (150 s)
+#               allocators; inference; torchrun's worker holds the session;
+#               the largest context measured (150 s)
 #   gate        salus-bench gate; bench_shim_launch on the real driver (30 s)
 #   throughput  pytorch-eval --quick throughput (60 s)
 #   fair        pytorch-eval --quick fair (70 s)

@@ -10,7 +10,9 @@
 #   compat      ResNet-50-style CNN (AMP) and GPT-2-small-style transformer (SDPA),
 #               eager / torch.compile / CUDA graphs, expandable segments off and on:
 #               100 deterministic steps natively and under salus-run, losses
-#               compared bit for bit; inference under inference_mode both ways
+#               compared bit for bit; inference under inference_mode both ways;
+#               torchrun --nproc_per_node 1 under salus-run (its worker must hold
+#               the session)
 #   throughput  samples/s of both models (cudnn.benchmark, AMP) alone, native vs
 #               under salus-run: the ratio (target >= 0.98)
 #   fair        two identical GPT jobs for SALUS_FAIR_S seconds under FAIR: each
@@ -195,6 +197,26 @@ EOF
       "salus-run p50 $(jget "$d/$model-infer-salus.json" 'round(d["p50_ms"],3)') ms," \
       "$(jget "$d/$model-infer-salus.json" 'd["session"]["iterations_completed"]') iterations seen by salusd"
   done
+  # A launcher: torchrun's agent imports torch (so it attaches first); its worker,
+  # which initialises CUDA, must take the session over and count its steps.
+  if [ $dry = 1 ]; then
+    echo "torchrun: skipped in a dry run (Debian's torchrun, PyTorch 1.13, fails on Python 3.11)"
+  else
+    "${srun[@]}" -- $py -m torch.distributed.run --standalone --nproc_per_node 1 \
+      "$here/pytorch_eval/workloads.py" train --model gpt "${dev[@]}" --steps 20 \
+      >"$d/torchrun.json" 2>"$d/torchrun.err" || echo "torchrun: FAILED (see compat/torchrun.err)"
+    $py - "$d/torchrun.json" <<'EOF'
+import json, sys
+try:
+    lines = [l for l in open(sys.argv[1]).read().splitlines() if l.startswith("{")]
+    s = json.loads(lines[-1])["session"]
+except Exception as e:
+    print(f"torchrun: no result ({e})"); sys.exit(0)
+held = "the worker holds it" if s.get("pid") == s.get("self_pid") else "NOT the worker"
+print(f"torchrun --nproc_per_node 1, 20 steps: the session's pid {s.get('pid')}, the worker's"
+      f" {s.get('self_pid')} ({held}), {s.get('iterations_completed')} iterations")
+EOF
+  fi
   # The largest context salusd measured (NVML less charge): --attach-context-reserve's value.
   echo "largest context measured on gpu 0: $(sed -n 's/^context_measured: //p' "$work/mnt/gpus/0/memory") B" \
     "(reserve $(sed -n 's/^context_reserve: //p' "$work/mnt/gpus/0/memory") B)"

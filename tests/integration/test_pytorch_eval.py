@@ -51,6 +51,7 @@ def test_dry_run_compat(tmp_path):
         assert f"{model} inference_mode: native p50" in text, text
     # The sim backend has no driver figure: nothing measured, and no reserve.
     assert "largest context measured on gpu 0: 0 B (reserve 0 B)" in text, text
+    assert "torchrun: skipped in a dry run" in text, text  # the GPU run checks the worker
 
 
 def test_dry_run_oversub(tmp_path):

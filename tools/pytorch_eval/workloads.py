@@ -163,8 +163,8 @@ def session_report():
     keys = ("id", "gpu", "kind", "marking", "iterations_completed", "gpu_time_ms",
             "memory_peak", "memory_budget", "gate_waits", "gate_wait_ms", "oom_refusals",
             "name", "swaps_out", "swaps_in", "swap_ms", "memory_charged", "memory_gpu",
-            "memory_context", "memory_context_reserve", "memory_unswappable")
-    return {k: st.get(k) for k in keys}
+            "memory_context", "memory_context_reserve", "memory_unswappable", "pid")
+    return {**{k: st.get(k) for k in keys}, "self_pid": str(os.getpid())}
 
 
 def setup(args):
