@@ -120,7 +120,10 @@ std::string Broker::render_status(SessionId id) const {
                                      : std::string("-"));
   kv("error",
      s->error ? fmt::format("{} {}", strerrorname_np(s->error), s->error_text) : std::string("-"));
-  kv("kind", s->gate ? "attached" : "hosted");
+  // Declared kind=attached, before its program attaches or between two of them,
+  // it is attached already (placed and admitted as such); `pid` says whether a
+  // program holds it now.
+  kv("kind", will_attach(*s) ? "attached" : "hosted");
   kv("pid", s->gate ? std::to_string(s->gate->pid) : std::string("-"));
   // An attached program reports its own residency (render_gate_status).
   if (!s->gate) render_residency(*s, o);

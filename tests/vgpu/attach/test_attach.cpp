@@ -367,6 +367,8 @@ TEST(Attach, ASessionDeclaredKindAttachedOutlivesItsProgram) {
             std::string::npos)
       << b->render_log(id);
   ASSERT_TRUE(b->find_session(std::to_string(id)));
+  EXPECT_EQ(field(b->render_status(id), "kind"), "attached");  // still, as declared
+  EXPECT_EQ(field(b->render_status(id), "pid"), "-");
   ASSERT_EQ(run(*b, id, second.attach()).first, 0) << b->render_log(id);
   EXPECT_EQ(field(b->render_status(id), "pid"), std::to_string(getpid()));
   second.request(1);
