@@ -48,13 +48,15 @@
  * before its job started (salus-run's PyTorch automark attaches a process when
  * it imports torch, so torchrun's or mp.spawn's parent does) hands the session
  * to the process that does the GPU work: an attach from a process whose gate
- * says `cuda` = 1 takes the session over from the attached one when that one's
- * gate says `cuda` = 0 and the newcomer descends from it (its parent, or the
- * parent's parent, ...). salusd ends the old gate as at a detach, but sets
- * `state` = SALUS_GATE_HANDED_OVER: the old process runs on ungated and never
- * tries to attach again. The program sets `cuda` before its attach write when it
- * has initialised CUDA, and in the live gate when it does so later (a program
- * that attached at `import torch` and then made its context keeps the session).
+ * says `uses_gpu` = 1 takes the session over from the attached one when that
+ * one's gate says `uses_gpu` = 0 and the newcomer descends from it (its parent,
+ * or the parent's parent, ...). salusd ends the old gate as at a detach, but
+ * sets `state` = SALUS_GATE_HANDED_OVER: the old process runs on ungated and
+ * never tries to attach again. The program sets `uses_gpu` once it has
+ * allocated device memory: before its attach write when it had, and in the live
+ * gate when it does so later (a program that attached at `import torch` and
+ * then built its model on the GPU keeps the session). Initialising CUDA is not
+ * enough: launchers call torch.cuda.is_available(), which initialises it.
  *
  * Memory: `budget_bytes` is what the session may hold on the GPU (persistent +
  * ephemeral of its `need`; UINT64_MAX: no limit). The shim charges every
@@ -111,7 +113,7 @@
 #define SALUS_GATE_ATTACHING 0u /* the program filled in the header; salusd has not taken it */
 #define SALUS_GATE_ATTACHED 1u  /* salusd serves the gate */
 #define SALUS_GATE_DETACHED 2u  /* salusd let go (session ended, salusd stopping): run ungated */
-/* a descendant that uses CUDA took the session (hand-over): run ungated, never attach again */
+/* a descendant that uses the GPU took the session (hand-over): run ungated, never attach again */
 #define SALUS_GATE_HANDED_OVER 3u
 
 /* swap_request, written by salusd (with a new swap_seq) */
@@ -132,12 +134,12 @@
 
 struct salus_gate {
   /* ---- header: written by the program before attach, read-only after ---- */
-  uint64_t magic;   /* SALUS_GATE_MAGIC */
-  uint32_t version; /* SALUS_GATE_VERSION */
-  uint32_t size;    /* sizeof(struct salus_gate) */
-  int32_t pid;      /* the program's pid in its own namespace (for messages only) */
-  uint32_t cuda;    /* the program's, at any time: 1 once it has initialised CUDA (the
-                       hand-over, below; reserved0 before, so 0 from older shims) */
+  uint64_t magic;    /* SALUS_GATE_MAGIC */
+  uint32_t version;  /* SALUS_GATE_VERSION */
+  uint32_t size;     /* sizeof(struct salus_gate) */
+  int32_t pid;       /* the program's pid in its own namespace (for messages only) */
+  uint32_t uses_gpu; /* the program's, at any time: 1 once it has allocated device memory
+                        (the hand-over, above; reserved0 before, so 0 from older shims) */
 
   /* ---- written by salusd ---- */
   uint32_t state;           /* SALUS_GATE_* */

@@ -43,7 +43,7 @@ class SalusGate(ctypes.Structure):
         ("version", _u32),
         ("size", _u32),
         ("pid", _i32),
-        ("cuda", _u32),  # the program's at any time: 1 once it initialised CUDA
+        ("uses_gpu", _u32),  # the program's at any time: 1 once it allocated device memory
         # salusd's
         ("state", _u32),
         ("grant_word", _u32),

@@ -159,6 +159,7 @@ save_details() {
 
 for s in "${steps[@]}"; do
   left=$((budget - ($(date +%s) - t_start)))
+  [ "$left" -lt 0 ] && left=0  # a stopped step's kill may take past the budget
   est=${estimate[$s]}
   [ $dry = 1 ] && est=1
   echo "######## $s" >>"$summary"

@@ -11,8 +11,8 @@
 #               eager / torch.compile / CUDA graphs, expandable segments off and on:
 #               100 deterministic steps natively and under salus-run, losses
 #               compared bit for bit; inference under inference_mode both ways;
-#               torchrun --nproc_per_node 1 under salus-run (its worker must hold
-#               the session)
+#               torchrun --nproc_per_node gpu under salus-run (its worker must
+#               hold the session)
 #   throughput  samples/s of both models (cudnn.benchmark, AMP) alone, native vs
 #               under salus-run: the ratio (target >= 0.98)
 #   fair        two identical GPT jobs for SALUS_FAIR_S seconds under FAIR: each
@@ -197,12 +197,13 @@ EOF
       "salus-run p50 $(jget "$d/$model-infer-salus.json" 'round(d["p50_ms"],3)') ms," \
       "$(jget "$d/$model-infer-salus.json" 'd["session"]["iterations_completed"]') iterations seen by salusd"
   done
-  # A launcher: torchrun's agent imports torch (so it attaches first); its worker,
-  # which initialises CUDA, must take the session over and count its steps.
+  # A launcher: torchrun's agent imports torch (so it attaches first) and, with
+  # --nproc_per_node gpu, initialises CUDA (torch.cuda.is_available); its worker,
+  # which allocates GPU memory, must take the session over and count its steps.
   if [ $dry = 1 ]; then
     echo "torchrun: skipped in a dry run (Debian's torchrun, PyTorch 1.13, fails on Python 3.11)"
   else
-    "${srun[@]}" -- $py -m torch.distributed.run --standalone --nproc_per_node 1 \
+    "${srun[@]}" -- $py -m torch.distributed.run --standalone --nproc_per_node gpu \
       "$here/pytorch_eval/workloads.py" train --model gpt "${dev[@]}" --steps 20 \
       >"$d/torchrun.json" 2>"$d/torchrun.err" || echo "torchrun: FAILED (see compat/torchrun.err)"
     $py - "$d/torchrun.json" <<'EOF'
@@ -213,7 +214,7 @@ try:
 except Exception as e:
     print(f"torchrun: no result ({e})"); sys.exit(0)
 held = "the worker holds it" if s.get("pid") == s.get("self_pid") else "NOT the worker"
-print(f"torchrun --nproc_per_node 1, 20 steps: the session's pid {s.get('pid')}, the worker's"
+print(f"torchrun --nproc_per_node gpu (one GPU visible), 20 steps: the session's pid {s.get('pid')}, the worker's"
       f" {s.get('self_pid')} ({held}), {s.get('iterations_completed')} iterations")
 EOF
   fi

@@ -307,7 +307,7 @@ def enable(mark=None):
         # reaches salusd: the shim refuses a second process (DataLoader workers
         # started with spawn, torch.compile's compile workers) quietly, and a
         # launcher (torchrun, mp.spawn) hands the session to the child that
-        # initialises CUDA (client/salus_gate.h, hand-over).
+        # uses the GPU (client/salus_gate.h, hand-over).
         try:
             marker = install(torch, releasing(mark))
         except Exception as e:  # never break the program's import of torch

@@ -45,8 +45,9 @@ constexpr salus_gate private_gate() {
 }
 constinit salus_gate g_local = private_gate();
 
-std::atomic<bool> g_cuda_up{false};  // cuInit succeeded through the shim
-std::atomic<int> g_bell{-1};         // the current gate's doorbell
+std::atomic<bool> g_cuda_up{false};   // cuInit succeeded through the shim
+std::atomic<bool> g_uses_gpu{false};  // device memory was allocated (the gate's uses_gpu)
+std::atomic<int> g_bell{-1};          // the current gate's doorbell
 constexpr std::size_t kMaxEvents = 64;
 constexpr auto kReattachEvery = std::chrono::seconds(1);
 using Clock = std::chrono::steady_clock;
@@ -96,10 +97,11 @@ struct Client {
   CUcontext last_ctx = nullptr;  // of the last boundary that had one
   bool attempted = false;        // a first attach was tried
   bool forbidden = false;        // never attach (forked child, or salusd said no for good)
-  // Refused (EBUSY) before this process initialised CUDA: another process of
-  // the job holds the session. Its cuInit tries once more, as a process with
-  // CUDA may take the session over from a launcher (salus_gate.h, hand-over).
-  bool retry_at_cuinit = false;
+  // Refused (EBUSY) before this process allocated device memory: another
+  // process of the job holds the session. Its first allocation tries once
+  // more, as a process that uses the GPU may take the session over from a
+  // launcher (salus_gate.h, hand-over).
+  bool retry_at_first_use = false;
   int memfd = -1;
   bool ever_attached = false;
   Clock::time_point attached_at{};  // of the last successful attach
@@ -368,7 +370,7 @@ salus_gate* make_gate(Client& c, const salus_gate* from) {
   g->version = SALUS_GATE_VERSION;
   g->size = sizeof(salus_gate);
   g->pid = static_cast<std::int32_t>(::getpid());
-  g->cuda = g_cuda_up.load() ? 1 : 0;
+  g->uses_gpu = g_uses_gpu.load() ? 1 : 0;
   g->state = SALUS_GATE_ATTACHING;
   g->budget_bytes = __atomic_load_n(&from->budget_bytes, __ATOMIC_ACQUIRE);
   g->requested = 1;  // the program waits for iteration 1 right after attaching
@@ -451,10 +453,11 @@ bool try_attach(Client& c, bool reattach) {
     if (c.memfd >= 0) ::close(c.memfd);
     c.memfd = -1;
     c.forbidden = final_refusal(err);
-    // Busy before CUDA: a launcher's worker importing torch while its parent
-    // holds the session, or a DataLoader worker. Quiet: cuInit tries again.
-    c.retry_at_cuinit = err == EBUSY && !g_cuda_up.load();
-    if (!c.retry_at_cuinit) report(c, dir, err);
+    // Busy before any GPU memory: a launcher's worker importing torch while its
+    // parent holds the session, or a DataLoader worker. Quiet: the first
+    // allocation tries again.
+    c.retry_at_first_use = err == EBUSY && !g_uses_gpu.load();
+    if (!c.retry_at_first_use) report(c, dir, err);
     return false;
   }
   // The old gate (private, or a dead session's page) stays mapped: hooks on
@@ -618,17 +621,21 @@ void after_cuinit() {
   if (g_cuda_up.exchange(true)) return;
   Client& c = client();
   std::lock_guard lk(c.mu);
-  // Attached before CUDA (at import torch): the gate says so from now on, and
-  // the session stays this process's (no descendant takes it over).
-  if (salus_gate* g = gate(); g != &g_local) __atomic_store_n(&g->cuda, 1u, __ATOMIC_RELEASE);
-  if (c.retry_at_cuinit) {
-    c.retry_at_cuinit = false;
-    c.forbidden = false;
-    c.reported_errno = 0;
-    try_attach(c, false);
-  } else if (!c.attempted) {
-    try_attach(c, false);
-  }
+  if (!c.attempted) try_attach(c, false);
+}
+
+void note_gpu_use() {
+  if (g_uses_gpu.load(std::memory_order_relaxed) || g_uses_gpu.exchange(true)) return;
+  Client& c = client();
+  std::lock_guard lk(c.mu);
+  // Attached before (at import torch, at cuInit): the gate says so from now on,
+  // and the session stays this process's (no descendant takes it over).
+  if (salus_gate* g = gate(); g != &g_local) __atomic_store_n(&g->uses_gpu, 1u, __ATOMIC_RELEASE);
+  if (!c.retry_at_first_use) return;
+  c.retry_at_first_use = false;
+  c.forbidden = false;
+  c.reported_errno = 0;
+  try_attach(c, false);
 }
 
 void implicit_boundary(CUstream stream) {

@@ -163,6 +163,7 @@ std::uint64_t charged_now() {
 // refusal is an out-of-memory note and counts in oom_refusals; without, the
 // caller says why (the lane's promotion, lane.cpp).
 bool charge(std::uint64_t n, const char* what) {
+  if (what != nullptr) note_gpu_use();  // may attach: gate() is read after it
   salus_gate* g = gate();
   const std::uint64_t budget = __atomic_load_n(&g->budget_bytes, __ATOMIC_ACQUIRE);
   std::uint64_t cur = g_charged.load(std::memory_order_relaxed);

@@ -392,6 +392,7 @@ bool lane_serves_allocs() {
 bool lane_try_alloc(CUdeviceptr* p, std::size_t n) {
   Lane& L = g_lane;
   if (mode() != Mode::kAlloc || !L.on.load(std::memory_order_acquire)) return false;
+  note_gpu_use();  // lane memory counts: no descendant takes this session over
   std::lock_guard lk(L.mu);
   salus_gate* g = gate();
   const std::uint32_t grant = __atomic_load_n(&g->lane_grant, __ATOMIC_ACQUIRE);

@@ -117,7 +117,11 @@ extern std::atomic<salus_gate*> g_gate;
 inline salus_gate* gate() {
   return g_gate.load(std::memory_order_acquire);
 }
-void after_cuinit();                      // first successful cuInit: attach
+void after_cuinit();  // first successful cuInit: attach
+// Before each device allocation of the program (charge() with a `what`, a lane
+// allocation); past the first, one relaxed load. The first sets the gate's
+// uses_gpu and makes the attach a launcher's worker was refused before.
+void note_gpu_use();
 void implicit_boundary(CUstream stream);  // a launch saw yield_requested
 void post_note(const char* text);         // the note line, note_seq, doorbell
 void ring_bell();                         // the current gate's doorbell, if attached

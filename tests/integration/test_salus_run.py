@@ -37,6 +37,13 @@ needs_mock = pytest.mark.skipif(not os.path.isdir(MOCK_DIR),
                                 reason="SALUS_TEST_CUDA_MOCK_DIR (the mock libcuda) is not set")
 
 
+def mock_driver_env():
+    """The shim's driver is the mock libcuda; the shim's boundary events go to
+    the legacy stream, which the mock emulates only when asked."""
+    return {"SALUS_SHIM_LIBCUDA": os.path.join(MOCK_DIR, "libcuda.so.1"),
+            "SALUS_MOCK_LEGACY_STREAM": "1"}
+
+
 def env():
     e = {k: v for k, v in os.environ.items()
          if k not in ("LD_PRELOAD", "SALUS_AUTOMARK", "SALUS_SESSION", "SALUS_SHIM")}
@@ -238,15 +245,16 @@ def test_no_automark_marks_nothing(salusd):
 @needs_shim
 @needs_torch
 @needs_mock
-@pytest.mark.parametrize("how", ["subprocess", "spawn"])
-def test_a_launcher_hands_the_session_to_the_worker_that_initialises_cuda(salusd, how):
+@pytest.mark.parametrize("how", ["subprocess", "cuinit", "spawn"])
+def test_a_launcher_hands_the_session_to_the_worker_that_uses_the_gpu(salusd, how):
     """torchrun or mp.spawn under salus-run: the launcher imports torch (the
-    automark attaches it), its worker initialises CUDA (the mock driver) and
-    trains. The worker takes the session over: its 12 optimizer steps are the
-    session's iterations, and nobody prints a shim warning."""
+    automark attaches it; `cuinit`: it also initialises CUDA, as
+    torch.cuda.is_available() does), its worker allocates GPU memory (the mock
+    driver) and trains. The worker takes the session over: its 12 optimizer
+    steps are the session's iterations, and nobody prints a shim warning."""
     r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, LAUNCHER, how,
-                  "train", "12", "--cuinit",
-                  extra_env={"SALUS_SHIM_LIBCUDA": os.path.join(MOCK_DIR, "libcuda.so.1")})
+                  "train", "12", "--gpu-alloc",
+                  extra_env=mock_driver_env())
     assert r.returncode == 0, r.stdout + r.stderr
     rep = report(r.stdout)
     assert rep["kind"] == "attached" and rep["marking"] == "explicit", r.stdout + r.stderr
@@ -263,8 +271,8 @@ def test_a_launchers_second_worker_attaches_after_the_first_exits(salusd):
     an elastic restart): the first one's exit leaves the session, and the
     second attaches and adds its 12 steps."""
     r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, LAUNCHER,
-                  "twice", "train", "12", "--cuinit",
-                  extra_env={"SALUS_SHIM_LIBCUDA": os.path.join(MOCK_DIR, "libcuda.so.1")})
+                  "twice", "train", "12", "--gpu-alloc",
+                  extra_env=mock_driver_env())
     assert r.returncode == 0, r.stdout + r.stderr
     firsts = [l for l in r.stdout.splitlines() if l.startswith("self_pid: ")]
     assert len(firsts) == 2 and firsts[0] != firsts[1], r.stdout

@@ -2,7 +2,7 @@
 loop, then (test-only) a report of what salusd shows for its own session, read
 before it exits (an attached session ends with its program).
 
-    torch_job.py train|infer N [--wait-key KEY=VALUE] [--sleep-ms MS] [--log FILE] [--cuinit]
+    torch_job.py train|infer N [--wait-key KEY=VALUE] [--sleep-ms MS] [--log FILE] [--gpu-alloc]
                  [--loader-workers N]
 """
 import argparse
@@ -40,6 +40,23 @@ class Batches:
             return torch.nn.Linear(16, 16)(torch.randn(16))
 
 
+def gpu_alloc():
+    """A GPU job's first CUDA calls, through the shim (preloaded): cuInit, the
+    primary context (found with cuGetProcAddress, as cudart finds it) and a
+    1 MiB cuMemAlloc."""
+    cuda, ctx, dptr = ctypes.CDLL(None), ctypes.c_void_p(), ctypes.c_uint64()
+
+    def fn(name, *argtypes):
+        p = ctypes.c_void_p()
+        assert cuda.cuGetProcAddress(name.encode(), ctypes.byref(p), 12000, ctypes.c_uint64(0)) == 0
+        return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(p.value)
+
+    assert cuda.cuInit(0) == 0
+    assert fn("cuDevicePrimaryCtxRetain", ctypes.c_void_p, ctypes.c_int)(ctypes.byref(ctx), 0) == 0
+    assert fn("cuCtxSetCurrent", ctypes.c_void_p)(ctx) == 0
+    assert cuda.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(1 << 20)) == 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["train", "infer"])
@@ -51,9 +68,9 @@ def main():
     ap.add_argument("--stop", default=None, help="with N = 0: train until this file exists")
     ap.add_argument("--loader-workers", type=int, default=0,
                     help="train on batches from a DataLoader with this many spawned workers")
-    ap.add_argument("--cuinit", action="store_true",
-                    help="call cuInit after import torch, as a GPU job's first CUDA call does "
-                         "(the shim's; SALUS_SHIM_LIBCUDA names the mock driver)")
+    ap.add_argument("--gpu-alloc", action="store_true",
+                    help="after import torch, cuInit and a 1 MiB cuMemAlloc, as a GPU job's "
+                         "first CUDA calls (the shim's; SALUS_SHIM_LIBCUDA names the mock driver)")
     ap.add_argument("--fail-first-oom", default=None,
                     help="raise a CUDA OOM unless this file exists (and create it)")
     args = ap.parse_args()
@@ -65,8 +82,8 @@ def main():
         while not os.path.exists(args.go):
             time.sleep(0.01)
     import torch
-    if args.cuinit:
-        assert ctypes.CDLL(None).cuInit(0) == 0
+    if args.gpu_alloc:
+        gpu_alloc()
     if args.log:
         print(f"imported {os.getpid()}", file=open(args.log, "a"), flush=True)
     torch.manual_seed(0)

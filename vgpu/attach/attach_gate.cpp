@@ -270,10 +270,10 @@ int take_gate(pid_t tid, int gate_fd, int bell_fd, int lane_fd, AttachedGate& ou
   GateMapping map(static_cast<salus_gate*>(p), sizeof(salus_gate));
   if (int e = check_header(*map.get(), why)) return e;
   out.pid = tgid;
-  // Only a program that has initialised CUDA may take a session over from an
-  // ancestor (client/salus_gate.h, hand-over): read its ancestry now, before
-  // the broker locks.
-  if (gate_load(map.get()->cuda) == 1) out.ancestors = ancestors_of(tgid);
+  // Only a program that uses the GPU may take a session over from an ancestor
+  // (client/salus_gate.h, hand-over): read its ancestry now, before the broker
+  // locks.
+  if (gate_load(map.get()->uses_gpu) == 1) out.ancestors = ancestors_of(tgid);
   out.pidfd = std::move(pidfd);
   out.memfd = std::move(memfd);
   out.bell = std::move(bell);

@@ -49,7 +49,7 @@ void gate_store(T& field, T value) {
 struct AttachedGate {
   pid_t pid = 0;  // the program's thread-group id, in salusd's pid namespace
   // Its parent, the parent's parent, ... (at most kMostAncestors), read at the
-  // attach when its gate said `cuda` = 1: who it may take the session over from.
+  // attach when its gate said `uses_gpu` = 1: who it may take the session over from.
   std::vector<pid_t> ancestors;
   UniqueFd pidfd;
   UniqueFd memfd;

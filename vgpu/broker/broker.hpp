@@ -460,9 +460,10 @@ class Broker {
   // Attached sessions (broker_gate.cpp).
   int exec_attach(Session& s, const AttachCmd& cmd, PendingWrite& w, std::uint32_t line,
                   Deferred& later);
-  // The hand-over of client/salus_gate.h: when `incoming` has initialised CUDA,
-  // descends from the attached process and that one has not, lets the attached
-  // one go (SALUS_GATE_HANDED_OVER) and returns true; else changes nothing.
+  // The hand-over of client/salus_gate.h: when `incoming` uses the GPU (has
+  // allocated device memory), descends from the attached process and that one
+  // does not, lets the attached one go (SALUS_GATE_HANDED_OVER) and returns
+  // true; else changes nothing.
   bool hand_over_gate(Session& s, const AttachedGate& incoming, std::uint32_t line,
                       Deferred& later);
   // At its attached program's exit: why s stays, without a program, for the

@@ -220,7 +220,7 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
 bool Broker::hand_over_gate(Session& s, const AttachedGate& incoming, std::uint32_t ln,
                             Deferred& later) {
   AttachedGate& held = *s.gate;
-  if (held.exited || gate_load(held.g().cuda) != 0 || gate_load(incoming.g().cuda) != 1 ||
+  if (held.exited || gate_load(held.g().uses_gpu) != 0 || gate_load(incoming.g().uses_gpu) != 1 ||
       std::find(incoming.ancestors.begin(), incoming.ancestors.end(), held.pid) ==
           incoming.ancestors.end())
     return false;
@@ -229,9 +229,8 @@ bool Broker::hand_over_gate(Session& s, const AttachedGate& incoming, std::uint3
   s.launcher_pidfd = std::move(held.pidfd);
   s.launcher_pid = from;
   s.gate.reset();
-  log(s, fmt::format("line {}: attach: pid {}, which has initialised CUDA, takes the session "
-                     "over from pid {}, its ancestor, which has not (a launcher); pid {} runs on "
-                     "ungated",
+  log(s, fmt::format("line {}: attach: pid {}, which uses the GPU, takes the session over from "
+                     "pid {}, its ancestor, which does not (a launcher); pid {} runs on ungated",
                      ln, incoming.pid, from, from));
   return true;
 }

@@ -692,8 +692,8 @@ TEST(Attach, SwapRequestsAndAnswersGoThroughTheGate) {
 }
 
 // torchrun, mp.spawn: the launcher imported torch (and so attached, cuda = 0);
-// its worker initialises CUDA and attaches: the session becomes the worker's.
-TEST(Attach, ALauncherHandsItsSessionToTheChildThatInitialisesCuda) {
+// its worker allocates GPU memory and attaches: the session becomes the worker's.
+TEST(Attach, ALauncherHandsItsSessionToTheChildThatUsesTheGpu) {
   auto b = make_broker();
   Program launcher, worker;
   Child child;
@@ -701,15 +701,15 @@ TEST(Attach, ALauncherHandsItsSessionToTheChildThatInitialisesCuda) {
   const SessionId id = attached_session(*b, launcher);
   launcher.request(1);
   ASSERT_TRUE(launcher.granted(1));
-  st(worker.g->cuda, 1u);
+  st(worker.g->uses_gpu, 1u);
   ASSERT_EQ(run(*b, id, worker.attach(), child.caller()).first, 0) << b->render_log(id);
   EXPECT_EQ(ld(launcher.g->state), SALUS_GATE_HANDED_OVER);
   EXPECT_EQ(ld(worker.g->state), SALUS_GATE_ATTACHED);
   EXPECT_EQ(field(b->render_status(id), "pid"), std::to_string(child.pid));
-  EXPECT_NE(b->render_log(id).find(fmt::format(
-                "pid {}, which has initialised CUDA, takes the session over from pid {}", child.pid,
-                getpid())),
-            std::string::npos)
+  EXPECT_NE(
+      b->render_log(id).find(fmt::format(
+          "pid {}, which uses the GPU, takes the session over from pid {}", child.pid, getpid())),
+      std::string::npos)
       << b->render_log(id);
   // The worker's iterations are the session's; the launcher's grant was let go.
   worker.request(1);
@@ -745,7 +745,7 @@ TEST(Attach, ALauncherHandsItsSessionToTheChildThatInitialisesCuda) {
 TEST(Attach, AWorkerWhoseLauncherIsGoneEndsTheSessionAtItsExit) {
   auto b = make_broker();
   Program launcher, worker;
-  st(worker.g->cuda, 1u);
+  st(worker.g->uses_gpu, 1u);
   int pids[2];
   ASSERT_EQ(pipe(pids), 0);
   const pid_t a = fork();  // the launcher, which forks the worker
@@ -780,7 +780,7 @@ TEST(Attach, AWorkerWhoseLauncherIsGoneEndsTheSessionAtItsExit) {
   EXPECT_FALSE(b->find_session(std::to_string(id)));
 }
 
-TEST(Attach, OnlyADescendantWithCudaTakesOverAndOnlyFromAHolderWithout) {
+TEST(Attach, OnlyADescendantUsingTheGpuTakesOverAndOnlyFromAHolderThatDoesNot) {
   auto b = make_broker();
   auto refused = [&](SessionId id, const Program& p, const Caller& who, pid_t holder) {
     const auto [err, _] = run(*b, id, p.attach(), who);
@@ -790,30 +790,30 @@ TEST(Attach, OnlyADescendantWithCudaTakesOverAndOnlyFromAHolderWithout) {
         << last_log(*b, id);
     EXPECT_EQ(ld(p.g->state), SALUS_GATE_ATTACHING);
   };
-  {  // The holder initialised CUDA after it attached (import torch, then .cuda()).
+  {  // The holder used the GPU after it attached (import torch, then .cuda()).
     Program holder, worker;
     Child child;
     const SessionId id = attached_session(*b, holder);
-    st(holder.g->cuda, 1u);
-    st(worker.g->cuda, 1u);
+    st(holder.g->uses_gpu, 1u);
+    st(worker.g->uses_gpu, 1u);
     refused(id, worker, child.caller(), getpid());
     EXPECT_EQ(ld(holder.g->state), SALUS_GATE_ATTACHED);
   }
-  {  // A child without CUDA (a DataLoader worker importing torch).
+  {  // A child that does not use the GPU (a DataLoader worker importing torch).
     Program holder, worker;
     Child child;
     const SessionId id = attached_session(*b, holder);
     refused(id, worker, child.caller(), getpid());
     EXPECT_EQ(ld(holder.g->state), SALUS_GATE_ATTACHED);
   }
-  {  // A process with CUDA that does not descend from the holder (its parent here).
+  {  // A process using the GPU that does not descend from the holder (its parent here).
     Program holder, contender;
     Child child;
     const auto id = static_cast<SessionId>(b->create_session(me(), ""));
     ASSERT_EQ(
         run(*b, id, "need persistent=8M ephemeral=8M\n" + holder.attach(), child.caller()).first, 0)
         << b->render_log(id);
-    st(contender.g->cuda, 1u);
+    st(contender.g->uses_gpu, 1u);
     refused(id, contender, me(), child.pid);
     EXPECT_EQ(ld(holder.g->state), SALUS_GATE_ATTACHED);
   }
