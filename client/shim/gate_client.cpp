@@ -385,9 +385,32 @@ salus_gate* make_gate(Client& c, const salus_gate* from) {
   return g;
 }
 
+// The pid of the process attached to session `dir` (`pid` in its status), or
+// empty when none or unreadable.
+std::string holder_of(const std::string& dir) {
+  const int fd = ::open((dir + "/status").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  char buf[8192];
+  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return {};
+  const std::string text(buf, static_cast<std::size_t>(n));
+  const auto at = text.find("\npid: ");
+  if (at == std::string::npos) return {};
+  const std::string pid = text.substr(at + 6, text.find('\n', at + 6) - (at + 6));
+  return all_digits(pid) ? pid : std::string();
+}
+
 void report(Client& c, const std::string& dir, int err) {
   if (err == c.reported_errno) return;
   c.reported_errno = err;
+  if (const std::string pid = err == EBUSY ? holder_of(dir) : std::string(); !pid.empty()) {
+    std::fprintf(stderr,
+                 "salus-shim: cannot attach to %s: pid %s holds the session (one process of a "
+                 "job is gated); this process runs ungated\n",
+                 dir.c_str(), pid.c_str());
+    return;
+  }
   std::fprintf(stderr, "salus-shim: cannot attach to %s: %s; running ungated%s\n", dir.c_str(),
                std::strerror(err), c.forbidden ? "" : " (trying again at iteration boundaries)");
 }

@@ -266,6 +266,23 @@ def test_a_launcher_hands_the_session_to_the_worker_that_uses_the_gpu(salusd, ho
 @needs_shim
 @needs_torch
 @needs_mock
+def test_a_launcher_that_uses_the_gpu_keeps_the_session_and_its_child_is_told(salusd):
+    """The launcher allocates GPU memory itself, then starts a job that does
+    too: the session stays the launcher's, and the child says who holds it."""
+    r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, LAUNCHER, "gpu",
+                  "train", "3", "--gpu-alloc", "--wait-key", "iterations_completed=0",
+                  extra_env=mock_driver_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(r.stdout)  # the child's view
+    assert rep["pid"] != rep["self_pid"], r.stdout + r.stderr
+    assert (f"pid {rep['pid']} holds the session (one process of a job is gated); this process "
+            "runs ungated") in r.stderr, r.stderr
+    assert r.stderr.count("salus-shim") == 1, r.stderr
+
+
+@needs_shim
+@needs_torch
+@needs_mock
 def test_a_launchers_second_worker_attaches_after_the_first_exits(salusd):
     """A launcher that runs two workers one after the other (a second stage, or
     an elastic restart): the first one's exit leaves the session, and the

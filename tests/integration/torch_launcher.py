@@ -4,11 +4,13 @@ runs torch_job.py in a child process, whose exit status it returns.
 (Debian's torchrun, PyTorch 1.13, fails on Python 3.11 before it starts a
 worker, so the tests use this instead.)
 
-    torch_launcher.py subprocess|cuinit|twice|spawn TORCH_JOB_ARGS...
+    torch_launcher.py subprocess|cuinit|gpu|twice|spawn TORCH_JOB_ARGS...
 
 subprocess: the job as a new program (torchrun's agent starts workers so);
 cuinit: the same after the launcher initialised CUDA, as
 torch.cuda.is_available() does (through the shim: SALUS_SHIM_LIBCUDA);
+gpu: the same after the launcher allocated GPU memory itself: it keeps the
+session, and the job it runs is refused;
 twice: that, then once more (a second stage, or an elastic restart), whose
 report waits for both runs' iterations (iterations_done, the session's) (TORCH_JOB_ARGS start with MODE N);
 spawn: torch.multiprocessing.spawn of a function that runs the job's main.
@@ -35,7 +37,11 @@ def main():
     if how == "cuinit":
         import ctypes
         assert ctypes.CDLL(None).cuInit(0) == 0
-    if how in ("subprocess", "cuinit"):
+    if how == "gpu":
+        sys.path.insert(0, HERE)
+        import torch_job
+        torch_job.gpu_alloc()
+    if how in ("subprocess", "cuinit", "gpu"):
         sys.exit(subprocess.run([sys.executable, JOB, *argv]).returncode)
     if how == "twice":
         first = subprocess.run([sys.executable, JOB, *argv]).returncode
