@@ -739,7 +739,7 @@ bool GpuArena::compaction_pending() const {
 }
 
 void GpuArena::compaction_owners(std::vector<SessionId>& out) const {
-  impl_->heap.owners_to_move(impl_->lanes.total(), out);
+  impl_->heap.owners_to_move(impl_->space, impl_->lanes.total(), out);
 }
 
 Residency GpuArena::residency(SessionId session) const {

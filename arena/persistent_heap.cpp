@@ -153,17 +153,18 @@ void PersistentHeap::plan_staged(SpaceMap& space, PersistentBuffer& b, Bytes sta
   moves.push_back({b.handle, b.owner, b.offset, stage, b.size});
 }
 
-bool PersistentHeap::plan_best_fit(SpaceMap& space, SessionId owner, std::pair<Bytes, Bytes> range,
-                                   std::vector<PersistentMove>& moves) {
-  std::vector<PersistentBuffer*> blocking;
+PersistentHeap::BestFit PersistentHeap::best_fit(const SpaceMap& space,
+                                                 std::pair<Bytes, Bytes> range) const {
+  std::vector<const PersistentBuffer*> blocking;
   for (auto it = by_offset_.begin(); it != by_offset_.end() && it->first < range.second; ++it) {
-    PersistentBuffer& b = buffers_.at(it->second);
+    const PersistentBuffer& b = buffers_.at(it->second);
     if (b.offset + b.size > range.first && !b.move_to && !b.then_to) blocking.push_back(&b);
   }
   std::sort(blocking.begin(), blocking.end(),
             [](const PersistentBuffer* a, const PersistentBuffer* b) {
               return a->size != b->size ? a->size > b->size : a->offset < b->offset;
             });
+  BestFit fit;
   // Holes above the range, as (begin, end); placements shrink them from the top.
   std::vector<std::pair<Bytes, Bytes>> holes;
   space.for_each_hole([&](Bytes begin, Bytes end) {
@@ -171,9 +172,7 @@ bool PersistentHeap::plan_best_fit(SpaceMap& space, SessionId owner, std::pair<B
   });
   // Every blocking buffer has to leave the range anyway, so those that fit somewhere go
   // even when others do not; those others are left to plan_slide.
-  std::vector<std::pair<PersistentBuffer*, Bytes>> placed;
-  bool all = true;
-  for (PersistentBuffer* b : blocking) {
+  for (const PersistentBuffer* b : blocking) {
     std::pair<Bytes, Bytes>* best = nullptr;
     for (auto& h : holes) {
       const Bytes len = h.second - h.first;
@@ -183,15 +182,21 @@ bool PersistentHeap::plan_best_fit(SpaceMap& space, SessionId owner, std::pair<B
         best = &h;
     }
     if (!best) {
-      all = false;
+      fit.all = false;
       continue;
     }
     best->second -= b->size;
-    placed.emplace_back(b, best->second);
+    fit.placed.emplace_back(b->handle, best->second);
   }
-  for (auto& [b, to] : placed)
-    if (b->owner == owner) plan_one(space, *b, to, moves);
-  return all;
+  return fit;
+}
+
+bool PersistentHeap::plan_best_fit(SpaceMap& space, SessionId owner, std::pair<Bytes, Bytes> range,
+                                   std::vector<PersistentMove>& moves) {
+  const BestFit fit = best_fit(space, range);
+  for (const auto& [handle, to] : fit.placed)
+    if (PersistentBuffer& b = buffers_.at(handle); b.owner == owner) plan_one(space, b, to, moves);
+  return fit.all;
 }
 
 namespace {
@@ -294,22 +299,28 @@ void PersistentHeap::plan_slide(SpaceMap& space, SessionId owner, std::pair<Byte
   }
 }
 
-void PersistentHeap::owners_to_move(Bytes floor, std::vector<SessionId>& out) const {
+void PersistentHeap::owners_to_move(const SpaceMap& space, Bytes floor,
+                                    std::vector<SessionId>& out) const {
   out.clear();
   if (half_done_ != 0)
     for (const auto& [handle, b] : buffers_)
       if (b.then_to && !b.move_to) out.push_back(b.owner);
   if (goal_blocked(floor)) {
-    // Best fit moves only buffers in the range; a slide moves buffers up to the
-    // anchor it packs under, which is never below the range's end.
+    // Best fit moves only buffers in the range, and is all plan_moves does when
+    // it places them all; otherwise a slide moves buffers up to the anchor it
+    // packs under, which is never below the range's end.
     const std::pair<Bytes, Bytes> range = goal_range(floor);
-    std::vector<const PersistentBuffer*> down;
-    down.reserve(by_offset_.size());
-    for (auto it = by_offset_.rbegin(); it != by_offset_.rend(); ++it)
-      down.push_back(&buffers_.at(it->second));
-    const std::size_t k = slide_start(down, top_, range);
-    for (std::size_t i = k; i < down.size(); ++i)
-      if (!down[i]->move_to) out.push_back(down[i]->owner);
+    const BestFit fit = best_fit(space, range);
+    for (const auto& [handle, to] : fit.placed) out.push_back(buffers_.at(handle).owner);
+    if (!fit.all) {
+      std::vector<const PersistentBuffer*> down;
+      down.reserve(by_offset_.size());
+      for (auto it = by_offset_.rbegin(); it != by_offset_.rend(); ++it)
+        down.push_back(&buffers_.at(it->second));
+      const std::size_t k = slide_start(down, top_, range);
+      for (std::size_t i = k; i < down.size(); ++i)
+        if (!down[i]->move_to) out.push_back(down[i]->owner);
+    }
   }
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());

@@ -79,10 +79,12 @@ class PersistentHeap {
   // Empty while `owner` has moves out.
   std::vector<PersistentMove> plan_moves(SpaceMap& space, SessionId owner, Bytes floor);
   // The owners of the buffers compaction may have to move before its goal is
-  // reached (every buffer a slide could move, and second copies still due), in
-  // ascending order and once each, into `out`; empty while nothing is pending.
-  // Such an owner must reach an idle moment for its moves to be planned.
-  void owners_to_move(Bytes floor, std::vector<SessionId>& out) const;
+  // reached, in ascending order and once each, into `out`; empty while nothing
+  // is pending: second copies still due, and the buffers blocking the goal when
+  // best fit places them all (as plan_moves then does), else every buffer the
+  // slide could move. Such an owner must reach an idle moment for its moves to
+  // be planned.
+  void owners_to_move(const SpaceMap& space, Bytes floor, std::vector<SessionId>& out) const;
   bool has_outstanding(SessionId owner) const { return outstanding_.count(owner) != 0; }
   bool any_outstanding() const { return !outstanding_.empty(); }
   struct Finished {
@@ -111,6 +113,15 @@ class PersistentHeap {
   void plan_one(SpaceMap& space, PersistentBuffer& b, Bytes to, std::vector<PersistentMove>& moves);
   void plan_staged(SpaceMap& space, PersistentBuffer& b, Bytes stage, Bytes to,
                    std::vector<PersistentMove>& moves);
+  // Where best fit puts each buffer that blocks `range` and is not moving yet
+  // (largest first, into the smallest hole above the range that takes it), and
+  // whether every one of them found a place. Shared by plan_best_fit and
+  // owners_to_move, so that the owners named are the owners planned.
+  struct BestFit {
+    std::vector<std::pair<BufferHandle, Bytes>> placed;
+    bool all = true;
+  };
+  BestFit best_fit(const SpaceMap& space, std::pair<Bytes, Bytes> range) const;
   bool plan_best_fit(SpaceMap& space, SessionId owner, std::pair<Bytes, Bytes> range,
                      std::vector<PersistentMove>& moves);
   void plan_slide(SpaceMap& space, SessionId owner, std::pair<Bytes, Bytes> range,

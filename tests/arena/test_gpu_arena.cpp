@@ -397,6 +397,34 @@ TEST(GpuArena, CompactionNamesTheOwnersItWaitsForAndTakesThemBetweenTheirIterati
   EXPECT_CLEAN(a);
 }
 
+// When best fit places every buffer in the way, only their owners are named: a
+// session whose buffer a slide would have moved keeps its pipelining.
+TEST(GpuArena, CompactionNamesOnlyTheOwnersBestFitMovesWhenItPlacesThemAll) {
+  GpuArena a(16 * M);
+  const auto lane = admit(a, 1, 6 * M, 8 * M);  // lane [0, 8M)
+  ASSERT_TRUE(lane);
+  ASSERT_EQ(admit(a, 2, 2 * M, 8 * M), lane);
+  // From the top: [14M, 16M) 1's, [12M, 14M) 2's, [10M, 12M) and [8M, 10M) 1's.
+  std::vector<AllocResult> b;
+  for (SessionId owner : {1u, 2u, 1u, 1u}) b.push_back(a.alloc_persistent(owner, 2 * M));
+  ASSERT_EQ(b[1].offset, 12 * M);
+  a.free_persistent(b[0].handle);
+  a.free_persistent(b[2].handle);
+  // [8M, 12M) is wanted; 1's buffer at [8M, 10M) fits the hole at the top. A
+  // slide would pack 2's and 1's under the top, moving 2's too.
+  EXPECT_EQ(a.alloc_persistent(1, 4 * M).error, ArenaError::fragmented);
+  std::vector<SessionId> owners;
+  a.compaction_owners(owners);
+  EXPECT_EQ(owners, std::vector<SessionId>{1});
+  EXPECT_TRUE(a.session_idle(2).empty());
+  const auto moves = a.session_idle(1);
+  ASSERT_EQ(moves.size(), 1u);
+  EXPECT_EQ(moves[0].to, 14 * M);
+  a.finish_moves(1, 1);
+  EXPECT_EQ(a.alloc_persistent(1, 4 * M).error, ArenaError::ok);
+  EXPECT_CLEAN(a);
+}
+
 TEST(GpuArena, PersistentBuffersBlockingANewLaneGetCompacted) {
   GpuArena a(16 * M);
   admit(a, 1, 0, 4 * M);
