@@ -57,6 +57,8 @@
  * gate when it does so later (a program that attached at `import torch` and
  * then built its model on the GPU keeps the session). Initialising CUDA is not
  * enough: launchers call torch.cuda.is_available(), which initialises it.
+ * (Version 3. A version 2 gate cannot say, so salusd never hands over from
+ * one: a program of an older shim keeps its session.)
  *
  * Memory: `budget_bytes` is what the session may hold on the GPU (persistent +
  * ephemeral of its `need`; UINT64_MAX: no limit). The shim charges every
@@ -105,7 +107,10 @@
 #include <stdint.h>
 
 #define SALUS_GATE_MAGIC 0x5441474553554C53ULL /* "SLUSGATE" little-endian */
-#define SALUS_GATE_VERSION 2u
+#define SALUS_GATE_VERSION 3u
+/* The oldest version salusd still takes: a program whose shim predates an
+ * upgrade of salusd re-attaches with it (version 2 has no `uses_gpu`). */
+#define SALUS_GATE_VERSION_OLDEST 2u
 #define SALUS_GATE_DEAD_MS 2000u
 #define SALUS_GATE_NOTE_BYTES 512u
 
@@ -139,7 +144,7 @@ struct salus_gate {
   uint32_t size;     /* sizeof(struct salus_gate) */
   int32_t pid;       /* the program's pid in its own namespace (for messages only) */
   uint32_t uses_gpu; /* the program's, at any time: 1 once it has allocated device memory
-                        (the hand-over, above; reserved0 before, so 0 from older shims) */
+                        (the hand-over, above; version 3: reserved, 0, in version 2) */
 
   /* ---- written by salusd ---- */
   uint32_t state;           /* SALUS_GATE_* */

@@ -13,7 +13,7 @@ import mmap
 import os
 
 MAGIC = 0x5441474553554C53  # "SLUSGATE" little-endian
-VERSION = 2
+VERSION = 3
 DEAD_MS = 2000
 NOTE_BYTES = 512
 

@@ -131,9 +131,9 @@ int check_header(const salus_gate& g, std::string& why) {
                       SALUS_GATE_MAGIC);
     return EINVAL;
   }
-  if (version != SALUS_GATE_VERSION) {
-    why = fmt::format("gate header: version {}, this salusd speaks version {}", version,
-                      SALUS_GATE_VERSION);
+  if (version < SALUS_GATE_VERSION_OLDEST || version > SALUS_GATE_VERSION) {
+    why = fmt::format("gate header: version {}, this salusd speaks versions {} to {}", version,
+                      SALUS_GATE_VERSION_OLDEST, SALUS_GATE_VERSION);
     return EINVAL;
   }
   if (size != sizeof(salus_gate)) {

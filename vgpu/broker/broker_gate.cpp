@@ -220,7 +220,10 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
 bool Broker::hand_over_gate(Session& s, const AttachedGate& incoming, std::uint32_t ln,
                             Deferred& later) {
   AttachedGate& held = *s.gate;
-  if (held.exited || gate_load(held.g().uses_gpu) != 0 || gate_load(incoming.g().uses_gpu) != 1 ||
+  // A version 2 gate has no uses_gpu (its program's shim is older): never
+  // taken over, whatever its reserved word says.
+  if (held.exited || gate_load(held.g().version) < 3 || gate_load(held.g().uses_gpu) != 0 ||
+      gate_load(incoming.g().uses_gpu) != 1 ||
       std::find(incoming.ancestors.begin(), incoming.ancestors.end(), held.pid) ==
           incoming.ancestors.end())
     return false;

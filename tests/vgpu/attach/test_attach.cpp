@@ -188,6 +188,8 @@ TEST(Attach, ValidatesTheGateAndTheBell) {
   Program bad_version;
   bad_version.g->version = 99;
   expect_fail(bad_version.attach(), EINVAL, "version 99");
+  bad_version.g->version = 1;
+  expect_fail(bad_version.attach(), EINVAL, "speaks versions 2 to 3");
   int pipefd[2];
   ASSERT_EQ(pipe(pipefd), 0);
   expect_fail(fmt::format("attach gate={} bell={}\n", good.memfd, pipefd[0]), EINVAL,
@@ -795,6 +797,15 @@ TEST(Attach, OnlyADescendantUsingTheGpuTakesOverAndOnlyFromAHolderThatDoesNot) {
     Child child;
     const SessionId id = attached_session(*b, holder);
     st(holder.g->uses_gpu, 1u);
+    st(worker.g->uses_gpu, 1u);
+    refused(id, worker, child.caller(), getpid());
+    EXPECT_EQ(ld(holder.g->state), SALUS_GATE_ATTACHED);
+  }
+  {  // A holder of an older shim (version 2: no uses_gpu, its word reads 0).
+    Program holder, worker;
+    Child child;
+    holder.g->version = 2;
+    const SessionId id = attached_session(*b, holder);
     st(worker.g->uses_gpu, 1u);
     refused(id, worker, child.caller(), getpid());
     EXPECT_EQ(ld(holder.g->state), SALUS_GATE_ATTACHED);
