@@ -101,7 +101,9 @@ struct Client {
   // process of the job holds the session. Its first allocation tries once
   // more, as a process that uses the GPU may take the session over from a
   // launcher (salus_gate.h, hand-over).
-  bool retry_at_first_use = false;
+  // Written under `mu`; read without it by the first allocation, which takes
+  // `mu` only when it has an attach to make (never behind a boundary's wait).
+  std::atomic<bool> retry_at_first_use{false};
   int memfd = -1;
   bool ever_attached = false;
   Clock::time_point attached_at{};  // of the last successful attach
@@ -649,13 +651,14 @@ void after_cuinit() {
 
 void note_gpu_use() {
   if (g_uses_gpu.load(std::memory_order_relaxed) || g_uses_gpu.exchange(true)) return;
-  Client& c = client();
-  std::lock_guard lk(c.mu);
   // Attached before (at import torch, at cuInit): the gate says so from now on,
-  // and the session stays this process's (no descendant takes it over).
+  // and the session stays this process's (no descendant takes it over). A gate
+  // made from now on reads g_uses_gpu.
   if (salus_gate* g = gate(); g != &g_local) __atomic_store_n(&g->uses_gpu, 1u, __ATOMIC_RELEASE);
-  if (!c.retry_at_first_use) return;
-  c.retry_at_first_use = false;
+  Client& c = client();
+  if (!c.retry_at_first_use.load()) return;
+  std::lock_guard lk(c.mu);
+  if (!c.retry_at_first_use.exchange(false)) return;
   c.forbidden = false;
   c.reported_errno = 0;
   try_attach(c, false);
