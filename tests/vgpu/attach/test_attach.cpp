@@ -719,6 +719,11 @@ TEST(Attach, ALauncherHandsItsSessionToTheChildThatUsesTheGpu) {
   worker.request(2);
   worker.complete(1, 1'000'000);
   ASSERT_TRUE(worker.granted(2));
+  // The completion is served by the gate thread, maybe after grant 2 (depth 2).
+  const auto t1 = std::chrono::steady_clock::now();
+  while (field(b->render_status(id), "iterations_done") != "1" &&
+         std::chrono::steady_clock::now() - t1 < 2s)
+    std::this_thread::sleep_for(1ms);
   EXPECT_EQ(field(b->render_status(id), "iterations_done"), "1");
   // The worker's exit, while the launcher runs, leaves the session for its next
   // worker (an elastic restart, a second stage), which attaches as any program.
