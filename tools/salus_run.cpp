@@ -493,8 +493,7 @@ int run(const Ctx& ctx, const RunOptions& o) {
       if (const char* conf = std::getenv(var); conf && expandable_segments_on(conf))
         warn(fmt::format(
             "warning: {}={}: expandable segments allocate with cuMemCreate, which the shared lane "
-            "does "
-            "not serve; that memory is charged to the persistent budget (--persistent), so "
+            "does not serve; that memory is charged to the persistent budget (--persistent), so "
             "leave expandable_segments off with --shared-lane=alloc",
             var, conf));
   if (env.automark) {

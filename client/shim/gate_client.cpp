@@ -14,6 +14,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -22,6 +23,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -100,9 +102,9 @@ struct Client {
   // Refused (EBUSY) before this process allocated device memory: another
   // process of the job holds the session. Its first allocation tries once
   // more, as a process that uses the GPU may take the session over from a
-  // launcher (salus_gate.h, hand-over).
-  // Written under `mu`; read without it by the first allocation, which takes
-  // `mu` only when it has an attach to make (never behind a boundary's wait).
+  // launcher (salus_gate.h, hand-over). Written under `mu`; read without it by
+  // the first allocation, which takes `mu` only when it has an attach to make
+  // (never behind a boundary's wait).
   std::atomic<bool> retry_at_first_use{false};
   int memfd = -1;
   bool ever_attached = false;
@@ -272,27 +274,32 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// How long the salusd now serving $SALUS_MOUNT has run (`uptime_s` of its
-// `stats`), or -1 if none answers.
-double salusd_uptime_s() {
-  const int fd = ::open((env("SALUS_MOUNT") + "/stats").c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return -1;
-  char buf[4096];
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
+// The rest of the line that starts with `key` in salusd's file `path` (its
+// first 8 KiB), or empty when there is none or the file cannot be read.
+std::string line_value(const std::string& path, std::string_view key) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  char buf[8192];
+  const ssize_t n = ::read(fd, buf, sizeof buf);
   ::close(fd);
-  if (n <= 0) return -1;
-  buf[n] = '\0';
-  // A line "uptime_s 12.345" (salus(5), stats).
-  for (const char* p = buf; p != nullptr;) {
-    if (std::strncmp(p, "uptime_s ", 9) == 0) {
-      char* end = nullptr;
-      const double v = std::strtod(p + 9, &end);
-      return end == p + 9 ? -1 : v;
-    }
-    p = std::strchr(p, '\n');
-    if (p != nullptr) ++p;
+  if (n <= 0) return {};
+  const std::string_view text(buf, static_cast<std::size_t>(n));
+  for (std::size_t at = 0; at < text.size();) {
+    const std::size_t eol = std::min(text.find('\n', at), text.size());
+    const std::string_view line = text.substr(at, eol - at);
+    if (line.substr(0, key.size()) == key) return std::string(line.substr(key.size()));
+    at = eol + 1;
   }
-  return -1;
+  return {};
+}
+
+// How long the salusd now serving $SALUS_MOUNT has run (`uptime_s` of its
+// `stats`, salus(5)), or -1 if none answers.
+double salusd_uptime_s() {
+  const std::string v = line_value(env("SALUS_MOUNT") + "/stats", "uptime_s ");
+  char* end = nullptr;
+  const double s = std::strtod(v.c_str(), &end);
+  return v.empty() || end == v.c_str() ? -1 : s;
 }
 
 bool all_digits(std::string_view name) {
@@ -390,16 +397,7 @@ salus_gate* make_gate(Client& c, const salus_gate* from) {
 // The pid of the process attached to session `dir` (`pid` in its status), or
 // empty when none or unreadable.
 std::string holder_of(const std::string& dir) {
-  const int fd = ::open((dir + "/status").c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return {};
-  char buf[8192];
-  const ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
-  if (n <= 0) return {};
-  const std::string text(buf, static_cast<std::size_t>(n));
-  const auto at = text.find("\npid: ");
-  if (at == std::string::npos) return {};
-  const std::string pid = text.substr(at + 6, text.find('\n', at + 6) - (at + 6));
+  const std::string pid = line_value(dir + "/status", "pid: ");
   return all_digits(pid) ? pid : std::string();
 }
 
@@ -514,7 +512,7 @@ void go_local(Client& c, salus_gate* g) {
   c.last_attempt = Clock::now();
   const std::uint32_t state = __atomic_load_n(&g->state, __ATOMIC_ACQUIRE);
   if (state == SALUS_GATE_HANDED_OVER) {
-    c.forbidden = true;  // the job's process that uses CUDA holds the session now
+    c.forbidden = true;  // the job's process that uses the GPU holds the session now
     return;
   }
   std::fprintf(stderr, "salus-shim: salusd %s; running ungated\n",
