@@ -200,10 +200,13 @@ EOF
   # A launcher: torchrun's agent imports torch (so it attaches first) and, with
   # --nproc_per_node gpu, initialises CUDA (torch.cuda.is_available); its worker,
   # which allocates GPU memory, must take the session over and count its steps.
+  # --redirects 2 --tee 2: PyTorch 1.13's torchrun fails on Python 3.11 with its
+  # default 0 (test_salus_run.py, TORCHRUN_PY311); stderr still reaches us.
   if [ $dry = 1 ]; then
-    echo "torchrun: skipped in a dry run (Debian's torchrun, PyTorch 1.13, fails on Python 3.11)"
+    echo "torchrun: skipped in a dry run (--nproc_per_node gpu needs a GPU; test_salus_run.py runs Debian's torchrun on the mock driver)"
   else
     "${srun[@]}" -- $py -m torch.distributed.run --standalone --nproc_per_node gpu \
+      --redirects 2 --tee 2 --log_dir "$d/torchrun-logs" \
       "$here/pytorch_eval/workloads.py" train --model gpt "${dev[@]}" --steps 20 \
       >"$d/torchrun.json" 2>"$d/torchrun.err" || echo "torchrun: FAILED (see compat/torchrun.err)"
     $py - "$d/torchrun.json" <<'EOF'

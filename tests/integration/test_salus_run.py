@@ -263,6 +263,32 @@ def test_a_launcher_hands_the_session_to_the_worker_that_uses_the_gpu(salusd, ho
     assert "salus-shim" not in r.stderr, r.stderr
 
 
+# Debian 12's torchrun (PyTorch 1.13 on Python 3.11) fails before it starts a
+# worker with its default --redirects 0 --tee 0 (a Python 3.11 change to
+# iterating IntFlag members); any other value avoids the bug, and 2 with 2
+# keeps the worker's stderr on the console as the default does.
+TORCHRUN_PY311 = ["--redirects", "2", "--tee", "2"]
+
+
+@needs_shim
+@needs_torch
+@needs_mock
+def test_real_torchrun_hands_the_session_to_its_worker(salusd, tmp_path):
+    """Debian's own torchrun (torch.distributed.run: an elastic agent with a
+    c10d rendezvous, and a worker it starts as a new program) under salus-run:
+    the worker, which allocates GPU memory, takes the session over from the
+    agent and its 12 optimizer steps are the session's iterations."""
+    r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, "-m",
+                  "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                  *TORCHRUN_PY311, "--log_dir", str(tmp_path / "torchrun"),
+                  JOB, "train", "12", "--gpu-alloc", extra_env=mock_driver_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = report(r.stdout)  # the worker's
+    assert rep["kind"] == "attached" and rep["pid"] == rep["self_pid"], r.stdout + r.stderr
+    assert rep["iterations_completed"] == "12", r.stdout + r.stderr
+    assert "salus-shim" not in r.stderr, r.stderr
+
+
 @needs_shim
 @needs_torch
 @needs_mock

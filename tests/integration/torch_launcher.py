@@ -1,8 +1,9 @@
 """A launcher for test_salus_run.py, as torchrun and torch.multiprocessing.spawn
 are: it imports torch (so salus-run's automark attaches it to the session) and
 runs torch_job.py in a child process, whose exit status it returns.
-(Debian's torchrun, PyTorch 1.13, fails on Python 3.11 before it starts a
-worker, so the tests use this instead.)
+test_salus_run.py runs Debian's real torchrun too; this covers the launchers'
+other shapes (CUDA initialised or used by the launcher, two workers in turn,
+torch.multiprocessing.spawn).
 
     torch_launcher.py subprocess|cuinit|gpu|twice|spawn TORCH_JOB_ARGS...
 
