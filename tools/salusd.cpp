@@ -369,7 +369,8 @@ void add_flags(CLI::App& flags, Settings& s) {
                    "(\"\": refuse such swap-outs)");
   flags.add_option("--attach-context-reserve", s.attach_context_reserve,
                    "Card memory admission counts for each attached program's CUDA context, "
-                   "e.g. 512M (auto: 512M on cuda, 0 on sim)");
+                   "e.g. 512M (auto: 512M on cuda, 0 on sim, raised on each GPU to the largest "
+                   "context measured there)");
   flags.add_option("--attach-overrun", s.attach_overrun,
                    "What salusd does with a program the driver shows holding more card memory "
                    "than admission counts for it: warn (and count it), or kill (SIGKILL)");
@@ -565,6 +566,7 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s, const std::string& ba
                                   ? *salus::arena::parse_size(s.attach_context_reserve)
                               : backend == "cuda" ? kCudaContextReserve
                                                   : 0;
+  bc.attach_context_learn = s.attach_context_reserve == "auto";
   bc.attach_overrun_kill = s.attach_overrun == "kill";
   return bc;
 }

@@ -569,19 +569,26 @@ def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(are
         d.stop()
 
 
+def start_with_this_process_at(reserve, used):
+    """salusd on the mock driver with `--attach-context-reserve reserve` and the
+    mock NVML listing this test process (the attached program: its gate is
+    made here) at `used` bytes on the mock's one GPU. Skips without the mock NVML."""
+    nvml = os.environ.get("SALUS_TEST_NVML_MOCK_DIR", "")
+    if not nvml:
+        pytest.skip("built without the mock NVML")
+    uuid = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf"  # the mock driver's one GPU
+    return start_on_mock_cuda(["--attach-context-reserve", reserve], [MOCK_DIR, nvml],
+                              {"MOCK_NVML_DEVICES": uuid,
+                               "MOCK_NVML_PROCESSES": f"{uuid}:{os.getpid()}:{used}"})
+
+
 def test_the_drivers_figure_for_an_attached_program_is_held_against_its_reserve():
     """The cuda backend with the mock driver and the mock NVML, which lists this
     test process (the attached program: its gate is made here) at 300M: status
     and metrics show the figure and, less the charge, the context; past the
     256M reserve, the session log says so once."""
-    nvml = os.environ.get("SALUS_TEST_NVML_MOCK_DIR", "")
-    if not nvml:
-        pytest.skip("built without the mock NVML")
     M = 1 << 20
-    uuid = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf"  # the mock driver's one GPU
-    d = start_on_mock_cuda(["--attach-context-reserve", "256M"], [MOCK_DIR, nvml],
-                           {"MOCK_NVML_DEVICES": uuid,
-                            "MOCK_NVML_PROCESSES": f"{uuid}:{os.getpid()}:{300 * M}"})
+    d = start_with_this_process_at("256M", 300 * M)
     s = Session(d)
     gate = None
     try:
@@ -599,6 +606,31 @@ def test_the_drivers_figure_for_an_attached_program_is_held_against_its_reserve(
         assert gpu_memory(d)["context_measured"] == str(300 * M)
         time.sleep(1.2)
         assert s.read("log").count("warning: the driver counts") == 1, s.read("log")
+    finally:
+        if gate:
+            gate.close()
+        s.close()
+        d.stop()
+
+
+def test_an_auto_context_reserve_learns_the_largest_context_measured():
+    """`--attach-context-reserve auto` (512M on cuda): a program whose driver
+    figure passes its charge by 700M at two checks in a row raises the GPU's
+    reserve for new attached needs to 700M; its own session keeps what it was
+    counted (512M cut to what its 100M need leaves of the mock GPU's arena)."""
+    M = 1 << 20
+    d = start_with_this_process_at("auto", 700 * M)
+    s = Session(d)
+    gate = None
+    try:
+        assert gpu_memory(d)["context_reserve"] == str(512 * M)
+        s.cmd("need persistent=100M ephemeral=0 gpu=0\n")
+        gate = attach_python_gate(s)
+        counted = int(s.status()["memory_context_reserve"])
+        assert 0 < counted < 512 * M, s.status()
+        assert wait_until(lambda: gpu_memory(d)["context_reserve"] == str(700 * M),
+                          timeout=10), gpu_memory(d)
+        assert s.status()["memory_context_reserve"] == str(counted), s.status()
     finally:
         if gate:
             gate.close()

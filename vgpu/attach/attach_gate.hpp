@@ -79,6 +79,9 @@ struct AttachedGate {
   // The most the driver's figure passed the charge while the program's memory
   // was on the card: its context as measured (at least the reserve is allowed).
   std::uint64_t context_seen = 0;
+  // The driver's figure less the charge at the last check (0: not past it), so
+  // that only a context seen at two checks in a row is learned.
+  std::uint64_t context_last = 0;
   // Swapped out, the driver's figure is held against what the program said stays
   // on the card (Broker::check_swapped_program): checks in a row that found it
   // swapped, of those in a row past it, and the figure learned from the driver,

@@ -732,8 +732,7 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
                                     arena::format_size(cap)));
   if (c.name && !c.name->empty()) s.need.name = c.name;
   const arena::Need need = arena_need(s, p, e, gpu);
-  if (const Bytes context = context_for(s, p, e, gpu);
-      will_attach(s) && context < config_.attach_context_reserve)
+  if (const Bytes context = need.unswappable; will_attach(s) && context < context_reserve_on(gpu))
     log(s, fmt::format("line {}: need: the context reserve is cut to {} on gpu {}: the need "
                        "leaves no more of its {} (the program's CUDA context may not fit)",
                        ln, arena::format_size(context), gpu, arena::format_size(cap)));
@@ -754,6 +753,7 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   s.gpu = gpu;
   s.need.persistent = p;
   s.need.ephemeral = e;
+  s.context_counted = need.unswappable;
   set_budget(s);
   if (c.iters) s.need.iters = c.iters;
   if (c.priority) {
@@ -819,7 +819,7 @@ int Broker::place_any(Session& s, Bytes p, Bytes e, std::uint32_t ln) {
   // A GPU with room for the context reserve too, else one with room for the need
   // (where the reserve is cut: context_for).
   const sched::PlacementOptions opts{config_.placement, config_.risk};
-  const Bytes context = will_attach(s) ? config_.attach_context_reserve : 0;
+  const Bytes context = will_attach(s) ? context_reserve_on(-1) : 0;
   sched::PlacementChoice c = sched::choose_gpu(views_, p + e + context, opts, rr_next_);
   if (!c.gpu && context > 0) c = sched::choose_gpu(views_, p + e, opts, rr_next_);
   if (!c.gpu) {
@@ -925,6 +925,7 @@ bool Broker::bind_to(Session& s, std::uint32_t gi) {
   Gpu& g = *gpus_[gi];
   const arena::Need need = arena_need(s, s.need.persistent, s.need.ephemeral, static_cast<int>(gi));
   const arena::ArenaError err = g.sched.arrive(s.id, need, s.priority, s.need.iters, now());
+  if (err == arena::ArenaError::ok) s.context_counted = need.unswappable;
   if (err != arena::ArenaError::ok) {
     s.error = EIO;
     s.error_text = fmt::format("rejected by gpu {}: {}", gi, arena::to_string(err));

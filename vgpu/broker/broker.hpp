@@ -82,6 +82,10 @@ struct BrokerConfig {
   // need (as unswappable: it stays on the card while the program's memory is
   // swapped out). salusd: 512 MiB on the cuda backend, 0 on sim.
   Bytes attach_context_reserve = 0;
+  // `--attach-context-reserve auto`: a GPU's reserve for new attached sessions
+  // grows to the largest context measured there (Broker::learn_context), never
+  // below attach_context_reserve. Off: the reserve is the configured one.
+  bool attach_context_learn = false;
   // A program whose driver figure (NVML) stays past what admission counts for it
   // (its charge and context reserve on the card; swapped out, what it said stays)
   // is SIGKILLed rather than only warned about or counted: for hosts where
@@ -475,13 +479,18 @@ class Broker {
   // and `ephemeral`: an attached session's whole need is its own (persistent),
   // in the GPU's shared attached lane, with the context reserve beside it.
   arena::Need arena_need(const Session& s, Bytes persistent, Bytes ephemeral, int gpu) const;
-  // The context reserve counted for `s` on GPU `gpu` (-1: not chosen yet): the
-  // configured one, cut to what the need leaves of that GPU's capacity.
+  // The context reserve counted for `s` on GPU `gpu` (-1: not chosen yet): that
+  // GPU's (context_reserve_on), cut to what the need leaves of its capacity.
   Bytes context_for(const Session& s, Bytes persistent, Bytes ephemeral, int gpu) const;
-  // The same for the session's declared need on its GPU: what it was admitted with.
-  Bytes context_of(const Session& s) const {
-    return context_for(s, s.need.persistent, s.need.ephemeral, s.gpu);
-  }
+  // What admission counted for the session's context with its need as placed
+  // (Session::context_counted): a reserve learned later counts for new needs only.
+  static Bytes context_of(const Session& s) { return will_attach(s) ? s.context_counted : 0; }
+  // The reserve new attached needs count on GPU `gpu` (-1: any): the configured
+  // one, or with `auto` the context learned there when that is larger.
+  Bytes context_reserve_on(int gpu) const;
+  // `auto`: a context of `bytes`, seen at two checks in a row, raises the GPU's
+  // learned reserve (rounded up, at most kMostLearnedContext); salusd's log says so.
+  void learn_context(Gpu& g, Bytes bytes);
   void set_budget(Session& s);
   // Warns (session log) when the attached budgets of s's GPU exceed the card's
   // memory outside salusd's arena on the cuda backend.

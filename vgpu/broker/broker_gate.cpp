@@ -74,7 +74,7 @@ bool Broker::will_attach(const Session& s) {
 // card has left for the context, and the session log says so (exec_need).
 Bytes Broker::context_for(const Session& s, Bytes persistent, Bytes ephemeral, int gpu) const {
   if (!will_attach(s)) return 0;
-  const Bytes reserve = config_.attach_context_reserve;
+  const Bytes reserve = context_reserve_on(gpu);
   if (gpu < 0 || static_cast<std::size_t>(gpu) >= gpus_.size()) return reserve;
   const Bytes cap = gpus_[static_cast<std::size_t>(gpu)]->sched.arena().capacity();
   const Bytes need = persistent + ephemeral;  // callers checked it does not overflow
@@ -84,15 +84,42 @@ Bytes Broker::context_for(const Session& s, Bytes persistent, Bytes ephemeral, i
 // How admission counts an attached program's CUDA context, for the attach
 // lines of the session log ("" when it counts none).
 std::string Broker::context_reserve_note(const Session& s) const {
-  const Bytes r = config_.attach_context_reserve;
+  const Bytes r = context_reserve_on(s.gpu);
   if (r == 0) return {};
   const Bytes counted = context_of(s);
+  const bool learned = r > config_.attach_context_reserve;
   return fmt::format(
       " (admission also counts {} for the program's CUDA context: "
-      "--attach-context-reserve{})",
-      arena::format_size(counted),
+      "--attach-context-reserve{}{})",
+      arena::format_size(counted), learned ? " auto, the largest measured on this GPU" : "",
       counted < r
           ? fmt::format(" {}, cut to what the need leaves of the GPU", arena::format_size(r))
+          : std::string());
+}
+
+Bytes Broker::context_reserve_on(int gpu) const {
+  const Bytes configured = config_.attach_context_reserve;
+  if (gpu < 0 || static_cast<std::size_t>(gpu) >= gpus_.size()) {
+    Bytes most = configured;  // not placed yet: the largest any GPU counts
+    for (const auto& g : gpus_) most = std::max(most, g->context_learned);
+    return most;
+  }
+  return std::max(configured, gpus_[static_cast<std::size_t>(gpu)]->context_learned);
+}
+
+void Broker::learn_context(Gpu& g, Bytes bytes) {
+  if (!config_.attach_context_learn || bytes == 0) return;
+  const Bytes units = (bytes + kLearnedContextUnit - 1) / kLearnedContextUnit;
+  const Bytes learned = std::min(units * kLearnedContextUnit, kMostLearnedContext);
+  const Bytes was = context_reserve_on(static_cast<int>(g.index));
+  if (learned <= was) return;
+  g.context_learned = learned;
+  spdlog::warn(
+      "gpu {}: an attached program's CUDA context measures {}, past the {} admission "
+      "counted: new attached sessions there count {} (--attach-context-reserve auto{})",
+      g.index, arena::format_size(bytes), arena::format_size(was), arena::format_size(learned),
+      learned == kMostLearnedContext
+          ? fmt::format(", which learns at most {}", arena::format_size(learned))
           : std::string());
 }
 
@@ -180,6 +207,10 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   }
   s.gate = std::move(gate);
   attached_.insert(s.id);
+  // Re-placed below as an attached need, with its context reserve.
+  const arena::Need need = arena_need(s, s.need.persistent, s.need.ephemeral, s.gpu);
+  const Bytes counted_before = s.context_counted;
+  s.context_counted = need.unswappable;
   set_budget(s);
   const std::uint64_t heartbeat = gate_load(G.heartbeat);
   gate_store(G.heartbeat, heartbeat + 1);
@@ -194,14 +225,15 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
                                                   arena::format_size(s.need.ephemeral))
                                     : std::string()));
   note_memory_outside_arena(g, s, ln);
-  // Re-place the need as an attached one (arena_need); admission may wait.
-  const arena::ArenaError err = g.sched.change_need(
-      s.id, arena_need(s, s.need.persistent, s.need.ephemeral, s.gpu), std::nullopt, now());
+  // Re-place the need as an attached one; admission may wait.
+  const arena::ArenaError err = g.sched.change_need(s.id, need, std::nullopt, now());
   if (err != arena::ArenaError::ok) {
+    const std::string note = context_reserve_note(s);
     detach_gate(s, later);
     s.gate.reset();
-    return fail(ENOMEM, fmt::format("rejected by gpu {}: {}{}", g.index, arena::to_string(err),
-                                    context_reserve_note(s)));
+    s.context_counted = counted_before;
+    return fail(ENOMEM,
+                fmt::format("rejected by gpu {}: {}{}", g.index, arena::to_string(err), note));
   }
   s.lane.reset();
   if (s.state == SessionState::admitted) {
@@ -539,10 +571,13 @@ void Broker::check_context(Gpu& g, Session& s, std::optional<Bytes> used) {
   gt.charged_at_check = now_charged;
   if (!used || *used <= charged) {
     gt.context_over = 0;
+    gt.context_last = 0;
     return;
   }
   gt.context_seen = std::max<std::uint64_t>(gt.context_seen, *used - charged);
   g.context_measured = std::max<Bytes>(g.context_measured, gt.context_seen);
+  learn_context(g, std::min<std::uint64_t>(gt.context_last, *used - charged));
+  gt.context_last = *used - charged;
   const Bytes reserve = context_of(s);  // as admitted (possibly cut)
   if (*used - charged <= reserve) {
     gt.context_over = 0;

@@ -24,6 +24,14 @@ namespace salus::vgpu {
 // for memory held past what admission counts (broker_gate.cpp, broker_swap.cpp).
 inline constexpr Bytes kDriverFigureSlack = Bytes{16} << 20;
 
+// `--attach-context-reserve auto` learns a GPU's reserve from the contexts it
+// measures, up to this: a CUDA context with its libraries' modules takes well
+// under it, so more is memory a program took around the shim (warned about, or
+// killed with --attach-overrun kill), which must not cut every later job's
+// packing. Learned figures are rounded up to the driver's 2 MiB pages.
+inline constexpr Bytes kMostLearnedContext = Bytes{2} << 30;
+inline constexpr Bytes kLearnedContextUnit = Bytes{2} << 20;
+
 // Runs the replies and releases collected under the broker's lock, after it is
 // dropped, and empties the list. Nothing they throw escapes into a FUSE callback.
 void run_deferred(std::vector<std::function<void()>>& later);
@@ -110,6 +118,10 @@ struct Broker::Gpu {
   // The most any attached program's driver figure passed its charge here (its
   // context, measured): what --attach-context-reserve should be at least.
   Bytes context_measured = 0;
+  // With `--attach-context-reserve auto`: the largest context seen here at two
+  // checks in a row, rounded up (Broker::learn_context); 0 until one passes the
+  // configured reserve. New attached needs on this GPU count it.
+  Bytes context_learned = 0;
   // Compaction moves whose destinations wait for memory, by session.
   std::vector<std::pair<SessionId, std::vector<arena::PersistentMove>>> unbacked_moves;
   // The admission bounds when sessions waiting host-wide were last offered this

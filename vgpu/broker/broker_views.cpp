@@ -316,7 +316,7 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       gpus_[gi]->device->info().backs_on_demand ? "on-demand" : "up-front",
       gpus_[gi]->device->backed_bytes(),
       gpus_[gi]->backing_why.empty() ? std::string("-") : gpus_[gi]->backing_why,
-      config_.attach_context_reserve, gpus_[gi]->context_measured);
+      context_reserve_on(static_cast<int>(gi)), gpus_[gi]->context_measured);
 }
 
 std::string Broker::render_gpu_lanes(std::size_t gi) const {
@@ -650,7 +650,7 @@ std::string Broker::render_metrics() const {
                "Attached programs' CUDA contexts: the reserve admission counts for each, and the "
                "largest measured (the driver's figure less the charge).",
                "kind", [&](const Gpu& g) {
-                 return Labelled{{"reserve", str(config_.attach_context_reserve)},
+                 return Labelled{{"reserve", str(context_reserve_on(static_cast<int>(g.index)))},
                                  {"measured", str(g.context_measured)}};
                });
   m.per_gpu(gpus_, "salus_gpu_lanes", "gauge", "Lanes open on the GPU.",

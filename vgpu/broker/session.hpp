@@ -274,6 +274,10 @@ struct Session {
   // (an elastic restart, a second stage) instead of ending it.
   UniqueFd launcher_pidfd;
   pid_t launcher_pid = 0;
+  // The context reserve admission counted beside its need when that need was
+  // placed (Broker::context_for): what its status shows and its driver figure is
+  // held to, whatever the GPU's reserve learns later.
+  Bytes context_counted = 0;
 
   std::deque<LogLine> log;
   std::uint64_t log_lines_total = 0;

@@ -422,15 +422,20 @@ TEST(Attach, WholeNeedCountsAsTheSessionsOwn) {
 }
 
 // The GPU's own figure for the program's memory, from NVML's process list.
+// NVML as salusd reads it: this process (every Program's) uses `used` bytes.
 class FakeTelemetry final : public GpuTelemetry {
  public:
+  explicit FakeTelemetry(std::uint64_t used = std::uint64_t{123} << 20) : used_(used) {}
   GpuTelemetrySnapshot snapshot(std::size_t) const override {
     GpuTelemetrySnapshot t;
     t.available = true;
     t.readings.processes.emplace();
-    t.readings.processes->push_back({getpid(), std::uint64_t{123} << 20});
+    t.readings.processes->push_back({getpid(), used_});
     return t;
   }
+
+ private:
+  std::uint64_t used_;
 };
 
 TEST(Attach, StatusShowsTheDriversFigureForTheProcess) {
@@ -590,6 +595,53 @@ TEST(Attach, ADriverFigurePastTheReserveIsSaidOnce) {
   std::this_thread::sleep_for(1100ms);
   EXPECT_EQ(b.render_log(ir).find("warning: the driver counts"), std::string::npos)
       << b.render_log(ir);
+}
+
+// --attach-context-reserve auto: a context measured past the reserve at two
+// checks in a row raises the GPU's reserve for new attached needs (rounded up to
+// 2 MiB, at most 2 GiB); sessions already placed keep what they were counted.
+TEST(Attach, AnAutoReserveLearnsTheLargestContextOfItsGpu) {
+  auto learning = [](std::uint64_t used) {
+    std::vector<std::unique_ptr<Device>> devs;
+    devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+    BrokerConfig cfg;
+    cfg.attach_context_reserve = Bytes{100} << 20;
+    cfg.attach_context_learn = true;
+    return std::make_unique<Broker>(std::move(devs), cfg, std::make_unique<FakeTelemetry>(used));
+  };
+  auto reserve = [](Broker& b) {
+    const std::string m = b.render_gpu_memory(0);
+    const auto at = m.find("\ncontext_reserve: ") + 18;
+    return m.substr(at, m.find('\n', at) - at);
+  };
+  auto b = learning(std::uint64_t{123} << 20);
+  Program p;
+  const SessionId id = attached_session(*b, p);
+  st(p.g->charged_bytes, std::uint64_t{16} << 20);  // 107M outside the charge
+  const auto end = std::chrono::steady_clock::now() + 5s;
+  while (reserve(*b) == std::to_string(100u << 20) && std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(reserve(*b), std::to_string(108u << 20));
+  EXPECT_NE(b->render_metrics().find(fmt::format(
+                "salus_gpu_attach_context_bytes{{gpu=\"0\",kind=\"reserve\"}} {}\n", 108u << 20)),
+            std::string::npos);
+  EXPECT_EQ(field(b->render_status(id), "memory_context_reserve"), std::to_string(100u << 20));
+  Program q;
+  const SessionId iq = attached_session(*b, q);
+  EXPECT_EQ(field(b->render_status(iq), "memory_context_reserve"), std::to_string(108u << 20));
+  EXPECT_NE(b->render_log(iq).find("admission also counts 108.0M for the program's CUDA context: "
+                                   "--attach-context-reserve auto, the largest measured"),
+            std::string::npos)
+      << b->render_log(iq);
+  // What no context takes is learned only up to 2 GiB (here more than the card:
+  // a need is then counted what it leaves of the card, as any cut reserve).
+  auto big = learning(std::uint64_t{5} << 30);
+  Program r;
+  attached_session(*big, r);
+  const auto end2 = std::chrono::steady_clock::now() + 5s;
+  while (reserve(*big) == std::to_string(100u << 20) && std::chrono::steady_clock::now() < end2)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(reserve(*big), std::to_string(std::uint64_t{2} << 30));
 }
 
 // A session declared kind=attached has no ephemeral memory in its lane: hosted
