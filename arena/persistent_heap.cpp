@@ -222,6 +222,17 @@ std::optional<Bytes> best_hole(const SpaceMap& space, Bytes size, Bytes lowest, 
   return best->second - size;
 }
 
+// The heap's buffers from the top down, as slide_start takes them. `Buffer` is
+// PersistentBuffer, const for a const heap.
+template <typename Buffer, typename Buffers, typename ByOffset>
+std::vector<Buffer*> top_down(Buffers& buffers, const ByOffset& by_offset) {
+  std::vector<Buffer*> down;
+  down.reserve(by_offset.size());
+  for (auto it = by_offset.rbegin(); it != by_offset.rend(); ++it)
+    down.push_back(&buffers.at(it->second));
+  return down;
+}
+
 // Buffers from the top down. Packing buffers k.. under buffer k - 1 (or under the top)
 // clears the range once they end up at or above its end. The largest such k moves the
 // fewest buffers; a smaller k moves more, but each by more (the holes above k add up),
@@ -262,10 +273,7 @@ std::size_t slide_start(const std::vector<Buffer*>& down, Bytes top,
 
 void PersistentHeap::plan_slide(SpaceMap& space, SessionId owner, std::pair<Bytes, Bytes> range,
                                 std::vector<PersistentMove>& moves) {
-  std::vector<PersistentBuffer*> down;
-  down.reserve(by_offset_.size());
-  for (auto it = by_offset_.rbegin(); it != by_offset_.rend(); ++it)
-    down.push_back(&buffers_.at(it->second));
+  const std::vector<PersistentBuffer*> down = top_down<PersistentBuffer>(buffers_, by_offset_);
   const std::size_t k = slide_start(down, top_, range);
   // The packed place of each of those buffers is never below it: the ones between it and
   // the anchor fit in the space between.
@@ -313,10 +321,7 @@ void PersistentHeap::owners_to_move(const SpaceMap& space, Bytes floor,
     const BestFit fit = best_fit(space, range);
     for (const auto& [handle, to] : fit.placed) out.push_back(buffers_.at(handle).owner);
     if (!fit.all) {
-      std::vector<const PersistentBuffer*> down;
-      down.reserve(by_offset_.size());
-      for (auto it = by_offset_.rbegin(); it != by_offset_.rend(); ++it)
-        down.push_back(&buffers_.at(it->second));
+      const auto down = top_down<const PersistentBuffer>(buffers_, by_offset_);
       const std::size_t k = slide_start(down, top_, range);
       for (std::size_t i = k; i < down.size(); ++i)
         if (!down[i]->move_to) out.push_back(down[i]->owner);
