@@ -302,16 +302,16 @@ std::string unreadable_state(int err) {
 Table gpu_table(const std::vector<GpuView>& gpus, bool exact, const std::vector<double>* busy) {
   std::vector<std::string> header = {"GPU", "NAME", "BACKEND"};
   if (busy) header.push_back("BUSY%");
-  for (const char* h :
-       {"CAPACITY", "PERSISTENT", "RESERVED", "EPHEMERAL", "FREE", "LANES", "QUEUED", "DRAINING"})
+  for (const char* h : {"CAPACITY", "PERSISTENT", "RESERVED", "EPHEMERAL", "FREE", "OUTSIDE",
+                        "LANES", "QUEUED", "DRAINING"})
     header.push_back(h);
   Table t(header);
   for (std::size_t i = 0; i < gpus.size(); ++i) {
     const GpuView& g = gpus[i];
     std::vector<std::string> row = {g.index, get(g.info, "name"), get(g.info, "backend")};
     if (busy) row.push_back(i < busy->size() ? fmt::format("{:.1f}", (*busy)[i]) : "-");
-    for (const char* k :
-         {"capacity", "persistent_used", "persistent_reserved", "ephemeral", "free"})
+    for (const char* k : {"capacity", "persistent_used", "persistent_reserved", "ephemeral", "free",
+                          "outside_sessions"})
       row.push_back(human_bytes(get(g.memory, k), exact));
     row.push_back(get(g.memory, "lanes"));
     row.push_back(get(g.memory, "queued"));
@@ -375,7 +375,7 @@ Table session_table(const std::vector<SessionView>& sessions, bool exact,
 // context, which admission covers with salusd's --attach-context-reserve).
 Table attached_table(const std::vector<SessionView>& sessions, bool exact) {
   Table t({"ID", "PID", "GPU", "BUDGET", "CHARGED", "PEAK", "GPU_MEM", "CONTEXT", "RESERVE",
-           "RESIDENCY", "ON_CARD", "GATE_WAITS", "GATE_WAIT_MS"});
+           "UNGATED", "RESIDENCY", "ON_CARD", "GATE_WAITS", "GATE_WAIT_MS"});
   // NVML's figure, or "-" where there is none ("unavailable (why)" has spaces).
   auto figure = [&](const KeyValues& k, const char* key) {
     const std::string v = get(k, key);
@@ -387,9 +387,9 @@ Table attached_table(const std::vector<SessionView>& sessions, bool exact) {
     t.add({get(k, "id"), get(k, "pid"), get(k, "gpu"), human_bytes(get(k, "memory_budget"), exact),
            human_bytes(get(k, "memory_charged"), exact), human_bytes(get(k, "memory_peak"), exact),
            figure(k, "memory_gpu"), figure(k, "memory_context"),
-           human_bytes(get(k, "memory_context_reserve"), exact), get(k, "residency"),
-           human_bytes(get(k, "memory_counted_on_card"), exact), get(k, "gate_waits"),
-           get(k, "gate_wait_ms")});
+           human_bytes(get(k, "memory_context_reserve"), exact), figure(k, "memory_ungated"),
+           get(k, "residency"), human_bytes(get(k, "memory_counted_on_card"), exact),
+           get(k, "gate_waits"), get(k, "gate_wait_ms")});
   }
   return t;
 }

@@ -106,8 +106,8 @@ def test_status_shows_attached_programs(salusd):
         out = ctl(salusd, "status").stdout
         attached = out.split("\nATTACHED\n")[1]
         assert attached.splitlines()[0].split()[:4] == ["ID", "PID", "GPU", "BUDGET"], attached
-        assert row(attached, s.id)[1:11] == [str(os.getpid()), "0", "8M", "3M", "5M", "-", "-",
-                                             "0", "resident", "8M"], attached
+        assert row(attached, s.id)[1:12] == [str(os.getpid()), "0", "8M", "3M", "5M", "-", "-",
+                                             "0", "-", "resident", "8M"], attached
     s.close()
 
 

@@ -424,6 +424,25 @@ class Broker {
   // What the driver counts for each attached program beyond its charge, against
   // the context reserve (once a second, from the gate service).
   void check_attached_contexts(const std::vector<GpuTelemetrySnapshot>& telemetry);
+  // Card memory of processes no gate accounts for (broker_processes.cpp): a
+  // process NVML lists on a GPU, with its parents read from /proc before the lock.
+  struct ListedProcess {
+    pid_t pid = 0;
+    Bytes bytes = 0;
+    std::vector<pid_t> ancestors;          // parent first, at most kMostAncestors
+    bool salusd_own = false;               // salusd, its executors, its MPS daemons
+    bool descends_from(pid_t root) const;  // or is it
+  };
+  struct ProcessCensus {
+    std::vector<std::vector<ListedProcess>> by_gpu;
+  };
+  ProcessCensus census_of(const std::vector<GpuTelemetrySnapshot>& telemetry) const;
+  // Under the lock: each GPU's `outside_*` and each attached session's
+  // `ungated_bytes` from the census, said once in the logs.
+  void account_processes(const ProcessCensus& census);
+  Session* job_of(const ListedProcess& p);
+  bool is_attached_program(pid_t pid) const;
+  void note_ungated(Session& s, const ListedProcess& p, const Gpu& g);
   void check_context(Gpu& g, Session& s, std::optional<Bytes> used);
   // A swapped-out program whose driver figure stays past what it said it leaves
   // on the card: the arena counts what the driver shows (broker_swap.cpp).

@@ -621,10 +621,16 @@ bool Broker::kill_overrun(Session& s, Bytes used, Bytes counted) {
 void Broker::gate_tick() {
   // Snapshots are taken before the broker lock (design.md, *Locks*).
   std::vector<GpuTelemetrySnapshot> telemetry;
-  if (telemetry_ && ++context_check_ticks_ % 40 == 0)
+  ProcessCensus census;
+  if (telemetry_ && ++context_check_ticks_ % 40 == 0) {
     for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_->snapshot(i));
+    census = census_of(telemetry);
+  }
   std::lock_guard lk(mu_);
-  if (!telemetry.empty()) check_attached_contexts(telemetry);
+  if (!telemetry.empty()) {
+    check_attached_contexts(telemetry);
+    account_processes(census);
+  }
   ++gate_ticks_;
   const TimeNs t = now();
   for (auto& g : gpus_) lane_tick(*g, t);

@@ -122,6 +122,11 @@ struct Broker::Gpu {
   // checks in a row, rounded up (Broker::learn_context); 0 until one passes the
   // configured reserve. New attached needs on this GPU count it.
   Bytes context_learned = 0;
+  // Card memory of processes that belong to no session (broker_processes.cpp),
+  // at the last census, and the pids already told of in salusd's log.
+  Bytes outside_bytes = 0;
+  std::uint32_t outside_processes = 0;
+  std::vector<pid_t> outside_told;
   // Compaction moves whose destinations wait for memory, by session.
   std::vector<std::pair<SessionId, std::vector<arena::PersistentMove>>> unbacked_moves;
   // The admission bounds when sessions waiting host-wide were last offered this

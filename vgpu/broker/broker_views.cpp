@@ -191,6 +191,9 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   const std::uint64_t charged = gate_load(G.charged_bytes);
   kv("memory_context",
      on_gpu ? std::to_string(*on_gpu > charged ? *on_gpu - charged : 0) : std::string("-"));
+  // The job's other processes on the card (broker_processes.cpp): no NVML, no figure.
+  kv("memory_ungated", t && t->available && t->readings.processes ? std::to_string(s.ungated_bytes)
+                                                                  : std::string("-"));
   kv("launches", gate_load(G.launches));
   kv("gate_waits", gate_load(G.gate_waits));
   kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(std::min<std::uint64_t>(
@@ -307,7 +310,7 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       "oversubscribe: {}\nadmit_capacity: {}\nresident: {}\nresident_reserved: {}\n"
       "swapped: {}\nhost_swapped: {}\n"
       "spilled: {}\nbacking: {}\nbacked: {}\nbacking_wait: {}\ncontext_reserve: {}\n"
-      "context_measured: {}\n",
+      "context_measured: {}\noutside_sessions: {}\noutside_processes: {}\n",
       m.capacity, m.persistent_used, m.persistent_reserved, m.lane_total, m.lanes, m.free,
       m.largest_hole, m.fragmentation, m.queued, st.persistent_bytes_moved, st.lane_moves,
       gpus_[gi]->sched.arena().options().oversubscribe, m.admit_capacity,
@@ -316,7 +319,8 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       gpus_[gi]->device->info().backs_on_demand ? "on-demand" : "up-front",
       gpus_[gi]->device->backed_bytes(),
       gpus_[gi]->backing_why.empty() ? std::string("-") : gpus_[gi]->backing_why,
-      context_reserve_on(static_cast<int>(gi)), gpus_[gi]->context_measured);
+      context_reserve_on(static_cast<int>(gi)), gpus_[gi]->context_measured,
+      gpus_[gi]->outside_bytes, gpus_[gi]->outside_processes);
 }
 
 std::string Broker::render_gpu_lanes(std::size_t gi) const {
@@ -634,6 +638,48 @@ void memory_families(MetricsText& m, const Gpus& gpus) {
       });
 }
 
+// Attached programs' card memory as the driver counts it (NVML): their contexts
+// against the reserve, each program's figure, its job's ungated processes, and
+// the processes of no session (broker_processes.cpp).
+template <typename Gpus, typename Sessions, typename ReserveOf>
+void attached_memory_families(MetricsText& m, const Gpus& gpus, const Sessions& sessions,
+                              const std::vector<GpuTelemetrySnapshot>& telemetry,
+                              ReserveOf reserve_of) {
+  using Labelled = MetricsText::Labelled;
+  auto str = [](auto v) { return fmt::format("{}", v); };
+  // The session's GPU's snapshot, when NVML answered for it.
+  auto nvml_of = [&](const auto& s) -> const GpuTelemetrySnapshot* {
+    const auto gi = static_cast<std::size_t>(s.gpu);
+    return s.gpu >= 0 && gi < telemetry.size() && telemetry[gi].available ? &telemetry[gi]
+                                                                          : nullptr;
+  };
+  m.per_gpu_by(
+      gpus, "salus_gpu_attach_context_bytes", "gauge",
+      "Attached programs' CUDA contexts: the reserve admission counts for each, and the "
+      "largest measured (the driver's figure less the charge).",
+      "kind", [&](const auto& g) {
+        return Labelled{{"reserve", str(reserve_of(g))}, {"measured", str(g.context_measured)}};
+      });
+  m.per_gpu(gpus, "salus_gpu_memory_outside_sessions_bytes", "gauge",
+            "Card memory the driver (NVML) shows for processes that belong to no session.",
+            [&](const auto& g) { return str(g.outside_bytes); });
+  m.per_gate_known(sessions, "salus_session_memory_gpu_bytes", "gauge",
+                   "Attached session: the driver's figure (NVML) for its program's device memory, "
+                   "context included.",
+                   [&](const auto& s) -> std::optional<std::string> {
+                     const GpuReadings::Process* p = find_process(s.gate->pid, nvml_of(s));
+                     return p && p->bytes ? std::optional<std::string>(std::to_string(*p->bytes))
+                                          : std::nullopt;
+                   });
+  m.per_gate_known(sessions, "salus_session_memory_ungated_bytes", "gauge",
+                   "Attached session: the driver's figure (NVML) for the job's other processes, "
+                   "which run ungated (one process of a job is gated).",
+                   [&](const auto& s) -> std::optional<std::string> {
+                     if (!nvml_of(s)) return std::nullopt;
+                     return std::to_string(s.ungated_bytes);
+                   });
+}
+
 }  // namespace
 
 std::string Broker::render_metrics() const {
@@ -646,13 +692,9 @@ std::string Broker::render_metrics() const {
   auto seconds = [](TimeNs ns) { return fmt::format("{:.9f}", static_cast<double>(ns) / 1e9); };
 
   memory_families(m, gpus_);
-  m.per_gpu_by(gpus_, "salus_gpu_attach_context_bytes", "gauge",
-               "Attached programs' CUDA contexts: the reserve admission counts for each, and the "
-               "largest measured (the driver's figure less the charge).",
-               "kind", [&](const Gpu& g) {
-                 return Labelled{{"reserve", str(context_reserve_on(static_cast<int>(g.index)))},
-                                 {"measured", str(g.context_measured)}};
-               });
+  attached_memory_families(m, gpus_, sessions_, telemetry, [this](const Gpu& g) {
+    return context_reserve_on(static_cast<int>(g.index));
+  });
   m.per_gpu(gpus_, "salus_gpu_lanes", "gauge", "Lanes open on the GPU.",
             [&](const Gpu& g) { return str(g.sched.arena().memory().lanes); });
   m.per_gpu(gpus_, "salus_gpu_busy_seconds_total", "counter",
@@ -699,15 +741,6 @@ std::string Broker::render_metrics() const {
                   return seconds(waited);
                 });
   gate_families(m, sessions_);
-  m.per_gate_known(sessions_, "salus_session_memory_gpu_bytes", "gauge",
-                   "Attached session: the driver's figure (NVML) for its program's device memory, "
-                   "context included.",
-                   [&](const Session& s) -> std::optional<std::string> {
-                     const auto gi = static_cast<std::size_t>(s.gpu);
-                     if (s.gpu < 0 || gi >= telemetry.size()) return std::nullopt;
-                     const auto b = process_gpu_bytes(s.gate->pid, &telemetry[gi]);
-                     return b ? std::optional<std::string>(std::to_string(*b)) : std::nullopt;
-                   });
   m.single("salus_sessions", "gauge", "Live sessions.", sessions_.size());
   m.single("salus_iterations_total", "counter", "Iterations finished on all GPUs.",
            stats_.iterations);

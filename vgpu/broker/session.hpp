@@ -278,6 +278,11 @@ struct Session {
   // placed (Broker::context_for): what its status shows and its driver figure is
   // held to, whatever the GPU's reserve learns later.
   Bytes context_counted = 0;
+  // Card memory of the job's other processes, which run ungated (one process of
+  // a job is gated): the last census's (broker_processes.cpp), and whether the
+  // session log has said so.
+  Bytes ungated_bytes = 0;
+  bool ungated_told = false;
 
   std::deque<LogLine> log;
   std::uint64_t log_lines_total = 0;

@@ -422,20 +422,25 @@ TEST(Attach, WholeNeedCountsAsTheSessionsOwn) {
 }
 
 // The GPU's own figure for the program's memory, from NVML's process list.
-// NVML as salusd reads it: this process (every Program's) uses `used` bytes.
+// NVML as salusd reads it: this process (every Program's) uses `used` bytes,
+// and the `others` beside it theirs.
 class FakeTelemetry final : public GpuTelemetry {
  public:
-  explicit FakeTelemetry(std::uint64_t used = std::uint64_t{123} << 20) : used_(used) {}
+  explicit FakeTelemetry(std::uint64_t used = std::uint64_t{123} << 20,
+                         std::vector<GpuReadings::Process> others = {})
+      : used_(used), others_(std::move(others)) {}
   GpuTelemetrySnapshot snapshot(std::size_t) const override {
     GpuTelemetrySnapshot t;
     t.available = true;
     t.readings.processes.emplace();
     t.readings.processes->push_back({getpid(), used_});
+    for (const auto& o : others_) t.readings.processes->push_back(o);
     return t;
   }
 
  private:
   std::uint64_t used_;
+  std::vector<GpuReadings::Process> others_;
 };
 
 TEST(Attach, StatusShowsTheDriversFigureForTheProcess) {
@@ -642,6 +647,54 @@ TEST(Attach, AnAutoReserveLearnsTheLargestContextOfItsGpu) {
   while (reserve(*big) == std::to_string(100u << 20) && std::chrono::steady_clock::now() < end2)
     std::this_thread::sleep_for(20ms);
   EXPECT_EQ(reserve(*big), std::to_string(std::uint64_t{2} << 30));
+}
+
+// NVML lists a child of the attached program (another process of its job, which
+// runs ungated) and a process of no session: each is shown where it belongs,
+// said once, and counted nowhere.
+TEST(Attach, TheCardMemoryOfAJobsOtherProcessesAndOfStrangersIsShown) {
+  {
+    auto b = make_broker();  // no NVML: no figure
+    Program p;
+    EXPECT_EQ(field(b->render_status(attached_session(*b, p)), "memory_ungated"), "-");
+  }
+  Child worker;
+  const std::uint64_t M = 1 << 20;
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  Broker b(std::move(devs), BrokerConfig{},
+           std::make_unique<FakeTelemetry>(
+               40 * M, std::vector<GpuReadings::Process>{{worker.pid, 30 * M}, {1, 20 * M}}));
+  Program p;
+  const SessionId id = attached_session(b, p);
+  const auto end = std::chrono::steady_clock::now() + 5s;
+  while (field(b.render_status(id), "memory_ungated") != std::to_string(30 * M) &&
+         std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(field(b.render_status(id), "memory_ungated"), std::to_string(30 * M));
+  const std::string memory = b.render_gpu_memory(0);
+  EXPECT_NE(memory.find(fmt::format("\noutside_sessions: {}\noutside_processes: 1\n", 20 * M)),
+            std::string::npos)
+      << memory;
+  const std::string said = fmt::format(
+      "pid {}, another process of this job (a descendant of pid {}), holds 30.0M on gpu 0 "
+      "ungated",
+      worker.pid, getpid());
+  EXPECT_NE(b.render_log(id).find(said), std::string::npos) << b.render_log(id);
+  const std::string metrics = b.render_metrics();
+  EXPECT_NE(metrics.find(
+                fmt::format("salus_gpu_memory_outside_sessions_bytes{{gpu=\"0\"}} {}\n", 20 * M)),
+            std::string::npos);
+  EXPECT_NE(metrics.find(fmt::format("salus_session_memory_ungated_bytes{{session=\"{}\",uid=\"0\","
+                                     "pid=\"{}\"}} {}\n",
+                                     id, getpid(), 30 * M)),
+            std::string::npos)
+      << metrics;
+  // Neither is charged to the program nor to admission.
+  EXPECT_EQ(field(b.render_status(id), "memory_charged"), "0");
+  std::this_thread::sleep_for(1100ms);
+  const std::string log = b.render_log(id);
+  EXPECT_EQ(log.find(said), log.rfind(said)) << log;  // said once
 }
 
 // A session declared kind=attached has no ephemeral memory in its lane: hosted

@@ -1,0 +1,123 @@
+// Card memory held by processes that no gate accounts for (design.md,
+// *Processes on the card*). NVML lists every compute process on a GPU with its
+// memory. Besides the attached programs (each held to its budget by its gate)
+// and salusd's own (itself, its executors, the MPS daemons it runs), such a
+// process is either another process of an attached job (a descendant of the
+// program or of the launcher it took the session over from: one process of a
+// job is gated, the rest run ungated), or one that belongs to no session (run
+// without salus-run, or by another tool). Neither is charged nor counted in
+// admission. Both are shown (the session's `memory_ungated`, the GPU's
+// `outside_sessions`) and said once in the logs, so that an operator sees who
+// holds the card that salusd shares out.
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "vgpu/attach/attach_gate.hpp"
+#include "vgpu/broker/broker.hpp"
+#include "vgpu/broker/broker_gpu.hpp"
+#include "vgpu/mps/mps_control.hpp"
+
+namespace salus::vgpu {
+
+namespace {
+
+// Kept bounded: a host that runs many programs outside Salus is told about the
+// first ones of each round, not given a list that grows without end.
+constexpr std::size_t kMostOutsideTold = 256;
+
+}  // namespace
+
+// Before the broker's lock: /proc is read here (a process's parents, up to
+// kMostAncestors), never under it.
+Broker::ProcessCensus Broker::census_of(const std::vector<GpuTelemetrySnapshot>& telemetry) const {
+  ProcessCensus c;
+  c.by_gpu.resize(telemetry.size());
+  std::vector<pid_t> own_roots{::getpid()};  // salusd and its executors
+  for (const MpsControl* m : config_.mps)
+    if (m != nullptr && m->pid() > 1)
+      own_roots.push_back(m->pid());  // daemonised: no child of ours
+  for (std::size_t gi = 0; gi < telemetry.size(); ++gi) {
+    const GpuTelemetrySnapshot& t = telemetry[gi];
+    if (!t.available || !t.readings.processes) continue;
+    for (const GpuReadings::Process& p : *t.readings.processes) {
+      if (!p.bytes || *p.bytes == 0 || p.pid <= 0) continue;
+      ListedProcess lp{static_cast<pid_t>(p.pid), *p.bytes, ancestors_of(static_cast<pid_t>(p.pid)),
+                       false};
+      for (pid_t root : own_roots) lp.salusd_own = lp.salusd_own || lp.descends_from(root);
+      c.by_gpu[gi].push_back(std::move(lp));
+    }
+  }
+  return c;
+}
+
+// The attached session whose job `p` belongs to, or null: a descendant of its
+// program, or of the launcher its program took the session over from.
+Session* Broker::job_of(const ListedProcess& p) {
+  for (SessionId id : attached_) {
+    Session* s = get(id);
+    if (!s || !s->gate || s->gate->exited) continue;
+    if (p.descends_from(s->gate->pid) || (s->launcher_pidfd && p.descends_from(s->launcher_pid)))
+      return s;
+  }
+  return nullptr;
+}
+
+bool Broker::ListedProcess::descends_from(pid_t root) const {
+  return root > 0 &&
+         (pid == root || std::find(ancestors.begin(), ancestors.end(), root) != ancestors.end());
+}
+
+bool Broker::is_attached_program(pid_t pid) const {
+  for (SessionId id : attached_)
+    if (const Session* s = get(id); s && s->gate && !s->gate->exited && s->gate->pid == pid)
+      return true;
+  return false;
+}
+
+void Broker::account_processes(const ProcessCensus& census) {
+  for (SessionId id : attached_)
+    if (Session* s = get(id)) s->ungated_bytes = 0;
+  for (std::size_t gi = 0; gi < census.by_gpu.size() && gi < gpus_.size(); ++gi) {
+    Gpu& g = *gpus_[gi];
+    g.outside_bytes = 0;
+    g.outside_processes = 0;
+    std::vector<pid_t> told;
+    for (const ListedProcess& p : census.by_gpu[gi]) {
+      if (is_attached_program(p.pid)) continue;  // its gate holds it to its budget
+      if (Session* s = job_of(p)) {
+        s->ungated_bytes += p.bytes;
+        note_ungated(*s, p, g);
+        continue;
+      }
+      if (p.salusd_own) continue;
+      g.outside_bytes += p.bytes;
+      ++g.outside_processes;
+      const bool was_told =
+          std::find(g.outside_told.begin(), g.outside_told.end(), p.pid) != g.outside_told.end();
+      if (!was_told && told.size() < kMostOutsideTold)
+        spdlog::warn(
+            "gpu {}: pid {} holds {} on the card and belongs to no Salus session (run "
+            "without salus-run, or by another tool): admission does not count it",
+            g.index, p.pid, arena::format_size(p.bytes));
+      if (told.size() < kMostOutsideTold) told.push_back(p.pid);
+    }
+    g.outside_told = std::move(told);  // a process gone and back is told again
+  }
+}
+
+void Broker::note_ungated(Session& s, const ListedProcess& p, const Gpu& g) {
+  if (s.ungated_told) return;
+  s.ungated_told = true;
+  const std::string text = fmt::format(
+      "pid {}, another process of this job (a descendant of pid {}), holds {} on gpu {} "
+      "ungated: one process of a job is gated, so neither the budget nor admission counts it",
+      p.pid, p.descends_from(s.gate->pid) ? s.gate->pid : s.launcher_pid,
+      arena::format_size(p.bytes), g.index);
+  log(s, text);
+  spdlog::warn("session {}: {}", s.id, text);
+}
+
+}  // namespace salus::vgpu
