@@ -10,7 +10,7 @@ PACKAGES="meson ninja-build g++ pkg-config fuse3 libfuse3-dev liburing-dev libbo
   libsystemd-dev libbenchmark-dev python3 python3-pytest util-linux procps systemd
   pandoc man-db busybox-static podman runc slurm-wlm libslurm-dev munge prometheus
   libgrpc++-dev protobuf-compiler protobuf-compiler-grpc python3-grpcio python3-protobuf python3-yaml
-  python3-torch clang-format patchelf"
+  python3-torch python3-ipykernel python3-jupyter-client clang-format patchelf"
 
 install_deps() {
   missing=""

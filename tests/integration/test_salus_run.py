@@ -22,6 +22,7 @@ SALUS_RUN = os.path.join(TOOLS, "salus-run")
 SHIM = os.path.join(os.path.dirname(TOOLS), "client", "shim", "libsalus-shim.so")
 JOB = os.path.join(HERE, "torch_job.py")
 LAUNCHER = os.path.join(HERE, "torch_launcher.py")
+NOTEBOOK = os.path.join(HERE, "notebook_driver.py")
 MOCK_DIR = os.environ.get("SALUS_TEST_CUDA_MOCK_DIR", "")
 PY = sys.executable
 
@@ -33,6 +34,9 @@ def have_torch():
 needs_shim = pytest.mark.skipif(not os.path.exists(SHIM),
                                 reason=f"libsalus-shim.so not built at {SHIM} (needs cuda.h)")
 needs_torch = pytest.mark.skipif(not have_torch(), reason="python3-torch is not installed")
+needs_jupyter = pytest.mark.skipif(
+    subprocess.run([PY, "-c", "import jupyter_client, ipykernel"], capture_output=True).returncode,
+    reason="python3-jupyter-client and python3-ipykernel are not installed")
 needs_mock = pytest.mark.skipif(not os.path.isdir(MOCK_DIR),
                                 reason="SALUS_TEST_CUDA_MOCK_DIR (the mock libcuda) is not set")
 
@@ -339,6 +343,27 @@ def test_the_jobs_next_program_attaches_after_the_first_exits(salusd):
     rep = report(r.stdout)  # the second program's
     assert rep["pid"] == rep["self_pid"], r.stdout + r.stderr
     assert rep["iterations_done"] == "24", r.stdout + r.stderr
+    assert "salus-shim" not in r.stderr, r.stderr
+
+
+@needs_shim
+@needs_torch
+@needs_jupyter
+def test_a_notebook_kernel_and_the_kernel_after_its_restart_share_the_session(salusd):
+    """A real IPython kernel, started as Jupyter starts one (jupyter_client;
+    the server itself imports no torch), runs 12 training steps in a cell;
+    the kernel is restarted and the cell runs again. The first kernel's
+    import of torch attaches it; its exit leaves the session, and the new
+    kernel attaches and adds its 12 steps."""
+    r = salus_run(salusd, "--persistent", "16M", "--ephemeral", "16M", "--", PY, NOTEBOOK,
+                  "train", "12")
+    assert r.returncode == 0, r.stdout + r.stderr
+    kernels = [l for l in r.stdout.splitlines() if l.startswith("self_pid: ")]
+    assert len(kernels) == 2 and kernels[0] != kernels[1], r.stdout
+    rep = report(r.stdout)  # the second kernel's
+    assert rep["kind"] == "attached" and rep["pid"] == rep["self_pid"], r.stdout + r.stderr
+    assert rep["iterations_completed"] == "12", r.stdout + r.stderr  # its own gate's
+    assert rep["iterations_done"] == "24", r.stdout + r.stderr  # the session's
     assert "salus-shim" not in r.stderr, r.stderr
 
 
