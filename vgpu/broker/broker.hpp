@@ -435,6 +435,7 @@ class Broker {
   };
   struct ProcessCensus {
     std::vector<std::vector<ListedProcess>> by_gpu;
+    std::vector<char> listed;  // by GPU: NVML gave its process list
   };
   ProcessCensus census_of(const std::vector<GpuTelemetrySnapshot>& telemetry) const;
   // Under the lock: each GPU's `outside_*` and each attached session's

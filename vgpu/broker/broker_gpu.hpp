@@ -124,6 +124,9 @@ struct Broker::Gpu {
   Bytes context_learned = 0;
   // Card memory of processes that belong to no session (broker_processes.cpp),
   // at the last census, and the pids already told of in salusd's log.
+  // outside_known: a census counted this GPU (NVML lists its processes); else
+  // its figures (and its sessions' memory_ungated) read "-".
+  bool outside_known = false;
   Bytes outside_bytes = 0;
   std::uint32_t outside_processes = 0;
   std::vector<pid_t> outside_told;

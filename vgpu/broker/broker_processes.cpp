@@ -35,6 +35,7 @@ constexpr std::size_t kMostOutsideTold = 256;
 Broker::ProcessCensus Broker::census_of(const std::vector<GpuTelemetrySnapshot>& telemetry) const {
   ProcessCensus c;
   c.by_gpu.resize(telemetry.size());
+  c.listed.resize(telemetry.size(), 0);
   std::vector<pid_t> own_roots{::getpid()};  // salusd and its executors
   for (const MpsControl* m : config_.mps)
     if (m != nullptr && m->pid() > 1)
@@ -42,6 +43,7 @@ Broker::ProcessCensus Broker::census_of(const std::vector<GpuTelemetrySnapshot>&
   for (std::size_t gi = 0; gi < telemetry.size(); ++gi) {
     const GpuTelemetrySnapshot& t = telemetry[gi];
     if (!t.available || !t.readings.processes) continue;
+    c.listed[gi] = 1;
     for (const GpuReadings::Process& p : *t.readings.processes) {
       if (!p.bytes || *p.bytes == 0 || p.pid <= 0) continue;
       ListedProcess lp{static_cast<pid_t>(p.pid), *p.bytes, ancestors_of(static_cast<pid_t>(p.pid)),
@@ -82,6 +84,7 @@ void Broker::account_processes(const ProcessCensus& census) {
     if (Session* s = get(id)) s->ungated_bytes = 0;
   for (std::size_t gi = 0; gi < census.by_gpu.size() && gi < gpus_.size(); ++gi) {
     Gpu& g = *gpus_[gi];
+    g.outside_known = census.listed[gi] != 0;
     g.outside_bytes = 0;
     g.outside_processes = 0;
     std::vector<pid_t> told;

@@ -192,8 +192,9 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("memory_context",
      on_gpu ? std::to_string(*on_gpu > charged ? *on_gpu - charged : 0) : std::string("-"));
   // The job's other processes on the card (broker_processes.cpp): no NVML, no figure.
-  kv("memory_ungated", t && t->available && t->readings.processes ? std::to_string(s.ungated_bytes)
-                                                                  : std::string("-"));
+  kv("memory_ungated", gpus_[static_cast<std::size_t>(s.gpu)]->outside_known
+                           ? std::to_string(s.ungated_bytes)
+                           : std::string("-"));
   kv("launches", gate_load(G.launches));
   kv("gate_waits", gate_load(G.gate_waits));
   kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(std::min<std::uint64_t>(
@@ -320,7 +321,8 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       gpus_[gi]->device->backed_bytes(),
       gpus_[gi]->backing_why.empty() ? std::string("-") : gpus_[gi]->backing_why,
       context_reserve_on(static_cast<int>(gi)), gpus_[gi]->context_measured,
-      gpus_[gi]->outside_bytes, gpus_[gi]->outside_processes);
+      gpus_[gi]->outside_known ? std::to_string(gpus_[gi]->outside_bytes) : std::string("-"),
+      gpus_[gi]->outside_known ? std::to_string(gpus_[gi]->outside_processes) : std::string("-"));
 }
 
 std::string Broker::render_gpu_lanes(std::size_t gi) const {
@@ -478,6 +480,19 @@ class MetricsText {
     family(name, type, help);
     for (const auto& g : gpus)
       o_ += fmt::format("{}{{gpu=\"{}\"}} {}\n", name, g->index, value(*g));
+  }
+  // One sample per GPU where value(gpu) gives one (an optional string); the
+  // family only when some GPU does: an absent sample, not a made-up 0.
+  template <class Gpus, class Value>
+  void per_gpu_known(const Gpus& gpus, std::string_view name, std::string_view type,
+                     std::string_view help, Value value) {
+    bool any = false;
+    for (const auto& g : gpus) any = any || value(*g).has_value();
+    if (!any) return;
+    family(name, type, help);
+    for (const auto& g : gpus)
+      if (const std::optional<std::string> v = value(*g))
+        o_ += fmt::format("{}{{gpu=\"{}\"}} {}\n", name, g->index, *v);
   }
   // Several samples per GPU told apart by the label `key`: values(gpu) lists
   // (label value, formatted sample) pairs.
@@ -660,9 +675,12 @@ void attached_memory_families(MetricsText& m, const Gpus& gpus, const Sessions& 
       "kind", [&](const auto& g) {
         return Labelled{{"reserve", str(reserve_of(g))}, {"measured", str(g.context_measured)}};
       });
-  m.per_gpu(gpus, "salus_gpu_memory_outside_sessions_bytes", "gauge",
-            "Card memory the driver (NVML) shows for processes that belong to no session.",
-            [&](const auto& g) { return str(g.outside_bytes); });
+  m.per_gpu_known(gpus, "salus_gpu_memory_outside_sessions_bytes", "gauge",
+                  "Card memory the driver (NVML) shows for processes that belong to no session.",
+                  [&](const auto& g) -> std::optional<std::string> {
+                    if (!g.outside_known) return std::nullopt;
+                    return str(g.outside_bytes);
+                  });
   m.per_gate_known(sessions, "salus_session_memory_gpu_bytes", "gauge",
                    "Attached session: the driver's figure (NVML) for its program's device memory, "
                    "context included.",
@@ -675,7 +693,8 @@ void attached_memory_families(MetricsText& m, const Gpus& gpus, const Sessions& 
                    "Attached session: the driver's figure (NVML) for the job's other processes, "
                    "which run ungated (one process of a job is gated).",
                    [&](const auto& s) -> std::optional<std::string> {
-                     if (!nvml_of(s)) return std::nullopt;
+                     if (s.gpu < 0 || !gpus[static_cast<std::size_t>(s.gpu)]->outside_known)
+                       return std::nullopt;
                      return std::to_string(s.ungated_bytes);
                    });
 }
