@@ -56,12 +56,15 @@ Broker::ProcessCensus Broker::census_of(const std::vector<GpuTelemetrySnapshot>&
 }
 
 // The attached session whose job `p` belongs to, or null: a descendant of its
-// program, or of the launcher its program took the session over from.
+// program, or of the launcher its program took the session over from while
+// that runs (its pidfd says so; an exited launcher's pid may be reused).
 Session* Broker::job_of(const ListedProcess& p) {
   for (SessionId id : attached_) {
     Session* s = get(id);
     if (!s || !s->gate || s->gate->exited) continue;
-    if (p.descends_from(s->gate->pid) || (s->launcher_pidfd && p.descends_from(s->launcher_pid)))
+    if (p.descends_from(s->gate->pid)) return s;
+    if (s->launcher_pidfd && p.descends_from(s->launcher_pid) &&
+        !process_exited(s->launcher_pidfd.get()))
       return s;
   }
   return nullptr;
@@ -114,11 +117,15 @@ void Broker::account_processes(const ProcessCensus& census) {
 void Broker::note_ungated(Session& s, const ListedProcess& p, const Gpu& g) {
   if (s.ungated_told) return;
   s.ungated_told = true;
+  const std::string who =
+      p.pid == s.launcher_pid
+          ? std::string("the launcher this session was handed over from")
+          : fmt::format("another process of this job (a descendant of pid {})",
+                        p.descends_from(s.gate->pid) ? s.gate->pid : s.launcher_pid);
   const std::string text = fmt::format(
-      "pid {}, another process of this job (a descendant of pid {}), holds {} on gpu {} "
-      "ungated: one process of a job is gated, so neither the budget nor admission counts it",
-      p.pid, p.descends_from(s.gate->pid) ? s.gate->pid : s.launcher_pid,
-      arena::format_size(p.bytes), g.index);
+      "pid {}, {}, holds {} on gpu {} ungated: one process of a job is gated, so neither "
+      "the budget nor admission counts it",
+      p.pid, who, arena::format_size(p.bytes), g.index);
   log(s, text);
   spdlog::warn("session {}: {}", s.id, text);
 }
