@@ -853,6 +853,35 @@ TEST(Attach, ALauncherHandsItsSessionToTheChildThatUsesTheGpu) {
   EXPECT_TRUE(next.granted(1));
 }
 
+// After a hand-over, the launcher's other children (a second torchrun worker on
+// the GPU) and the launcher itself are the job's ungated processes.
+TEST(Attach, AfterAHandOverTheLaunchersOtherProcessesAreTheJobs) {
+  const std::uint64_t M = 1 << 20;
+  Program launcher, program;  // before the forks: the worker holds the gate's fds
+  Child worker, sibling;
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  Broker b(std::move(devs), BrokerConfig{},
+           std::make_unique<FakeTelemetry>(
+               10 * M, std::vector<GpuReadings::Process>{{sibling.pid, 30 * M}}));
+  const SessionId id = attached_session(b, launcher);
+  st(program.g->uses_gpu, 1u);
+  ASSERT_EQ(run(b, id, program.attach(), worker.caller()).first, 0) << b.render_log(id);
+  ASSERT_EQ(field(b.render_status(id), "pid"), std::to_string(worker.pid));
+  const auto end = std::chrono::steady_clock::now() + 5s;
+  while (field(b.render_status(id), "memory_ungated") != std::to_string(40 * M) &&
+         std::chrono::steady_clock::now() < end)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(field(b.render_status(id), "memory_ungated"), std::to_string(40 * M));
+  EXPECT_NE(b.render_log(id).find(fmt::format(
+                "pid {}, the launcher this session was handed over from, holds 10.0M", getpid())),
+            std::string::npos)
+      << b.render_log(id);
+  EXPECT_NE(b.render_gpu_memory(0).find("\noutside_sessions: 0\noutside_processes: 0\n"),
+            std::string::npos)
+      << b.render_gpu_memory(0);
+}
+
 // The launcher gone when its worker exits: the session ends with the worker.
 TEST(Attach, AWorkerWhoseLauncherIsGoneEndsTheSessionAtItsExit) {
   auto b = make_broker();
