@@ -222,8 +222,12 @@ print(f"torchrun --nproc_per_node gpu (one GPU visible), 20 steps: the session's
 EOF
   fi
   # The largest context salusd measured (NVML less charge): --attach-context-reserve's value.
+  # With auto the reserve has learned that context; processes of no session should
+  # be none here (salusd's own and the jobs' are classified: broker_processes.cpp).
+  outside=$(sed -n 's/^outside_sessions: //p' "$work/mnt/gpus/0/memory")
+  case $outside in '' | -) outside="-" ;; *) outside="$outside B" ;; esac
   echo "largest context measured on gpu 0: $(sed -n 's/^context_measured: //p' "$work/mnt/gpus/0/memory") B" \
-    "(reserve $(sed -n 's/^context_reserve: //p' "$work/mnt/gpus/0/memory") B)"
+    "(reserve $(sed -n 's/^context_reserve: //p' "$work/mnt/gpus/0/memory") B), outside sessions: $outside"
 }
 
 part_throughput() {

@@ -50,7 +50,7 @@ def test_dry_run_compat(tmp_path):
             in text, text
         assert f"{model} inference_mode: native p50" in text, text
     # The sim backend has no driver figure: nothing measured, and no reserve.
-    assert "largest context measured on gpu 0: 0 B (reserve 0 B)" in text, text
+    assert "largest context measured on gpu 0: 0 B (reserve 0 B), outside sessions: -" in text, text
     assert "torchrun: skipped in a dry run" in text, text  # the GPU run checks the worker
 
 
