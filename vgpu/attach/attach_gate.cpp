@@ -29,9 +29,6 @@ constexpr int F_SEAL_GROW = 0x0004;
 constexpr int F_SEAL_WRITE = 0x0008;
 #endif
 
-int pidfd_open(pid_t pid) {
-  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-}
 int pidfd_getfd(int pidfd, int fd) {
   return static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, fd, 0));
 }
@@ -280,6 +277,10 @@ int take_gate(pid_t tid, int gate_fd, int bell_fd, int lane_fd, AttachedGate& ou
   out.map = std::move(map);
   out.lane_sock = std::move(lane);
   return 0;
+}
+
+int pidfd_open(pid_t pid) {
+  return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
 }
 
 }  // namespace salus::vgpu

@@ -135,4 +135,7 @@ inline constexpr std::size_t kMostAncestors = 32;
 // most kMostAncestors, from /proc/PID/status; empty when `pid` is gone.
 std::vector<pid_t> ancestors_of(pid_t pid);
 
+// pidfd_open(2): a descriptor for process `pid`, or -1 with errno.
+int pidfd_open(pid_t pid);
+
 }  // namespace salus::vgpu

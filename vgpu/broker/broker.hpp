@@ -429,8 +429,11 @@ class Broker {
   struct ListedProcess {
     pid_t pid = 0;
     Bytes bytes = 0;
-    std::vector<pid_t> ancestors;          // parent first, at most kMostAncestors
-    bool salusd_own = false;               // salusd, its executors, its MPS daemons
+    std::vector<pid_t> ancestors;  // parent first, at most kMostAncestors
+    bool salusd_own = false;       // salusd, its executors, its MPS daemons
+    // Under --attach-overrun kill: the process, opened before its parents were
+    // read and alive after, so a kill reaches the process they describe.
+    UniqueFd pidfd;
     bool descends_from(pid_t root) const;  // or is it
   };
   struct ProcessCensus {
@@ -444,6 +447,10 @@ class Broker {
   Session* job_of(const ListedProcess& p);
   bool is_attached_program(pid_t pid) const;
   void note_ungated(Session& s, const ListedProcess& p, const Gpu& g);
+  // Under --attach-overrun kill: SIGKILLs a process of s's job that holds card
+  // memory past the slack ungated at two censuses in a row (`over` collects
+  // this census's such pids). True if it did.
+  bool kill_ungated(Session& s, const ListedProcess& p, const Gpu& g, std::vector<pid_t>& over);
   void check_context(Gpu& g, Session& s, std::optional<Bytes> used);
   // A swapped-out program whose driver figure stays past what it said it leaves
   // on the card: the arena counts what the driver shows (broker_swap.cpp).

@@ -13,7 +13,12 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <sys/syscall.h>
+
 #include <algorithm>
+#include <csignal>
+#include <cstring>
+#include <map>
 
 #include "vgpu/attach/attach_gate.hpp"
 #include "vgpu/broker/broker.hpp"
@@ -46,8 +51,13 @@ Broker::ProcessCensus Broker::census_of(const std::vector<GpuTelemetrySnapshot>&
     c.listed[gi] = 1;
     for (const GpuReadings::Process& p : *t.readings.processes) {
       if (!p.bytes || *p.bytes == 0 || p.pid <= 0) continue;
-      ListedProcess lp{static_cast<pid_t>(p.pid), *p.bytes, ancestors_of(static_cast<pid_t>(p.pid)),
-                       false};
+      ListedProcess lp;
+      lp.pid = static_cast<pid_t>(p.pid);
+      lp.bytes = *p.bytes;
+      if (config_.attach_overrun_kill) lp.pidfd = UniqueFd(pidfd_open(lp.pid));
+      lp.ancestors = ancestors_of(lp.pid);
+      // Gone since it was opened: its pid may name another process now.
+      if (lp.pidfd && process_exited(lp.pidfd.get())) continue;
       for (pid_t root : own_roots) lp.salusd_own = lp.salusd_own || lp.descends_from(root);
       c.by_gpu[gi].push_back(std::move(lp));
     }
@@ -85,6 +95,7 @@ bool Broker::is_attached_program(pid_t pid) const {
 void Broker::account_processes(const ProcessCensus& census) {
   for (SessionId id : attached_)
     if (Session* s = get(id)) s->ungated_bytes = 0;
+  std::map<SessionId, std::vector<pid_t>> over;  // this census's, for kill_ungated
   for (std::size_t gi = 0; gi < census.by_gpu.size() && gi < gpus_.size(); ++gi) {
     Gpu& g = *gpus_[gi];
     g.outside_known = census.listed[gi] != 0;
@@ -95,7 +106,7 @@ void Broker::account_processes(const ProcessCensus& census) {
       if (is_attached_program(p.pid)) continue;  // its gate holds it to its budget
       if (Session* s = job_of(p)) {
         s->ungated_bytes += p.bytes;
-        note_ungated(*s, p, g);
+        if (!kill_ungated(*s, p, g, over[s->id])) note_ungated(*s, p, g);
         continue;
       }
       if (p.salusd_own) continue;
@@ -112,6 +123,32 @@ void Broker::account_processes(const ProcessCensus& census) {
     }
     g.outside_told = std::move(told);  // a process gone and back is told again
   }
+  for (SessionId id : attached_)
+    if (Session* s = get(id)) {
+      auto it = over.find(id);
+      s->ungated_over = it == over.end() ? std::vector<pid_t>{} : std::move(it->second);
+    }
+}
+
+bool Broker::kill_ungated(Session& s, const ListedProcess& p, const Gpu& g,
+                          std::vector<pid_t>& over) {
+  if (!config_.attach_overrun_kill || p.bytes <= kDriverFigureSlack || !p.pidfd) return false;
+  // Two censuses in a row, as for the program itself (check_context); after a
+  // kill the count starts again, so a process that survives one is tried again
+  // two censuses later, not every second.
+  if (std::find(s.ungated_over.begin(), s.ungated_over.end(), p.pid) == s.ungated_over.end()) {
+    over.push_back(p.pid);
+    return false;
+  }
+  const bool sent = ::syscall(SYS_pidfd_send_signal, p.pidfd.get(), SIGKILL, nullptr, 0) == 0;
+  const std::string text = fmt::format(
+      "{} pid {} (--attach-overrun kill): another process of this job holds {} on gpu {} "
+      "ungated, which admission does not count (one process of a job is gated){}",
+      sent ? "killed" : "could not kill", p.pid, arena::format_size(p.bytes), g.index,
+      sent ? "" : fmt::format(": {}", std::strerror(errno)));
+  log(s, text);
+  spdlog::warn("session {}: {}", s.id, text);
+  return true;
 }
 
 void Broker::note_ungated(Session& s, const ListedProcess& p, const Gpu& g) {

@@ -283,6 +283,9 @@ struct Session {
   // session log has said so.
   Bytes ungated_bytes = 0;
   bool ungated_told = false;
+  // Under --attach-overrun kill: the job's ungated processes past the slack at
+  // the last census (a second census in a row kills them).
+  std::vector<pid_t> ungated_over;
 
   std::deque<LogLine> log;
   std::uint64_t log_lines_total = 0;

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -880,6 +881,78 @@ TEST(Attach, AfterAHandOverTheLaunchersOtherProcessesAreTheJobs) {
   EXPECT_NE(b.render_gpu_memory(0).find("\noutside_sessions: 0\noutside_processes: 0\n"),
             std::string::npos)
       << b.render_gpu_memory(0);
+}
+
+// A process that is no child of this one (a double fork: its parent exits), as
+// a program run outside any session is; killed through a pidfd at the end.
+struct Orphan {
+  pid_t pid = -1;
+  int pidfd = -1;
+  Orphan() {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    const pid_t mid = fork();
+    if (mid == 0) {
+      const pid_t orphan = fork();
+      if (orphan == 0) {
+        pause();
+        _exit(0);
+      }
+      (void)!write(fds[1], &orphan, sizeof orphan);
+      _exit(0);
+    }
+    waitpid(mid, nullptr, 0);
+    if (read(fds[0], &pid, sizeof pid) != sizeof pid) pid = -1;
+    close(fds[0]);
+    close(fds[1]);
+    if (pid > 0) pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  }
+  ~Orphan() {
+    if (pidfd < 0) return;
+    syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0);
+    close(pidfd);
+  }
+};
+
+// --attach-overrun kill: a process of the job that holds card memory ungated
+// at two censuses in a row is killed, and said so; a process of no session is
+// only counted, never signalled.
+TEST(Attach, UnderOverrunKillTheJobsUngatedProcessesAreKilled) {
+  const std::uint64_t M = 1 << 20;
+  Program p;  // before the forks: the children hold its fds
+  Child worker;
+  Orphan stranger;
+  ASSERT_GT(stranger.pid, 0);
+  ASSERT_GE(stranger.pidfd, 0);
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  BrokerConfig cfg;
+  cfg.attach_overrun_kill = true;
+  // This process (the program) at 1M: within the slack, so never its own kill.
+  Broker b(
+      std::move(devs), cfg,
+      std::make_unique<FakeTelemetry>(
+          1 * M, std::vector<GpuReadings::Process>{{worker.pid, 30 * M}, {stranger.pid, 20 * M}}));
+  const SessionId id = attached_session(b, p);
+  int status = 0;
+  const auto end = std::chrono::steady_clock::now() + 6s;
+  pid_t reaped = 0;
+  while (reaped == 0 && std::chrono::steady_clock::now() < end) {
+    reaped = waitpid(worker.pid, &status, WNOHANG);
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_EQ(reaped, worker.pid) << b.render_log(id);
+  worker.pid = -1;  // reaped here
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_NE(b.render_log(id).find(fmt::format(
+                "killed pid {} (--attach-overrun kill): another process of this job holds 30.0M "
+                "on gpu 0 ungated",
+                reaped)),
+            std::string::npos)
+      << b.render_log(id);
+  EXPECT_EQ(syscall(SYS_pidfd_send_signal, stranger.pidfd, 0, nullptr, 0), 0);  // alive
+  EXPECT_NE(b.render_gpu_memory(0).find(fmt::format("\noutside_sessions: {}\n", 20 * M)),
+            std::string::npos);
 }
 
 // The launcher gone when its worker exits: the session ends with the worker.
