@@ -307,6 +307,8 @@ const char* gpu_file_name(GpuFile f) {
       return "lanes";
     case GpuFile::queue:
       return "queue";
+    case GpuFile::processes:
+      return "processes";
     case GpuFile::count:
       break;
   }
@@ -384,6 +386,9 @@ int render(Broker& b, Inode in, std::string& content, std::uint64_t& version) {
         return 0;
       case GpuFile::queue:
         content = b.render_gpu_queue(in.id);
+        return 0;
+      case GpuFile::processes:
+        content = b.render_gpu_processes(in.id);
         return 0;
       default:
         return ENOENT;

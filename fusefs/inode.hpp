@@ -31,7 +31,7 @@ enum class Kind : std::uint8_t {
 };
 
 enum class TopFile : std::uint32_t { readme, version, clone, policy, ctl, stats, metrics, count };
-enum class GpuFile : std::uint32_t { info, memory, lanes, queue, count };
+enum class GpuFile : std::uint32_t { info, memory, lanes, queue, processes, count };
 enum class SessionFile : std::uint32_t { ctl, status, log, wait, count };
 
 struct Inode {

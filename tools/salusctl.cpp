@@ -233,6 +233,7 @@ struct GpuView {
   std::string index;
   KeyValues info, memory;
   std::vector<std::vector<std::string>> lanes, queue;
+  std::vector<std::vector<std::string>> processes;  // none from a salusd without the file
 };
 
 struct SessionView {
@@ -258,6 +259,7 @@ std::vector<GpuView> read_gpus(const Ctx& ctx) {
     v.memory = parse_kv(read_file(ctx, dir + "/memory"), ": ");
     v.lanes = parse_rows(read_file(ctx, dir + "/lanes"));
     v.queue = parse_rows(read_file(ctx, dir + "/queue"));
+    if (std::string text; try_read(dir + "/processes", text) == 0) v.processes = parse_rows(text);
     out.push_back(std::move(v));
   }
   return out;
@@ -330,6 +332,16 @@ Table lane_table(const std::vector<GpuView>& gpus, bool exact) {
              human_bytes(r[3], exact), r[4], r[5]});
     }
   }
+  return t;
+}
+
+// NVML's compute processes on each GPU, as salusd's census sorted them
+// (salus(5) gpus/N/processes): who holds the card, inside sessions or not.
+Table process_table(const std::vector<GpuView>& gpus, bool exact) {
+  Table t({"GPU", "PID", "GPU_MEM", "ROLE", "SESSION"});
+  for (const GpuView& g : gpus)
+    for (const auto& r : g.processes)
+      if (r.size() >= 4) t.add({g.index, r[0], human_bytes(r[1], exact), r[2], r[3]});
   return t;
 }
 
@@ -455,6 +467,8 @@ int cmd_status(const Ctx& ctx) {
   print_section("SESSIONS", session_table(sessions, ctx.exact, metrics));
   const Table attached = attached_table(sessions, ctx.exact);
   if (!attached.empty()) print_section("ATTACHED", attached);
+  const Table processes = process_table(gpus, ctx.exact);
+  if (!processes.empty()) print_section("PROCESSES", processes);
   return 0;
 }
 

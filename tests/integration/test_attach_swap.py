@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import Session, gpu_memory, start_on_mock_cuda, wait_until
+from conftest import SALUSD, Session, gpu_memory, start_on_mock_cuda, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "client"))
@@ -569,17 +569,18 @@ def test_attach_on_cuda_warns_when_budgets_exceed_the_card_outside_the_arena(are
         d.stop()
 
 
-def start_with_this_process_at(reserve, used):
+def start_with_this_process_at(reserve, used, others=()):
     """salusd on the mock driver with `--attach-context-reserve reserve` and the
     mock NVML listing this test process (the attached program: its gate is
-    made here) at `used` bytes on the mock's one GPU. Skips without the mock NVML."""
+    made here) at `used` bytes on the mock's one GPU, and (pid, bytes) `others`
+    beside it. Skips without the mock NVML."""
     nvml = os.environ.get("SALUS_TEST_NVML_MOCK_DIR", "")
     if not nvml:
         pytest.skip("built without the mock NVML")
     uuid = "GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadaeaf"  # the mock driver's one GPU
+    listed = ",".join(f"{uuid}:{pid}:{n}" for pid, n in [(os.getpid(), used), *others])
     return start_on_mock_cuda(["--attach-context-reserve", reserve], [MOCK_DIR, nvml],
-                              {"MOCK_NVML_DEVICES": uuid,
-                               "MOCK_NVML_PROCESSES": f"{uuid}:{os.getpid()}:{used}"})
+                              {"MOCK_NVML_DEVICES": uuid, "MOCK_NVML_PROCESSES": listed})
 
 
 def test_the_drivers_figure_for_an_attached_program_is_held_against_its_reserve():
@@ -631,6 +632,41 @@ def test_an_auto_context_reserve_learns_the_largest_context_measured():
         assert wait_until(lambda: gpu_memory(d)["context_reserve"] == str(700 * M),
                           timeout=10), gpu_memory(d)
         assert s.status()["memory_context_reserve"] == str(counted), s.status()
+    finally:
+        if gate:
+            gate.close()
+        s.close()
+        d.stop()
+
+
+def test_gpu_processes_sorts_what_nvml_lists_and_salusctl_shows_it():
+    """The mock NVML lists this process (attached: the program) and pid 1 (no
+    session's): gpus/0/processes says which is which, gpus/0/memory counts pid 1
+    outside sessions, and salusctl status shows both."""
+    M = 1 << 20
+    d = start_with_this_process_at("0", 300 * M, others=[(1, 20 * M)])
+    s = Session(d)
+    gate = None
+    try:
+        s.cmd("need persistent=100M ephemeral=0 gpu=0\n")
+        gate = attach_python_gate(s)
+        want = (f"# pid bytes role session\n{os.getpid()} {300 * M} program {s.id}\n"
+                f"1 {20 * M} outside -\n")
+        assert wait_until(lambda: open(d.path("gpus", "0", "processes")).read() == want,
+                          timeout=10), open(d.path("gpus", "0", "processes")).read()
+        assert gpu_memory(d)["outside_sessions"] == str(20 * M)
+        assert gpu_memory(d)["outside_processes"] == "1"
+        assert s.status()["memory_ungated"] == "0"
+        salusctl = os.path.join(os.path.dirname(os.path.abspath(SALUSD)), "salusctl")
+        out = subprocess.run([salusctl, "--mount", d.mnt, "status"], check=True,
+                             capture_output=True, text=True).stdout
+        table = out.split("\nPROCESSES\n")[1].splitlines()
+        assert table[0].split() == ["GPU", "PID", "GPU_MEM", "ROLE", "SESSION"], out
+        assert table[1].split() == ["0", str(os.getpid()), "300M", "program", s.id], out
+        assert table[2].split() == ["0", "1", "20M", "outside", "-"], out
+        header, row = out.split("\nGPUS\n")[1].splitlines()[:2]
+        at = header.index("OUTSIDE")  # the name has spaces: read the column where it stands
+        assert row[at:at + len("OUTSIDE")].strip() == "20M", out
     finally:
         if gate:
             gate.close()

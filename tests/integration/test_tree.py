@@ -32,7 +32,8 @@ def test_version_and_readme(salusd):
 
 def test_gpu_files(salusd):
     assert sorted(os.listdir(salusd.path("gpus"))) == ["0", "1"]
-    assert sorted(os.listdir(salusd.path("gpus", "0"))) == ["info", "lanes", "memory", "queue"]
+    assert sorted(os.listdir(salusd.path("gpus", "0"))) == ["info", "lanes", "memory",
+                                                            "processes", "queue"]
     with open(salusd.path("gpus", "1", "info")) as f:
         info = dict(line.split(": ", 1) for line in f.read().splitlines())
     assert info["backend"] == "sim"

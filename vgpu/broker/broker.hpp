@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -243,6 +244,9 @@ class Broker {
   std::string render_gpu_memory(std::size_t gpu) const;
   std::string render_gpu_lanes(std::size_t gpu) const;
   std::string render_gpu_queue(std::size_t gpu) const;
+  // The compute processes NVML lists on the GPU, as the last census sorted them
+  // (broker_processes.cpp): pid, bytes, role, session.
+  std::string render_gpu_processes(std::size_t gpu) const;
   std::string render_policy() const;
   std::string render_stats() const;
   std::string render_metrics() const;
@@ -444,8 +448,11 @@ class Broker {
   // Under the lock: each GPU's `outside_*` and each attached session's
   // `ungated_bytes` from the census, said once in the logs.
   void account_processes(const ProcessCensus& census);
+  void account_gpu(Gpu& g, const std::vector<ListedProcess>& listed, bool known,
+                   std::map<SessionId, std::vector<pid_t>>& over);
+  void note_outside(const Gpu& g, const ListedProcess& p, std::vector<pid_t>& told);
   Session* job_of(const ListedProcess& p);
-  bool is_attached_program(pid_t pid) const;
+  Session* attached_program(pid_t pid);
   void note_ungated(Session& s, const ListedProcess& p, const Gpu& g);
   // Under --attach-overrun kill: SIGKILLs a process of s's job that holds card
   // memory past the slack ungated at two censuses in a row (`over` collects

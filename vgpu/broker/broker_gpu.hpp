@@ -127,6 +127,14 @@ struct Broker::Gpu {
   // outside_known: a census counted this GPU (NVML lists its processes); else
   // its figures (and its sessions' memory_ungated) read "-".
   bool outside_known = false;
+  // Every process of the last census: what gpus/N/processes shows.
+  struct CensusRow {
+    pid_t pid;
+    Bytes bytes;
+    const char* role;   // "program", "ungated", "salusd", "outside"
+    SessionId session;  // 0: none
+  };
+  std::vector<CensusRow> census;
   Bytes outside_bytes = 0;
   std::uint32_t outside_processes = 0;
   std::vector<pid_t> outside_told;

@@ -85,49 +85,76 @@ bool Broker::ListedProcess::descends_from(pid_t root) const {
          (pid == root || std::find(ancestors.begin(), ancestors.end(), root) != ancestors.end());
 }
 
-bool Broker::is_attached_program(pid_t pid) const {
+Session* Broker::attached_program(pid_t pid) {
   for (SessionId id : attached_)
-    if (const Session* s = get(id); s && s->gate && !s->gate->exited && s->gate->pid == pid)
-      return true;
-  return false;
+    if (Session* s = get(id); s && s->gate && !s->gate->exited && s->gate->pid == pid) return s;
+  return nullptr;
 }
 
 void Broker::account_processes(const ProcessCensus& census) {
   for (SessionId id : attached_)
     if (Session* s = get(id)) s->ungated_bytes = 0;
   std::map<SessionId, std::vector<pid_t>> over;  // this census's, for kill_ungated
-  for (std::size_t gi = 0; gi < census.by_gpu.size() && gi < gpus_.size(); ++gi) {
-    Gpu& g = *gpus_[gi];
-    g.outside_known = census.listed[gi] != 0;
-    g.outside_bytes = 0;
-    g.outside_processes = 0;
-    std::vector<pid_t> told;
-    for (const ListedProcess& p : census.by_gpu[gi]) {
-      if (is_attached_program(p.pid)) continue;  // its gate holds it to its budget
-      if (Session* s = job_of(p)) {
-        s->ungated_bytes += p.bytes;
-        if (!kill_ungated(*s, p, g, over[s->id])) note_ungated(*s, p, g);
-        continue;
-      }
-      if (p.salusd_own) continue;
-      g.outside_bytes += p.bytes;
-      ++g.outside_processes;
-      const bool was_told =
-          std::find(g.outside_told.begin(), g.outside_told.end(), p.pid) != g.outside_told.end();
-      if (!was_told && told.size() < kMostOutsideTold)
-        spdlog::warn(
-            "gpu {}: pid {} holds {} on the card and belongs to no Salus session (run "
-            "without salus-run, or by another tool): admission does not count it",
-            g.index, p.pid, arena::format_size(p.bytes));
-      if (told.size() < kMostOutsideTold) told.push_back(p.pid);
-    }
-    g.outside_told = std::move(told);  // a process gone and back is told again
-  }
+  for (std::size_t gi = 0; gi < census.by_gpu.size() && gi < gpus_.size(); ++gi)
+    account_gpu(*gpus_[gi], census.by_gpu[gi], census.listed[gi] != 0, over);
   for (SessionId id : attached_)
     if (Session* s = get(id)) {
       auto it = over.find(id);
       s->ungated_over = it == over.end() ? std::vector<pid_t>{} : std::move(it->second);
     }
+}
+
+void Broker::account_gpu(Gpu& g, const std::vector<ListedProcess>& listed, bool known,
+                         std::map<SessionId, std::vector<pid_t>>& over) {
+  g.outside_known = known;
+  g.outside_bytes = 0;
+  g.outside_processes = 0;
+  g.census.clear();
+  std::vector<pid_t> told;
+  for (const ListedProcess& p : listed) {
+    if (Session* s = attached_program(p.pid)) {  // its gate holds it to its budget
+      g.census.push_back({p.pid, p.bytes, "program", s->id});
+      continue;
+    }
+    if (Session* s = job_of(p)) {
+      s->ungated_bytes += p.bytes;
+      g.census.push_back({p.pid, p.bytes, "ungated", s->id});
+      if (!kill_ungated(*s, p, g, over[s->id])) note_ungated(*s, p, g);
+      continue;
+    }
+    if (p.salusd_own) {
+      g.census.push_back({p.pid, p.bytes, "salusd", 0});
+      continue;
+    }
+    g.census.push_back({p.pid, p.bytes, "outside", 0});
+    g.outside_bytes += p.bytes;
+    ++g.outside_processes;
+    note_outside(g, p, told);
+  }
+  g.outside_told = std::move(told);  // a process gone and back is told again
+}
+
+// Each process of no session once in salusd's log (while it stays listed), the
+// first kMostOutsideTold of a census at most.
+void Broker::note_outside(const Gpu& g, const ListedProcess& p, std::vector<pid_t>& told) {
+  if (told.size() >= kMostOutsideTold) return;
+  told.push_back(p.pid);
+  if (std::find(g.outside_told.begin(), g.outside_told.end(), p.pid) != g.outside_told.end())
+    return;
+  spdlog::warn(
+      "gpu {}: pid {} holds {} on the card and belongs to no Salus session (run "
+      "without salus-run, or by another tool): admission does not count it",
+      g.index, p.pid, arena::format_size(p.bytes));
+}
+
+std::string Broker::render_gpu_processes(std::size_t gi) const {
+  std::lock_guard lk(mu_);
+  if (gi >= gpus_.size()) return {};
+  std::string o = "# pid bytes role session\n";
+  for (const Gpu::CensusRow& r : gpus_[gi]->census)
+    o += fmt::format("{} {} {} {}\n", r.pid, r.bytes, r.role,
+                     r.session ? std::to_string(r.session) : std::string("-"));
+  return o;
 }
 
 bool Broker::kill_ungated(Session& s, const ListedProcess& p, const Gpu& g,

@@ -691,6 +691,11 @@ TEST(Attach, TheCardMemoryOfAJobsOtherProcessesAndOfStrangersIsShown) {
                                      id, getpid(), 30 * M)),
             std::string::npos)
       << metrics;
+  // gpus/N/processes: every listed process as the census sorted it.
+  EXPECT_EQ(
+      b.render_gpu_processes(0),
+      fmt::format("# pid bytes role session\n{} {} program {}\n{} {} ungated {}\n1 {} outside -\n",
+                  getpid(), 40 * M, id, worker.pid, 30 * M, id, 20 * M));
   // Neither is charged to the program nor to admission.
   EXPECT_EQ(field(b.render_status(id), "memory_charged"), "0");
   std::this_thread::sleep_for(1100ms);
