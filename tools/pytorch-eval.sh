@@ -228,6 +228,8 @@ EOF
   case $outside in '' | -) outside="-" ;; *) outside="$outside B" ;; esac
   echo "largest context measured on gpu 0: $(sed -n 's/^context_measured: //p' "$work/mnt/gpus/0/memory") B" \
     "(reserve $(sed -n 's/^context_reserve: //p' "$work/mnt/gpus/0/memory") B), outside sessions: $outside"
+  # Who holds the card now, as the census sorted it (salusd's executor: "salusd").
+  cp "$work/mnt/gpus/0/processes" "$d/processes.txt" 2>/dev/null || true
 }
 
 part_throughput() {
