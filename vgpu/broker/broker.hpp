@@ -446,7 +446,7 @@ class Broker {
   };
   ProcessCensus census_of(const std::vector<GpuTelemetrySnapshot>& telemetry) const;
   // Under the lock: each GPU's `outside_*` and each attached session's
-  // `ungated_bytes` from the census, said once in the logs.
+  // ungated processes from the census, said once in the logs.
   void account_processes(const ProcessCensus& census);
   void account_gpu(Gpu& g, const std::vector<ListedProcess>& listed, bool known,
                    std::map<SessionId, std::vector<pid_t>>& over);
@@ -465,6 +465,9 @@ class Broker {
   // Under --attach-overrun kill (broker_gate.cpp): SIGKILLs the program when `used` is past
   // `counted` and the slack, and says why; true if it did.
   bool kill_overrun(Session& s, Bytes used, Bytes counted);
+  // SIGKILLs the process behind `pidfd` (pid `pid`, for the text) and says
+  // `killed pid N (--attach-overrun kill): WHY` in s's log and salusd's.
+  void overrun_kill(Session& s, int pidfd, pid_t pid, const std::string& why);
   std::string context_reserve_note(const Session& s) const;
   static bool will_attach(const Session& s);
   static std::string ephemeral_hint(const Session& s);

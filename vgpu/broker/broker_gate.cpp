@@ -607,15 +607,20 @@ bool Broker::kill_overrun(Session& s, Bytes used, Bytes counted) {
   if (!config_.attach_overrun_kill || used <= counted + kDriverFigureSlack) return false;
   if (gt.overrun_killed) return true;
   gt.overrun_killed = true;
-  const bool sent = ::syscall(SYS_pidfd_send_signal, gt.pidfd.get(), SIGKILL, nullptr, 0) == 0;
-  const std::string text = fmt::format(
-      "{} pid {} (--attach-overrun kill): the driver counts {} on gpu {} for it, past the {} "
-      "admission counts for it{}",
-      sent ? "killed" : "could not kill", gt.pid, arena::format_size(used), s.gpu,
-      arena::format_size(counted), sent ? "" : fmt::format(": {}", std::strerror(errno)));
+  overrun_kill(s, gt.pidfd.get(), gt.pid,
+               fmt::format("the driver counts {} on gpu {} for it, past the {} admission counts "
+                           "for it",
+                           arena::format_size(used), s.gpu, arena::format_size(counted)));
+  return true;
+}
+
+void Broker::overrun_kill(Session& s, int pidfd, pid_t pid, const std::string& why) {
+  const bool sent = ::syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0) == 0;
+  const std::string text =
+      fmt::format("{} pid {} (--attach-overrun kill): {}{}", sent ? "killed" : "could not kill",
+                  pid, why, sent ? "" : fmt::format(": {}", std::strerror(errno)));
   log(s, text);
   spdlog::warn("session {}: {}", s.id, text);
-  return true;
 }
 
 void Broker::gate_tick() {

@@ -122,22 +122,33 @@ struct Broker::Gpu {
   // checks in a row, rounded up (Broker::learn_context); 0 until one passes the
   // configured reserve. New attached needs on this GPU count it.
   Bytes context_learned = 0;
-  // Card memory of processes that belong to no session (broker_processes.cpp),
-  // at the last census, and the pids already told of in salusd's log.
-  // outside_known: a census counted this GPU (NVML lists its processes); else
-  // its figures (and its sessions' memory_ungated) read "-".
-  bool outside_known = false;
-  // Every process of the last census: what gpus/N/processes shows.
+  // The compute processes NVML listed here at the last census, sorted
+  // (broker_processes.cpp): what gpus/N/processes shows, and what the GPU's
+  // outside_* figures and its sessions' memory_ungated sum. outside_known: a
+  // census counted this GPU (NVML lists its processes); else those read "-".
+  // outside_told: the pids of no session already named in salusd's log.
+  enum class Role : std::uint8_t { program, ungated, salusd, outside };
   struct CensusRow {
     pid_t pid;
     Bytes bytes;
-    const char* role;   // "program", "ungated", "salusd", "outside"
+    Role role;
     SessionId session;  // 0: none
   };
+  bool outside_known = false;
   std::vector<CensusRow> census;
-  Bytes outside_bytes = 0;
-  std::uint32_t outside_processes = 0;
   std::vector<pid_t> outside_told;
+  // Bytes and processes of the census in `role` (of session `id`, if not 0).
+  std::pair<Bytes, std::uint32_t> census_sum(Role role, SessionId id = 0) const {
+    std::pair<Bytes, std::uint32_t> sum{0, 0};
+    for (const CensusRow& r : census)
+      if (r.role == role && (id == 0 || r.session == id)) {
+        sum.first += r.bytes;
+        ++sum.second;
+      }
+    return sum;
+  }
+  Bytes ungated_bytes(SessionId id) const { return census_sum(Role::ungated, id).first; }
+  std::pair<Bytes, std::uint32_t> outside() const { return census_sum(Role::outside); }
   // Compaction moves whose destinations wait for memory, by session.
   std::vector<std::pair<SessionId, std::vector<arena::PersistentMove>>> unbacked_moves;
   // The admission bounds when sessions waiting host-wide were last offered this

@@ -13,11 +13,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
-#include <sys/syscall.h>
-
 #include <algorithm>
-#include <csignal>
-#include <cstring>
 #include <map>
 
 #include "vgpu/attach/attach_gate.hpp"
@@ -92,8 +88,6 @@ Session* Broker::attached_program(pid_t pid) {
 }
 
 void Broker::account_processes(const ProcessCensus& census) {
-  for (SessionId id : attached_)
-    if (Session* s = get(id)) s->ungated_bytes = 0;
   std::map<SessionId, std::vector<pid_t>> over;  // this census's, for kill_ungated
   for (std::size_t gi = 0; gi < census.by_gpu.size() && gi < gpus_.size(); ++gi)
     account_gpu(*gpus_[gi], census.by_gpu[gi], census.listed[gi] != 0, over);
@@ -106,29 +100,25 @@ void Broker::account_processes(const ProcessCensus& census) {
 
 void Broker::account_gpu(Gpu& g, const std::vector<ListedProcess>& listed, bool known,
                          std::map<SessionId, std::vector<pid_t>>& over) {
+  using Role = Gpu::Role;
   g.outside_known = known;
-  g.outside_bytes = 0;
-  g.outside_processes = 0;
   g.census.clear();
   std::vector<pid_t> told;
   for (const ListedProcess& p : listed) {
     if (Session* s = attached_program(p.pid)) {  // its gate holds it to its budget
-      g.census.push_back({p.pid, p.bytes, "program", s->id});
+      g.census.push_back({p.pid, p.bytes, Role::program, s->id});
       continue;
     }
     if (Session* s = job_of(p)) {
-      s->ungated_bytes += p.bytes;
-      g.census.push_back({p.pid, p.bytes, "ungated", s->id});
+      g.census.push_back({p.pid, p.bytes, Role::ungated, s->id});
       if (!kill_ungated(*s, p, g, over[s->id])) note_ungated(*s, p, g);
       continue;
     }
     if (p.salusd_own) {
-      g.census.push_back({p.pid, p.bytes, "salusd", 0});
+      g.census.push_back({p.pid, p.bytes, Role::salusd, 0});
       continue;
     }
-    g.census.push_back({p.pid, p.bytes, "outside", 0});
-    g.outside_bytes += p.bytes;
-    ++g.outside_processes;
+    g.census.push_back({p.pid, p.bytes, Role::outside, 0});
     note_outside(g, p, told);
   }
   g.outside_told = std::move(told);  // a process gone and back is told again
@@ -150,9 +140,10 @@ void Broker::note_outside(const Gpu& g, const ListedProcess& p, std::vector<pid_
 std::string Broker::render_gpu_processes(std::size_t gi) const {
   std::lock_guard lk(mu_);
   if (gi >= gpus_.size()) return {};
+  static constexpr const char* kRoles[] = {"program", "ungated", "salusd", "outside"};
   std::string o = "# pid bytes role session\n";
   for (const Gpu::CensusRow& r : gpus_[gi]->census)
-    o += fmt::format("{} {} {} {}\n", r.pid, r.bytes, r.role,
+    o += fmt::format("{} {} {} {}\n", r.pid, r.bytes, kRoles[static_cast<int>(r.role)],
                      r.session ? std::to_string(r.session) : std::string("-"));
   return o;
 }
@@ -167,14 +158,10 @@ bool Broker::kill_ungated(Session& s, const ListedProcess& p, const Gpu& g,
     over.push_back(p.pid);
     return false;
   }
-  const bool sent = ::syscall(SYS_pidfd_send_signal, p.pidfd.get(), SIGKILL, nullptr, 0) == 0;
-  const std::string text = fmt::format(
-      "{} pid {} (--attach-overrun kill): another process of this job holds {} on gpu {} "
-      "ungated, which admission does not count (one process of a job is gated){}",
-      sent ? "killed" : "could not kill", p.pid, arena::format_size(p.bytes), g.index,
-      sent ? "" : fmt::format(": {}", std::strerror(errno)));
-  log(s, text);
-  spdlog::warn("session {}: {}", s.id, text);
+  overrun_kill(s, p.pidfd.get(), p.pid,
+               fmt::format("another process of this job holds {} on gpu {} ungated, which "
+                           "admission does not count (one process of a job is gated)",
+                           arena::format_size(p.bytes), g.index));
   return true;
 }
 

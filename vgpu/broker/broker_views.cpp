@@ -135,6 +135,15 @@ std::string Broker::render_status(SessionId id) const {
 
 namespace {
 
+// The card memory of session `id`'s ungated processes on every GPU, at the last
+// census (broker_processes.cpp).
+template <class Gpus>
+Bytes ungated_bytes_of(const Gpus& gpus, SessionId id) {
+  Bytes sum = 0;
+  for (const auto& g : gpus) sum += g->ungated_bytes(id);
+  return sum;
+}
+
 // NVML's entry for process `pid` in a GPU's process list, or null.
 const GpuReadings::Process* find_process(pid_t pid, const GpuTelemetrySnapshot* t) {
   if (!t || !t->available || !t->readings.processes) return nullptr;
@@ -193,7 +202,7 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
      on_gpu ? std::to_string(*on_gpu > charged ? *on_gpu - charged : 0) : std::string("-"));
   // The job's other processes on the card (broker_processes.cpp): no NVML, no figure.
   kv("memory_ungated", gpus_[static_cast<std::size_t>(s.gpu)]->outside_known
-                           ? std::to_string(s.ungated_bytes)
+                           ? std::to_string(ungated_bytes_of(gpus_, s.id))
                            : std::string("-"));
   kv("launches", gate_load(G.launches));
   kv("gate_waits", gate_load(G.gate_waits));
@@ -304,6 +313,11 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
   if (gi >= gpus_.size()) return {};
   const auto m = gpus_[gi]->sched.arena().memory();
   const auto& st = gpus_[gi]->sched.arena().stats();
+  // Processes of no session (broker_processes.cpp): "-" where no census counted.
+  const auto [outside_bytes, outside_count] = gpus_[gi]->outside();
+  const auto known = [&](auto v) {
+    return gpus_[gi]->outside_known ? std::to_string(v) : std::string("-");
+  };
   return fmt::format(
       "capacity: {}\npersistent_used: {}\npersistent_reserved: {}\nephemeral: {}\nlanes: {}\n"
       "free: {}\nlargest_hole: {}\nfragmentation: {:.3f}\nqueued: {}\n"
@@ -320,9 +334,8 @@ std::string Broker::render_gpu_memory(std::size_t gi) const {
       gpus_[gi]->device->info().backs_on_demand ? "on-demand" : "up-front",
       gpus_[gi]->device->backed_bytes(),
       gpus_[gi]->backing_why.empty() ? std::string("-") : gpus_[gi]->backing_why,
-      context_reserve_on(static_cast<int>(gi)), gpus_[gi]->context_measured,
-      gpus_[gi]->outside_known ? std::to_string(gpus_[gi]->outside_bytes) : std::string("-"),
-      gpus_[gi]->outside_known ? std::to_string(gpus_[gi]->outside_processes) : std::string("-"));
+      context_reserve_on(static_cast<int>(gi)), gpus_[gi]->context_measured, known(outside_bytes),
+      known(outside_count));
 }
 
 std::string Broker::render_gpu_lanes(std::size_t gi) const {
@@ -679,7 +692,7 @@ void attached_memory_families(MetricsText& m, const Gpus& gpus, const Sessions& 
                   "Card memory the driver (NVML) shows for processes that belong to no session.",
                   [&](const auto& g) -> std::optional<std::string> {
                     if (!g.outside_known) return std::nullopt;
-                    return str(g.outside_bytes);
+                    return str(g.outside().first);
                   });
   m.per_gate_known(sessions, "salus_session_memory_gpu_bytes", "gauge",
                    "Attached session: the driver's figure (NVML) for its program's device memory, "
@@ -695,7 +708,7 @@ void attached_memory_families(MetricsText& m, const Gpus& gpus, const Sessions& 
                    [&](const auto& s) -> std::optional<std::string> {
                      if (s.gpu < 0 || !gpus[static_cast<std::size_t>(s.gpu)]->outside_known)
                        return std::nullopt;
-                     return std::to_string(s.ungated_bytes);
+                     return std::to_string(ungated_bytes_of(gpus, s.id));
                    });
 }
 

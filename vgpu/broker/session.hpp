@@ -278,10 +278,8 @@ struct Session {
   // placed (Broker::context_for): what its status shows and its driver figure is
   // held to, whatever the GPU's reserve learns later.
   Bytes context_counted = 0;
-  // Card memory of the job's other processes, which run ungated (one process of
-  // a job is gated): the last census's (broker_processes.cpp), and whether the
-  // session log has said so.
-  Bytes ungated_bytes = 0;
+  // Whether the session log has named one of the job's other processes, which
+  // run ungated (one process of a job is gated; broker_processes.cpp).
   bool ungated_told = false;
   // Under --attach-overrun kill: the job's ungated processes past the slack at
   // the last census (a second census in a row kills them).
