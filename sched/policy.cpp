@@ -36,10 +36,14 @@ std::optional<PolicyKind> policy_from_string(std::string_view name) {
 }
 
 double remaining_ns(const RankInputs& in) {
-  if (!in.iters) return kUnknownRemaining;
-  const std::uint64_t left = *in.iters > in.done ? *in.iters - in.done : 0;
+  if (!in.iters || overran(in)) return kUnknownRemaining;
+  const std::uint64_t left = *in.iters - in.done;
   const double mean = in.mean_iter_ns > 0.0 ? in.mean_iter_ns : kUnmeasuredIterNs;
   return static_cast<double>(left) * mean;
+}
+
+bool overran(const RankInputs& in) {
+  return in.iters && in.done > *in.iters;
 }
 
 RankKey rank(PolicyKind kind, const RankInputs& in) {

@@ -57,7 +57,13 @@ double admission_key(PolicyKind kind, const RankInputs& in);
 
 // SRTF's estimate: (declared iterations - done) x measured mean iteration time.
 // Before the first measurement the mean is unknown; we rank by remaining count
-// with a 1 ms guess so short declared jobs still go first.
+// with a 1 ms guess so short declared jobs still go first. A session that has run
+// more iterations than it declared has no estimate left: it ranks as one without
+// iters=. Otherwise under-declaring (iters=1) would put a job at 0 remaining, first
+// in its lane for as long as it ran.
 double remaining_ns(const RankInputs& in);
+
+// Whether the session has finished more iterations than its declared iters=.
+bool overran(const RankInputs& in);
 
 }  // namespace salus::sched

@@ -50,6 +50,8 @@ struct Settings {
   std::string log_level = "info";
   std::string config;
   std::uint32_t pipeline_depth = 2;
+  // The largest priority a user who is not an admin may give a session.
+  std::int32_t user_priority_max = 0;
   double cuda_memory_fraction = 0.9;
   std::string cuda_arena = "on-demand";  // or up-front
   std::string gpu_isolation = "auto";    // process for cuda, thread for sim
@@ -169,6 +171,7 @@ bool load_config(const std::string& path, Settings& s, std::string& why) {
   s.admin_group = t["admin_group"].value_or(s.admin_group);
   s.log_level = t["log_level"].value_or(s.log_level);
   s.pipeline_depth = t["pipeline_depth"].value_or(s.pipeline_depth);
+  s.user_priority_max = t["user_priority_max"].value_or(s.user_priority_max);
   s.shutdown_grace_ms = t["shutdown_grace_ms"].value_or(s.shutdown_grace_ms);
   s.metrics_listen = t["metrics_listen"].value_or(s.metrics_listen);
   s.state_dir = t["state_dir"].value_or(s.state_dir);
@@ -315,6 +318,9 @@ void add_flags(CLI::App& flags, Settings& s) {
       .add_option("--pipeline-depth", s.pipeline_depth,
                   "Iterations in flight per lane, the running one included")
       ->check(CLI::Range(1, 64));
+  flags.add_option("--user-priority-max", s.user_priority_max,
+                   "The largest priority a user who is not an admin may give a session "
+                   "(under the priority policy, larger runs first); lowering is always allowed");
   flags.add_option("--shutdown-grace-ms", s.shutdown_grace_ms,
                    "On SIGTERM, how long running iterations may take to finish");
   flags.add_option("--state-dir", s.state_dir,
@@ -554,6 +560,7 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s, const std::string& ba
   bc.risk = s.risk;
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
+  bc.user_priority_max = s.user_priority_max;
   bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
   bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
   bc.transfers_active = s.transfers_active;

@@ -403,6 +403,23 @@ def test_run_errors(salusd):
     assert r.returncode == 2
 
 
+def test_a_user_cannot_raise_a_priority_past_the_most_but_root_can(salusd):
+    # salusd's default --user-priority-max is 0: under the priority policy a user
+    # could otherwise put their jobs ahead of everyone's.
+    need = ["run", "--persistent", "1M", "--ephemeral", "1M"]
+    r = as_nobody([SALUSCTL, "--mount", salusd.mnt, *need, "--priority", "3", "--", "true"])
+    assert r.returncode == 1, r.stderr
+    assert "/ctl: Permission denied" in r.stderr
+    assert "priority 3: a user may set at most 0 (salusd --user-priority-max 0" in r.stderr
+    r = as_nobody([SALUSCTL, "--mount", salusd.mnt, *need, "--priority", "-2", "--", "sh", "-c",
+                   'grep "^priority" "$SALUS_SESSION/status"'])
+    assert r.returncode == 0 and r.stdout == "priority: -2\n", r.stdout + r.stderr
+    r = ctl(salusd, *need, "--priority", "3", "--", "sh", "-c",
+            'grep "^priority" "$SALUS_SESSION/status"')
+    assert r.returncode == 0 and r.stdout == "priority: 3\n", r.stdout + r.stderr
+    assert os.listdir(salusd.path("sessions")) == []
+
+
 def test_run_cleans_up_on_sigterm(salusd):
     p = subprocess.Popen([SALUSCTL, "--mount", salusd.mnt, "run", "--persistent", "1M",
                           "--ephemeral", "1M", "--", "sleep", "30"],

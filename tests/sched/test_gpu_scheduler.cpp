@@ -82,6 +82,24 @@ TEST(GpuScheduler, SrtfPrefersLeastRemainingAndRanksUnknownLast) {
   EXPECT_EQ(t.s.pick(lane), 1u);
 }
 
+// A job that declares fewer iterations than it runs must not keep the 0 remaining
+// of a finished estimate: past its declaration it ranks with the undeclared.
+TEST(GpuScheduler, SrtfRanksAJobPastItsDeclaredItersWithTheUndeclared) {
+  OneLane t(PolicyKind::srtf);
+  const LaneId lane = t.add(1, 0, std::nullopt);  // undeclared, earlier arrival
+  t.add(2, 0, 1);                                 // declares one iteration
+  t.add(3, 0, 50);
+  EXPECT_EQ(t.s.pick(lane), 2u);
+  t.s.iteration_done(2, 1000);
+  EXPECT_EQ(t.s.pick(lane), 2u);  // done == iters: 0 remaining, still first
+  t.s.iteration_done(2, 1000);    // now past its declaration
+  EXPECT_EQ(t.s.pick(lane), 3u);
+  t.s.set_runnable(3, false);
+  EXPECT_EQ(t.s.pick(lane), 1u);  // among the undeclared, arrival order
+  t.s.set_runnable(1, false);
+  EXPECT_EQ(t.s.pick(lane), 2u);
+}
+
 TEST(GpuScheduler, FairEqualizesGpuTimeWithPipelinedDispatch) {
   OneLane t(PolicyKind::fair);
   const LaneId lane = t.add(1);

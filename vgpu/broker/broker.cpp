@@ -616,6 +616,7 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
     return fail(EINVAL, fmt::format("this session is attached (pid {}): its work runs in the "
                                     "program; only need, priority, reset and sync apply",
                                     s.gate->pid));
+  if (const int err = check_priority(s, cmd, w.caller_admin, ln)) return err;
 
   return std::visit(
       Overloaded{
@@ -688,6 +689,22 @@ int Broker::exec(Session& s, const CommandLine& line, PendingWrite& w, bool& sus
           [&](const auto&) { return record_op(s, cmd, ln); },
       },
       cmd);
+}
+
+// A user may lower a session's priority, or keep it, but not raise it past
+// --user-priority-max: under the priority policy a larger value runs first, so an
+// unbounded one would let any user starve every other. Admins set any value.
+int Broker::check_priority(Session& s, const Command& cmd, bool admin, std::uint32_t ln) {
+  std::optional<std::int32_t> asked;
+  if (const auto* need = std::get_if<NeedCmd>(&cmd)) asked = need->priority;
+  if (const auto* prio = std::get_if<PriorityCmd>(&cmd)) asked = prio->priority;
+  const std::int32_t most = std::max(config_.user_priority_max, s.priority);
+  if (!asked || admin || *asked <= most) return 0;
+  log(s, fmt::format("line {}: priority {}: a user may set at most {} (salusd "
+                     "--user-priority-max {}, or the session's priority now); an admin may "
+                     "set any",
+                     ln, *asked, most, config_.user_priority_max));
+  return EACCES;
 }
 
 int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& later) {

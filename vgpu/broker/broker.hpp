@@ -93,6 +93,9 @@ struct BrokerConfig {
   // programs that take memory around the shim must not run (salusd
   // --attach-overrun kill).
   bool attach_overrun_kill = false;
+  // The largest priority a caller who is not an admin may give a session
+  // (salusd --user-priority-max); lowering one, or keeping it, is always allowed.
+  std::int32_t user_priority_max = 0;
   // Arena memory no longer held stays backed this long before it goes back to
   // the card (broker_backing.cpp), unless room promised to attached programs
   // needs it sooner. Tests lengthen it.
@@ -289,6 +292,7 @@ class Broker {
   // Command execution (under mu_). Returns false when the write must wait.
   bool run_write(Session& s, PendingWrite& w, Deferred& later);
   int exec(Session& s, const CommandLine& line, PendingWrite& w, bool& suspend, Deferred& later);
+  int check_priority(Session& s, const Command& cmd, bool admin, std::uint32_t line);
   int exec_need(Session& s, const NeedCmd& cmd, std::uint32_t line, Deferred& later);
   int place_any(Session& s, Bytes persistent, Bytes ephemeral, std::uint32_t line);
   // Late binding (issue 19 item 8): on a host of several GPUs a first `need gpu=any` waits

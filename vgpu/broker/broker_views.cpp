@@ -76,8 +76,9 @@ std::string Broker::render_status(SessionId id) const {
           break;
         case sched::PolicyKind::srtf: {
           const double r = sched::remaining_ns(ss->in);
-          rank = r >= sched::kUnknownRemaining ? "remaining=unknown(no iters=; ranks last)"
-                                               : fmt::format("remaining={:.1f}ms", r / 1e6);
+          rank = sched::overran(ss->in)          ? "remaining=unknown(past iters=; ranks last)"
+                 : r >= sched::kUnknownRemaining ? "remaining=unknown(no iters=; ranks last)"
+                                                 : fmt::format("remaining={:.1f}ms", r / 1e6);
           break;
         }
         case sched::PolicyKind::priority:

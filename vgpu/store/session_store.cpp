@@ -560,7 +560,10 @@ int restore_one(Broker& broker, const SavedSession& s, int dir, RingIo& ring,
   const bool wait_admission = !s.buffers.empty();
   const auto until =
       wait_admission ? deadline : std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
-  const int ran = run_as_owner(broker, id, owner, std::move(cmds), until);
+  // salusd restores what it accepted before: as an admin, so that a priority an admin
+  // raised past --user-priority-max comes back too.
+  const Caller restorer{s.uid, s.gid, 0, true};
+  const int ran = run_as_owner(broker, id, restorer, std::move(cmds), until);
   if (ran && !(ran == ETIMEDOUT && !wait_admission))
     return fail(ran, fmt::format("need, priority or alloc failed: {}{}", errno_text(ran),
                                  ran == ETIMEDOUT ? " (not admitted in time)" : ""));

@@ -100,6 +100,33 @@ TEST(Broker, OtherUidIsRefused) {
   EXPECT_EQ(b->check_access(id, kRoot), 0);
 }
 
+// Under the priority policy a larger value runs first: a user may lower a
+// session's priority, or keep it, but not raise it past --user-priority-max.
+TEST(Broker, AUserMayNotRaiseAPriorityPastTheMost) {
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, 64u << 20));
+  BrokerConfig cfg;
+  cfg.policy = sched::PolicyKind::priority;
+  cfg.user_priority_max = 2;
+  Broker b(std::move(devs), cfg);
+  const auto id = static_cast<SessionId>(b.create_session(kAlice, ""));
+  EXPECT_EQ(run(b, id, "need persistent=1M ephemeral=1M priority=3\n", kAlice).first, EACCES);
+  EXPECT_NE(b.render_log(id).find("line 1: priority 3: a user may set at most 2 (salusd "
+                                  "--user-priority-max 2, or the session's priority now); "
+                                  "an admin may set any"),
+            std::string::npos)
+      << b.render_log(id);
+  EXPECT_EQ(field(b.render_status(id), "state"), "idle");  // the refused need placed nothing
+  EXPECT_EQ(run(b, id, "need persistent=1M ephemeral=1M priority=2\n", kAlice).first, 0);
+  EXPECT_EQ(run(b, id, "priority 7\n", kAlice).first, EACCES);
+  EXPECT_EQ(field(b.render_status(id), "priority"), "2");
+  EXPECT_EQ(run(b, id, "priority -5\n", kAlice).first, 0);  // lowering: always
+  EXPECT_EQ(run(b, id, "priority 9\n", kRoot).first, 0);    // an admin: any value
+  EXPECT_EQ(run(b, id, "priority 9\n", kAlice).first, 0);   // keeping it: allowed
+  EXPECT_EQ(run(b, id, "priority 10\n", kAlice).first, EACCES);
+  EXPECT_EQ(field(b.render_status(id), "priority"), "9");
+}
+
 TEST(Broker, QueuedSessionsWriteResumesOnAdmission) {
   auto b = make_broker(1, 100u << 20);
   const auto a = static_cast<SessionId>(b->create_session(kRoot, ""));
