@@ -382,12 +382,22 @@ Table session_table(const std::vector<SessionView>& sessions, bool exact,
   return t;
 }
 
+// How much of the time an attached session held its lane its program kept the GPU
+// busy (its reported device time over the hold salusd measured); "-" before any
+// hold, or from a salusd that does not measure it.
+std::string busy_while_held(const KeyValues& k) {
+  const double held = std::strtod(get(k, "lane_held_ms", "0").c_str(), nullptr);
+  const double busy = std::strtod(get(k, "gpu_time_ms", "0").c_str(), nullptr);
+  if (!(held > 0.0)) return "-";
+  return fmt::format("{:.0f}", std::min(100.0, 100.0 * busy / held));
+}
+
 // Attached programs (issue 14): what the shim charged against the budget beside
 // the driver's own figure (NVML) and what lies beyond the charge (the CUDA
 // context, which admission covers with salusd's --attach-context-reserve).
 Table attached_table(const std::vector<SessionView>& sessions, bool exact) {
   Table t({"ID", "PID", "GPU", "BUDGET", "CHARGED", "PEAK", "GPU_MEM", "CONTEXT", "RESERVE",
-           "UNGATED", "RESIDENCY", "ON_CARD", "GATE_WAITS", "GATE_WAIT_MS"});
+           "UNGATED", "RESIDENCY", "ON_CARD", "GATE_WAITS", "GATE_WAIT_MS", "HELD_MS", "BUSY%"});
   // NVML's figure, or "-" where there is none ("unavailable (why)" has spaces).
   auto figure = [&](const KeyValues& k, const char* key) {
     const std::string v = get(k, key);
@@ -401,7 +411,8 @@ Table attached_table(const std::vector<SessionView>& sessions, bool exact) {
            figure(k, "memory_gpu"), figure(k, "memory_context"),
            human_bytes(get(k, "memory_context_reserve"), exact), figure(k, "memory_ungated"),
            get(k, "residency"), human_bytes(get(k, "memory_counted_on_card"), exact),
-           get(k, "gate_waits"), get(k, "gate_wait_ms")});
+           get(k, "gate_waits"), get(k, "gate_wait_ms"), get(k, "lane_held_ms"),
+           busy_while_held(k)});
   }
   return t;
 }

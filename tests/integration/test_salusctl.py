@@ -108,6 +108,20 @@ def test_status_shows_attached_programs(salusd):
         assert attached.splitlines()[0].split()[:4] == ["ID", "PID", "GPU", "BUDGET"], attached
         assert row(attached, s.id)[1:12] == [str(os.getpid()), "0", "8M", "3M", "5M", "-", "-",
                                              "0", "-", "resident", "8M"], attached
+        assert row(attached, s.id)[14:] == ["0.000", "-"], attached  # no lane held yet
+        # One iteration that holds the lane 200 ms and reports 50 ms of device time:
+        # HELD_MS is salusd's measure, BUSY% the report over it.
+        g.g.requested = 1
+        g.ring()
+        assert wait_until(lambda: g.g.granted >= 1, 5)
+        time.sleep(0.2)
+        g.g.gpu_ns_total = 50_000_000
+        g.g.completed = 1
+        g.ring()
+        assert wait_until(lambda: s.status()["iterations_done"] == "1", 5)
+        cells = row(ctl(salusd, "status").stdout.split("\nATTACHED\n")[1], s.id)
+        assert 200.0 <= float(cells[14]) < 2000.0, cells
+        assert 2 <= int(cells[15]) <= 25, cells
     s.close()
 
 

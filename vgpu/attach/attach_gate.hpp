@@ -67,8 +67,11 @@ struct AttachedGate {
   std::uint64_t gpu_ns_seen = 0;     // gpu_ns_total already accounted
   std::uint32_t note_seq_seen = 0;
   std::int64_t granted_at = 0;  // broker time of the last grant (the fallback slice)
-  std::uint64_t yields = 0;     // yield requests made
-  bool exited = false;          // the pidfd reported the program's exit
+  // Broker time up to which the session's hold of its lane has been charged: the
+  // last completion seen (Broker::lane_held_since_charged).
+  std::int64_t hold_charged_to = 0;
+  std::uint64_t yields = 0;  // yield requests made
+  bool exited = false;       // the pidfd reported the program's exit
   // The driver's figure for the program passed its charge by more than the
   // context reserve (said once, in the session log and salusd's), checked once a
   // second: the charge at the last check, and how many checks in a row found it

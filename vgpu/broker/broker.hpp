@@ -569,7 +569,11 @@ class Broker {
   bool must_drain(const Lane& lane, const Session& next) const;
   // Reads the program's side of the gate: completions, requests, the note.
   void serve_gate(Gpu& g, Session& s, Deferred& later);
-  void finish_grant(Gpu& g, Session& s, std::int64_t device_ns, bool counts, Deferred& later);
+  // One granted iteration of an attached session ends: `device_ns` as the program
+  // reported it (the session's GPU time), `charge_ns` what the policy is charged.
+  void finish_grant(Gpu& g, Session& s, std::int64_t device_ns, std::int64_t charge_ns, bool counts,
+                    Deferred& later);
+  std::int64_t lane_held_since_charged(const Gpu& g, Session& s, TimeNs t) const;
   // Lets go of the gate: `state` (DETACHED, or HANDED_OVER), woken, its grants no
   // longer in flight.
   void detach_gate(Session& s, Deferred& later, std::uint32_t state = SALUS_GATE_DETACHED);

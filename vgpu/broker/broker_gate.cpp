@@ -307,8 +307,8 @@ bool Broker::grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s, Deferred&
   return true;
 }
 
-void Broker::finish_grant(Gpu& g, Session& s, std::int64_t device_ns, bool counts,
-                          Deferred& later) {
+void Broker::finish_grant(Gpu& g, Session& s, std::int64_t device_ns, std::int64_t charge_ns,
+                          bool counts, Deferred& later) {
   if (s.in_flight_lane) {
     auto it = g.lanes.find(*s.in_flight_lane);
     if (it != g.lanes.end()) {
@@ -333,7 +333,23 @@ void Broker::finish_grant(Gpu& g, Session& s, std::int64_t device_ns, bool count
     s.iteration_gpu_ns += device_ns;
     ++stats_.iterations;
   }
-  g.sched.iteration_done(s.id, device_ns, counts);
+  g.sched.iteration_done(s.id, charge_ns, counts);
+}
+
+// The lane time a batch of completions seen now ends: from the grant of the
+// first of them, or from the last completion charged when the session held the
+// lane since (pipelined grants), to now. Measured by salusd, whatever the
+// program reports.
+std::int64_t Broker::lane_held_since_charged(const Gpu& g, Session& s, TimeNs t) const {
+  TimeNs from = t;
+  if (s.in_flight_lane)
+    if (auto it = g.lanes.find(*s.in_flight_lane); it != g.lanes.end())
+      for (const Lane::InFlight& f : it->second.tokens)
+        if (f.session == s.id) {
+          from = std::max(f.started, s.gate->hold_charged_to);
+          break;
+        }
+  return std::max<std::int64_t>(t - from, 0);
 }
 
 void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
@@ -347,12 +363,22 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
     const std::uint64_t delta = total > gt.gpu_ns_seen ? total - gt.gpu_ns_seen : 0;
     gt.gpu_ns_seen = std::max(gt.gpu_ns_seen, total);
     gt.completed_seen = completed;
-    // The program reports device time per batch of completions: split evenly.
-    const std::uint64_t each = std::min<std::uint64_t>(delta / n, INT64_MAX / 2);
+    const TimeNs t = now();
+    const auto held = static_cast<std::uint64_t>(lane_held_since_charged(g, s, t));
+    gt.hold_charged_to = t;
+    s.lane_held_ns += static_cast<std::int64_t>(held);
+    // The program reports device time per batch of completions: split evenly, as
+    // is the lane time salusd measured. The policy is charged the larger: a
+    // program that reported less than it held the lane would otherwise take more
+    // than its share under fair, and rank first under srtf.
+    auto share = [n](std::uint64_t sum, std::uint64_t i) {
+      const std::uint64_t each = sum / n;
+      return static_cast<std::int64_t>(
+          std::min<std::uint64_t>(i + 1 == n ? each + sum % n : each, INT64_MAX / 2));
+    };
     for (std::uint64_t i = 0; i < n && s.in_flight > 0; ++i) {
-      const std::uint64_t ns =
-          i + 1 == n ? std::min<std::uint64_t>(each + delta % n, INT64_MAX / 2) : each;
-      finish_grant(g, s, static_cast<std::int64_t>(ns), true, later);
+      const std::int64_t device_ns = share(delta, i);
+      finish_grant(g, s, device_ns, std::max(device_ns, share(held, i)), true, later);
     }
   }
   const std::uint32_t seq = gate_load(G.note_seq);
@@ -386,7 +412,7 @@ void Broker::detach_gate(Session& s, Deferred& later, std::uint32_t state) {
   gt.wake();
   // Its iterations in flight are the program's own now: the lane is free.
   if (Gpu* g = gpu_of(s)) {
-    while (s.in_flight > 0) finish_grant(*g, s, 0, false, later);
+    while (s.in_flight > 0) finish_grant(*g, s, 0, 0, false, later);
     kick(*g);
   }
   s.in_flight = 0;

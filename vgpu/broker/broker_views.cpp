@@ -209,6 +209,7 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("gate_waits", gate_load(G.gate_waits));
   kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(std::min<std::uint64_t>(
                                                gate_load(G.gate_wait_ns), INT64_MAX)))));
+  kv("lane_held_ms", fmt::format("{:.3f}", ms(s.lane_held_ns)));
   kv("oom_refusals", gate_load(G.oom_refusals));
   kv("yield_requests", gt.yields);
   kv("quantum_ms", fmt::format("{:.3f}", ms(config_.quantum_ns)));
@@ -612,6 +613,13 @@ void gate_families(MetricsText& m, const Sessions& sessions_) {
              "Attached session: time its boundaries waited for grants.", [](salus_gate& G) {
                return fmt::format("{:.9f}", static_cast<double>(gate_load(G.gate_wait_ns)) / 1e9);
              });
+  m.per_gate_known(sessions_, "salus_session_lane_held_seconds_total", "counter",
+                   "Attached session: time its iterations held the GPU's attached lane, "
+                   "as salusd measured it.",
+                   [](const Session& s) {
+                     return std::optional<std::string>(
+                         fmt::format("{:.9f}", static_cast<double>(s.lane_held_ns) / 1e9));
+                   });
   m.per_gate(sessions_, "salus_session_launches_total", "counter",
              "Attached session: kernel launches its program made.",
              [](salus_gate& G) { return gate_load(G.launches); });

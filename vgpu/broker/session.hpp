@@ -263,6 +263,9 @@ struct Session {
   std::uint64_t ops_done = 0;
   std::int64_t gpu_ns = 0;            // all device time, transfers included
   std::int64_t iteration_gpu_ns = 0;  // device time of counted iterations
+  // Attached: the time its grants held the GPU's attached lane, as salusd saw it
+  // (from each grant, or the last completion, to the next completion).
+  std::int64_t lane_held_ns = 0;
 
   std::map<std::string, LoadedModule> modules;
 

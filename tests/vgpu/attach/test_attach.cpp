@@ -285,13 +285,75 @@ TEST(Attach, SwitchDrainsTheLaneFirstAndFairAlternates) {
   // FAIR would pick c now, but a's iteration is in flight in another process.
   EXPECT_FALSE(c.granted(1, 100ms));
   a.request(2);
-  a.complete(1, 1'000'000);
+  a.complete(1, 200'000'000);  // a's report covers the 100 ms it held the lane
   ASSERT_TRUE(c.granted(1));
   EXPECT_EQ(ld(a.g->granted), 1u);  // c's turn: a waits for c's iteration to end
+  std::this_thread::sleep_for(20ms);
   c.request(2);
-  c.complete(1, 1'000'000);
+  c.complete(1, 200'000'000);
   ASSERT_TRUE(a.granted(2));
   EXPECT_EQ(ld(c.g->granted), 1u);
+}
+
+// One program at a time holds the attached lane (depth 1), each iteration for
+// about 5 ms; `reported` is the device time each says its iteration took. Runs
+// `turns` iterations between them and counts each one's.
+std::pair<int, int> take_turns(Program& a, std::uint64_t reported_a, Program& c,
+                               std::uint64_t reported_c, int turns) {
+  std::uint64_t done_a = 0, done_c = 0;
+  int turns_a = 0, turns_c = 0;
+  a.request(1);
+  c.request(1);
+  for (int i = 0; i < turns; ++i) {
+    const auto end = std::chrono::steady_clock::now() + 2s;
+    while (ld(a.g->granted) <= done_a && ld(c.g->granted) <= done_c &&
+           std::chrono::steady_clock::now() < end)
+      std::this_thread::sleep_for(100us);
+    std::this_thread::sleep_for(5ms);
+    // A boundary asks for the next iteration before the last one completes, as
+    // the shim's does (its completion comes later, from the event).
+    if (ld(a.g->granted) > done_a) {
+      a.request(done_a + 2);
+      a.complete(++done_a, reported_a);
+      ++turns_a;
+    } else if (ld(c.g->granted) > done_c) {
+      c.request(done_c + 2);
+      c.complete(++done_c, reported_c);
+      ++turns_c;
+    } else {
+      ADD_FAILURE() << "neither program was granted within 2 s";
+      break;
+    }
+  }
+  return {turns_a, turns_c};
+}
+
+// FAIR charges an attached iteration the lane time salusd saw it hold when the
+// program reports less: a program that says its iterations took no GPU time
+// would otherwise take every turn (its virtual time never grows).
+TEST(Attach, FairChargesTheLaneTimeHeldWhenTheProgramReportsLess) {
+  auto b = make_broker(sched::PolicyKind::fair, 1);
+  Program liar, honest;
+  const SessionId il = attached_session(*b, liar);
+  const SessionId ih = attached_session(*b, honest);
+  const auto [l, h] = take_turns(liar, 0, honest, 5'000'000, 40);
+  EXPECT_GE(h, 12) << "the liar took " << l << " of 40 turns";
+  EXPECT_GE(l, 12) << "the honest program took " << h << " of 40 turns";
+  // What it held, measured by salusd, beside what it reported (once salusd has
+  // seen the last completion).
+  for (int i = 0; i < 400; ++i) {
+    if (field(b->render_status(il), "iterations_done") == std::to_string(l) &&
+        field(b->render_status(ih), "iterations_done") == std::to_string(h))
+      break;
+    std::this_thread::sleep_for(5ms);
+  }
+  const std::string st = b->render_status(il);
+  EXPECT_EQ(field(st, "gpu_time_ms"), "0.000");
+  EXPECT_GE(std::stod(field(st, "lane_held_ms")), 5.0 * l) << st;
+  EXPECT_GE(std::stod(field(b->render_status(ih), "lane_held_ms")), 5.0 * h);
+  EXPECT_NE(b->render_metrics().find("salus_session_lane_held_seconds_total{session=\"" +
+                                     std::to_string(il)),
+            std::string::npos);
 }
 
 TEST(Attach, UnmarkedProgramIsAskedToYield) {
