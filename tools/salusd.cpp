@@ -78,6 +78,9 @@ struct Settings {
   // cuda, 0 on sim, whose attached programs use another driver's memory).
   std::string attach_context_reserve = "auto";
   std::string attach_overrun = "warn";
+  // An attached iteration holding its lane longer than this while others wait
+  // loses the lane; 0: never.
+  double attach_hold_limit_s = 30;
   // Past the host limit, swapped-out bytes spill to an unnamed (O_TMPFILE) file
   // here, written by salusd; empty: no spill file.
   std::string swap_dir = "/var/tmp";
@@ -192,6 +195,7 @@ bool load_config(const std::string& path, Settings& s, std::string& why) {
   s.swap_dir = t["swap_dir"].value_or(s.swap_dir);
   s.attach_context_reserve = t["attach"]["context_reserve"].value_or(s.attach_context_reserve);
   s.attach_overrun = t["attach"]["overrun"].value_or(s.attach_overrun);
+  s.attach_hold_limit_s = t["attach"]["hold_limit_s"].value_or(s.attach_hold_limit_s);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.cuda_arena = t["cuda"]["arena"].value_or(s.cuda_arena);
@@ -279,6 +283,9 @@ bool validate(const Settings& s, std::string& why) {
                            s.attach_context_reserve));
   if (s.attach_overrun != "warn" && s.attach_overrun != "kill")
     return bad(fmt::format("attach_overrun '{}': expected warn or kill", s.attach_overrun));
+  if (!(s.attach_hold_limit_s >= 0 && s.attach_hold_limit_s <= 86400))
+    return bad(fmt::format("attach_hold_limit_s {}: expected 0 (never) to 86400 seconds",
+                           s.attach_hold_limit_s));
   if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, sub_why))
     return bad(fmt::format("metrics_listen {}", sub_why));
   return true;
@@ -380,6 +387,9 @@ void add_flags(CLI::App& flags, Settings& s) {
   flags.add_option("--attach-overrun", s.attach_overrun,
                    "What salusd does with a program the driver shows holding more card memory "
                    "than admission counts for it: warn (and count it), or kill (SIGKILL)");
+  flags.add_option("--attach-hold-limit", s.attach_hold_limit_s,
+                   "Seconds an attached iteration may hold its lane while other sessions of "
+                   "the lane wait; past it they run beside it (0: never)");
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -575,6 +585,7 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s, const std::string& ba
                                                   : 0;
   bc.attach_context_learn = s.attach_context_reserve == "auto";
   bc.attach_overrun_kill = s.attach_overrun == "kill";
+  bc.attach_hold_limit_ns = static_cast<std::int64_t>(s.attach_hold_limit_s * 1e9);
   return bc;
 }
 

@@ -70,6 +70,11 @@ struct AttachedGate {
   // Broker time up to which the session's hold of its lane has been charged: the
   // last completion seen (Broker::lane_held_since_charged).
   std::int64_t hold_charged_to = 0;
+  // Grants the hold limit took off the lane (Broker::release_long_hold) that
+  // have not completed yet, the hold it measured for them, and how often.
+  std::uint32_t released_in_flight = 0;
+  std::uint64_t released_hold_ns = 0;
+  std::uint64_t hold_releases = 0;
   std::uint64_t yields = 0;  // yield requests made
   bool exited = false;       // the pidfd reported the program's exit
   // The driver's figure for the program passed its charge by more than the

@@ -96,6 +96,9 @@ struct BrokerConfig {
   // The largest priority a caller who is not an admin may give a session
   // (salusd --user-priority-max); lowering one, or keeping it, is always allowed.
   std::int32_t user_priority_max = 0;
+  // An attached iteration that holds its lane longer than this while other
+  // sessions of the lane wait loses the lane (Broker::release_long_hold); 0: never.
+  std::int64_t attach_hold_limit_ns = 30'000'000'000;
   // Arena memory no longer held stays backed this long before it goes back to
   // the card (broker_backing.cpp), unless room promised to attached programs
   // needs it sooner. Tests lengthen it.
@@ -574,6 +577,8 @@ class Broker {
   void finish_grant(Gpu& g, Session& s, std::int64_t device_ns, std::int64_t charge_ns, bool counts,
                     Deferred& later);
   std::int64_t lane_held_since_charged(const Gpu& g, Session& s, TimeNs t) const;
+  void release_long_hold(Gpu& g, Session& s, TimeNs t, Deferred& later);
+  void tick_attached(SessionId id, TimeNs t, Deferred& later);
   // Lets go of the gate: `state` (DETACHED, or HANDED_OVER), woken, its grants no
   // longer in flight.
   void detach_gate(Session& s, Deferred& later, std::uint32_t state = SALUS_GATE_DETACHED);

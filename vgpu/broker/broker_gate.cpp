@@ -309,7 +309,11 @@ bool Broker::grant_one(Gpu& g, LaneId lane_id, Lane& lane, Session& s, Deferred&
 
 void Broker::finish_grant(Gpu& g, Session& s, std::int64_t device_ns, std::int64_t charge_ns,
                           bool counts, Deferred& later) {
-  if (s.in_flight_lane) {
+  // The oldest grants complete first: one the hold limit took off the lane
+  // (release_long_hold) has no token left there.
+  if (s.gate && s.gate->released_in_flight > 0) {
+    --s.gate->released_in_flight;
+  } else if (s.in_flight_lane) {
     auto it = g.lanes.find(*s.in_flight_lane);
     if (it != g.lanes.end()) {
       Lane& lane = it->second;
@@ -352,6 +356,42 @@ std::int64_t Broker::lane_held_since_charged(const Gpu& g, Session& s, TimeNs t)
   return std::max<std::int64_t>(t - from, 0);
 }
 
+// An attached iteration that has held its lane past --attach-hold-limit while
+// other sessions of the lane wait loses the lane: its grants leave the lane's
+// in-flight list (the program runs on, time-sliced by the driver beside the
+// others) and complete later without a token. Its hold so far is charged with
+// its completion. Without it, one program that never came to a boundary, hung or
+// hostile, would keep every other session of the lane waiting for ever.
+void Broker::release_long_hold(Gpu& g, Session& s, TimeNs t, Deferred& later) {
+  AttachedGate& gt = *s.gate;
+  if (config_.attach_hold_limit_ns <= 0 || !s.in_flight_lane) return;
+  auto it = g.lanes.find(*s.in_flight_lane);
+  if (it == g.lanes.end()) return;
+  Lane& lane = it->second;
+  const auto first = std::find_if(lane.tokens.begin(), lane.tokens.end(),
+                                  [&](const Lane::InFlight& f) { return f.session == s.id; });
+  if (first == lane.tokens.end() || t - first->started < config_.attach_hold_limit_ns) return;
+  const bool self_waits = gate_load(gt.g().requested) > gt.granted;
+  if (g.sched.runnable_in_lane(it->first) <= (self_waits ? 1u : 0u)) return;  // nobody waits
+  gt.released_hold_ns += static_cast<std::uint64_t>(lane_held_since_charged(g, s, t));
+  gt.hold_charged_to = t;
+  const auto mine = [&](const Lane::InFlight& f) { return f.session == s.id; };
+  const auto released = static_cast<std::uint32_t>(std::erase_if(lane.tokens, mine));
+  gt.released_in_flight += released;
+  lane.in_flight = lane.in_flight > released ? lane.in_flight - released : 0;
+  s.in_flight_lane.reset();
+  ++gt.hold_releases;
+  log(s, fmt::format("iteration {} has held the lane for {} s (salusd --attach-hold-limit) while "
+                     "other sessions wait: they now run beside it, time-sliced by the driver, "
+                     "and it waits for its turn again at its next boundary",
+                     gt.completed_seen + 1, (t - first->started) / 1'000'000'000));
+  if (lane.in_flight == 0) {
+    g.sched.arena().end_iteration(it->first, t);
+    handle_admissions(g, later, false);
+  }
+  dispatch(g, later);
+}
+
 void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
   AttachedGate& gt = *s.gate;
   salus_gate& G = gt.g();
@@ -364,8 +404,13 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
     gt.gpu_ns_seen = std::max(gt.gpu_ns_seen, total);
     gt.completed_seen = completed;
     const TimeNs t = now();
-    const auto held = static_cast<std::uint64_t>(lane_held_since_charged(g, s, t));
-    gt.hold_charged_to = t;
+    // What the hold limit already measured, and, when this batch reaches grants
+    // still on the lane, their hold up to now.
+    std::uint64_t held = std::exchange(gt.released_hold_ns, 0);
+    if (n > gt.released_in_flight) {
+      held += static_cast<std::uint64_t>(lane_held_since_charged(g, s, t));
+      gt.hold_charged_to = t;
+    }
     s.lane_held_ns += static_cast<std::int64_t>(held);
     // The program reports device time per batch of completions: split evenly, as
     // is the lane time salusd measured. The policy is charged the larger: a
@@ -657,32 +702,41 @@ void Broker::gate_tick() {
     for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_->snapshot(i));
     census = census_of(telemetry);
   }
-  std::lock_guard lk(mu_);
-  if (!telemetry.empty()) {
-    check_attached_contexts(telemetry);
-    account_processes(census);
+  Deferred later;
+  {
+    std::lock_guard lk(mu_);
+    if (!telemetry.empty()) {
+      check_attached_contexts(telemetry);
+      account_processes(census);
+    }
+    ++gate_ticks_;
+    const TimeNs t = now();
+    for (auto& g : gpus_) lane_tick(*g, t);
+    for (SessionId id : attached_) tick_attached(id, t, later);
   }
-  ++gate_ticks_;
-  const TimeNs t = now();
-  for (auto& g : gpus_) lane_tick(*g, t);
-  for (SessionId id : attached_) {
-    Session* sp = get(id);
-    if (!sp || !sp->gate || sp->gate->exited) continue;
-    Session& s = *sp;
-    AttachedGate& gt = *s.gate;
-    salus_gate& G = gt.g();
-    std::atomic_ref<std::uint64_t>(G.heartbeat).fetch_add(1, std::memory_order_relaxed);
-    // The fallback for unmarked programs: a slice of quantum_ns (wall time: the
-    // device time of a running iteration is not reported before its boundary).
-    if (gate_load(G.marking) == SALUS_MARK_EXPLICIT || s.in_flight == 0 || !s.in_flight_lane)
-      continue;
-    if (gate_load(G.requested) > gt.granted || gate_load(G.yield_requested) != 0) continue;
-    Gpu* g = gpu_of(s);
-    if (!g || g->sched.runnable_in_lane(*s.in_flight_lane) == 0) continue;
-    if (t - gt.granted_at < config_.quantum_ns) continue;
-    gate_store(G.yield_requested, 1u);
-    ++gt.yields;
-  }
+  run_deferred(later);
+}
+
+// One attached session's share of the gate tick: its heartbeat, the hold limit,
+// and the slice of an unmarked program.
+void Broker::tick_attached(SessionId id, TimeNs t, Deferred& later) {
+  Session* sp = get(id);
+  if (!sp || !sp->gate || sp->gate->exited) return;
+  Session& s = *sp;
+  AttachedGate& gt = *s.gate;
+  salus_gate& G = gt.g();
+  std::atomic_ref<std::uint64_t>(G.heartbeat).fetch_add(1, std::memory_order_relaxed);
+  Gpu* g = gpu_of(s);
+  if (!g) return;
+  release_long_hold(*g, s, t, later);
+  // The fallback for unmarked programs: a slice of quantum_ns (wall time: the
+  // device time of a running iteration is not reported before its boundary).
+  if (gate_load(G.marking) == SALUS_MARK_EXPLICIT || s.in_flight == 0 || !s.in_flight_lane) return;
+  if (gate_load(G.requested) > gt.granted || gate_load(G.yield_requested) != 0) return;
+  if (g->sched.runnable_in_lane(*s.in_flight_lane) == 0) return;
+  if (t - gt.granted_at < config_.quantum_ns) return;
+  gate_store(G.yield_requested, 1u);
+  ++gt.yields;
 }
 
 void Broker::gate_loop() {

@@ -210,6 +210,7 @@ void Broker::render_gate_status(const Session& s, const GpuTelemetrySnapshot* t,
   kv("gate_wait_ms", fmt::format("{:.3f}", ms(static_cast<std::int64_t>(std::min<std::uint64_t>(
                                                gate_load(G.gate_wait_ns), INT64_MAX)))));
   kv("lane_held_ms", fmt::format("{:.3f}", ms(s.lane_held_ns)));
+  kv("hold_limit_releases", gt.hold_releases);
   kv("oom_refusals", gate_load(G.oom_refusals));
   kv("yield_requests", gt.yields);
   kv("quantum_ms", fmt::format("{:.3f}", ms(config_.quantum_ns)));

@@ -356,6 +356,51 @@ TEST(Attach, FairChargesTheLaneTimeHeldWhenTheProgramReportsLess) {
             std::string::npos);
 }
 
+// A program granted an iteration that never comes to its boundary (hung, or
+// hostile) would keep every other session of the lane waiting: past the hold
+// limit, with others waiting, the lane goes on without it.
+TEST(Attach, AnIterationPastTheHoldLimitLetsTheLaneGoOn) {
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+  BrokerConfig cfg;
+  cfg.policy = sched::PolicyKind::fair;
+  cfg.attach_hold_limit_ns = 300'000'000;
+  Broker b(std::move(devs), cfg);
+  Program a, c;
+  const SessionId ia = attached_session(b, a);
+  const SessionId ic = attached_session(b, c);
+  a.request(1);
+  ASSERT_TRUE(a.granted(1));
+  const auto granted = std::chrono::steady_clock::now();
+  c.request(1);
+  EXPECT_FALSE(c.granted(1, 150ms));  // a's iteration is on the lane: c waits...
+  ASSERT_TRUE(c.granted(1, 2000ms));  // ...until the limit lets the lane go on
+  EXPECT_GE(std::chrono::steady_clock::now() - granted, 300ms);
+  EXPECT_EQ(field(b.render_status(ia), "hold_limit_releases"), "1");
+  EXPECT_NE(b.render_log(ia).find("iteration 1 has held the lane for 0 s (salusd "
+                                  "--attach-hold-limit) while other sessions wait"),
+            std::string::npos)
+      << b.render_log(ia);
+  EXPECT_EQ(field(b.render_status(ia), "in_flight"), "1");  // still running
+  // c runs on while a's iteration has not ended; a's next one waits for its turn.
+  a.request(2);
+  c.request(2);
+  c.complete(1, 1'000'000);
+  ASSERT_TRUE(c.granted(2));
+  EXPECT_EQ(ld(a.g->granted), 1u);
+  a.complete(1, 1'000'000);  // a's first iteration ends at last: counted, hold charged
+  for (int i = 0; i < 200 && field(b.render_status(ia), "iterations_done") != "1"; ++i)
+    std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(field(b.render_status(ia), "in_flight"), "0");
+  EXPECT_GE(std::stod(field(b.render_status(ia), "lane_held_ms")), 300.0);
+  c.complete(2, 1'000'000);
+  ASSERT_TRUE(a.granted(2));
+  // Past the limit with nobody waiting: a keeps the lane.
+  std::this_thread::sleep_for(400ms);
+  EXPECT_EQ(field(b.render_status(ia), "hold_limit_releases"), "1");
+  EXPECT_EQ(field(b.render_status(ic), "hold_limit_releases"), "0");
+}
+
 TEST(Attach, UnmarkedProgramIsAskedToYield) {
   auto b = make_broker(sched::PolicyKind::fair, 2);
   Program a, c;
