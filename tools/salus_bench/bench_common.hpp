@@ -93,5 +93,6 @@ void add_dataplane_benches(CLI::App& app, Registry& r);
 void add_soak_benches(CLI::App& app, Registry& r);
 void add_gate_benches(CLI::App& app, Registry& r);
 void add_backing_benches(CLI::App& app, Registry& r);
+void add_census_benches(CLI::App& app, Registry& r);
 
 }  // namespace salus::bench

@@ -4,11 +4,9 @@
 // reports the finished iteration, asks for the next, rings and waits on the
 // futex until salusd grants it. Baselines in the same run: the same two
 // wake-ups between two threads of this process, with no salusd in between.
-#include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -20,8 +18,8 @@
 
 #include <fmt/format.h>
 
-#include "client/salus_gate.h"
 #include "tools/salus_bench/bench_common.hpp"
+#include "tools/salus_bench/gate_program.hpp"
 
 namespace salus::bench {
 namespace {
@@ -44,60 +42,22 @@ void ring(int fd) {
   if (::write(fd, &one, sizeof one) != sizeof one) die("eventfd write");
 }
 
-// Waits until `granted` reaches k, as the shim does: futex on grant_word.
-void wait_granted(salus_gate& g, std::uint64_t k) {
-  for (;;) {
-    const std::uint32_t w = at(g.grant_word).load();
-    if (at(g.granted).load() >= k) return;
-    if (at(g.state).load() == SALUS_GATE_DETACHED) die("salusd detached the gate");
-    futex_wait(&g.grant_word, w);
-  }
-}
-
-// lag 1: at boundary k the program reports iteration k-1 finished (a busy GPU:
-// the next iteration is granted while the last one runs, the pipelined case);
-// lag 0: it reports k itself (the GPU had drained, the lane goes idle and back).
+// At each boundary the program reports an iteration done and waits for the
+// next grant (GateProgram::boundaries): lag 1 is the pipelined case, lag 0 the
+// drained one.
 std::vector<double> gate_through_salusd(const std::string& mnt, int n, std::uint64_t lag) {
-  const int memfd = ::memfd_create("salus-gate", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (memfd < 0 || ::ftruncate(memfd, sizeof(salus_gate)) != 0) die("memfd");
-  void* p = ::mmap(nullptr, sizeof(salus_gate), PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
-  if (p == MAP_FAILED) die("mmap gate");
-  auto* g = static_cast<salus_gate*>(p);
-  g->magic = SALUS_GATE_MAGIC;
-  g->version = SALUS_GATE_VERSION;
-  g->size = sizeof(salus_gate);
-  g->pid = ::getpid();
-  if (::fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) die("seals");
-  const int bell = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  std::vector<double> rt;
-  {
-    Clone c(mnt);
-    char buf[256];
-    write_all(c.fd, "need persistent=0 ephemeral=0\n");
-    while (::read(c.fd, buf, sizeof buf) > 0) {
-    }
-    write_all(c.fd, fmt::format("attach gate={} bell={}\n", memfd, bell));
-    while (::read(c.fd, buf, sizeof buf) > 0) {
-    }
-    at(g->marking).store(SALUS_MARK_EXPLICIT);
-    at(g->requested).store(1);
-    ring(bell);
-    wait_granted(*g, 1);
-    for (std::uint64_t k = 1; k <= static_cast<std::uint64_t>(n + n / 10); ++k) {
-      const auto t0 = Clock::now();
-      // Boundary k: iteration k - lag is done, k + 1 is wanted.
-      at(g->gpu_ns_total).fetch_add(1000);
-      at(g->completed).store(k - lag);
-      at(g->requested).store(k + 1);
-      ring(bell);
-      wait_granted(*g, k + 1);
-      if (k > static_cast<std::uint64_t>(n / 10)) rt.push_back(us_since(t0));  // warm-up
-    }
+  GateProgram program;
+  Clone c(mnt);
+  char buf[256];
+  write_all(c.fd, "need persistent=0 ephemeral=0\n");
+  while (::read(c.fd, buf, sizeof buf) > 0) {
   }
-  ::munmap(p, sizeof(salus_gate));
-  ::close(memfd);
-  ::close(bell);
-  return rt;
+  write_all(c.fd, program.attachment());
+  while (::read(c.fd, buf, sizeof buf) > 0) {
+  }
+  program.start();
+  const auto count = static_cast<std::size_t>(n);
+  return program.boundaries(lag, count / 10, count, Clock::time_point::max());
 }
 
 // Baseline 1: futex ping-pong between two threads (FUTEX_WAKE/WAIT both ways).

@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   add_soak_benches(app, registry);
   add_gate_benches(app, registry);
   add_backing_benches(app, registry);
+  add_census_benches(app, registry);
   CLI11_PARSE(app, argc, argv);
   for (auto& [cmd, run] : registry.benches)
     if (*cmd) return run(target);

@@ -452,6 +452,8 @@ class Broker {
     std::vector<char> listed;  // by GPU: NVML gave its process list
   };
   ProcessCensus census_of(const std::vector<GpuTelemetrySnapshot>& telemetry) const;
+  void census_loop();
+  void census_tick();
   // Under the lock: each GPU's `outside_*` and each attached session's
   // ungated processes from the census, said once in the logs.
   void account_processes(const ProcessCensus& census);
@@ -633,7 +635,13 @@ class Broker {
   UniqueFd gate_stop_;
   std::thread gate_thread_;
   std::uint64_t gate_ticks_ = 0;
-  std::uint64_t context_check_ticks_ = 0;   // the gate thread's own count
+  // The census of GPU processes and the check of attached programs' driver
+  // figures (NVML, once a second): a thread of its own, so that its /proc reads
+  // never delay a grant on the gate thread. Only with telemetry.
+  std::thread census_thread_;
+  std::mutex census_mu_;
+  std::condition_variable census_cv_;
+  bool census_stop_ = false;                // under census_mu_
   std::unordered_set<SessionId> attached_;  // sessions whose gate is served
 };
 

@@ -695,20 +695,9 @@ void Broker::overrun_kill(Session& s, int pidfd, pid_t pid, const std::string& w
 }
 
 void Broker::gate_tick() {
-  // Snapshots are taken before the broker lock (design.md, *Locks*).
-  std::vector<GpuTelemetrySnapshot> telemetry;
-  ProcessCensus census;
-  if (telemetry_ && ++context_check_ticks_ % 40 == 0) {
-    for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_->snapshot(i));
-    census = census_of(telemetry);
-  }
   Deferred later;
   {
     std::lock_guard lk(mu_);
-    if (!telemetry.empty()) {
-      check_attached_contexts(telemetry);
-      account_processes(census);
-    }
     ++gate_ticks_;
     const TimeNs t = now();
     for (auto& g : gpus_) lane_tick(*g, t);
@@ -786,9 +775,18 @@ void Broker::start_gate_service() {
   ok = ok && ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_ADD, gate_stop_.get(), &ev) == 0;
   if (!ok) throw std::runtime_error(fmt::format("gate service: {}", std::strerror(errno)));
   gate_thread_ = std::thread([this] { gate_loop(); });
+  if (telemetry_) census_thread_ = std::thread([this] { census_loop(); });
 }
 
 void Broker::stop_gate_service() {
+  if (census_thread_.joinable()) {
+    {
+      std::lock_guard lk(census_mu_);
+      census_stop_ = true;
+    }
+    census_cv_.notify_one();
+    census_thread_.join();
+  }
   if (!gate_thread_.joinable()) return;
   const std::uint64_t one = 1;
   if (::write(gate_stop_.get(), &one, sizeof one) < 0)

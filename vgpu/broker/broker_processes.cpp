@@ -31,6 +31,34 @@ constexpr std::size_t kMostOutsideTold = 256;
 
 }  // namespace
 
+// Once a second until the gate service stops. An exception ends one round,
+// never the thread (docs/style.md).
+void Broker::census_loop() {
+  std::unique_lock lk(census_mu_);
+  while (!census_cv_.wait_for(lk, std::chrono::seconds(1), [this] { return census_stop_; })) {
+    lk.unlock();
+    try {
+      census_tick();
+    } catch (const std::exception& e) {
+      spdlog::error("process census: {}", e.what());
+    } catch (...) {
+      spdlog::error("process census: a non-standard exception");
+    }
+    lk.lock();
+  }
+}
+
+// NVML's snapshots and the processes' parents are read before the broker's
+// lock (design.md, *Locks*); what they say is applied under it.
+void Broker::census_tick() {
+  std::vector<GpuTelemetrySnapshot> telemetry;
+  for (std::size_t i = 0; i < gpus_.size(); ++i) telemetry.push_back(telemetry_->snapshot(i));
+  const ProcessCensus census = census_of(telemetry);
+  std::lock_guard lk(mu_);
+  check_attached_contexts(telemetry);
+  account_processes(census);
+}
+
 // Before the broker's lock: /proc is read here (a process's parents, up to
 // kMostAncestors), never under it.
 Broker::ProcessCensus Broker::census_of(const std::vector<GpuTelemetrySnapshot>& telemetry) const {
