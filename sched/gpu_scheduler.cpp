@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 namespace salus::sched {
 
@@ -20,8 +21,38 @@ void GpuScheduler::requeue_key(const SessionSched& s) {
   if (!s.lane) arena_.set_admission_key(s.id, admission_key(policy_, s.in), 0);
 }
 
+void GpuScheduler::set_fair_share(FairShare share) {
+  if (share == fair_share_) return;
+  for (auto& [id, s] : sessions_) unlink(s);
+  fair_share_ = share;
+  for (auto& [id, s] : sessions_) link(s);
+}
+
+namespace {
+// A charge times FAIR's factor, saturating far below the int64 range: a
+// session's virtual time sums them.
+std::int64_t scaled(std::int64_t ns, std::int64_t factor) {
+  constexpr std::int64_t kMost = INT64_MAX / 4;
+  return factor <= 1 ? ns : (ns > kMost / factor ? kMost : ns * factor);
+}
+}  // namespace
+
+std::int64_t GpuScheduler::fair_factor(const SessionSched& s) const {
+  if (fair_share_ != FairShare::owner || !s.lane) return 1;
+  const auto q = lanes_.find(*s.lane);
+  if (q == lanes_.end()) return 1;
+  const auto c = q->second.runnable_by_owner.find(s.owner);
+  const std::uint32_t mine = c == q->second.runnable_by_owner.end() ? 0 : c->second;
+  // The session counts for its owner even between its iterations.
+  const std::uint32_t owners = q->second.owners_runnable + (!s.runnable && mine == 0 ? 1 : 0);
+  const std::uint32_t sessions = mine + (s.runnable ? 0 : 1);
+  // One owner in the lane: plain per-session shares, exactly as FairShare::session.
+  return owners < 2 ? 1 : static_cast<std::int64_t>(sessions);
+}
+
 arena::ArenaError GpuScheduler::arrive(SessionId id, arena::Need need, std::int32_t priority,
-                                       std::optional<std::uint64_t> iters, TimeNs now) {
+                                       std::optional<std::uint64_t> iters, TimeNs now,
+                                       std::uint32_t owner) {
   if (sessions_.count(id)) return arena::ArenaError::duplicate;
   RankInputs in;
   in.arrival = next_arrival_;
@@ -32,6 +63,7 @@ arena::ArenaError GpuScheduler::arrive(SessionId id, arena::Need need, std::int3
   ++next_arrival_;
   SessionSched& s = sessions_[id];
   s.id = id;
+  s.owner = owner;
   residency_.add(id, now);
   s.in = in;
   return err;
@@ -248,7 +280,7 @@ void GpuScheduler::iteration_dispatched(SessionId id) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
-  const std::int64_t estimate = charge_estimate(s.in);
+  const std::int64_t estimate = scaled(charge_estimate(s.in), fair_factor(s));
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
   if (s.in_flight++ == 0) in_flight_.push_back(id);
@@ -259,7 +291,7 @@ void GpuScheduler::iteration_cycle(SessionId id, std::int64_t device_ns) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
-  const std::int64_t estimate = charge_estimate(s.in);
+  const std::int64_t estimate = scaled(charge_estimate(s.in), fair_factor(s));
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
   account_done(s, device_ns, true);  // dispatched and done at once: in_flight stays
@@ -280,8 +312,9 @@ void GpuScheduler::account_done(SessionSched& s, std::int64_t device_ns, bool it
     s.in.measured_ns += device_ns;
     s.in.mean_iter_ns = static_cast<double>(s.in.measured_ns) / static_cast<double>(s.in.done);
   }
-  // Weight 1: equal shares. A 1 ns floor keeps empty iterations from being free.
-  const std::int64_t actual = std::max<std::int64_t>(device_ns, 1);
+  // Equal shares per session, or per owner (fair_factor). A 1 ns floor keeps
+  // empty iterations from being free.
+  const std::int64_t actual = scaled(std::max<std::int64_t>(device_ns, 1), fair_factor(s));
   std::int64_t charged = 0;
   if (!s.charged.empty()) {
     charged = s.charged.front();
@@ -305,7 +338,10 @@ std::size_t GpuScheduler::runnable_in_lane(LaneId lane) const {
 void GpuScheduler::unlink(SessionSched& s) {
   if (!s.runnable || !s.lane) return;
   auto it = lanes_.find(*s.lane);
-  if (it != lanes_.end()) it->second.runnable.erase({s.key, s.id});
+  if (it == lanes_.end()) return;
+  it->second.runnable.erase({s.key, s.id});
+  if (fair_share_ == FairShare::owner && --it->second.runnable_by_owner[s.owner] == 0)
+    --it->second.owners_runnable;
 }
 
 void GpuScheduler::link(SessionSched& s) {
@@ -316,6 +352,7 @@ void GpuScheduler::link(SessionSched& s) {
   if (policy_ == PolicyKind::fair) s.in.vtime = std::max(s.in.vtime, q.vclock);
   s.key = rank(policy_, s.in);
   q.runnable.insert({s.key, s.id});
+  if (fair_share_ == FairShare::owner && ++q.runnable_by_owner[s.owner] == 1) ++q.owners_runnable;
 }
 
 void GpuScheduler::forget_in_flight(SessionSched& s) {

@@ -20,8 +20,14 @@ namespace salus::sched {
 using arena::LaneId;
 using arena::SessionId;
 
+// How FAIR divides a lane among sessions: equal shares per session, or equal
+// shares per owner (a uid), each owner's share split among its sessions that
+// compete in the lane.
+enum class FairShare : std::uint8_t { session, owner };
+
 struct SessionSched {
   SessionId id = 0;
+  std::uint32_t owner = 0;  // FairShare::owner: whose share the session draws on
   RankInputs in;
   std::optional<LaneId> lane;
   bool runnable = false;
@@ -49,7 +55,19 @@ class GpuScheduler {
   void set_policy(PolicyKind policy);
 
   arena::ArenaError arrive(SessionId id, arena::Need need, std::int32_t priority,
-                           std::optional<std::uint64_t> iters, TimeNs now);
+                           std::optional<std::uint64_t> iters, TimeNs now, std::uint32_t owner = 0);
+  // FairShare::owner makes FAIR charge each iteration times the number of its
+  // owner's sessions competing in its lane (fair_factor), so that an owner's
+  // sessions together get one owner's share: weighted fair queueing whose
+  // weights follow who is runnable. Set before sessions arrive; the default,
+  // FairShare::session, is what salus-sim models (its traces have no owners).
+  void set_fair_share(FairShare share);
+  FairShare fair_share() const { return fair_share_; }
+  // Under FairShare::owner, while sessions of two owners or more compete in s's
+  // lane: the sessions of s's owner that are runnable there, itself included
+  // whether runnable or not. Otherwise 1, so that a lane of one owner's sessions
+  // is shared exactly as under FairShare::session.
+  std::int64_t fair_factor(const SessionSched& s) const;
   arena::ArenaError change_need(SessionId id, arena::Need need, std::optional<std::uint64_t> iters,
                                 TimeNs now);
   // Re-ranks the session, in its lane or in the admission queue (which may admit).
@@ -122,6 +140,10 @@ class GpuScheduler {
     RankSet runnable;
     std::optional<SessionId> last;
     std::int64_t vclock = 0;  // FAIR: virtual time of the session last put in service
+    // FairShare::owner: runnable sessions per owner (entries are kept at 0, so a
+    // lane allocates once per owner it has seen).
+    std::unordered_map<std::uint32_t, std::uint32_t> runnable_by_owner;
+    std::uint32_t owners_runnable = 0;  // owners with a runnable session here
   };
   void account_done(SessionSched& s, std::int64_t device_ns, bool iteration);
   void unlink(SessionSched& s);
@@ -132,6 +154,7 @@ class GpuScheduler {
 
   arena::GpuArena arena_;
   PolicyKind policy_;
+  FairShare fair_share_ = FairShare::session;
   std::uint64_t next_arrival_ = 0;
   std::unordered_map<SessionId, SessionSched> sessions_;
   std::unordered_map<LaneId, LaneQueue> lanes_;

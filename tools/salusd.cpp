@@ -52,6 +52,8 @@ struct Settings {
   std::uint32_t pipeline_depth = 2;
   // The largest priority a user who is not an admin may give a session.
   std::int32_t user_priority_max = 0;
+  // FAIR's shares: per user (uid) or per session.
+  std::string fair_share = "user";
   double cuda_memory_fraction = 0.9;
   std::string cuda_arena = "on-demand";  // or up-front
   std::string gpu_isolation = "auto";    // process for cuda, thread for sim
@@ -175,6 +177,7 @@ bool load_config(const std::string& path, Settings& s, std::string& why) {
   s.log_level = t["log_level"].value_or(s.log_level);
   s.pipeline_depth = t["pipeline_depth"].value_or(s.pipeline_depth);
   s.user_priority_max = t["user_priority_max"].value_or(s.user_priority_max);
+  s.fair_share = t["fair_share"].value_or(s.fair_share);
   s.shutdown_grace_ms = t["shutdown_grace_ms"].value_or(s.shutdown_grace_ms);
   s.metrics_listen = t["metrics_listen"].value_or(s.metrics_listen);
   s.state_dir = t["state_dir"].value_or(s.state_dir);
@@ -281,6 +284,8 @@ bool validate(const Settings& s, std::string& why) {
   if (s.attach_context_reserve != "auto" && !salus::arena::parse_size(s.attach_context_reserve))
     return bad(fmt::format("attach_context_reserve '{}': expected a size, e.g. 512M, or auto",
                            s.attach_context_reserve));
+  if (s.fair_share != "user" && s.fair_share != "session")
+    return bad(fmt::format("fair_share '{}': expected user or session", s.fair_share));
   if (s.attach_overrun != "warn" && s.attach_overrun != "kill")
     return bad(fmt::format("attach_overrun '{}': expected warn or kill", s.attach_overrun));
   if (!(s.attach_hold_limit_s >= 0 && s.attach_hold_limit_s <= 86400))
@@ -289,6 +294,20 @@ bool validate(const Settings& s, std::string& why) {
   if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, sub_why))
     return bad(fmt::format("metrics_listen {}", sub_why));
   return true;
+}
+
+// The flags of attached sessions (salus-run's programs), bound to their settings.
+void add_attach_flags(CLI::App& flags, Settings& s) {
+  flags.add_option("--attach-context-reserve", s.attach_context_reserve,
+                   "Card memory admission counts for each attached program's CUDA context, "
+                   "e.g. 512M (auto: 512M on cuda, 0 on sim, raised on each GPU to the largest "
+                   "context measured there)");
+  flags.add_option("--attach-overrun", s.attach_overrun,
+                   "What salusd does with a program the driver shows holding more card memory "
+                   "than admission counts for it: warn (and count it), or kill (SIGKILL)");
+  flags.add_option("--attach-hold-limit", s.attach_hold_limit_s,
+                   "Seconds an attached iteration may hold its lane while other sessions of "
+                   "the lane wait; past it they run beside it (0: never)");
 }
 
 // Every command-line flag, bound to its setting; the config file's keys are in
@@ -325,6 +344,11 @@ void add_flags(CLI::App& flags, Settings& s) {
       .add_option("--pipeline-depth", s.pipeline_depth,
                   "Iterations in flight per lane, the running one included")
       ->check(CLI::Range(1, 64));
+  flags
+      .add_option("--fair-share", s.fair_share,
+                  "How the fair policy shares a lane: equally per user (uid), each user's "
+                  "share split among its sessions, or equally per session")
+      ->check(CLI::IsMember({"user", "session"}));
   flags.add_option("--user-priority-max", s.user_priority_max,
                    "The largest priority a user who is not an admin may give a session "
                    "(under the priority policy, larger runs first); lowering is always allowed");
@@ -380,16 +404,7 @@ void add_flags(CLI::App& flags, Settings& s) {
   flags.add_option("--swap-dir", s.swap_dir,
                    "Past --swap-host-limit, swapped-out bytes spill to an unnamed file here "
                    "(\"\": refuse such swap-outs)");
-  flags.add_option("--attach-context-reserve", s.attach_context_reserve,
-                   "Card memory admission counts for each attached program's CUDA context, "
-                   "e.g. 512M (auto: 512M on cuda, 0 on sim, raised on each GPU to the largest "
-                   "context measured there)");
-  flags.add_option("--attach-overrun", s.attach_overrun,
-                   "What salusd does with a program the driver shows holding more card memory "
-                   "than admission counts for it: warn (and count it), or kill (SIGKILL)");
-  flags.add_option("--attach-hold-limit", s.attach_hold_limit_s,
-                   "Seconds an attached iteration may hold its lane while other sessions of "
-                   "the lane wait; past it they run beside it (0: never)");
+  add_attach_flags(flags, s);
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
 
@@ -571,6 +586,8 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s, const std::string& ba
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
   bc.user_priority_max = s.user_priority_max;
+  bc.fair_share =
+      s.fair_share == "session" ? salus::sched::FairShare::session : salus::sched::FairShare::owner;
   bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
   bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
   bc.transfers_active = s.transfers_active;

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <deque>
 #include <map>
 #include <random>
 #include <vector>
@@ -122,6 +123,96 @@ TEST(GpuScheduler, FairEqualizesGpuTimeWithPipelinedDispatch) {
   }
   const double share = static_cast<double>(time[1]) / static_cast<double>(time[1] + time[2]);
   EXPECT_NEAR(share, 0.5, 0.02);
+}
+
+// Owner 1 runs three sessions in a lane, owner 2 one; iterations cost 500 to
+// 3500 ns (seeded), two in flight at a time. Returns owner 2's share of the time.
+double second_owners_share(FairShare share, std::uint32_t seed) {
+  GpuScheduler s(24 * M, PolicyKind::fair);  // E fills the GPU: one lane
+  s.set_fair_share(share);
+  const std::uint32_t owners[] = {1, 1, 1, 2};
+  for (SessionId id = 1; id <= 4; ++id)
+    EXPECT_EQ(s.arrive(id, arena::Need{M, 16 * M}, 0, {}, 0, owners[id - 1]),
+              arena::ArenaError::ok);
+  const auto adm = s.take_admissions();
+  EXPECT_EQ(adm.size(), 4u);
+  for (const auto& a : adm) EXPECT_EQ(a.lane, adm.at(0).lane);  // one lane
+  for (SessionId id = 1; id <= 4; ++id) s.set_runnable(id, true);
+  std::mt19937 rng(seed);
+  std::map<std::uint32_t, std::int64_t> time;
+  std::deque<SessionId> in_flight;
+  for (int i = 0; i < 6000; ++i) {
+    while (in_flight.size() < 2) {
+      const SessionId id = *s.pick(adm.at(0).lane);
+      s.iteration_dispatched(id);
+      in_flight.push_back(id);
+    }
+    const SessionId done = in_flight.front();
+    in_flight.pop_front();
+    const std::int64_t cost = 500 + static_cast<std::int64_t>(rng() % 3001);
+    time[owners[done - 1]] += cost;
+    s.iteration_done(done, cost);
+  }
+  return static_cast<double>(time[2]) / static_cast<double>(time[1] + time[2]);
+}
+
+TEST(GpuScheduler, FairByOwnerGivesEachOwnerAnEqualShareWhateverItsSessions) {
+  for (std::uint32_t seed = 1; seed <= 20; ++seed) {
+    EXPECT_NEAR(second_owners_share(FairShare::owner, seed), 0.5, 0.03) << "seed " << seed;
+    EXPECT_NEAR(second_owners_share(FairShare::session, seed), 0.25, 0.03) << "seed " << seed;
+  }
+}
+
+TEST(GpuScheduler, TheFairFactorCountsTheOwnersRunnableSessionsInTheLane) {
+  OneLane t(PolicyKind::fair);
+  t.s.set_fair_share(FairShare::owner);
+  EXPECT_EQ(t.s.arrive(1, arena::Need{M, 16 * M}, 0, {}, 0, 7), arena::ArenaError::ok);
+  EXPECT_EQ(t.s.arrive(2, arena::Need{M, 16 * M}, 0, {}, 0, 7), arena::ArenaError::ok);
+  EXPECT_EQ(t.s.arrive(3, arena::Need{M, 16 * M}, 0, {}, 0, 8), arena::ArenaError::ok);
+  EXPECT_EQ(t.s.take_admissions().size(), 3u);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(1)), 1);  // not runnable: itself
+  t.s.set_runnable(1, true);
+  t.s.set_runnable(2, true);
+  t.s.set_runnable(3, true);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(1)), 2);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(3)), 1);
+  t.s.set_runnable(2, false);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(1)), 1);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(2)), 2);  // itself and 1
+  t.s.set_runnable(3, false);                   // owner 7 alone: per-session shares
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(2)), 1);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(3)), 1);  // itself and owner 7
+  t.s.set_runnable(2, true);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(3)), 1);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(1)), 1);
+  t.s.set_runnable(3, true);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(1)), 2);
+  t.s.set_fair_share(FairShare::session);
+  EXPECT_EQ(t.s.fair_factor(*t.s.find(1)), 1);
+}
+
+// A lane of one owner's sessions is shared exactly as under FairShare::session:
+// the same picks, whatever comes and goes.
+TEST(GpuScheduler, FairByOwnerWithOneOwnerPicksAsPerSession) {
+  for (std::uint32_t seed = 1; seed <= 20; ++seed) {
+    std::vector<SessionId> picked[2];
+    for (int mode = 0; mode < 2; ++mode) {
+      GpuScheduler s(24 * M, PolicyKind::fair);
+      s.set_fair_share(mode == 0 ? FairShare::session : FairShare::owner);
+      for (SessionId id = 1; id <= 4; ++id) s.arrive(id, arena::Need{M, 16 * M}, 0, {}, 0, 42);
+      const auto adm = s.take_admissions();
+      std::mt19937 rng(seed);
+      for (int i = 0; i < 2000; ++i) {
+        s.set_runnable(1 + rng() % 4, rng() % 3 != 0);
+        const auto id = s.pick(adm.at(0).lane);
+        if (!id) continue;
+        picked[mode].push_back(*id);
+        s.iteration_dispatched(*id);
+        s.iteration_done(*id, 100 + static_cast<std::int64_t>(rng() % 5000));
+      }
+    }
+    EXPECT_EQ(picked[0], picked[1]) << "seed " << seed;
+  }
 }
 
 TEST(GpuScheduler, FairNewcomerStartsAtTheLaneClock) {

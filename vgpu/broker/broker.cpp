@@ -105,6 +105,7 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
   caller_io_ = std::make_unique<CallerIo>(config_.caller_io);
   for (std::size_t i = 0; i < devices.size(); ++i) {
     auto g = std::make_unique<Gpu>(i, std::move(devices[i]), config_.policy, config_.arena);
+    g->sched.set_fair_share(config_.fair_share);
     g->sink = std::make_unique<Sink>(*g);
     g->device->set_sink(g->sink.get());
     g->staging = std::make_unique<StagingPool>(*g->device, config_.staging_cache);
@@ -756,7 +757,7 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   arena::ArenaError err;
   const bool first = s.gpu < 0;
   if (first) {
-    err = g.sched.arrive(s.id, need, c.priority.value_or(s.priority), c.iters, now());
+    err = g.sched.arrive(s.id, need, c.priority.value_or(s.priority), c.iters, now(), s.uid);
   } else {
     err = g.sched.change_need(s.id, need, c.iters, now());
   }
@@ -941,7 +942,7 @@ void Broker::bind_waiting(Deferred& later) {
 bool Broker::bind_to(Session& s, std::uint32_t gi) {
   Gpu& g = *gpus_[gi];
   const arena::Need need = arena_need(s, s.need.persistent, s.need.ephemeral, static_cast<int>(gi));
-  const arena::ArenaError err = g.sched.arrive(s.id, need, s.priority, s.need.iters, now());
+  const arena::ArenaError err = g.sched.arrive(s.id, need, s.priority, s.need.iters, now(), s.uid);
   if (err == arena::ArenaError::ok) s.context_counted = need.unswappable;
   if (err != arena::ArenaError::ok) {
     s.error = EIO;

@@ -96,6 +96,10 @@ struct BrokerConfig {
   // The largest priority a caller who is not an admin may give a session
   // (salusd --user-priority-max); lowering one, or keeping it, is always allowed.
   std::int32_t user_priority_max = 0;
+  // FAIR's shares: per uid, each uid's split among its sessions in a lane (the
+  // default: a user cannot take more of a lane by opening more sessions), or per
+  // session (salusd --fair-share).
+  sched::FairShare fair_share = sched::FairShare::owner;
   // An attached iteration that holds its lane longer than this while other
   // sessions of the lane wait loses the lane (Broker::release_long_hold); 0: never.
   std::int64_t attach_hold_limit_ns = 30'000'000'000;

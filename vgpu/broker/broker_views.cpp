@@ -73,6 +73,9 @@ std::string Broker::render_status(SessionId id) const {
       switch (g.sched.policy()) {
         case sched::PolicyKind::fair:
           rank = fmt::format("vtime={}ns", ss->in.vtime);
+          // Charged for each of its uid's sessions competing in the lane.
+          if (const std::int64_t f = g.sched.fair_factor(*ss); f > 1)
+            rank += fmt::format(" x{}", f);
           break;
         case sched::PolicyKind::srtf: {
           const double r = sched::remaining_ns(ss->in);

@@ -208,6 +208,45 @@ TEST(Broker, FairPolicyAlternatesSessionsInOneLane) {
   EXPECT_GE(std::stoul(stats.substr(pos + 10)), 5u) << stats;
 }
 
+// FAIR shares a lane per uid by default: alice's three sessions together get
+// what bob's one gets, so bob's 100 iterations end while alice's three have run
+// about 100 between them (per session, all four would end together, alice's at
+// about 300).
+TEST(Broker, FairSharesALaneEquallyBetweenUsersWhateverTheirSessions) {
+  for (const auto share : {sched::FairShare::owner, sched::FairShare::session}) {
+    std::vector<std::unique_ptr<Device>> devs;
+    devs.push_back(std::make_unique<SimDevice>(0, 12u << 20));
+    BrokerConfig cfg;
+    cfg.fair_share = share;
+    Broker b(std::move(devs), cfg);
+    const Caller bob{1001, 1001, ::getpid(), false};
+    std::vector<SessionId> alices;
+    for (int i = 0; i < 3; ++i)
+      alices.push_back(static_cast<SessionId>(b.create_session(kAlice, "")));
+    const auto bobs = static_cast<SessionId>(b.create_session(bob, ""));
+    for (SessionId id : alices)
+      ASSERT_EQ(run(b, id, "need persistent=1M ephemeral=7M\n", kAlice).first, 0);
+    ASSERT_EQ(run(b, bobs, "need persistent=1M ephemeral=7M\n", bob).first, 0);
+    EXPECT_EQ(field(b.render_status(alices[0]), "lane"), field(b.render_status(bobs), "lane"));
+    for (SessionId id : alices)
+      ASSERT_EQ(run(b, id, "begin\nspin 2000\nend x100\n", kAlice).first, 0);
+    ASSERT_EQ(run(b, bobs, "begin\nspin 2000\nend x100\n", bob).first, 0);
+    if (share == sched::FairShare::owner) {
+      EXPECT_NE(field(b.render_status(alices[0]), "rank").find(" x3"), std::string::npos)
+          << b.render_status(alices[0]);
+    }
+    EXPECT_EQ(wait_for(b, bobs).first, 0);
+    int alice_done = 0;
+    for (SessionId id : alices)
+      alice_done += std::stoi(field(b.render_status(id), "iterations_done"));
+    if (share == sched::FairShare::owner)
+      EXPECT_LE(alice_done, 180) << "alice's sessions ran " << alice_done << " while bob ran 100";
+    else
+      EXPECT_GE(alice_done, 240) << "alice's sessions ran " << alice_done << " while bob ran 100";
+    for (SessionId id : alices) b.end_session(id);
+  }
+}
+
 TEST(Broker, ShutdownRejectsNewWork) {
   auto b = make_broker();
   b->shutdown(100ms);

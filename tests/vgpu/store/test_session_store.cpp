@@ -26,10 +26,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::unique_ptr<Broker> make_broker() {
+// `user_priority_max`: the populated broker lets alice give her session priority 3;
+// the brokers that restore it keep salusd's default, 0, so a restore that ran as
+// alice would be refused it.
+std::unique_ptr<Broker> make_broker(std::int32_t user_priority_max = 0) {
   std::vector<std::unique_ptr<Device>> devs;
   devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
-  return std::make_unique<Broker>(std::move(devs), BrokerConfig{});
+  BrokerConfig cfg;
+  cfg.user_priority_max = user_priority_max;
+  return std::make_unique<Broker>(std::move(devs), cfg);
 }
 
 const Caller kAlice{1000, 1001, ::getpid(), false};
@@ -84,7 +89,7 @@ class SessionStoreTest : public ::testing::Test {
 
   // A broker with session "model": need, priority, two buffers with data.
   std::unique_ptr<Broker> populated(const std::string& w, const std::string& b) {
-    auto br = make_broker();
+    auto br = make_broker(3);
     const auto id = static_cast<SessionId>(br->create_session(kAlice, "model"));
     EXPECT_EQ(run(*br, id,
                   fmt::format("need persistent=64M ephemeral=8M iters=500 name=resnet\npriority 3\n"
