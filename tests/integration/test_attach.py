@@ -219,3 +219,33 @@ def test_sigkill_of_a_program_ends_its_session_within_a_second(salusd, tmp_path)
             p.kill()
             p.wait()
         os.close(s.fd)
+
+
+def test_an_iteration_past_the_hold_limit_lets_the_lane_go_on(salusd_factory):
+    """`salusd --attach-hold-limit`: a program granted an iteration that never
+    comes to its boundary holds its lane only that long while another waits."""
+    d = salusd_factory(extra_args=["--attach-hold-limit", "0.5"], sim_memory="256M",
+                       gpus=1).start()
+    a, b = Session(d), Session(d)
+    with salus_gate.Gate() as ga, salus_gate.Gate() as gb:
+        for s, g in ((a, ga), (b, gb)):
+            s.cmd("need persistent=8M ephemeral=0 gpu=0\n")
+            s.cmd(g.attach_line())
+            g.g.marking = 1  # explicit boundaries: no slice asks it to yield
+        ga.g.requested = 1
+        ga.ring()
+        deadline = time.time() + 5
+        while ga.g.granted < 1:
+            assert time.time() < deadline, "a was never granted"
+            time.sleep(0.005)
+        asked = time.time()
+        gb.g.requested = 1
+        gb.ring()
+        while gb.g.granted < 1:
+            assert time.time() < asked + 5, "b still waits behind a's iteration"
+            time.sleep(0.005)
+        assert time.time() - asked >= 0.3, "b was granted before a's hold limit"
+        st = a.status()
+        assert st["hold_limit_releases"] == "1" and st["in_flight"] == "1", st
+        assert "has held the lane for 0 s (salusd --attach-hold-limit)" in a.read("log")
+        assert b.status()["hold_limit_releases"] == "0"
