@@ -18,7 +18,37 @@ void GpuScheduler::set_policy(PolicyKind policy) {
 
 // A waiting session's place in the admission queue follows the policy's key.
 void GpuScheduler::requeue_key(const SessionSched& s) {
-  if (!s.lane) arena_.set_admission_key(s.id, admission_key(policy_, s.in), 0);
+  if (!s.lane) arena_.set_admission_key(s.id, queue_key(s.in, s.owner), 0);
+}
+
+// FAIR by owner, while sessions of two owners or more are here, admits the
+// owner with the fewest sessions admitted here first (arrival order among
+// equals), so that one user's queue of jobs does not keep another's first job
+// waiting. Otherwise (one owner, or other policies) the policy's admission key.
+bool GpuScheduler::admits_by_owner() const {
+  return policy_ == PolicyKind::fair && fair_share_ == FairShare::owner && owners_.size() >= 2;
+}
+
+double GpuScheduler::queue_key(const RankInputs& in, std::uint32_t owner) const {
+  if (!admits_by_owner()) return admission_key(policy_, in);
+  const auto c = owners_.find(owner);
+  return c == owners_.end() ? 0.0 : static_cast<double>(c->second.admitted);
+}
+
+// An owner's sessions here (`present`) or admitted ones (`admitted`) changed by
+// `delta`; the queue keys that follow from it move.
+void GpuScheduler::count_owner(std::uint32_t owner, int present, int admitted) {
+  const bool by_owner = admits_by_owner();
+  OwnerCount& c = owners_[owner];
+  c.present = static_cast<std::uint32_t>(static_cast<int>(c.present) + present);
+  c.admitted = static_cast<std::uint32_t>(static_cast<int>(c.admitted) + admitted);
+  if (c.present == 0) owners_.erase(owner);
+  if (admits_by_owner() != by_owner) {  // a second owner came, or went: every key
+    for (const auto& [id, s] : sessions_) requeue_key(s);
+  } else if (by_owner && admitted != 0) {
+    for (const auto& [id, s] : sessions_)
+      if (s.owner == owner) requeue_key(s);
+  }
 }
 
 void GpuScheduler::set_fair_share(FairShare share) {
@@ -26,6 +56,7 @@ void GpuScheduler::set_fair_share(FairShare share) {
   for (auto& [id, s] : sessions_) unlink(s);
   fair_share_ = share;
   for (auto& [id, s] : sessions_) link(s);
+  for (auto& [id, s] : sessions_) requeue_key(s);
 }
 
 namespace {
@@ -58,8 +89,13 @@ arena::ArenaError GpuScheduler::arrive(SessionId id, arena::Need need, std::int3
   in.arrival = next_arrival_;
   in.priority = priority;
   in.iters = iters;
-  const arena::ArenaError err = arena_.request(id, need, now, admission_key(policy_, in));
-  if (err != arena::ArenaError::ok) return err;
+  // Counted before the arena's pass, whose order may depend on it; undone if refused.
+  count_owner(owner, +1, 0);
+  const arena::ArenaError err = arena_.request(id, need, now, queue_key(in, owner));
+  if (err != arena::ArenaError::ok) {
+    count_owner(owner, -1, 0);
+    return err;
+  }
   ++next_arrival_;
   SessionSched& s = sessions_[id];
   s.id = id;
@@ -76,8 +112,14 @@ arena::ArenaError GpuScheduler::change_need(SessionId id, arena::Need need,
   SessionSched& s = it->second;
   RankInputs in = s.in;
   if (iters) in.iters = iters;
-  const arena::ArenaError err = arena_.change_need(id, need, now, admission_key(policy_, in));
-  if (err != arena::ArenaError::ok) return err;
+  // Re-queued, it no longer counts as admitted, before the arena's pass.
+  const bool was_admitted = s.lane.has_value();
+  if (was_admitted) count_owner(s.owner, 0, -1);
+  const arena::ArenaError err = arena_.change_need(id, need, now, queue_key(in, s.owner));
+  if (err != arena::ArenaError::ok) {
+    if (was_admitted) count_owner(s.owner, 0, +1);
+    return err;
+  }
   unlink(s);
   s.lane.reset();  // re-admission decides the lane again
   s.in = in;
@@ -95,6 +137,8 @@ void GpuScheduler::set_priority(SessionId id, std::int32_t priority) {
 void GpuScheduler::leave(SessionId id, TimeNs now) {
   auto it = sessions_.find(id);
   if (it != sessions_.end()) {
+    // Its owner's waiting sessions move up before the arena's pass admits into the room.
+    count_owner(it->second.owner, -1, it->second.lane ? -1 : 0);
     unlink(it->second);
     forget_in_flight(it->second);
     if (it->second.lane) {
@@ -123,9 +167,11 @@ std::vector<arena::Admitted> GpuScheduler::take_admissions() {
     auto it = sessions_.find(a.session);
     if (it == sessions_.end()) continue;
     SessionSched& s = it->second;
+    const bool newly = !s.lane;
     unlink(s);
     s.lane = a.lane;
     link(s);
+    if (newly) count_owner(s.owner, 0, +1);
   }
   return admitted;
 }

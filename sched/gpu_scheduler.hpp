@@ -59,8 +59,10 @@ class GpuScheduler {
   // FairShare::owner makes FAIR charge each iteration times the number of its
   // owner's sessions competing in its lane (fair_factor), so that an owner's
   // sessions together get one owner's share: weighted fair queueing whose
-  // weights follow who is runnable. Set before sessions arrive; the default,
-  // FairShare::session, is what salus-sim models (its traces have no owners).
+  // weights follow who is runnable. It also admits, among waiting sessions, the
+  // owner with the fewest admitted here first (queue_key). Set before sessions
+  // arrive; the default, FairShare::session, is what salus-sim models (its
+  // traces have no owners).
   void set_fair_share(FairShare share);
   FairShare fair_share() const { return fair_share_; }
   // Under FairShare::owner, while sessions of two owners or more compete in s's
@@ -151,10 +153,20 @@ class GpuScheduler {
   void rerank(SessionSched& s);
   void forget_in_flight(SessionSched& s);
   void requeue_key(const SessionSched& s);
+  bool admits_by_owner() const;
+  double queue_key(const RankInputs& in, std::uint32_t owner) const;
+  void count_owner(std::uint32_t owner, int present, int admitted);
 
   arena::GpuArena arena_;
   PolicyKind policy_;
   FairShare fair_share_ = FairShare::session;
+  // Per owner with sessions here: how many, and how many admitted (with a lane),
+  // for FAIR by owner's admission order.
+  struct OwnerCount {
+    std::uint32_t present = 0;
+    std::uint32_t admitted = 0;
+  };
+  std::unordered_map<std::uint32_t, OwnerCount> owners_;
   std::uint64_t next_arrival_ = 0;
   std::unordered_map<SessionId, SessionSched> sessions_;
   std::unordered_map<LaneId, LaneQueue> lanes_;

@@ -215,6 +215,31 @@ TEST(GpuScheduler, FairByOwnerWithOneOwnerPicksAsPerSession) {
   }
 }
 
+// Room for two sessions: owner 1 queues four, owner 2 one after them. When one
+// of owner 1's leaves, FAIR by owner admits owner 2's (no session admitted yet)
+// before owner 1's next; per session, arrival order admits owner 1's.
+TEST(GpuScheduler, FairByOwnerAdmitsTheOwnerWithFewestAdmittedFirst) {
+  for (const FairShare share : {FairShare::owner, FairShare::session}) {
+    GpuScheduler s(24 * M, PolicyKind::fair);
+    s.set_fair_share(share);
+    for (SessionId id = 1; id <= 4; ++id)
+      EXPECT_EQ(s.arrive(id, arena::Need{10 * M, M}, 0, {}, 0, 1), arena::ArenaError::ok);
+    EXPECT_EQ(s.arrive(5, arena::Need{10 * M, M}, 0, {}, 0, 2), arena::ArenaError::ok);
+    auto adm = s.take_admissions();
+    ASSERT_EQ(adm.size(), 2u);
+    EXPECT_EQ(adm.at(0).session, 1u);
+    EXPECT_EQ(adm.at(1).session, 2u);
+    s.leave(1, 1);
+    adm = s.take_admissions();
+    ASSERT_EQ(adm.size(), 1u);
+    EXPECT_EQ(adm.at(0).session, share == FairShare::owner ? 5u : 3u);
+    s.leave(2, 2);  // owner 1 has none admitted now, or one per session
+    adm = s.take_admissions();
+    ASSERT_EQ(adm.size(), 1u);
+    EXPECT_EQ(adm.at(0).session, share == FairShare::owner ? 3u : 4u);
+  }
+}
+
 TEST(GpuScheduler, FairNewcomerStartsAtTheLaneClock) {
   OneLane t(PolicyKind::fair);
   const LaneId lane = t.add(1);
