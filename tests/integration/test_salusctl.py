@@ -218,9 +218,9 @@ def test_a_rejected_policy_lists_the_valid_words(salusd):
              ("fair placement=far", "placement 'far': expected magm, lug, rr or exclusive"),
              ("fair queue=fast", "queue 'fast': expected strict or bypass"),
              ("fair quantum_ms=0", "quantum_ms '0': expected 1 to 3600000"),
-             ("fair colour=red", "unknown key 'colour'; expected placement=, queue=, quantum_ms= or oversubscribe="),
+             ("fair colour=red", "unknown key 'colour'; expected placement=, queue=, quantum_ms=, oversubscribe= or fair_share="),
              ("fair pack", "'pack' after the policy name is not key=value (placement=, queue=, "
-                           "quantum_ms= or oversubscribe=); write one setting per write")]
+                           "quantum_ms=, oversubscribe= or fair_share=); write one setting per write")]
     for text, why in cases:
         with pytest.raises(OSError) as e:
             with open(salusd.path("policy"), "w") as f:
@@ -267,7 +267,13 @@ def test_policy_read_and_switch(salusd):
     assert "policy: pack\n" in r.stdout and "queue: strict\n" in r.stdout
     with open(salusd.path("policy")) as f:
         assert f.read() == r.stdout
-    for bad in (["nonsense"], ["fifo", "bogus=1"], ["fifo", "placement=nowhere"]):
+    assert "fair_share: user\n" in r.stdout  # salusd's default
+    r = ctl(salusd, "policy", "fair", "fair_share=session")
+    assert r.returncode == 0 and "fair_share: session\n" in r.stdout, r.stderr
+    r = ctl(salusd, "policy", "pack")
+    assert "fair_share: session\n" in r.stdout  # kept until written again
+    for bad in (["nonsense"], ["fifo", "bogus=1"], ["fifo", "placement=nowhere"],
+                ["fifo", "fair_share=everyone"]):
         r = ctl(salusd, "policy", *bad)
         assert r.returncode == 1, bad
         assert salusd.path("policy") in r.stderr and "Invalid argument" in r.stderr

@@ -41,19 +41,20 @@ int Broker::set_policy(const std::string& text, std::string& why) {
   if (words.empty())
     return fail(
         "nothing written; expected NAME [placement=P] [queue=strict|bypass] "
-        "[quantum_ms=N]");
+        "[quantum_ms=N] [oversubscribe=R] [fair_share=user|session]");
   const auto kind = sched::policy_from_string(words[0]);
   if (!kind) return fail(fmt::format("unknown policy '{}'; expected {}", words[0], kPolicies));
   std::optional<Placement> placement;
   std::optional<arena::QueueMode> queue;
   std::optional<std::int64_t> quantum_ns;
   std::optional<double> oversubscribe;
+  std::optional<sched::FairShare> fair_share;
   for (std::size_t i = 1; i < words.size(); ++i) {
     const auto eq = words[i].find('=');
     if (eq == std::string::npos)
       return fail(
           fmt::format("'{}' after the policy name is not key=value (placement=, queue=, "
-                      "quantum_ms= or oversubscribe=); write one setting per write",
+                      "quantum_ms=, oversubscribe= or fair_share=); write one setting per write",
                       words[i]));
     const std::string key = words[i].substr(0, eq), value = words[i].substr(eq + 1);
     if (key == "placement") {
@@ -62,6 +63,10 @@ int Broker::set_policy(const std::string& text, std::string& why) {
     } else if (key == "queue") {
       queue = queue_mode(value);
       if (!queue) return fail(fmt::format("queue '{}': expected strict or bypass", value));
+    } else if (key == "fair_share") {
+      if (value != "user" && value != "session")
+        return fail(fmt::format("fair_share '{}': expected user or session", value));
+      fair_share = value == "user" ? sched::FairShare::owner : sched::FairShare::session;
     } else if (key == "oversubscribe") {
       // Admission's bound as a multiple of each GPU's memory: 1 (off) to 16.
       char* end = nullptr;
@@ -78,7 +83,9 @@ int Broker::set_policy(const std::string& text, std::string& why) {
       quantum_ns = static_cast<std::int64_t>(ms) * 1'000'000;
     } else {
       return fail(fmt::format(
-          "unknown key '{}'; expected placement=, queue=, quantum_ms= or oversubscribe=", key));
+          "unknown key '{}'; expected placement=, queue=, quantum_ms=, oversubscribe= or "
+          "fair_share=",
+          key));
     }
   }
   Deferred later;
@@ -106,6 +113,7 @@ int Broker::set_policy(const std::string& text, std::string& why) {
     config_.arena.oversubscribe = *oversubscribe;
   }
   config_.policy = *kind;
+  if (fair_share) config_.fair_share = *fair_share;
   if (quantum_ns) {
     config_.quantum_ns = *quantum_ns;
     for (auto& [id, s] : sessions_)
@@ -116,6 +124,7 @@ int Broker::set_policy(const std::string& text, std::string& why) {
   rekey_host_queue();
   for (auto& g : gpus_) {
     g->sched.set_policy(*kind);
+    if (fair_share) g->sched.set_fair_share(*fair_share);
     if (queue) g->sched.arena().set_queue_mode(*queue);
     // The queue follows the new policy's order, and a mode change may admit at once.
     handle_admissions(*g, later, false);

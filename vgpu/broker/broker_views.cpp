@@ -385,6 +385,8 @@ std::string Broker::render_policy() const {
                                       : fmt::format("bypass max_bypass={}", opts.max_bypass));
   o += fmt::format("pipeline_depth: {}\n", config_.pipeline_depth);
   o += fmt::format("quantum_ms: {}\n", config_.quantum_ns / 1'000'000);
+  o += fmt::format("fair_share: {}\n",
+                   config_.fair_share == sched::FairShare::owner ? "user" : "session");
   o += fmt::format("oversubscribe: {}\n", opts.oversubscribe);
   if (!gpus_.empty() && opts.oversubscribe > 1.0) {
     // The residency quantum: a session swapped in stays at least this long, so that
