@@ -30,6 +30,64 @@ std::optional<arena::QueueMode> queue_mode(const std::string& word) {
   return std::nullopt;
 }
 
+// What a write to /salus/policy sets besides the policy's name.
+struct PolicySettings {
+  std::optional<Placement> placement;
+  std::optional<arena::QueueMode> queue;
+  std::optional<std::int64_t> quantum_ns;
+  std::optional<double> oversubscribe;
+  std::optional<sched::FairShare> fair_share;
+};
+
+// The key=value settings after the policy's name, into `c`; 0, or EINVAL with `why`.
+int parse_policy_settings(const std::vector<std::string>& words, PolicySettings& c,
+                          std::string& why) {
+  auto fail = [&](std::string msg) {
+    why = std::move(msg);
+    return EINVAL;
+  };
+  for (std::size_t i = 1; i < words.size(); ++i) {
+    const auto eq = words[i].find('=');
+    if (eq == std::string::npos)
+      return fail(
+          fmt::format("'{}' after the policy name is not key=value (placement=, queue=, "
+                      "quantum_ms=, oversubscribe= or fair_share=); write one setting per write",
+                      words[i]));
+    const std::string key = words[i].substr(0, eq), value = words[i].substr(eq + 1);
+    if (key == "placement") {
+      c.placement = sched::placement_from_string(value);
+      if (!c.placement) return fail(fmt::format("placement '{}': expected {}", value, kPlacements));
+    } else if (key == "queue") {
+      c.queue = queue_mode(value);
+      if (!c.queue) return fail(fmt::format("queue '{}': expected strict or bypass", value));
+    } else if (key == "fair_share") {
+      if (value != "user" && value != "session")
+        return fail(fmt::format("fair_share '{}': expected user or session", value));
+      c.fair_share = value == "user" ? sched::FairShare::owner : sched::FairShare::session;
+    } else if (key == "oversubscribe") {
+      // Admission's bound as a multiple of each GPU's memory: 1 (off) to 16.
+      char* end = nullptr;
+      const double r = std::strtod(value.c_str(), &end);
+      if (value.empty() || *end != '\0' || !(r >= 1.0 && r <= 16.0))
+        return fail(fmt::format("oversubscribe '{}': expected a number from 1 to 16", value));
+      c.oversubscribe = r;
+    } else if (key == "quantum_ms") {
+      // The fallback slice of unmarked attached programs: 1 ms .. 1 h.
+      char* end = nullptr;
+      const unsigned long long ms = std::strtoull(value.c_str(), &end, 10);
+      if (value.empty() || *end != '\0' || ms < 1 || ms > 3'600'000)
+        return fail(fmt::format("quantum_ms '{}': expected 1 to 3600000", value));
+      c.quantum_ns = static_cast<std::int64_t>(ms) * 1'000'000;
+    } else {
+      return fail(fmt::format(
+          "unknown key '{}'; expected placement=, queue=, quantum_ms=, oversubscribe= or "
+          "fair_share=",
+          key));
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int Broker::set_policy(const std::string& text, std::string& why) {
@@ -44,50 +102,9 @@ int Broker::set_policy(const std::string& text, std::string& why) {
         "[quantum_ms=N] [oversubscribe=R] [fair_share=user|session]");
   const auto kind = sched::policy_from_string(words[0]);
   if (!kind) return fail(fmt::format("unknown policy '{}'; expected {}", words[0], kPolicies));
-  std::optional<Placement> placement;
-  std::optional<arena::QueueMode> queue;
-  std::optional<std::int64_t> quantum_ns;
-  std::optional<double> oversubscribe;
-  std::optional<sched::FairShare> fair_share;
-  for (std::size_t i = 1; i < words.size(); ++i) {
-    const auto eq = words[i].find('=');
-    if (eq == std::string::npos)
-      return fail(
-          fmt::format("'{}' after the policy name is not key=value (placement=, queue=, "
-                      "quantum_ms=, oversubscribe= or fair_share=); write one setting per write",
-                      words[i]));
-    const std::string key = words[i].substr(0, eq), value = words[i].substr(eq + 1);
-    if (key == "placement") {
-      placement = sched::placement_from_string(value);
-      if (!placement) return fail(fmt::format("placement '{}': expected {}", value, kPlacements));
-    } else if (key == "queue") {
-      queue = queue_mode(value);
-      if (!queue) return fail(fmt::format("queue '{}': expected strict or bypass", value));
-    } else if (key == "fair_share") {
-      if (value != "user" && value != "session")
-        return fail(fmt::format("fair_share '{}': expected user or session", value));
-      fair_share = value == "user" ? sched::FairShare::owner : sched::FairShare::session;
-    } else if (key == "oversubscribe") {
-      // Admission's bound as a multiple of each GPU's memory: 1 (off) to 16.
-      char* end = nullptr;
-      const double r = std::strtod(value.c_str(), &end);
-      if (value.empty() || *end != '\0' || !(r >= 1.0 && r <= 16.0))
-        return fail(fmt::format("oversubscribe '{}': expected a number from 1 to 16", value));
-      oversubscribe = r;
-    } else if (key == "quantum_ms") {
-      // The fallback slice of unmarked attached programs: 1 ms .. 1 h.
-      char* end = nullptr;
-      const unsigned long long ms = std::strtoull(value.c_str(), &end, 10);
-      if (value.empty() || *end != '\0' || ms < 1 || ms > 3'600'000)
-        return fail(fmt::format("quantum_ms '{}': expected 1 to 3600000", value));
-      quantum_ns = static_cast<std::int64_t>(ms) * 1'000'000;
-    } else {
-      return fail(fmt::format(
-          "unknown key '{}'; expected placement=, queue=, quantum_ms=, oversubscribe= or "
-          "fair_share=",
-          key));
-    }
-  }
+  PolicySettings c;
+  if (const int err = parse_policy_settings(words, c, why)) return err;
+  const auto& [placement, queue, quantum_ns, oversubscribe, fair_share] = c;
   Deferred later;
   std::unique_lock lk(mu_);
   if (oversubscribe) {
