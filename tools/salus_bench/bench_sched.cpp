@@ -55,36 +55,59 @@ int bench_assign(int sessions, int rounds) {
 }
 
 // Scheduler decisions with many sessions in one lane: pick + the dispatch and
-// completion bookkeeping that follow every decision.
-int bench_decide(int sessions, int rounds, const std::string& policy_name) {
-  using namespace salus;
-  const auto policy = sched::policy_from_string(policy_name);
-  if (!policy) die("unknown policy " + policy_name);
+// completion bookkeeping that follow every decision. With `owners` > 1 the
+// sessions belong to that many owners and FAIR shares per owner
+// (FairShare::owner, salusd's default), timed beside the same lane shared per
+// session in the same run.
+struct DecideTimes {
+  std::vector<double> pick_us, cycle_us;
+};
+
+DecideTimes time_decisions(int sessions, int rounds, sched::PolicyKind policy, int owners) {
   constexpr arena::Bytes M = 1u << 20;
-  sched::GpuScheduler s(M + M / 2, *policy);  // room for exactly one 1M lane
+  sched::GpuScheduler s(M + M / 2, policy);  // room for exactly one 1M lane
+  if (owners > 1) s.set_fair_share(sched::FairShare::owner);
   for (int i = 1; i <= sessions; ++i) {
     s.arrive(static_cast<arena::SessionId>(i), arena::Need{0, M}, i % 7,
-             static_cast<std::uint64_t>(1000 + i % 500), 0);
+             static_cast<std::uint64_t>(1000 + i % 500), 0, static_cast<std::uint32_t>(i % owners));
   }
   const auto adm = s.take_admissions();
   if (adm.size() != static_cast<std::size_t>(sessions)) die("not every session was admitted");
   for (const auto& a : adm) s.set_runnable(a.session, true);
   const arena::LaneId lane = adm.front().lane;
-  std::vector<double> pick_us, cycle_us;
+  DecideTimes t;
   std::uint64_t ns = 1;
   for (int r = 0; r < rounds; ++r) {
     auto t0 = Clock::now();
     const auto id = s.pick(lane);
-    pick_us.push_back(us_since(t0));
+    t.pick_us.push_back(us_since(t0));
     s.iteration_dispatched(*id);
     s.iteration_done(*id, static_cast<std::int64_t>(1000 + (ns++ * 7919) % 5000));
-    cycle_us.push_back(us_since(t0));
+    t.cycle_us.push_back(us_since(t0));
   }
-  fmt::print("decide policy={} sessions={} (one lane) rounds={}\n", policy_name, sessions, rounds);
-  fmt::print("  pick                        p50 {:.3f} us  p99 {:.3f} us  (target p50 <= 5)\n",
-             percentile(pick_us, 0.5), percentile(pick_us, 0.99));
-  fmt::print("  pick + dispatched + done    p50 {:.3f} us  p99 {:.3f} us\n",
-             percentile(cycle_us, 0.5), percentile(cycle_us, 0.99));
+  return t;
+}
+
+int bench_decide(int sessions, int rounds, const std::string& policy_name, int owners) {
+  const auto policy = sched::policy_from_string(policy_name);
+  if (!policy) die("unknown policy " + policy_name);
+  auto lines = [](const char* what, const DecideTimes& t) {
+    fmt::print(
+        "  {:30} pick p50 {:.3f} us  p99 {:.3f} us (target p50 <= 5); "
+        "pick + dispatched + done p50 {:.3f} us  p99 {:.3f} us\n",
+        what, percentile(t.pick_us, 0.5), percentile(t.pick_us, 0.99), percentile(t.cycle_us, 0.5),
+        percentile(t.cycle_us, 0.99));
+  };
+  fmt::print("decide policy={} sessions={} (one lane) rounds={} owners={}\n", policy_name, sessions,
+             rounds, owners);
+  const DecideTimes alone = time_decisions(sessions, rounds, *policy, 1);
+  lines("shared per session", alone);
+  if (owners > 1) {
+    const DecideTimes shared = time_decisions(sessions, rounds, *policy, owners);
+    lines("shared per owner", shared);
+    fmt::print("  ratio per owner / per session  pick + dispatched + done p50 {:.2f}\n",
+               percentile(shared.cycle_us, 0.5) / percentile(alone.cycle_us, 0.5));
+  }
   return 0;
 }
 
@@ -162,8 +185,13 @@ void add_sched_benches(CLI::App& app, Registry& r) {
   dec->add_option("--sessions", *decide_sessions, "Sessions sharing one lane");
   dec->add_option("--rounds", *decide_rounds, "Timed decisions");
   dec->add_option("--policy", *decide_policy, "fifo, pack, srtf, fair or priority");
-  r.add(dec,
-        [=](Target&) { return bench_decide(*decide_sessions, *decide_rounds, *decide_policy); });
+  auto decide_owners = std::make_shared<int>(1);
+  dec->add_option("--owners", *decide_owners,
+                  "Owners of the sessions: above 1, also timed with FAIR shared per owner")
+      ->check(CLI::Range(1, 1 << 20));
+  r.add(dec, [=](Target&) {
+    return bench_decide(*decide_sessions, *decide_rounds, *decide_policy, *decide_owners);
+  });
 
   auto* mu = app.add_subcommand("memutil", "Lanes vs static partitioning memory utilization");
   auto seeds = std::make_shared<int>(100);
