@@ -309,7 +309,12 @@ class Broker {
                 std::uint32_t line, Deferred& later);
   void bind_waiting(Deferred& later);
   void rekey_host_queue();  // after a policy change: the host-wide queue follows it
-  double host_key(const Session& s, std::uint64_t arrival) const;
+  // FAIR by owner with sessions of two uids or more on the host: each uid's
+  // sessions placed on a GPU (the host-wide queue's key); nullopt otherwise.
+  using PlacedByUid = std::unordered_map<uid_t, std::uint32_t>;
+  std::optional<PlacedByUid> placed_by_uid() const;
+  double host_key(const Session& s, std::uint64_t arrival,
+                  const std::optional<PlacedByUid>& placed) const;
   bool bind_to(Session& s, std::uint32_t gpu);
   void fill_views();
   // "N of M" for a session in the host-wide queue, else empty.

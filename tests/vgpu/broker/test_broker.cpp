@@ -247,6 +247,35 @@ TEST(Broker, FairSharesALaneEquallyBetweenUsersWhateverTheirSessions) {
   }
 }
 
+// On a host of two GPUs, each with room for one session: alice's three
+// `gpu=any` sessions take both GPUs and one waits host-wide; bob's one waits
+// after it. When one of alice's ends, FAIR by user places bob's (no session
+// placed) before alice's third; per session, arrival order places alice's.
+TEST(Broker, TheHostWideQueuePlacesTheUserWithFewestPlacedFirst) {
+  for (const auto share : {sched::FairShare::owner, sched::FairShare::session}) {
+    std::vector<std::unique_ptr<Device>> devs;
+    for (int i = 0; i < 2; ++i) devs.push_back(std::make_unique<SimDevice>(i, 64u << 20));
+    BrokerConfig cfg;
+    cfg.fair_share = share;
+    Broker b(std::move(devs), cfg);
+    const Caller bob{1001, 1001, ::getpid(), false};
+    std::vector<SessionId> alices;
+    for (int i = 0; i < 3; ++i) {
+      alices.push_back(static_cast<SessionId>(b.create_session(kAlice, "")));
+      ASSERT_EQ(run(b, alices.back(), "need persistent=40M ephemeral=1M\n", kAlice).first, 0);
+    }
+    const auto bobs = static_cast<SessionId>(b.create_session(bob, ""));
+    ASSERT_EQ(run(b, bobs, "need persistent=40M ephemeral=1M\n", bob).first, 0);
+    ASSERT_EQ(field(b.render_status(alices[2]), "gpu"), "-");
+    ASSERT_EQ(field(b.render_status(bobs), "gpu"), "-");
+    b.end_session(alices[0]);
+    const SessionId placed = share == sched::FairShare::owner ? bobs : alices[2];
+    const SessionId waits = share == sched::FairShare::owner ? alices[2] : bobs;
+    EXPECT_NE(field(b.render_status(placed), "gpu"), "-") << b.render_log(placed);
+    EXPECT_EQ(field(b.render_status(waits), "gpu"), "-");
+  }
+}
+
 TEST(Broker, ShutdownRejectsNewWork) {
   auto b = make_broker();
   b->shutdown(100ms);
