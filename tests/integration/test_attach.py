@@ -248,4 +248,5 @@ def test_an_iteration_past_the_hold_limit_lets_the_lane_go_on(salusd_factory):
         st = a.status()
         assert st["hold_limit_releases"] == "1" and st["in_flight"] == "1", st
         assert "has held the lane for 0 s (salusd --attach-hold-limit)" in a.read("log")
+        assert f"session {a.id} (pid {os.getpid()}): iteration 1 has held" in d.daemon_log()
         assert b.status()["hold_limit_releases"] == "0"

@@ -381,10 +381,14 @@ void Broker::release_long_hold(Gpu& g, Session& s, TimeNs t, Deferred& later) {
   lane.in_flight = lane.in_flight > released ? lane.in_flight - released : 0;
   s.in_flight_lane.reset();
   ++gt.hold_releases;
-  log(s, fmt::format("iteration {} has held the lane for {} s (salusd --attach-hold-limit) while "
-                     "other sessions wait: they now run beside it, time-sliced by the driver, "
-                     "and it waits for its turn again at its next boundary",
-                     gt.completed_seen + 1, (t - first->started) / 1'000'000'000));
+  const std::string text = fmt::format(
+      "iteration {} has held the lane for {} s (salusd --attach-hold-limit) while "
+      "other sessions wait: they now run beside it, time-sliced by the driver, "
+      "and it waits for its turn again at its next boundary",
+      gt.completed_seen + 1, (t - first->started) / 1'000'000'000);
+  log(s, text);
+  // For the operator too: a program that stops stepping is often a hung job.
+  spdlog::warn("session {} (pid {}): {}", s.dir_name, gt.pid, text);
   if (lane.in_flight == 0) {
     g.sched.arena().end_iteration(it->first, t);
     handle_admissions(g, later, false);

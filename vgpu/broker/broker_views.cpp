@@ -626,6 +626,12 @@ void gate_families(MetricsText& m, const Sessions& sessions_) {
                      return std::optional<std::string>(
                          fmt::format("{:.9f}", static_cast<double>(s.lane_held_ns) / 1e9));
                    });
+  m.per_gate_known(sessions_, "salus_session_hold_limit_releases_total", "counter",
+                   "Attached session: iterations that held the lane past salusd's "
+                   "--attach-hold-limit while others waited.",
+                   [](const Session& s) {
+                     return std::optional<std::string>(std::to_string(s.gate->hold_releases));
+                   });
   m.per_gate(sessions_, "salus_session_launches_total", "counter",
              "Attached session: kernel launches its program made.",
              [](salus_gate& G) { return gate_load(G.launches); });

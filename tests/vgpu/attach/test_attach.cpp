@@ -382,6 +382,11 @@ TEST(Attach, AnIterationPastTheHoldLimitLetsTheLaneGoOn) {
             std::string::npos)
       << b.render_log(ia);
   EXPECT_EQ(field(b.render_status(ia), "in_flight"), "1");  // still running
+  EXPECT_NE(b.render_metrics().find(fmt::format(
+                "salus_session_hold_limit_releases_total{{session=\"{}\",uid=\"0\",pid=\"{}\"}} 1",
+                ia, getpid())),
+            std::string::npos)
+      << b.render_metrics();
   // c runs on while a's iteration has not ended; a's next one waits for its turn.
   a.request(2);
   c.request(2);
