@@ -302,6 +302,7 @@ void Broker::maybe_finalize(Session& s, Deferred& later) {
   ++stats_.sessions_ended;
   attached_.erase(id);
   const bool host_waiting = host_queue_.remove(id);
+  host_keys_stale_ = host_keys_stale_ || host_waiting || g != nullptr;
   sessions_.erase(id);                    // `s` is gone from here on
   if (host_waiting) bind_waiting(later);  // it may have held back others (bypass bound)
   if (g) {
@@ -729,6 +730,7 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
       gpu = *c.gpu;
       // Waiting host-wide and now naming a GPU: it leaves the host-wide queue for that one.
       if (host_queue_.remove(s.id)) s.state = SessionState::idle;
+      host_keys_stale_ = true;
     } else if (gpus_.size() > 1 || config_.placement == Placement::exclusive) {
       // Exclusive waits for an idle GPU, even on a host of one.
       return queue_any(s, c, p, e, ln, later);
@@ -767,6 +769,7 @@ int Broker::exec_need(Session& s, const NeedCmd& c, std::uint32_t ln, Deferred& 
   if (first) {
     ++g.placed;
     s.gpu_generation = g.device->generation();
+    host_keys_stale_ = true;  // one more of its uid's sessions placed
   }
   s.gpu = gpu;
   s.need.persistent = p;
@@ -885,6 +888,7 @@ int Broker::queue_any(Session& s, const NeedCmd& c, Bytes p, Bytes e, std::uint3
   } else {
     const std::uint64_t arrival = host_arrivals_++;
     host_queue_.push(s.id, arrival, now(), p, e, host_key(s, arrival, placed_by_uid()));
+    host_keys_stale_ = true;  // a new uid may make the queue per user
     s.queued_at = now();
   }
   s.error = 0;
@@ -903,8 +907,10 @@ int Broker::queue_any(Session& s, const NeedCmd& c, Bytes p, Bytes e, std::uint3
 // queue change under it.
 void Broker::bind_waiting(Deferred& later) {
   if (binding_ || host_queue_.empty()) return;
-  // Per-user admission order follows what is placed now (keys hold still in a pass).
-  if (config_.policy == sched::PolicyKind::fair && config_.fair_share == sched::FairShare::owner)
+  // Per-user admission order follows what is placed now (keys hold still in a pass);
+  // re-keyed only after a placement, an end or a new waiter, not at every boundary.
+  if (host_keys_stale_ && config_.policy == sched::PolicyKind::fair &&
+      config_.fair_share == sched::FairShare::owner)
     rekey_host_queue();
   binding_ = true;
   views_.resize(gpus_.size());  // before the span over it is taken
@@ -957,6 +963,7 @@ bool Broker::bind_to(Session& s, std::uint32_t gi) {
   ++g.placed;
   s.gpu_generation = g.device->generation();
   s.gpu = static_cast<int>(gi);
+  host_keys_stale_ = true;  // one more of its uid's sessions placed
   set_budget(s);
   s.lane.reset();
   log(s, fmt::format("placed on gpu {} after {:.1f} ms in the host-wide queue", gi,
@@ -970,6 +977,7 @@ void Broker::rekey_host_queue() {
   host_queue_.for_each(
       [&](const arena::QueuedRequest& q) { waiting.emplace_back(q.session, q.arrival); });
   const std::optional<PlacedByUid> placed = placed_by_uid();
+  host_keys_stale_ = false;
   for (const auto& [id, arrival] : waiting)
     if (const Session* s = get(id)) host_queue_.set_key(id, host_key(*s, arrival, placed));
 }

@@ -631,6 +631,9 @@ class Broker {
   arena::AdmissionQueue host_queue_;   // gpu=any sessions bound to no GPU yet
   std::uint64_t host_arrivals_ = 0;    // their arrival order
   bool binding_ = false;               // bind_waiting is running: no nested pass
+  // A session was placed, ended or queued host-wide since the host queue's keys
+  // were set: FAIR by user re-keys it before the next binding pass.
+  bool host_keys_stale_ = true;
   BrokerStats stats_;
   std::atomic<bool> stopping_{false};
   bool stopped_ = false;
