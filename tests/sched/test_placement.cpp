@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "sched/activity_window.hpp"
+#include "sched/owner_placements.hpp"
 #include "sched/placement.hpp"
 
 namespace salus::sched {
@@ -187,3 +188,23 @@ TEST(ActivityWindow, MeansOverPeriods) {
 
 }  // namespace
 }  // namespace salus::sched
+
+// The host-wide queue's order under FAIR by owner (sched/owner_placements.hpp), which
+// salusd's broker and salus-sim both use.
+TEST(OwnerPlacements, OrdersByPlacedOnlyOnceTwoOwnersAreCounted) {
+  salus::sched::OwnerPlacements o;
+  EXPECT_FALSE(o.key(1).has_value());
+  o.placed(1, +1);
+  o.waiting(1, +1);
+  EXPECT_FALSE(o.key(1).has_value()) << "one owner: the policy's own key";
+  o.waiting(2, +1);
+  ASSERT_TRUE(o.key(2).has_value());
+  EXPECT_EQ(*o.key(1), 1.0);
+  EXPECT_EQ(*o.key(2), 0.0);
+  EXPECT_EQ(*o.key(3), 0.0) << "an owner not counted has nothing placed";
+  o.waiting(2, -1);
+  EXPECT_FALSE(o.key(1).has_value()) << "owner 2 gone: one owner again";
+  o.placed(1, -5);  // more than counted: floors at zero, no wrap
+  o.waiting(1, -1);
+  EXPECT_EQ(o.owners(), 0u);
+}

@@ -884,10 +884,10 @@ int Broker::queue_any(Session& s, const NeedCmd& c, Bytes p, Bytes e, std::uint3
   }
   if (const auto q = host_queue_.find(s.id)) {
     host_queue_.set_need(s.id, p, e);
-    host_queue_.set_key(s.id, host_key(s, q->arrival, placed_by_uid()));
+    host_queue_.set_key(s.id, host_key(s, q->arrival, owner_placements()));
   } else {
     const std::uint64_t arrival = host_arrivals_++;
-    host_queue_.push(s.id, arrival, now(), p, e, host_key(s, arrival, placed_by_uid()));
+    host_queue_.push(s.id, arrival, now(), p, e, host_key(s, arrival, owner_placements()));
     host_keys_stale_ = true;  // a new uid may make the queue per user
     s.queued_at = now();
   }
@@ -976,41 +976,34 @@ void Broker::rekey_host_queue() {
   std::vector<std::pair<SessionId, std::uint64_t>> waiting;
   host_queue_.for_each(
       [&](const arena::QueuedRequest& q) { waiting.emplace_back(q.session, q.arrival); });
-  const std::optional<PlacedByUid> placed = placed_by_uid();
+  const sched::OwnerPlacements owners = owner_placements();
   host_keys_stale_ = false;
   for (const auto& [id, arrival] : waiting)
-    if (const Session* s = get(id)) host_queue_.set_key(id, host_key(*s, arrival, placed));
+    if (const Session* s = get(id)) host_queue_.set_key(id, host_key(*s, arrival, owners));
 }
 
-std::optional<Broker::PlacedByUid> Broker::placed_by_uid() const {
+sched::OwnerPlacements Broker::owner_placements() const {
+  sched::OwnerPlacements owners;
   if (config_.policy != sched::PolicyKind::fair || config_.fair_share != sched::FairShare::owner)
-    return std::nullopt;
-  PlacedByUid placed;
-  std::unordered_set<uid_t> uids;
+    return owners;
   for (const auto& [id, s] : sessions_) {
     if (s->dead) continue;
     if (s->gpu >= 0) {
-      ++placed[s->uid];
-      uids.insert(s->uid);
+      owners.placed(s->uid, +1);
     } else if (host_queue_.contains(id)) {
-      uids.insert(s->uid);
+      owners.waiting(s->uid, +1);
     }
   }
-  if (uids.size() < 2) return std::nullopt;
-  return placed;
+  return owners;
 }
 
 // The host-wide queue's order: the policy's admission key (sched::admission_key), or
 // arrival order under exclusive placement; under FAIR by owner with two uids or more,
-// the number of the uid's sessions placed on a GPU, as each GPU's queue does
-// (GpuScheduler::queue_key).
+// sched::OwnerPlacements' key, as each GPU's queue does (GpuScheduler::queue_key).
 double Broker::host_key(const Session& s, std::uint64_t arrival,
-                        const std::optional<PlacedByUid>& placed) const {
+                        const sched::OwnerPlacements& owners) const {
   if (config_.placement == Placement::exclusive) return static_cast<double>(arrival);
-  if (placed) {
-    const auto c = placed->find(s.uid);
-    return c == placed->end() ? 0.0 : static_cast<double>(c->second);
-  }
+  if (const std::optional<double> k = owners.key(s.uid)) return *k;
   sched::RankInputs in;
   in.arrival = arrival;
   in.priority = s.priority;

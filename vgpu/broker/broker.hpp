@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "sched/gpu_scheduler.hpp"
+#include "sched/owner_placements.hpp"
 #include "sched/placement.hpp"
 #include "vgpu/broker/session.hpp"
 #include "vgpu/caller/caller_io.hpp"
@@ -309,12 +310,11 @@ class Broker {
                 std::uint32_t line, Deferred& later);
   void bind_waiting(Deferred& later);
   void rekey_host_queue();  // after a policy change: the host-wide queue follows it
-  // FAIR by owner with sessions of two uids or more on the host: each uid's
-  // sessions placed on a GPU (the host-wide queue's key); nullopt otherwise.
-  using PlacedByUid = std::unordered_map<uid_t, std::uint32_t>;
-  std::optional<PlacedByUid> placed_by_uid() const;
+  // FAIR by owner: each uid's sessions placed on a GPU or waiting host-wide, which
+  // order the host-wide queue; nothing counted under other policies.
+  sched::OwnerPlacements owner_placements() const;
   double host_key(const Session& s, std::uint64_t arrival,
-                  const std::optional<PlacedByUid>& placed) const;
+                  const sched::OwnerPlacements& owners) const;
   bool bind_to(Session& s, std::uint32_t gpu);
   void fill_views();
   // "N of M" for a session in the host-wide queue, else empty.
