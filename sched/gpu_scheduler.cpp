@@ -137,9 +137,12 @@ void GpuScheduler::set_priority(SessionId id, std::int32_t priority) {
 void GpuScheduler::leave(SessionId id, TimeNs now) {
   auto it = sessions_.find(id);
   if (it != sessions_.end()) {
+    // Its iterations in flight no longer count for its owner.
+    if (auto c = owners_.find(it->second.owner); c != owners_.end())
+      for (std::int64_t e : it->second.service_charged) c->second.charged_ns -= e;
     // Its owner's waiting sessions move up before the arena's pass admits into the room.
-    count_owner(it->second.owner, -1, it->second.lane ? -1 : 0);
     unlink(it->second);
+    count_owner(it->second.owner, -1, it->second.lane ? -1 : 0);
     forget_in_flight(it->second);
     if (it->second.lane) {
       auto lq = lanes_.find(*it->second.lane);
@@ -187,6 +190,7 @@ void GpuScheduler::set_runnable(SessionId id, bool runnable) {
 }
 
 bool GpuScheduler::lane_may_dispatch(LaneId lane) const {
+  if (policy_ == PolicyKind::fair) return owner_may_dispatch(lane);
   if (policy_ != PolicyKind::fifo) return true;
   // The earliest arrival among sessions with work, queued or running. FIFO ranks by
   // arrival alone, so runnable keys and in-flight arrivals compare directly.
@@ -204,24 +208,49 @@ bool GpuScheduler::lane_may_dispatch(LaneId lane) const {
   return !best || (best->runnable && best->lane == lane);
 }
 
+bool GpuScheduler::owners_gated() const {
+  return policy_ == PolicyKind::fair && fair_share_ == FairShare::owner && owners_runnable_ >= 2;
+}
+
+GpuScheduler::OwnerTier GpuScheduler::owner_tier(const SessionSched& s, LaneId lane) const {
+  const auto mine = owners_.find(s.owner);
+  if (mine == owners_.end()) return OwnerTier::behind;
+  std::int64_t least = INT64_MAX;
+  for (const auto& [owner, c] : owners_)
+    if (owner != s.owner && c.runnable > 0) least = std::min(least, c.service_ns + c.charged_ns);
+  const std::int64_t received = mine->second.service_ns + mine->second.charged_ns;
+  if (least == INT64_MAX || received - least <= charge_estimate(s.in)) return OwnerTier::behind;
+  // Ahead: one lane of its owner's may still run (none of its iterations elsewhere).
+  for (SessionId id : in_flight_) {
+    const SessionSched& f = sessions_.at(id);
+    if (f.owner == s.owner && f.lane != lane) return OwnerTier::held;
+  }
+  return OwnerTier::ahead;
+}
+
+bool GpuScheduler::owner_may_dispatch(LaneId lane) const {
+  if (!owners_gated()) return true;
+  const auto q = lanes_.find(lane);
+  if (q == lanes_.end()) return true;
+  // Any session of the lane whose owner is not held: pick() passes over the others.
+  for (const auto& [key, id] : q->second.runnable)
+    if (owner_tier(sessions_.at(id), lane) != OwnerTier::held) return true;
+  return q->second.runnable.empty();
+}
+
+std::int64_t GpuScheduler::owner_service_ns(std::uint32_t owner) const {
+  const auto c = owners_.find(owner);
+  return c == owners_.end() ? 0 : c->second.service_ns;
+}
+
 std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   auto it = lanes_.find(lane);
   if (it == lanes_.end() || it->second.runnable.empty()) return std::nullopt;
   LaneQueue& q = it->second;
   SessionId chosen = q.runnable.begin()->second;
-  if (oversubscribed()) {
-    std::optional<SessionId> found;
-    for (const auto& [key, id] : q.runnable) {
-      const arena::Residency r = arena_.residency(id);
-      const SessionResidency* sr = residency_.find(id);
-      if (r == arena::Residency::resident && sr && !sr->evicting && !sr->swapping) {
-        found = id;
-        break;
-      }
-      if (r == arena::Residency::swapped &&
-          std::find(wanted_.begin(), wanted_.end(), id) == wanted_.end())
-        wanted_.push_back(id);
-    }
+  passed_held_.clear();
+  if (passes_over_ranks()) {
+    const std::optional<SessionId> found = first_eligible(q, lane);
     if (!found) return std::nullopt;
     chosen = *found;
   }
@@ -233,7 +262,40 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   }
   q.last = chosen;
   if (policy_ == PolicyKind::fair) q.vclock = std::max(q.vclock, sessions_.at(chosen).in.vtime);
+  // A session passed over because its owner is held competes with its owner, not
+  // in the lane: like one that was idle, it starts again at the lane's clock
+  // (link lifts it), so the lane does not pay it back for the turns it missed.
+  for (SessionId id : passed_held_) rerank(sessions_.at(id));
+  passed_held_.clear();
   return chosen;
+}
+
+// The lane's best-ranked session that may run now: resident when oversubscribed
+// (swapped ones are noted as wanted); under FAIR by owner, first among sessions
+// whose owner is not ahead, then among those whose owner is ahead but runs in no
+// other lane, never one whose owner is held. Sessions ranked before the one
+// chosen and passed over for their owner are noted in passed_held_.
+std::optional<SessionId> GpuScheduler::first_eligible(const LaneQueue& q, LaneId lane) {
+  const bool gated = owners_gated();
+  for (const OwnerTier tier : {OwnerTier::behind, OwnerTier::ahead}) {
+    passed_held_.clear();
+    for (const auto& [key, id] : q.runnable) {
+      if (gated && owner_tier(sessions_.at(id), lane) > tier) {
+        passed_held_.push_back(id);
+        continue;
+      }
+      if (!oversubscribed()) return id;
+      const arena::Residency r = arena_.residency(id);
+      const SessionResidency* sr = residency_.find(id);
+      if (r == arena::Residency::resident && sr && !sr->evicting && !sr->swapping) return id;
+      if (r == arena::Residency::swapped &&
+          std::find(wanted_.begin(), wanted_.end(), id) == wanted_.end())
+        wanted_.push_back(id);
+    }
+    if (!gated) break;
+  }
+  passed_held_.clear();
+  return std::nullopt;
 }
 
 void GpuScheduler::want_resident(SessionId id) {
@@ -285,6 +347,7 @@ void GpuScheduler::iterations_repeated(SessionId id, std::uint64_t count, std::i
   s.in.measured_ns += device_ns;
   s.in.mean_iter_ns = static_cast<double>(s.in.measured_ns) / static_cast<double>(s.in.done);
   s.in.vtime += device_ns;
+  if (auto c = owners_.find(s.owner); c != owners_.end()) c->second.service_ns += device_ns;
   if (s.lane && policy_ == PolicyKind::fair) {
     // The last pick put it in service at its virtual time before its last iteration.
     auto lq = lanes_.find(*s.lane);
@@ -308,6 +371,7 @@ void GpuScheduler::turns_repeated(LaneId lane, const std::vector<Turns>& turns, 
     s.in.measured_ns += t.device_ns;
     s.in.mean_iter_ns = static_cast<double>(s.in.measured_ns) / static_cast<double>(s.in.done);
     s.in.vtime += t.device_ns;
+    if (auto c = owners_.find(s.owner); c != owners_.end()) c->second.service_ns += t.device_ns;
   }
   auto lq = lanes_.find(lane);
   if (lq != lanes_.end()) {
@@ -326,6 +390,7 @@ void GpuScheduler::iteration_dispatched(SessionId id) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
+  charge_owner(s, charge_estimate(s.in));
   const std::int64_t estimate = scaled(charge_estimate(s.in), fair_factor(s));
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
@@ -337,6 +402,7 @@ void GpuScheduler::iteration_cycle(SessionId id, std::int64_t device_ns) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
+  charge_owner(s, charge_estimate(s.in));
   const std::int64_t estimate = scaled(charge_estimate(s.in), fair_factor(s));
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
@@ -353,6 +419,7 @@ void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool ite
 
 void GpuScheduler::account_done(SessionSched& s, std::int64_t device_ns, bool iteration) {
   s.gpu_ns += device_ns;
+  settle_owner(s, device_ns);
   if (iteration) {
     s.in.done += 1;
     s.in.measured_ns += device_ns;
@@ -381,16 +448,19 @@ std::size_t GpuScheduler::runnable_in_lane(LaneId lane) const {
   return it == lanes_.end() ? 0 : it->second.runnable.size();
 }
 
-void GpuScheduler::unlink(SessionSched& s) {
+void GpuScheduler::unlink(SessionSched& s, bool counts) {
   if (!s.runnable || !s.lane) return;
+  if (counts)
+    if (auto c = owners_.find(s.owner); c != owners_.end() && c->second.runnable > 0)
+      if (--c->second.runnable == 0) --owners_runnable_;
   auto it = lanes_.find(*s.lane);
   if (it == lanes_.end()) return;
   it->second.runnable.erase({s.key, s.id});
-  if (fair_share_ == FairShare::owner && --it->second.runnable_by_owner[s.owner] == 0)
+  if (counts && fair_share_ == FairShare::owner && --it->second.runnable_by_owner[s.owner] == 0)
     --it->second.owners_runnable;
 }
 
-void GpuScheduler::link(SessionSched& s) {
+void GpuScheduler::link(SessionSched& s, bool counts) {
   if (!s.runnable || !s.lane) return;
   LaneQueue& q = lanes_[*s.lane];
   // FAIR: a session that was idle or is new starts at the lane's virtual clock,
@@ -398,7 +468,34 @@ void GpuScheduler::link(SessionSched& s) {
   if (policy_ == PolicyKind::fair) s.in.vtime = std::max(s.in.vtime, q.vclock);
   s.key = rank(policy_, s.in);
   q.runnable.insert({s.key, s.id});
+  if (!counts) return;
   if (fair_share_ == FairShare::owner && ++q.runnable_by_owner[s.owner] == 1) ++q.owners_runnable;
+  const auto c = owners_.find(s.owner);
+  if (c == owners_.end() || c->second.runnable++ > 0) return;
+  ++owners_runnable_;
+  // An owner with nothing runnable here until now starts at the least service of
+  // the others runnable, as a session starts at its lane's clock: no credit for
+  // the time it was away.
+  std::int64_t least = INT64_MAX;
+  for (const auto& [owner, other] : owners_)
+    if (owner != s.owner && other.runnable > 0) least = std::min(least, other.service_ns);
+  if (least != INT64_MAX) c->second.service_ns = std::max(c->second.service_ns, least);
+}
+
+void GpuScheduler::charge_owner(SessionSched& s, std::int64_t estimate) {
+  auto c = owners_.find(s.owner);
+  if (c == owners_.end()) return;
+  c->second.charged_ns += estimate;
+  s.service_charged.push_back(estimate);
+}
+
+void GpuScheduler::settle_owner(SessionSched& s, std::int64_t device_ns) {
+  auto c = owners_.find(s.owner);
+  if (c == owners_.end()) return;
+  c->second.service_ns += std::max<std::int64_t>(device_ns, 1);
+  if (s.service_charged.empty()) return;
+  c->second.charged_ns -= s.service_charged.front();
+  s.service_charged.pop_front();
 }
 
 void GpuScheduler::forget_in_flight(SessionSched& s) {
@@ -409,8 +506,8 @@ void GpuScheduler::forget_in_flight(SessionSched& s) {
 }
 
 void GpuScheduler::rerank(SessionSched& s) {
-  unlink(s);
-  link(s);
+  unlink(s, false);
+  link(s, false);
 }
 
 }  // namespace salus::sched

@@ -34,7 +34,9 @@ struct SessionSched {
   std::uint32_t in_flight = 0;       // iterations dispatched and not yet done
   std::int64_t gpu_ns = 0;           // device time of finished iterations
   std::deque<std::int64_t> charged;  // FAIR: estimates charged for iterations in flight
-  RankKey key;                       // valid while runnable
+  // The same estimates unscaled, as charged to its owner's service (owner_may_dispatch).
+  std::deque<std::int64_t> service_charged;
+  RankKey key;  // valid while runnable
 };
 
 struct SchedStats {
@@ -82,10 +84,31 @@ class GpuScheduler {
   void set_runnable(SessionId id, bool runnable);
   // Whether a lane may start an iteration now. FIFO runs one session at a time
   // on the whole GPU (the earliest arrival with work, to completion), so only
-  // that session's lane may dispatch; the other policies run every lane. A session
-  // whose last queued iteration is still running holds the GPU until it ends, so the
-  // next job does not start under it.
+  // that session's lane may dispatch. A session whose last queued iteration is
+  // still running holds the GPU until it ends, so the next job does not start
+  // under it. FAIR by owner holds back an owner who is ahead across lanes
+  // (owner_may_dispatch); the other policies run every lane.
   bool lane_may_dispatch(LaneId lane) const;
+  // FAIR by owner across the lanes of this GPU, which run side by side: while
+  // sessions of two owners or more are runnable here, an owner is ahead when it
+  // has received more device time here (settled, plus estimates in flight) than
+  // the least-served other runnable owner, by more than one of the session's
+  // iterations. A session of an owner ahead is held (pick() passes over it)
+  // while another of its owner's iterations runs in another lane, and in any
+  // lane goes after the sessions of owners not ahead. One lane per owner always
+  // runs, so the GPU never idles for it, and pipelining inside a lane is
+  // untouched; a user who opens many sessions in many lanes gets about one
+  // user's share. False when every runnable session of the lane is held.
+  bool owner_may_dispatch(LaneId lane) const;
+  // Whether pick() passes over the session now because its owner is held.
+  bool held_for_owner(const SessionSched& s) const {
+    return owners_gated() && s.runnable && s.lane && owner_tier(s, *s.lane) == OwnerTier::held;
+  }
+  // Whether pick() may pass over the best-ranked runnable session of a lane
+  // (oversubscribed: swapped sessions; FAIR by owner: held owners).
+  bool passes_over_ranks() const { return oversubscribed() || owners_gated(); }
+  // Device time received on this GPU by the owner's sessions (settled), for status.
+  std::int64_t owner_service_ns(std::uint32_t owner) const;
   // The decision: the lane's best-ranked runnable session, counted in stats. When
   // oversubscribed, only a resident session that is not leaving or arriving is picked;
   // swapped sessions ranked ahead of it are noted as wanted for plan_residency.
@@ -148,12 +171,20 @@ class GpuScheduler {
     std::uint32_t owners_runnable = 0;  // owners with a runnable session here
   };
   void account_done(SessionSched& s, std::int64_t device_ns, bool iteration);
-  void unlink(SessionSched& s);
-  void link(SessionSched& s);
+  // `counts`: also the owner's runnable counts (not for a re-rank, which
+  // removes and inserts the same session).
+  void unlink(SessionSched& s, bool counts = true);
+  void link(SessionSched& s, bool counts = true);
+  void charge_owner(SessionSched& s, std::int64_t estimate);
+  void settle_owner(SessionSched& s, std::int64_t device_ns);
   void rerank(SessionSched& s);
   void forget_in_flight(SessionSched& s);
   void requeue_key(const SessionSched& s);
   bool admits_by_owner() const;
+  bool owners_gated() const;
+  enum class OwnerTier : std::uint8_t { behind, ahead, held };  // see owner_may_dispatch
+  OwnerTier owner_tier(const SessionSched& s, LaneId lane) const;
+  std::optional<SessionId> first_eligible(const LaneQueue& q, LaneId lane);
   double queue_key(const RankInputs& in, std::uint32_t owner) const;
   void count_owner(std::uint32_t owner, int present, int admitted);
 
@@ -165,8 +196,13 @@ class GpuScheduler {
   struct OwnerCount {
     std::uint32_t present = 0;
     std::uint32_t admitted = 0;
+    std::uint32_t runnable = 0;   // its sessions runnable in a lane here
+    std::int64_t service_ns = 0;  // device time its sessions received here, settled
+    std::int64_t charged_ns = 0;  // estimates of its iterations in flight here
   };
   std::unordered_map<std::uint32_t, OwnerCount> owners_;
+  std::uint32_t owners_runnable_ = 0;   // owners with a session runnable in a lane here
+  std::vector<SessionId> passed_held_;  // scratch for pick(): sessions passed over for owners
   std::uint64_t next_arrival_ = 0;
   std::unordered_map<SessionId, SessionSched> sessions_;
   std::unordered_map<LaneId, LaneQueue> lanes_;

@@ -36,6 +36,35 @@ std::string telemetry_lines(const GpuTelemetrySnapshot& t) {
       reading(r.energy_j, "{:.3f}"), reading(r.temperature_c, "{:.0f}"));
 }
 
+// The session's scheduling key under the current policy, for `rank` in status.
+std::string rank_text(const sched::GpuScheduler& gs, const sched::SessionSched& ss) {
+  switch (gs.policy()) {
+    case sched::PolicyKind::fair: {
+      std::string rank = fmt::format("vtime={}ns", ss.in.vtime);
+      // Charged for each of its uid's sessions competing in the lane.
+      if (const std::int64_t f = gs.fair_factor(ss); f > 1) rank += fmt::format(" x{}", f);
+      // Across lanes: what its uid received on this GPU, and whether it waits for
+      // a uid that received less (GpuScheduler::owner_may_dispatch).
+      if (gs.fair_share() == sched::FairShare::owner) {
+        rank += fmt::format(" user_gpu_ms={:.1f}",
+                            static_cast<double>(gs.owner_service_ns(ss.owner)) / 1e6);
+        if (gs.held_for_owner(ss)) rank += " held(user ahead across lanes)";
+      }
+      return rank;
+    }
+    case sched::PolicyKind::srtf: {
+      const double r = sched::remaining_ns(ss.in);
+      return sched::overran(ss.in)           ? "remaining=unknown(past iters=; ranks last)"
+             : r >= sched::kUnknownRemaining ? "remaining=unknown(no iters=; ranks last)"
+                                             : fmt::format("remaining={:.1f}ms", r / 1e6);
+    }
+    case sched::PolicyKind::priority:
+      return fmt::format("priority={}", ss.in.priority);
+    default:
+      return fmt::format("arrival={}", ss.in.arrival);
+  }
+}
+
 }  // namespace
 
 std::string Broker::render_status(SessionId id) const {
@@ -69,29 +98,7 @@ std::string Broker::render_status(SessionId id) const {
         lane_offset = p->lane_offset ? std::to_string(*p->lane_offset) : "moving";
       }
     }
-    if (const auto* ss = g.sched.find(s->id)) {
-      switch (g.sched.policy()) {
-        case sched::PolicyKind::fair:
-          rank = fmt::format("vtime={}ns", ss->in.vtime);
-          // Charged for each of its uid's sessions competing in the lane.
-          if (const std::int64_t f = g.sched.fair_factor(*ss); f > 1)
-            rank += fmt::format(" x{}", f);
-          break;
-        case sched::PolicyKind::srtf: {
-          const double r = sched::remaining_ns(ss->in);
-          rank = sched::overran(ss->in)          ? "remaining=unknown(past iters=; ranks last)"
-                 : r >= sched::kUnknownRemaining ? "remaining=unknown(no iters=; ranks last)"
-                                                 : fmt::format("remaining={:.1f}ms", r / 1e6);
-          break;
-        }
-        case sched::PolicyKind::priority:
-          rank = fmt::format("priority={}", ss->in.priority);
-          break;
-        default:
-          rank = fmt::format("arrival={}", ss->in.arrival);
-          break;
-      }
-    }
+    if (const auto* ss = g.sched.find(s->id)) rank = rank_text(g.sched, *ss);
   }
   kv("lane", lane);
   kv("lane_offset", lane_offset);
