@@ -10,10 +10,13 @@
 #include <queue>
 #include <set>
 #include <stdexcept>
+#include <string_view>
+#include <unordered_map>
 
 #include "arena/admission_queue.hpp"
 #include "sched/contention_model.hpp"
 #include "sched/gpu_scheduler.hpp"
+#include "sched/owner_placements.hpp"
 
 namespace salus::sched {
 
@@ -83,6 +86,7 @@ struct Job {
   Bytes ephemeral = 0;
   arena::Need declared;  // what the arena is told (see LaneModel::shared)
   double util = 1.0;
+  std::uint32_t owner = 0;  // the trace's user, numbered in order of first appearance
   std::uint64_t done = 0;
   std::uint32_t gpu = 0;
   std::optional<LaneId> lane;
@@ -405,12 +409,16 @@ class Engine {
     }
     usable_ = cfg_.gpu_memory & ~(arena::kAlignment - 1);
     load(trace);
+    share_by_owner();
   }
 
   SimResult run();
 
  private:
   void load(const std::vector<TraceJob>& trace);
+  void share_by_owner();
+  double host_key(const Job& j, std::uint64_t arrival) const;
+  void rekey_host_queue();
   void fill_views(TimeNs t);
   PlacementOptions placement_options() const { return {cfg_.placement, cfg_.risk}; }
   void place_host(TimeNs t);
@@ -470,6 +478,11 @@ class Engine {
   // GPU only once one admits it at once. Keyed by job id; arrival = position in order_.
   arena::AdmissionQueue host_queue_;
   arena::ArenaOptions host_options_;
+  // FAIR by owner: the host-wide queue's order (salusd's rule), re-keyed when stale.
+  bool by_owner_ = false;
+  std::uint32_t owners_ = 0;  // distinct users in the trace
+  OwnerPlacements owner_placements_;
+  bool host_keys_stale_ = false;
   std::priority_queue<HeapEntry, std::vector<HeapEntry>, std::greater<>> heap_;
   std::vector<LaneId> started_;  // scratch for dispatch()
   // Jobs whose last iteration ended this instant; they leave after its decisions.
@@ -487,12 +500,14 @@ void Engine::load(const std::vector<TraceJob>& trace) {
   long double total_alone = 0;
   TimeNs last_arrival = 0;
   const Bytes half = arena::align_up(usable_ / 2 + 1);
+  std::unordered_map<std::string_view, std::uint32_t> users;
   for (std::size_t i = 0; i < trace.size(); ++i) {
     const TraceJob& t = trace[i];
     Job& j = jobs_[i];
     j.spec = &t;
     j.index = i;
     j.id = static_cast<SessionId>(i + 1);
+    j.owner = users.emplace(t.user, static_cast<std::uint32_t>(users.size())).first->second;
     const std::string where =
         t.line ? fmt::format("line {}: job {}", t.line, t.name) : fmt::format("job {}", t.name);
     if (t.persistent_mb * kMiB > 1e18 || t.ephemeral_mb * kMiB > 1e18)
@@ -538,12 +553,45 @@ void Engine::load(const std::vector<TraceJob>& trace) {
         static_cast<double>(total_alone / 1e9), static_cast<double>(last_arrival) / 1e9,
         kMaxClockNs / 1e9));
   total_alone_ = static_cast<double>(total_alone);
+  owners_ = static_cast<std::uint32_t>(users.size());
   order_.resize(jobs_.size());
   for (std::size_t i = 0; i < order_.size(); ++i) order_[i] = i;
   std::stable_sort(order_.begin(), order_.end(), [this](std::size_t a, std::size_t b) {
     return jobs_[a].arrival < jobs_[b].arrival;
   });
   if (cfg_.track_work) work_.resize(jobs_.size());
+}
+
+// FAIR by owner, salusd's default: a lane is shared per user (GpuScheduler::fair_factor)
+// and the host-wide queue places the user with the fewest jobs placed first. With two
+// users or more an iteration's charge depends on who else is runnable, which the closed
+// forms of coalesced runs do not model: those traces are simulated iteration by iteration.
+void Engine::share_by_owner() {
+  if (cfg_.fair_share != FairShare::owner) return;
+  for (Gpu& gpu : gpus_) gpu.sched.set_fair_share(FairShare::owner);
+  by_owner_ = cfg_.policy == PolicyKind::fair && cfg_.placement != Placement::exclusive;
+  if (cfg_.policy == PolicyKind::fair && owners_ >= 2) cfg_.coalesce = false;
+}
+
+// A job's key in the host-wide queue: arrival order under exclusive placement, the
+// owners' order under FAIR by owner with two owners or more, else the policy's key.
+double Engine::host_key(const Job& j, std::uint64_t arrival) const {
+  if (cfg_.placement == Placement::exclusive) return static_cast<double>(arrival);
+  if (by_owner_)
+    if (const std::optional<double> k = owner_placements_.key(j.owner)) return *k;
+  RankInputs in;
+  in.arrival = arrival;
+  in.priority = j.spec->priority;
+  in.iters = j.spec->iters;
+  return admission_key(cfg_.policy, in);
+}
+
+void Engine::rekey_host_queue() {
+  host_keys_stale_ = false;
+  std::vector<std::pair<SessionId, std::uint64_t>> waiting;
+  host_queue_.for_each(
+      [&](const arena::QueuedRequest& q) { waiting.emplace_back(q.session, q.arrival); });
+  for (const auto& [id, arrival] : waiting) host_queue_.set_key(id, host_key(job_of(id), arrival));
 }
 
 // ---------------------------------------------------------------- placement
@@ -576,6 +624,8 @@ void Engine::fill_views(TimeNs t) {
 // One pass over the host-wide queue, as the arena passes over its own: in the policy's
 // order, each job that some GPU admits now goes to the one placement picks among those.
 void Engine::place_host(TimeNs t) {
+  if (host_queue_.empty()) return;
+  if (host_keys_stale_) rekey_host_queue();
   auto bounds = [this] {
     arena::AdmissionBounds b{0, 0, -std::numeric_limits<double>::infinity()};
     for (const Gpu& gpu : gpus_) {
@@ -592,6 +642,7 @@ void Engine::place_host(TimeNs t) {
   };
   auto place = [&](const arena::QueuedRequest& q, std::uint32_t g, const PlacementChoice& c) {
     if (c.risky) ++counters_.risky_skips;
+    owner_placements_.waiting(job_of(q.session).owner, -1);
     submit(g, job_of(q.session), t);
   };
   sched::bind_late(
@@ -627,11 +678,13 @@ void Engine::submit(std::uint32_t g, Job& j, TimeNs t) {
   Gpu& gpu = gpus_[g];
   fold(gpu, t);
   const arena::ArenaError err =
-      gpu.sched.arrive(j.id, j.declared, j.spec->priority, j.spec->iters, t);
+      gpu.sched.arrive(j.id, j.declared, j.spec->priority, j.spec->iters, t, j.owner);
   if (err != arena::ArenaError::ok)
     throw SimError(
         fmt::format("job {}: admission request failed: {}", j.spec->name, arena::to_string(err)));
   j.gpu = g;
+  owner_placements_.placed(j.owner, +1);
+  host_keys_stale_ = by_owner_ && !host_queue_.empty();
   gpu.waiting_bytes += static_cast<std::int64_t>(j.declared.persistent + j.declared.ephemeral);
   gpu.placed_util += j.util;
   ++gpu.placed_jobs;
@@ -899,6 +952,8 @@ void Engine::depart(std::uint32_t g, SessionId id, TimeNs t) {
   if (it->second.members.empty()) gpu.lanes.erase(it);
   gpu.placed_util -= j.util;
   if (--gpu.placed_jobs == 0) gpu.placed_util = 0.0;  // no drift once empty
+  owner_placements_.placed(j.owner, -1);
+  host_keys_stale_ = host_keys_stale_ || (by_owner_ && !host_queue_.empty());
   handle_admissions(g, t);
   check_quiet(gpu, t);
 }
@@ -1253,9 +1308,10 @@ void Engine::dispatch(std::uint32_t g, TimeNs t) {
     if (ls.busy || !ar.lane_ready(lane) || !gpu.sched.lane_may_dispatch(lane)) continue;
     const std::optional<SessionId> sid = gpu.sched.pick(lane);
     if (!sid) continue;
-    // Oversubscribed, the pick may pass over swapped sessions ranked ahead of it.
+    // The pick may pass over sessions ranked ahead of it: swapped ones when
+    // oversubscribed, held owners' under FAIR by owner.
     auto w = ls.waiting.begin();
-    if (gpu.sched.oversubscribed())
+    if (gpu.sched.passes_over_ranks())
       while (w != ls.waiting.end() && w->second != *sid) ++w;
     if (w == ls.waiting.end() || w->second != *sid)
       throw std::logic_error("salus-sim: lane bookkeeping disagrees with the scheduler");
@@ -1359,15 +1415,10 @@ SimResult Engine::run() {
         // the scheduler's arrival order the trace's.
         submit(0, j, t);
       } else {
-        RankInputs in;
-        in.arrival = pos;
-        in.priority = j.spec->priority;
-        in.iters = j.spec->iters;
-        // Exclusive placement: arrival order, whatever the policy.
-        const double key = cfg_.placement == Placement::exclusive ? static_cast<double>(pos)
-                                                                  : admission_key(cfg_.policy, in);
+        owner_placements_.waiting(j.owner, +1);
+        host_keys_stale_ = by_owner_;  // a new owner may make the queue per owner
         host_queue_.push(j.id, pos, t, arena::align_up(j.declared.persistent),
-                         arena::align_up(j.declared.ephemeral), key);
+                         arena::align_up(j.declared.ephemeral), host_key(j, pos));
       }
     }
     place_host(t);

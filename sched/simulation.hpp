@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "arena/gpu_arena.hpp"
+#include "sched/gpu_scheduler.hpp"
 #include "sched/placement.hpp"
 #include "sched/policy.hpp"
 #include "sched/trace.hpp"
@@ -66,6 +67,10 @@ struct SimConfig {
   // iteration starts) for its bytes / swap_gbps. Runs are not coalesced then.
   double oversubscribe = 1.0;
   double swap_gbps = 12.0;
+  // How FAIR divides a lane, as salusd --fair-share: per user (the trace's user column;
+  // the default, like salusd's) or per job. A trace without users is one user's, where
+  // the two are the same. Per user with two users or more, runs are not coalesced.
+  FairShare fair_share = FairShare::owner;
   // Called every `progress_every` events (and once at the end) when set. The engine
   // keeps no clock; the caller decides what to print and when.
   std::function<void(const SimProgress&)> progress;

@@ -16,9 +16,10 @@ namespace salus::sched {
 
 namespace {
 
-constexpr std::array<std::string_view, 9> kColumns{"job",           "arrival_s",    "model",
-                                                   "persistent_mb", "ephemeral_mb", "iter_ms",
-                                                   "iters",         "util",         "priority"};
+constexpr std::array<std::string_view, 10> kColumns{
+    "job",     "arrival_s", "model", "persistent_mb", "ephemeral_mb",
+    "iter_ms", "iters",     "util",  "priority",      "user"};
+constexpr std::size_t kLeastColumns = 8;  // priority and user are optional
 
 std::string_view trim(std::string_view s) {
   const auto blank = [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; };
@@ -107,21 +108,21 @@ bool is_comment_or_blank(std::string_view line) {
 // The header is recognised by its first field so that a trace whose first job happens
 // to be called "job" still fails loudly (its columns would not match the names).
 void check_header(const std::vector<std::string_view>& fields, std::size_t line) {
-  if (fields.size() != 8 && fields.size() != 9)
-    fail(line,
-         fmt::format("header has {} columns, expected 8 or 9: {}", fields.size(), kTraceHeader));
+  if (fields.size() < kLeastColumns || fields.size() > kColumns.size())
+    fail(line, fmt::format("header has {} columns, expected 8 to 10: {}", fields.size(),
+                           kTraceHeaderWithUser));
   for (std::size_t i = 0; i < fields.size(); ++i)
     if (!equal_ci(fields[i], kColumns[i]))
       fail(line, fmt::format("header column {} is '{}', expected '{}' (header: {})", i + 1,
-                             fields[i], kColumns[i], kTraceHeader));
+                             fields[i], kColumns[i], kTraceHeaderWithUser));
 }
 
 }  // namespace
 
 TraceJob parse_trace_line(std::string_view line, std::size_t line_no) {
   const std::vector<std::string_view> f = split(line);
-  if (f.size() != 8 && f.size() != 9)
-    fail(line_no, fmt::format("{} fields, expected 8 or 9 ({})", f.size(), kTraceHeader));
+  if (f.size() < kLeastColumns || f.size() > kColumns.size())
+    fail(line_no, fmt::format("{} fields, expected 8 to 10 ({})", f.size(), kTraceHeaderWithUser));
   TraceJob j;
   j.line = line_no;
   if (f[0].empty()) fail(line_no, "job name is empty");
@@ -149,7 +150,8 @@ TraceJob parse_trace_line(std::string_view line, std::size_t line_no) {
   j.util = number(f[7], line_no, "util");
   if (!(j.util > 0.0 && j.util <= 1.0))
     fail(line_no, fmt::format("util {} must be in (0, 1]", f[7]));
-  if (f.size() == 9 && !f[8].empty()) j.priority = integer<std::int32_t>(f[8], line_no, "priority");
+  if (f.size() >= 9 && !f[8].empty()) j.priority = integer<std::int32_t>(f[8], line_no, "priority");
+  if (f.size() == 10) j.user = std::string(f[9]);
   return j;
 }
 
@@ -187,10 +189,14 @@ std::vector<TraceJob> parse_trace_text(std::string_view text) {
 }
 
 void write_trace(std::ostream& out, const std::vector<TraceJob>& jobs) {
-  out << kTraceHeader << '\n';
-  for (const TraceJob& j : jobs)
-    out << fmt::format("{},{},{},{},{},{},{},{},{}\n", j.name, j.arrival_s, j.model,
-                       j.persistent_mb, j.ephemeral_mb, j.iter_ms, j.iters, j.util, j.priority);
+  bool users = false;
+  for (const TraceJob& j : jobs) users = users || !j.user.empty();
+  out << (users ? kTraceHeaderWithUser : kTraceHeader) << '\n';
+  for (const TraceJob& j : jobs) {
+    out << fmt::format("{},{},{},{},{},{},{},{},{}", j.name, j.arrival_s, j.model, j.persistent_mb,
+                       j.ephemeral_mb, j.iter_ms, j.iters, j.util, j.priority);
+    out << (users ? fmt::format(",{}\n", j.user) : std::string("\n"));
+  }
 }
 
 }  // namespace salus::sched

@@ -12,7 +12,7 @@
 
 namespace salus::sched {
 
-// job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util[,priority]
+// job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util[,priority[,user]]
 // MB here are MiB (2^20 bytes), like the K/M/G suffixes everywhere else in Salus.
 struct TraceJob {
   std::string name;
@@ -29,10 +29,16 @@ struct TraceJob {
   // use arrival_s). A double holds seconds like 8842326.112 only to a few nanoseconds,
   // which would make a simulation depend on where the trace's clock starts.
   std::int64_t arrival_ns = -1;
+  // Who submitted the job: FAIR by owner (salus-sim --fair-share user) shares a lane
+  // per user. Empty: the job counts as the one anonymous user's.
+  std::string user;
 };
 
 inline constexpr std::string_view kTraceHeader =
     "job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util,priority";
+// The header of a trace whose jobs name their users (write_trace writes it when one does).
+inline constexpr std::string_view kTraceHeaderWithUser =
+    "job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util,priority,user";
 
 class TraceError : public std::runtime_error {
  public:
@@ -54,7 +60,7 @@ std::vector<TraceJob> parse_trace_text(std::string_view text);
 TraceJob parse_trace_line(std::string_view line, std::size_t line_no);
 
 // Writes the header and one line per job; numbers are printed so that parsing the output
-// gives back the same values.
+// gives back the same values. The user column is written when a job has a user.
 void write_trace(std::ostream& out, const std::vector<TraceJob>& jobs);
 
 }  // namespace salus::sched

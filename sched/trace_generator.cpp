@@ -98,6 +98,26 @@ const Workload* find_workload(std::string_view name) {
   return nullptr;
 }
 
+namespace {
+// GeneratorConfig::users: each job's user, drawn from its own seeded stream.
+void assign_users(const GeneratorConfig& c, std::vector<TraceJob>& jobs) {
+  if (c.users == 0) return;
+  std::vector<double> cumulative(c.users);
+  double sum = 0.0;
+  for (std::size_t k = 0; k < c.users; ++k) {
+    sum += 1.0 / std::pow(static_cast<double>(k + 1), c.user_skew);
+    cumulative[k] = sum;
+  }
+  std::mt19937_64 rng(c.seed ^ 0x75736572'73000000ULL);  // "users"
+  for (TraceJob& j : jobs) {
+    const double u = uniform(rng) * sum;
+    const auto k = static_cast<std::size_t>(
+        std::upper_bound(cumulative.begin(), cumulative.end(), u) - cumulative.begin());
+    j.user = fmt::format("user{}", std::min(k, c.users - 1) + 1);
+  }
+}
+}  // namespace
+
 std::vector<TraceJob> generate_trace(const GeneratorConfig& c) {
   std::vector<const Workload*> pool;
   if (c.workloads.empty()) {
@@ -121,6 +141,9 @@ std::vector<TraceJob> generate_trace(const GeneratorConfig& c) {
   if (c.util && !(*c.util > 0 && *c.util <= 1))
     throw std::invalid_argument("util must be in (0, 1]");
   if (c.iters && *c.iters == 0) throw std::invalid_argument("iters must be at least 1");
+  if (!(c.user_skew >= 0 && c.user_skew <= 10))
+    throw std::invalid_argument("user skew must be between 0 and 10");
+  if (c.users > 100000) throw std::invalid_argument("at most 100000 users");
   for (double a : c.arrivals)
     if (!(a >= 0) || !std::isfinite(a)) throw std::invalid_argument("arrivals must be >= 0");
 
@@ -164,6 +187,7 @@ std::vector<TraceJob> generate_trace(const GeneratorConfig& c) {
     }
     out.push_back(std::move(j));
   }
+  assign_users(c, out);
   return out;
 }
 

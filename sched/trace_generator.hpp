@@ -51,6 +51,12 @@ struct GeneratorConfig {
   std::vector<std::string> workloads;
   std::optional<double> util;  // overrides every workload's utilization
   std::string prefix = "job";  // job names are prefix + sequence number
+  // Who submits each job: user1 .. userN, drawn with probability proportional to
+  // 1 / k^user_skew for user k (0: uniformly; 1: Zipf, user1 submitting the most).
+  // From a stream of their own, so the rest of the trace is the same with or without
+  // users. 0 users: no user column.
+  std::size_t users = 0;
+  double user_skew = 0.0;
 };
 
 // Deterministic for a given config on every platform: the generator draws from

@@ -125,6 +125,7 @@ struct Pending {
   double work = 0.0;  // GPU-seconds: the sum of duration x GPUs
   double busy = 0.0;  // the same weighted by each GPU's share (fractional GPUs)
   double gpus = 0.0;  // most GPUs held at once
+  std::string user;   // who submitted it, where the trace says
   bool failed = false;
   std::string skip;  // non-empty: why it is not imported
 };
@@ -162,9 +163,14 @@ class Collector {
     std::stable_sort(pending_.begin(), pending_.end(),
                      [](const Pending& a, const Pending& b) { return *a.submit < *b.submit; });
     const double base = *pending_.front().submit;
+    std::unordered_set<std::string> users;
     for (const Pending& p : pending_) {
       TraceJob j;
       j.name = p.name;
+      if (o_.users && !p.user.empty()) {
+        j.user = p.user;
+        users.insert(p.user);
+      }
       j.line = p.line;
       // Microseconds: the traces record seconds, and this keeps the text exact.
       j.arrival_s = std::round((*p.submit - base) * 1e6) / 1e6;
@@ -182,6 +188,7 @@ class Collector {
       res.jobs.push_back(std::move(j));
     }
     summary_.imported = res.jobs.size();
+    summary_.users = users.size();
     res.summary = summary_;
     return res;
   }
@@ -339,7 +346,7 @@ void check_width(const std::vector<std::string_view>& f, std::size_t want, std::
 void import_jobs_csv(std::istream& in, Collector& out) {
   std::optional<Columns> cols;
   std::size_t name = 0, submit = 0, gpus = 0;
-  std::optional<std::size_t> duration, start, end, status;
+  std::optional<std::size_t> duration, start, end, status, user;
   std::vector<std::string> names;
   read_csv(
       in,
@@ -355,6 +362,7 @@ void import_jobs_csv(std::istream& in, Collector& out) {
         start = cols->find({"start_time", "started_time"});
         end = cols->find({"end_time", "finished_time", "finish_time"});
         status = cols->find({"state", "status"});
+        user = cols->find({"user", "user_name", "username", "user_id"});
         if (!duration && !(start && end))
           fail(line, "the header has no 'duration' column and no 'start_time' and 'end_time'");
         for (std::size_t i = 0; i < cols->size(); ++i) names.push_back(cols->name(i));
@@ -367,6 +375,7 @@ void import_jobs_csv(std::istream& in, Collector& out) {
         p.name = clean_name(f[name]);
         p.line = line;
         if (p.name.empty()) fd.bad(name, "is an empty job name");
+        if (user) p.user = clean_name(f[*user]);
         p.submit = fd.time(submit);
         const Outcome o = status ? classify(f[*status]) : Outcome::ok;
         p.failed = o == Outcome::failed;
@@ -470,8 +479,14 @@ bool check_fixed_header(const std::vector<std::string_view>& f, std::size_t line
   return true;
 }
 
-std::unordered_map<std::string, double> read_pai_jobs(std::istream& in) {
-  std::unordered_map<std::string, double> submit;
+// What the pai_job_table adds to a job: when it was submitted, and by whom.
+struct PaiJob {
+  std::optional<double> submit;
+  std::string user;
+};
+
+std::unordered_map<std::string, PaiJob> read_pai_jobs(std::istream& in) {
+  std::unordered_map<std::string, PaiJob> jobs;
   const std::vector<std::string> names = header_names(kPaiJobHeader);
   read_csv(
       in,
@@ -483,14 +498,14 @@ std::unordered_map<std::string, double> read_pai_jobs(std::istream& in) {
           fail(line, fmt::format("pai_job_table: {} columns, expected {} ({})", f.size(),
                                  names.size(), kPaiJobHeader));
         const Field fd{f, line, names};
-        if (const std::optional<double> t = fd.time(4)) submit.emplace(clean_name(f[0]), *t);
+        jobs.emplace(clean_name(f[0]), PaiJob{fd.time(4), clean_name(f[2])});
       });
-  return submit;
+  return jobs;
 }
 
 void import_pai(std::istream& in, std::istream* jobs_table, Collector& out) {
-  const std::unordered_map<std::string, double> submitted =
-      jobs_table ? read_pai_jobs(*jobs_table) : std::unordered_map<std::string, double>{};
+  const std::unordered_map<std::string, PaiJob> table =
+      jobs_table ? read_pai_jobs(*jobs_table) : std::unordered_map<std::string, PaiJob>{};
   const std::vector<std::string> names = header_names(kPaiTaskHeader);
   std::vector<Pending> jobs;
   std::unordered_map<std::string, std::size_t> index;
@@ -532,7 +547,10 @@ void import_pai(std::istream& in, std::istream* jobs_table, Collector& out) {
         p.busy += (*e - *s) * inst * std::min(share, 1.0) * per_instance;
       });
   for (Pending& p : jobs) {
-    if (auto it = submitted.find(p.name); it != submitted.end()) p.submit = it->second;
+    if (auto it = table.find(p.name); it != table.end()) {
+      if (it->second.submit) p.submit = it->second.submit;
+      p.user = it->second.user;
+    }
     out.add(std::move(p));
   }
 }
@@ -748,6 +766,8 @@ Pending philly_job(const Json& job, std::size_t line) {
   const Json* id = job.get("jobid");
   if (!id || !id->string() || id->string()->empty()) fail(line, "job without a \"jobid\" string");
   p.name = clean_name(*id->string());
+  if (const Json* user = job.get("user"); user && user->string())
+    p.user = clean_name(*user->string());
   p.submit = json_time(job.get("submitted_time"), line, "submitted_time");
   const Json* status = job.get("status");
   const Outcome o = status && status->string() ? classify(*status->string()) : Outcome::ok;

@@ -41,6 +41,11 @@ struct ImportOptions {
   // kept by default. Off: only jobs that ended well are imported.
   bool keep_failed = true;
   std::string model = "imported";
+  // Keeps who submitted each job (Philly's "user", a jobs CSV's user column, the PAI job
+  // table's user; openb records none) as the trace's user column, for salus-sim's FAIR
+  // by user. Off by default: with two users or more salus-sim simulates FAIR iteration
+  // by iteration, which is slower on long traces.
+  bool users = false;
 };
 
 struct ImportSummary {
@@ -49,6 +54,7 @@ struct ImportSummary {
   std::size_t multi_gpu = 0;    // imported jobs with k > 1 GPUs, run as k x their duration
   std::size_t fractional = 0;   // imported jobs on a fraction of a GPU (util below 1)
   std::size_t failed_kept = 0;  // imported jobs that failed or were killed
+  std::size_t users = 0;        // distinct users among the imported jobs (ImportOptions::users)
   std::map<std::string, std::size_t> skipped;  // reason -> jobs
   double gpu_seconds = 0.0;                    // total GPU time imported
 };

@@ -49,6 +49,7 @@ struct Options {
   double iteration_overhead_us = 0;
   double oversubscribe = 1.0;
   double swap_gbps = 12.0;
+  std::string fair_share = "user";
   bool no_coalesce = false;
   bool stats = false;
   bool progress = false;
@@ -144,7 +145,7 @@ void add_flags(CLI::App& app, Options& o) {
   app.add_option(
       "--jobs-out", o.jobs_out,
       "write per-job results: job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane,"
-      "admit_s");
+      "admit_s,user");
   app.add_option("--share-window", o.share_window_s,
                  "measure each job's share of GPU work in sliding windows of this many seconds, "
                  "between the last arrival and the first finish")
@@ -169,6 +170,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "policy's swap_bandwidth_gbps)")
       ->capture_default_str()
       ->check(CLI::Range(0.001, 10000.0));
+  app.add_option("--fair-share", o.fair_share,
+                 "how fair shares a lane, as salusd's flag: equally per user (the trace's user "
+                 "column), each user's share split among its jobs, or equally per job (session)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"user", "session"}));
   app.add_flag("--no-coalesce", o.no_coalesce,
                "simulate every iteration as its own event (slower; same decisions)");
   app.add_flag("--stats", o.stats, "print event counts and wall time per policy to stderr");
@@ -214,6 +220,7 @@ int make_config(const Options& o, std::vector<PolicyKind>& policies, sc::SimConf
   base.iteration_overhead_ns = std::llround(o.iteration_overhead_us * 1e3);
   base.oversubscribe = o.oversubscribe;
   base.swap_gbps = o.swap_gbps;
+  base.fair_share = o.fair_share == "session" ? sc::FairShare::session : sc::FairShare::owner;
   if (!o.share_out.empty() && o.share_window_s <= 0)
     return usage("--share-out needs --share-window");
   base.track_work = o.share_window_s > 0;
@@ -229,7 +236,7 @@ int open_outputs(const Options& o, std::ofstream& jobs_out, std::ofstream& share
       std::fprintf(stderr, "salus-sim: cannot write '%s'\n", o.jobs_out.c_str());
       return kIoError;
     }
-    jobs_out << "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane,admit_s\n";
+    jobs_out << "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane,admit_s,user\n";
   }
   if (!o.share_out.empty()) {
     share_out.open(o.share_out);
@@ -368,10 +375,10 @@ static int run(int argc, char** argv) {
     if (o.stats) print_stats(policy, res, wall);
     if (jobs_out.is_open()) {
       for (const sc::JobResult& j : res.jobs)
-        jobs_out << fmt::format("{},{},{},{},{},{},{},{},{},{}\n", trace[j.index].name,
+        jobs_out << fmt::format("{},{},{},{},{},{},{},{},{},{},{}\n", trace[j.index].name,
                                 sc::to_string(policy), seconds(j.arrival), seconds(j.start),
                                 seconds(j.finish), seconds(j.jct()), seconds(j.queue()), j.gpu,
-                                j.lane, seconds(j.admit));
+                                j.lane, seconds(j.admit), trace[j.index].user);
     }
     if (base.track_work) report_shares(o, policy, trace, res, share_out);
   }

@@ -93,6 +93,14 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--util", util, "override every job's utilization")->check(CLI::Range(1e-6, 1.0));
   app.add_option("--prefix", c.prefix, "job name prefix")->capture_default_str();
+  app.add_option("--users", c.users,
+                 "give each job a user, user1 .. userN (a user column for salus-sim's FAIR by "
+                 "user); default: none")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{100000}));
+  app.add_option("--user-skew", c.user_skew,
+                 "user k submits with probability proportional to 1/k^SKEW (0: uniform, 1: Zipf)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 10.0));
   app.add_option("-o,--out", out_path, "output file (default: stdout)");
   app.add_flag("--list", list, "print the workload table and exit");
   app.add_option("--shape", shape,

@@ -22,6 +22,9 @@ void print_summary(const sc::ImportSummary& s, std::string_view format) {
       "(run as k x duration), {} on a fraction of a GPU, {} failed or killed kept\n",
       format, s.records, s.imported, s.gpu_seconds / 3600.0, s.multi_gpu, s.fractional,
       s.failed_kept);
+  if (s.users > 0)
+    std::cerr << fmt::format("salus-trace-import: {} {}\n", s.users,
+                             s.users == 1 ? "user" : "users");
   for (const auto& [why, n] : s.skipped)
     std::cerr << fmt::format("salus-trace-import: skipped {}: {}\n", n, why);
 }
@@ -55,6 +58,8 @@ int run(int argc, char** argv) {
       ->check(CLI::Range(1e-6, 1.0));
   app.add_option("--model", o.model, "the model column of every job")->capture_default_str();
   app.add_flag("--completed-only", completed_only, "skip failed and killed jobs");
+  app.add_flag("--users", o.users,
+               "keep each job's user as the trace's user column (salus-sim's FAIR by user)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

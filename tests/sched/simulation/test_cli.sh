@@ -34,7 +34,7 @@ expect_exit 0 "$sim" --trace "$tmp/good.csv" --policy all
 # Per-job output.
 expect_exit 0 "$sim" --trace "$tmp/good.csv" --policy srtf --gpus 2 --gpu-memory 8G --placement rr \
   --jobs-out "$tmp/jobs.csv"
-[ "$(head -1 "$tmp/jobs.csv")" = "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane,admit_s" ] || fail "jobs-out header"
+[ "$(head -1 "$tmp/jobs.csv")" = "job,policy,arrival_s,start_s,finish_s,jct_s,queue_s,gpu,lane,admit_s,user" ] || fail "jobs-out header"
 [ "$(wc -l <"$tmp/jobs.csv")" = 3 ] || fail "jobs-out rows: $(cat "$tmp/jobs.csv")"
 grep -q '^b,srtf,0.100000,0.100000,0.200000,0.100000,0.000000,1,' "$tmp/jobs.csv" || fail "jobs-out b: $(cat "$tmp/jobs.csv")"
 
@@ -164,6 +164,24 @@ for bad in 0 -1 two 1.5; do
   grep -q "argument --gpus: '$bad' is not a number of GPUs (a whole number >= 1)" "$tmp/err" ||
     fail "srtf-bound --gpus $bad: $(cat "$tmp/err")"
 done
+
+# FAIR by user, the default as in salusd: alice's one job against bob's three (1 s of
+# work each) gets half the GPU and ends at 2 s; per job (--fair-share session), at 4 s.
+cat >"$tmp/users.csv" <<'EOF'
+job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util,priority,user
+a,0,m,100,1000,10,100,1,0,alice
+b1,0,m,100,1000,10,100,1,0,bob
+b2,0,m,100,1000,10,100,1,0,bob
+b3,0,m,100,1000,10,100,1,0,bob
+EOF
+expect_exit 0 "$sim" --trace "$tmp/users.csv" --policy fair --jobs-out "$tmp/users-jobs.csv"
+alice=$(awk -F, '$1=="a"{printf "%.1f %s", $5, $11}' "$tmp/users-jobs.csv")
+[ "$alice" = "2.0 alice" ] || fail "fair by user: a ends at 2 s as alice's, got '$alice'"
+expect_exit 0 "$sim" --trace "$tmp/users.csv" --policy fair --fair-share session --jobs-out "$tmp/users-jobs.csv"
+alice=$(awk -F, '$1=="a"{printf "%.1f", $5}' "$tmp/users-jobs.csv")
+[ "$alice" = "4.0" ] || fail "fair by session: a ends at 4 s, got '$alice'"
+expect_exit 2 "$sim" --trace "$tmp/users.csv" --fair-share group
+grep -q "fair-share" "$tmp/err" || fail "bad --fair-share: $(cat "$tmp/err")"
 
 if [ "$failures" -gt 0 ]; then
   echo "$failures failure(s)"

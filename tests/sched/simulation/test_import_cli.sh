@@ -33,6 +33,10 @@ expect_exit 0 "$imp" --format philly "$tmp/philly.json" --iter-ms 100 -o "$tmp/p
 application_1,0,imported,500,4500,100,400,1,0
 application_2,5,imported,500,4500,100,100,1,0" ] || fail "philly output: $(cat "$tmp/philly.csv")"
 grep -q "3 records, 2 jobs imported" "$tmp/err" || fail "philly summary: $(cat "$tmp/err")"
+expect_exit 0 "$imp" --format philly "$tmp/philly.json" --iter-ms 100 --users -o "$tmp/philly-users.csv"
+[ "$(head -2 "$tmp/philly-users.csv" | tail -1)" = "application_1,0,imported,500,4500,100,400,1,0,u" ] ||
+  fail "philly --users output: $(cat "$tmp/philly-users.csv")"
+grep -q "salus-trace-import: 1 user$" "$tmp/err" || fail "philly --users summary: $(cat "$tmp/err")"
 grep -q "skipped 1: never ran" "$tmp/err" || fail "philly skip reason: $(cat "$tmp/err")"
 # One GPU: application_1 runs 40 s (2 GPUs x 20 s), application_2 its 10 s after it.
 expect_exit 0 "$sim" --trace "$tmp/philly.csv" --policy fifo

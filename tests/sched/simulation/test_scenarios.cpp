@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -141,6 +142,33 @@ TEST(Scenarios, GeneratorIsDeterministicAndSeedsDiffer) {
         sc::generate_trace(bad);
       }(),
       std::invalid_argument);
+}
+
+TEST(Scenarios, GeneratedUsersFollowTheSkewAndChangeNothingElse) {
+  sc::GeneratorConfig c = online_100();
+  c.jobs = 2000;
+  const std::vector<sc::TraceJob> plain = sc::generate_trace(c);
+  c.users = 4;
+  c.user_skew = 1.0;
+  const std::vector<sc::TraceJob> users = sc::generate_trace(c);
+  ASSERT_EQ(users.size(), plain.size());
+  std::map<std::string, int> count;
+  for (std::size_t i = 0; i < users.size(); ++i) {
+    EXPECT_EQ(plain[i].user, "");
+    EXPECT_EQ(users[i].model, plain[i].model);
+    EXPECT_EQ(users[i].iters, plain[i].iters);
+    EXPECT_EQ(users[i].arrival_s, plain[i].arrival_s);
+    ++count[users[i].user];
+  }
+  // Zipf over 4 users: shares 12/25, 6/25, 4/25, 3/25 (960, 480, 320, 240 of 2000).
+  ASSERT_EQ(count.size(), 4u);
+  EXPECT_NEAR(count["user1"], 960, 70);
+  EXPECT_NEAR(count["user2"], 480, 60);
+  EXPECT_NEAR(count["user3"], 320, 50);
+  EXPECT_NEAR(count["user4"], 240, 45);
+  EXPECT_EQ(to_csv(users), to_csv(sc::generate_trace(c)));
+  c.user_skew = -1;
+  EXPECT_THROW(sc::generate_trace(c), std::invalid_argument);
 }
 
 TEST(Scenarios, SimulationIsDeterministic) {

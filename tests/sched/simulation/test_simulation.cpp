@@ -35,11 +35,17 @@ sc::TraceJob job(std::string name, double arrival_s, double iter_ms, std::uint64
   return j;
 }
 
+sc::TraceJob owned(sc::TraceJob j, std::string user) {
+  j.user = std::move(user);
+  return j;
+}
+
 struct RunSpec {
   PolicyKind policy = PolicyKind::fifo;
   LaneModel lanes = LaneModel::automatic;
   std::uint32_t gpus = 1;
   Placement placement = Placement::magm;
+  sc::FairShare fair_share = sc::FairShare::owner;
 };
 
 sc::SimResult run(const std::vector<sc::TraceJob>& trace, RunSpec s, bool coalesce = true) {
@@ -48,6 +54,7 @@ sc::SimResult run(const std::vector<sc::TraceJob>& trace, RunSpec s, bool coales
   c.lanes = s.lanes;
   c.gpus = s.gpus;
   c.placement = s.placement;
+  c.fair_share = s.fair_share;
   c.coalesce = coalesce;
   return sc::simulate(trace, c);
 }
@@ -198,6 +205,74 @@ TEST(SimPolicies, FairIsPerLaneUnderAlgorithm1) {
   EXPECT_NEAR(shared.jobs[2].finish, 9 * kSec, 30 * kMs);
   // Algorithm 1: B alone in lane 2 gets half the GPU and ends at 6 s.
   EXPECT_NEAR(alg1.jobs[1].finish, 6 * kSec, 30 * kMs);
+}
+
+TEST(SimFairShare, FairSharesALanePerUserAsSalusdDoes) {
+  // alice's one job against bob's three, 1 s of work each. Per user, alice gets half the
+  // lane and ends at 2 s; bob's jobs have had a sixth each by then and end at 4 s. Per
+  // job, alice gets a quarter and ends with them, at 4 s.
+  std::vector<sc::TraceJob> t{owned(job("A", 0, 10, 100), "alice")};
+  for (const char* name : {"B1", "B2", "B3"}) t.push_back(owned(job(name, 0, 10, 100), "bob"));
+  const sc::SimResult user = run(t, {PolicyKind::fair});
+  const sc::SimResult session =
+      run(t, {PolicyKind::fair, LaneModel::automatic, 1, Placement::magm, sc::FairShare::session});
+  EXPECT_NEAR(user.jobs[0].finish, 2 * kSec, 30 * kMs);
+  EXPECT_NEAR(session.jobs[0].finish, 4 * kSec, 40 * kMs);
+  for (std::size_t i = 1; i < 4; ++i) {
+    EXPECT_NEAR(user.jobs[i].finish, 4 * kSec, 30 * kMs) << t[i].name;
+    EXPECT_NEAR(session.jobs[i].finish, 4 * kSec, 30 * kMs) << t[i].name;
+  }
+}
+
+TEST(SimFairShare, FairByUserHoldsBackAUserAheadAcrossLanes) {
+  // Algorithm-1 lanes: four small jobs get a lane each and run side by side, each at a
+  // quarter of the GPU. Per user, alice's lanes wait while she is ahead of bob, so bob
+  // gets half the GPU and ends at about 2 s; per job, everyone ends at 4 s. The GPU
+  // never idles for it: the makespan is the same.
+  std::vector<sc::TraceJob> t;
+  for (const char* name : {"A1", "A2", "A3"}) t.push_back(owned(job(name, 0, 10, 100), "alice"));
+  t.push_back(owned(job("B", 0, 10, 100), "bob"));
+  const sc::SimResult user = run(t, {PolicyKind::fair, LaneModel::algorithm1});
+  const sc::SimResult session =
+      run(t, {PolicyKind::fair, LaneModel::algorithm1, 1, Placement::magm, sc::FairShare::session});
+  EXPECT_EQ(user.counters.max_lanes, 4u);
+  EXPECT_NEAR(user.jobs[3].finish, 2 * kSec, 30 * kMs);
+  EXPECT_NEAR(session.jobs[3].finish, 4 * kSec, 30 * kMs);
+  EXPECT_NEAR(user.summary.makespan_s, 4.0, 0.03);
+  EXPECT_NEAR(session.summary.makespan_s, 4.0, 0.03);
+}
+
+TEST(SimFairShare, OneUsersJobsShareAsPerJob) {
+  // A trace of one user (or of none) is shared exactly as per job, coalesced too.
+  std::vector<sc::TraceJob> t;
+  for (int i = 0; i < 5; ++i)
+    t.push_back(owned(job(fmt::format("J{}", i), 0.05 * i, 3 + i, 40 + 7 * i, 0.5), "carol"));
+  for (bool coalesce : {true, false}) {
+    const sc::SimResult user = run(t, {PolicyKind::fair}, coalesce);
+    const sc::SimResult session =
+        run(t, {PolicyKind::fair, LaneModel::automatic, 1, Placement::magm, sc::FairShare::session},
+            coalesce);
+    for (std::size_t i = 0; i < t.size(); ++i)
+      EXPECT_EQ(user.jobs[i].finish, session.jobs[i].finish) << t[i].name << " " << coalesce;
+    EXPECT_EQ(user.counters.decisions, session.counters.decisions);
+  }
+}
+
+TEST(SimFairShare, TheHostWideQueuePlacesTheUserWithFewestPlacedFirst) {
+  // Two GPUs that hold one 9000 MiB job each. alice queued four jobs before bob's one;
+  // when her first ends at 1 s (her second runs on), bob has none placed and goes next.
+  // Per job, the queue is in arrival order and bob waits for a second GPU to free, at 2 s.
+  std::vector<sc::TraceJob> t{owned(job("A1", 0, 10, 100, 1.0, 9000, 100), "alice"),
+                              owned(job("A2", 0, 10, 200, 1.0, 9000, 100), "alice"),
+                              owned(job("A3", 0, 10, 100, 1.0, 9000, 100), "alice"),
+                              owned(job("A4", 0, 10, 100, 1.0, 9000, 100), "alice"),
+                              owned(job("B", 0.001, 10, 100, 1.0, 9000, 100), "bob")};
+  const sc::SimResult user = run(t, {PolicyKind::fair, LaneModel::automatic, 2});
+  const sc::SimResult session =
+      run(t, {PolicyKind::fair, LaneModel::automatic, 2, Placement::magm, sc::FairShare::session});
+  EXPECT_NEAR(user.jobs[4].start, 1 * kSec, kMs);
+  EXPECT_NEAR(session.jobs[4].start, 2 * kSec, kMs);
+  EXPECT_NEAR(user.jobs[2].start, 2 * kSec, kMs);  // alice's third waits for her second
 }
 
 TEST(SimLanes, LaneSlidesDownAtItsBoundaryBeforeANewcomerFits) {

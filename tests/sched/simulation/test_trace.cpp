@@ -67,7 +67,7 @@ TEST(Trace, RejectsBadLinesWithTheirLineNumber) {
   };
   const Case cases[] = {
       {"b,0,m,1,1,10,5", "fields"},
-      {"b,0,m,1,1,10,5,0.5,1,9", "fields"},
+      {"b,0,m,1,1,10,5,0.5,1,u,9", "fields"},
       {",0,m,1,1,10,5,0.5", "name"},
       {"b,soon,m,1,1,10,5,0.5", "arrival_s"},
       {"b,-1,m,1,1,10,5,0.5", "negative"},
@@ -115,6 +115,27 @@ TEST(Trace, SingleLineParserNamesTheLine) {
   } catch (const TraceError& e) {
     EXPECT_EQ(e.line(), 42u);
   }
+}
+
+TEST(Trace, AUserColumnNamesWhoseJobItIs) {
+  const auto jobs = parse_trace_text(
+      "job,arrival_s,model,persistent_mb,ephemeral_mb,iter_ms,iters,util,priority,user\n"
+      "a,0,m,1,1,10,5,0.5,0,alice\nb,0,m,1,1,10,5,0.5,,bob\nc,0,m,1,1,10,5,0.5\n");
+  ASSERT_EQ(jobs.size(), 3u);
+  EXPECT_EQ(jobs[0].user, "alice");
+  EXPECT_EQ(jobs[1].user, "bob");
+  EXPECT_EQ(jobs[1].priority, 0);
+  EXPECT_EQ(jobs[2].user, "");
+  std::ostringstream out;
+  write_trace(out, jobs);
+  EXPECT_NE(out.str().find(",user\n"), std::string::npos) << out.str();
+  const auto back = parse_trace_text(out.str());
+  ASSERT_EQ(back.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(back[i].user, jobs[i].user);
+  // Without users the header stays the nine columns older readers expect.
+  std::ostringstream plain;
+  write_trace(plain, {jobs[2]});
+  EXPECT_EQ(plain.str().find("user"), std::string::npos) << plain.str();
 }
 
 TEST(Trace, WriteThenParseGivesTheSameJobs) {

@@ -89,6 +89,36 @@ TEST(TraceImport, PhillyJobLog) {
   EXPECT_EQ(done.summary.skipped.at("failed or killed (--completed-only)"), 1u);
 }
 
+TEST(TraceImport, UsersAreKeptOnlyWhenAsked) {
+  // Off by default: the trace stays one user's.
+  for (const TraceJob& j : import_trace_text(kPhilly, ImportFormat::philly, opts()).jobs)
+    EXPECT_EQ(j.user, "") << j.name;
+  ImportOptions o = opts();
+  o.users = true;
+  const ImportResult philly = import_trace_text(kPhilly, ImportFormat::philly, o);
+  ASSERT_EQ(philly.jobs.size(), 2u);
+  EXPECT_EQ(philly.jobs[0].user, "u");
+  EXPECT_EQ(philly.summary.users, 1u);
+  const ImportResult csv = import_trace_text(
+      "job_id,user,gpu_num,submit_time,duration\n"
+      "a,alice,1,0,10\nb,\"bob,jr\",1,5,10\nc,,1,6,10\n",
+      ImportFormat::jobs_csv, o);
+  ASSERT_EQ(csv.jobs.size(), 3u);
+  EXPECT_EQ(csv.jobs[0].user, "alice");
+  EXPECT_EQ(csv.jobs[1].user, "bob_jr");  // a comma would split the trace's column
+  EXPECT_EQ(csv.jobs[2].user, "");        // not recorded: the anonymous user
+  EXPECT_EQ(csv.summary.users, 2u);
+  const ImportResult pai = import_trace_text(
+      "ja,worker,1.0,Terminated,1000.0,1100.0,400.0,10.0,100.0,V100\n"
+      "jb,worker,1.0,Terminated,1000.0,1100.0,400.0,10.0,100.0,V100\n",
+      ImportFormat::pai, o, "ja,i1,9f3e,Terminated,800.0,1100.0\njb,i2,77aa,Terminated,,\n");
+  ASSERT_EQ(pai.jobs.size(), 2u);
+  EXPECT_EQ(pai.jobs[0].name, "ja");
+  EXPECT_EQ(pai.jobs[0].user, "9f3e");
+  EXPECT_EQ(pai.jobs[1].user, "77aa");  // a user without a submit time still counts
+  EXPECT_EQ(pai.jobs[1].arrival_s, 200.0);
+}
+
 TEST(TraceImport, PhillyErrorsNameTheLine) {
   EXPECT_EQ(error_of("[\n {\"jobid\": \"a\",\n \"attempts\": [}\n]", ImportFormat::philly),
             "line 3: expected a JSON value, got '}'");
