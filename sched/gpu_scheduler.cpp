@@ -6,6 +6,24 @@
 
 namespace salus::sched {
 
+std::string_view to_string(FairShare f) {
+  switch (f) {
+    case FairShare::session:
+      return "session";
+    case FairShare::owner:
+      return "user";
+    case FairShare::owner_across_lanes:
+      return "user-across-lanes";
+  }
+  return "?";
+}
+
+std::optional<FairShare> fair_share_from_string(std::string_view name) {
+  for (const FairShare f : {FairShare::session, FairShare::owner, FairShare::owner_across_lanes})
+    if (name == to_string(f)) return f;
+  return std::nullopt;
+}
+
 GpuScheduler::GpuScheduler(arena::Bytes capacity, PolicyKind policy, arena::ArenaOptions options)
     : arena_(capacity, options), policy_(policy) {}
 
@@ -26,7 +44,7 @@ void GpuScheduler::requeue_key(const SessionSched& s) {
 // equals), so that one user's queue of jobs does not keep another's first job
 // waiting. Otherwise (one owner, or other policies) the policy's admission key.
 bool GpuScheduler::admits_by_owner() const {
-  return policy_ == PolicyKind::fair && fair_share_ == FairShare::owner && owners_.size() >= 2;
+  return policy_ == PolicyKind::fair && by_owner(fair_share_) && owners_.size() >= 2;
 }
 
 double GpuScheduler::queue_key(const RankInputs& in, std::uint32_t owner) const {
@@ -69,7 +87,7 @@ std::int64_t scaled(std::int64_t ns, std::int64_t factor) {
 }  // namespace
 
 std::int64_t GpuScheduler::fair_factor(const SessionSched& s) const {
-  if (fair_share_ != FairShare::owner || !s.lane) return 1;
+  if (!by_owner(fair_share_) || !s.lane) return 1;
   const auto q = lanes_.find(*s.lane);
   if (q == lanes_.end()) return 1;
   const auto c = q->second.runnable_by_owner.find(s.owner);
@@ -209,7 +227,8 @@ bool GpuScheduler::lane_may_dispatch(LaneId lane) const {
 }
 
 bool GpuScheduler::owners_gated() const {
-  return policy_ == PolicyKind::fair && fair_share_ == FairShare::owner && owners_runnable_ >= 2;
+  return policy_ == PolicyKind::fair && fair_share_ == FairShare::owner_across_lanes &&
+         owners_runnable_ >= 2;
 }
 
 GpuScheduler::OwnerTier GpuScheduler::owner_tier(const SessionSched& s, LaneId lane) const {
@@ -266,7 +285,6 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
   // in the lane: like one that was idle, it starts again at the lane's clock
   // (link lifts it), so the lane does not pay it back for the turns it missed.
   for (SessionId id : passed_held_) rerank(sessions_.at(id));
-  passed_held_.clear();
   return chosen;
 }
 
@@ -456,7 +474,7 @@ void GpuScheduler::unlink(SessionSched& s, bool counts) {
   auto it = lanes_.find(*s.lane);
   if (it == lanes_.end()) return;
   it->second.runnable.erase({s.key, s.id});
-  if (counts && fair_share_ == FairShare::owner && --it->second.runnable_by_owner[s.owner] == 0)
+  if (counts && by_owner(fair_share_) && --it->second.runnable_by_owner[s.owner] == 0)
     --it->second.owners_runnable;
 }
 
@@ -469,7 +487,7 @@ void GpuScheduler::link(SessionSched& s, bool counts) {
   s.key = rank(policy_, s.in);
   q.runnable.insert({s.key, s.id});
   if (!counts) return;
-  if (fair_share_ == FairShare::owner && ++q.runnable_by_owner[s.owner] == 1) ++q.owners_runnable;
+  if (by_owner(fair_share_) && ++q.runnable_by_owner[s.owner] == 1) ++q.owners_runnable;
   const auto c = owners_.find(s.owner);
   if (c == owners_.end() || c->second.runnable++ > 0) return;
   ++owners_runnable_;

@@ -7,6 +7,7 @@
 #include <deque>
 #include <optional>
 #include <set>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -20,10 +21,18 @@ namespace salus::sched {
 using arena::LaneId;
 using arena::SessionId;
 
-// How FAIR divides a lane among sessions: equal shares per session, or equal
-// shares per owner (a uid), each owner's share split among its sessions that
-// compete in the lane.
-enum class FairShare : std::uint8_t { session, owner };
+// How FAIR divides the GPU: equal shares per session; equal shares of a lane per
+// owner (a uid), each owner's share split among its sessions that compete in the
+// lane; or that, and per owner across the lanes of the GPU too, which run side by
+// side (owner_may_dispatch). Named session, user and user-across-lanes in salusd's
+// and salus-sim's flags and in /salus/policy.
+enum class FairShare : std::uint8_t { session, owner, owner_across_lanes };
+// Whether shares follow owners (both owner modes).
+constexpr bool by_owner(FairShare f) {
+  return f != FairShare::session;
+}
+std::string_view to_string(FairShare f);
+std::optional<FairShare> fair_share_from_string(std::string_view name);
 
 struct SessionSched {
   SessionId id = 0;
@@ -104,6 +113,9 @@ class GpuScheduler {
   bool held_for_owner(const SessionSched& s) const {
     return owners_gated() && s.runnable && s.lane && owner_tier(s, *s.lane) == OwnerTier::held;
   }
+  // The sessions the last pick() passed over for their owners and re-ranked (their
+  // keys changed: salus-sim re-sorts its copy of the lane).
+  const std::vector<SessionId>& reranked_by_pick() const { return passed_held_; }
   // Whether pick() may pass over the best-ranked runnable session of a lane
   // (oversubscribed: swapped sessions; FAIR by owner: held owners).
   bool passes_over_ranks() const { return oversubscribed() || owners_gated(); }

@@ -427,6 +427,7 @@ class Engine {
   void handle_admissions(std::uint32_t g, TimeNs t);
   void check_quiet(Gpu& gpu, TimeNs t);
   void make_runnable(Gpu& gpu, LaneState& ls, SessionId id);
+  void resort_waiting(Gpu& gpu, LaneState& ls);
   void fold(Gpu& gpu, TimeNs t);
   void cut(Gpu& gpu, LaneState& ls, TimeNs t);
   void cut_all(Gpu& gpu, TimeNs t);
@@ -567,8 +568,8 @@ void Engine::load(const std::vector<TraceJob>& trace) {
 // users or more an iteration's charge depends on who else is runnable, which the closed
 // forms of coalesced runs do not model: those traces are simulated iteration by iteration.
 void Engine::share_by_owner() {
-  if (cfg_.fair_share != FairShare::owner) return;
-  for (Gpu& gpu : gpus_) gpu.sched.set_fair_share(FairShare::owner);
+  if (!by_owner(cfg_.fair_share)) return;
+  for (Gpu& gpu : gpus_) gpu.sched.set_fair_share(cfg_.fair_share);
   by_owner_ = cfg_.policy == PolicyKind::fair && cfg_.placement != Placement::exclusive;
   if (cfg_.policy == PolicyKind::fair && owners_ >= 2) cfg_.coalesce = false;
 }
@@ -729,6 +730,18 @@ void Engine::check_quiet(Gpu& gpu, TimeNs t) {
   gpu.quiet = quiet;
   // Lanes that must slide or wait for room move only at iteration boundaries.
   if (!quiet) cut_all(gpu, t);
+}
+
+// FAIR by owner: the pick passed over sessions for their owners and moved them to
+// the lane's clock (GpuScheduler::reranked_by_pick); their entries follow.
+void Engine::resort_waiting(Gpu& gpu, LaneState& ls) {
+  for (SessionId id : gpu.sched.reranked_by_pick()) {
+    const auto it = std::find_if(ls.waiting.begin(), ls.waiting.end(),
+                                 [id](const Keyed& k) { return k.second == id; });
+    if (it == ls.waiting.end()) continue;
+    ls.waiting.erase(it);
+    ls.waiting.insert({gpu.sched.find(id)->key, id});
+  }
 }
 
 void Engine::make_runnable(Gpu& gpu, LaneState& ls, SessionId id) {
@@ -1316,6 +1329,7 @@ void Engine::dispatch(std::uint32_t g, TimeNs t) {
     if (w == ls.waiting.end() || w->second != *sid)
       throw std::logic_error("salus-sim: lane bookkeeping disagrees with the scheduler");
     ls.waiting.erase(w);
+    resort_waiting(gpu, ls);
     Job& j = job_of(*sid);
     ar.begin_iteration(lane, *sid, j.ephemeral);
     gpu.sched.iteration_dispatched(*sid);

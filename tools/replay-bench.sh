@@ -15,7 +15,10 @@
 #        bind late to a GPU in both, and replay-compare also counts the jobs that ran
 #        on the same GPU), MEMORY (16G: per sim GPU), PLACEMENT (magm),
 #        BACKEND_ARGS (salusd flags; default --backend sim --sim-gpus GPUS --sim-memory
-#        MEMORY; on a GPU, e.g. --backend cuda --cuda-memory-fraction 0.2)
+#        MEMORY; on a GPU, e.g. --backend cuda --cuda-memory-fraction 0.2),
+#        FAIR_SHARE (user: both sides' default; session: salusd --fair-share session
+#        and salus-sim --fair-share session). A trace with a user column is replayed
+#        with each user's sessions as a uid of its own (tools/salus-replay).
 #
 # The overhead is salusd's host-side cost per iteration boundary on this machine at
 # this depth: one job of 1 ms iterations is replayed alone with 200 and 1200 iterations,
@@ -33,6 +36,7 @@ salusd=$build/tools/salusd salus_sim=$build/tools/salus-sim
 [ -x "$salusd" ] || salusd=$build/salusd salus_sim=$build/salus-sim
 gpus=${GPUS:-1}
 placement=${PLACEMENT:-magm}
+fair_share=${FAIR_SHARE:-user}
 read -r -a backend_args <<<"${BACKEND_ARGS:---backend sim --sim-gpus $gpus --sim-memory ${MEMORY:-16G}}"
 trace=${TRACE:-$here/../traces/online-100.csv}
 scale=${SCALE:-256}
@@ -61,7 +65,7 @@ trap cleanup EXIT INT TERM
 start_salusd() {  # LOG: a fresh daemon, so no run inherits another's lanes or clocks
   mnt=$(mktemp -d /tmp/salus-replay-bench.XXXXXX)
   # --state-dir '': no named session of another run (or of the host) comes back.
-  "$salusd" "${backend_args[@]}" --placement "$placement" --log-level warn \
+  "$salusd" "${backend_args[@]}" --placement "$placement" --fair-share "$fair_share" --log-level warn \
     --pipeline-depth "$depth" --mount "$mnt" --state-dir '' >"$1" 2>&1 &
   dpid=$!
   for _ in $(seq 600); do [ -e "$mnt/version" ] && break; sleep 0.1; done
@@ -101,7 +105,7 @@ for p in "${policies[@]}"; do
 done
 
 "$salus_sim" --trace "$out/scaled.csv" --policy all --lanes algorithm1 --gpu-memory "$capacity" \
-  --gpus "$gpus" --placement "$placement" \
+  --gpus "$gpus" --placement "$placement" --fair-share "$fair_share" \
   --iteration-overhead-us "$overhead" --jobs-out "$out/sim-all.csv" >"$out/sim.summary"
 for p in "${policies[@]}"; do
   echo "== $p (salusd --pipeline-depth $depth, scale $scale, salus-sim --iteration-overhead-us $overhead)"

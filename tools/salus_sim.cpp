@@ -171,10 +171,11 @@ void add_flags(CLI::App& app, Options& o) {
       ->capture_default_str()
       ->check(CLI::Range(0.001, 10000.0));
   app.add_option("--fair-share", o.fair_share,
-                 "how fair shares a lane, as salusd's flag: equally per user (the trace's user "
-                 "column), each user's share split among its jobs, or equally per job (session)")
+                 "how fair shares the GPU, as salusd's flag: user (equally per user of the "
+                 "trace's user column in a lane), user-across-lanes (and across lanes), or "
+                 "session (equally per job)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"user", "session"}));
+      ->check(CLI::IsMember({"user", "user-across-lanes", "session"}));
   app.add_flag("--no-coalesce", o.no_coalesce,
                "simulate every iteration as its own event (slower; same decisions)");
   app.add_flag("--stats", o.stats, "print event counts and wall time per policy to stderr");
@@ -220,7 +221,7 @@ int make_config(const Options& o, std::vector<PolicyKind>& policies, sc::SimConf
   base.iteration_overhead_ns = std::llround(o.iteration_overhead_us * 1e3);
   base.oversubscribe = o.oversubscribe;
   base.swap_gbps = o.swap_gbps;
-  base.fair_share = o.fair_share == "session" ? sc::FairShare::session : sc::FairShare::owner;
+  base.fair_share = *sc::fair_share_from_string(o.fair_share);
   if (!o.share_out.empty() && o.share_window_s <= 0)
     return usage("--share-out needs --share-window");
   base.track_work = o.share_window_s > 0;

@@ -568,8 +568,9 @@ int cmd_policy(const Ctx& ctx, std::vector<std::string> args) {
     if (err == EINVAL)
       why =
           "salusd rejected it (its log says why); expected NAME [placement=magm|lug|rr|exclusive] "
-          "[queue=strict|bypass] [quantum_ms=N] [oversubscribe=R] [fair_share=user|session] "
-          "with NAME fifo, pack, srtf, fair or priority";
+          "[queue=strict|bypass] [quantum_ms=N] [oversubscribe=R] "
+          "[fair_share=user|user-across-lanes|session] with NAME fifo, pack, srtf, fair or "
+          "priority";
     fail_file(ctx, path, err, why.empty() ? line : fmt::format("'{}': {}", line, why));
   }
   fmt::print("{}", read_file(ctx, path));
@@ -1073,7 +1074,7 @@ int main(int argc, char** argv) {
   auto* policy = app.add_subcommand("policy",
                                     "Show the policy, or switch it: policy NAME [placement=P] "
                                     "[queue=strict|bypass] [quantum_ms=N] [oversubscribe=R] "
-                                    "[fair_share=user|session]");
+                                    "[fair_share=user|user-across-lanes|session]");
   policy->add_option("ARGS", policy_args, "NAME [key=value...]; key=value alone keeps NAME");
   unsigned drain_gpu = 0, undrain_gpu = 0;
   auto* drain = app.add_subcommand("drain", "Stop placing new sessions on a GPU (admin)");

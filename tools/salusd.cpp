@@ -284,8 +284,9 @@ bool validate(const Settings& s, std::string& why) {
   if (s.attach_context_reserve != "auto" && !salus::arena::parse_size(s.attach_context_reserve))
     return bad(fmt::format("attach_context_reserve '{}': expected a size, e.g. 512M, or auto",
                            s.attach_context_reserve));
-  if (s.fair_share != "user" && s.fair_share != "session")
-    return bad(fmt::format("fair_share '{}': expected user or session", s.fair_share));
+  if (!salus::sched::fair_share_from_string(s.fair_share))
+    return bad(
+        fmt::format("fair_share '{}': expected user, user-across-lanes or session", s.fair_share));
   if (s.attach_overrun != "warn" && s.attach_overrun != "kill")
     return bad(fmt::format("attach_overrun '{}': expected warn or kill", s.attach_overrun));
   if (!(s.attach_hold_limit_s >= 0 && s.attach_hold_limit_s <= 86400))
@@ -346,9 +347,11 @@ void add_flags(CLI::App& flags, Settings& s) {
       ->check(CLI::Range(1, 64));
   flags
       .add_option("--fair-share", s.fair_share,
-                  "How the fair policy shares a lane: equally per user (uid), each user's "
-                  "share split among its sessions, or equally per session")
-      ->check(CLI::IsMember({"user", "session"}));
+                  "How the fair policy shares the GPU: user, equally per user (uid) in a lane, "
+                  "each user's share split among its sessions; user-across-lanes, that and "
+                  "per user across the lanes too (a user ahead runs in one lane at a time); "
+                  "session, equally per session")
+      ->check(CLI::IsMember({"user", "user-across-lanes", "session"}));
   flags.add_option("--user-priority-max", s.user_priority_max,
                    "The largest priority a user who is not an admin may give a session "
                    "(under the priority policy, larger runs first); lowering is always allowed");
@@ -586,8 +589,7 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s, const std::string& ba
   bc.quotas = s.quotas;
   bc.pipeline_depth = s.pipeline_depth;
   bc.user_priority_max = s.user_priority_max;
-  bc.fair_share =
-      s.fair_share == "session" ? salus::sched::FairShare::session : salus::sched::FairShare::owner;
+  bc.fair_share = *salus::sched::fair_share_from_string(s.fair_share);
   bc.transfer_chunk = *salus::arena::parse_size(s.transfer_chunk);
   bc.segment_cache = *salus::arena::parse_size(s.segment_cache);
   bc.transfers_active = s.transfers_active;

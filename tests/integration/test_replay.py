@@ -67,3 +67,27 @@ def test_salusd_places_like_salus_sim_on_two_gpus(tmp_path):
         assert (same, total) == (12, 12), f"{policy}: {text}"
         ratio, pairs, _ = parse(text)
         assert abs(ratio - 1) <= 0.05, f"{policy}: average JCT real/sim {ratio}"
+
+
+def test_salusd_shares_per_user_like_salus_sim(tmp_path):
+    """FAIR by user across lanes (salusd and salus-sim --fair-share user-across-lanes):
+    traces/users-lanes-4.csv, alice's three jobs in lanes of their own and bob's one,
+    replayed with each user's sessions as its own uid. Bob gets half the GPU (8 s for
+    4 s of work; a quarter, about 16 s, without the across-lanes rule), and salusd's
+    figures are salus-sim's."""
+    out = tmp_path / "out"
+    env = dict(os.environ, TRACE=os.path.join(SRC, "traces", "users-lanes-4.csv"), SCALE="1",
+               ITER_SCALE="1", OVERHEAD_US="130", FAIR_SHARE="user-across-lanes")
+    run = subprocess.run(
+        [os.path.join(SRC, "tools", "replay-bench.sh"), BUILD, str(out), "fair"],
+        env=env, capture_output=True, text=True, timeout=600)
+    print(run.stdout, run.stderr)
+    assert run.returncode == 0, run.stderr
+    ratio, _, _ = parse((out / "compare-fair.txt").read_text())
+    assert abs(ratio - 1) <= 0.05, f"average JCT real/sim {ratio}"
+    real = {r.split(",")[0]: float(r.split(",")[3])
+            for r in (out / "replay-fair.csv").read_text().splitlines()[1:]}
+    sim = {r.split(",")[0]: float(r.split(",")[5])
+           for r in (out / "sim-all.csv").read_text().splitlines()[1:] if ",fair," in r}
+    assert real["b"] <= 10.0, f"bob's job took {real['b']} s: not half the GPU"
+    assert abs(real["b"] / sim["b"] - 1) <= 0.10, f"bob: real {real['b']} s, sim {sim['b']} s"

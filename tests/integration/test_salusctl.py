@@ -272,6 +272,8 @@ def test_policy_read_and_switch(salusd):
     assert r.returncode == 0 and "fair_share: session\n" in r.stdout, r.stderr
     r = ctl(salusd, "policy", "pack")
     assert "fair_share: session\n" in r.stdout  # kept until written again
+    r = ctl(salusd, "policy", "fair_share=user-across-lanes")
+    assert r.returncode == 0 and "fair_share: user-across-lanes\n" in r.stdout, r.stderr
     for bad in (["nonsense"], ["fifo", "bogus=1"], ["fifo", "placement=nowhere"],
                 ["fifo", "fair_share=everyone"]):
         r = ctl(salusd, "policy", *bad)

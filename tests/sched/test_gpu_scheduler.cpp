@@ -214,15 +214,30 @@ double second_owners_work_across_lanes(FairShare share, std::uint32_t seed, int 
   return work[2] / (work[1] + work[2]);
 }
 
-TEST(GpuScheduler, FairByOwnerHoldsBackAnOwnerAheadAcrossLanes) {
+// Only FairShare::owner_across_lanes holds an owner back across lanes: FairShare::owner
+// shares inside a lane, and these sessions have a lane each.
+TEST(GpuScheduler, FairByOwnerAcrossLanesHoldsBackAnOwnerAhead) {
   for (std::uint32_t seed = 1; seed <= 10; ++seed) {
     for (int sessions : {2, 3, 5}) {
-      const double by_owner = second_owners_work_across_lanes(FairShare::owner, seed, sessions);
+      const double across =
+          second_owners_work_across_lanes(FairShare::owner_across_lanes, seed, sessions);
+      const double in_lane = second_owners_work_across_lanes(FairShare::owner, seed, sessions);
       const double by_session = second_owners_work_across_lanes(FairShare::session, seed, sessions);
-      EXPECT_NEAR(by_owner, 0.5, 0.03) << "seed " << seed << ", " << sessions << " sessions";
+      EXPECT_NEAR(across, 0.5, 0.03) << "seed " << seed << ", " << sessions << " sessions";
+      EXPECT_NEAR(in_lane, 1.0 / (sessions + 1), 0.05) << "seed " << seed;
       EXPECT_NEAR(by_session, 1.0 / (sessions + 1), 0.05) << "seed " << seed;
     }
   }
+}
+
+TEST(GpuScheduler, FairShareNames) {
+  for (const FairShare f : {FairShare::session, FairShare::owner, FairShare::owner_across_lanes})
+    EXPECT_EQ(fair_share_from_string(to_string(f)), f);
+  EXPECT_EQ(to_string(FairShare::owner), "user");
+  EXPECT_EQ(to_string(FairShare::owner_across_lanes), "user-across-lanes");
+  EXPECT_FALSE(fair_share_from_string("owner").has_value());
+  EXPECT_FALSE(by_owner(FairShare::session));
+  EXPECT_TRUE(by_owner(FairShare::owner_across_lanes));
 }
 
 TEST(GpuScheduler, TheFairFactorCountsTheOwnersRunnableSessionsInTheLane) {

@@ -910,7 +910,7 @@ void Broker::bind_waiting(Deferred& later) {
   // Per-user admission order follows what is placed now (keys hold still in a pass);
   // re-keyed only after a placement, an end or a new waiter, not at every boundary.
   if (host_keys_stale_ && config_.policy == sched::PolicyKind::fair &&
-      config_.fair_share == sched::FairShare::owner)
+      sched::by_owner(config_.fair_share))
     rekey_host_queue();
   binding_ = true;
   views_.resize(gpus_.size());  // before the span over it is taken
@@ -984,7 +984,7 @@ void Broker::rekey_host_queue() {
 
 sched::OwnerPlacements Broker::owner_placements() const {
   sched::OwnerPlacements owners;
-  if (config_.policy != sched::PolicyKind::fair || config_.fair_share != sched::FairShare::owner)
+  if (config_.policy != sched::PolicyKind::fair || !sched::by_owner(config_.fair_share))
     return owners;
   for (const auto& [id, s] : sessions_) {
     if (s->dead) continue;

@@ -61,9 +61,10 @@ int parse_policy_settings(const std::vector<std::string>& words, PolicySettings&
       c.queue = queue_mode(value);
       if (!c.queue) return fail(fmt::format("queue '{}': expected strict or bypass", value));
     } else if (key == "fair_share") {
-      if (value != "user" && value != "session")
-        return fail(fmt::format("fair_share '{}': expected user or session", value));
-      c.fair_share = value == "user" ? sched::FairShare::owner : sched::FairShare::session;
+      c.fair_share = sched::fair_share_from_string(value);
+      if (!c.fair_share)
+        return fail(
+            fmt::format("fair_share '{}': expected user, user-across-lanes or session", value));
     } else if (key == "oversubscribe") {
       // Admission's bound as a multiple of each GPU's memory: 1 (off) to 16.
       char* end = nullptr;
@@ -99,7 +100,7 @@ int Broker::set_policy(const std::string& text, std::string& why) {
   if (words.empty())
     return fail(
         "nothing written; expected NAME [placement=P] [queue=strict|bypass] "
-        "[quantum_ms=N] [oversubscribe=R] [fair_share=user|session]");
+        "[quantum_ms=N] [oversubscribe=R] [fair_share=user|user-across-lanes|session]");
   const auto kind = sched::policy_from_string(words[0]);
   if (!kind) return fail(fmt::format("unknown policy '{}'; expected {}", words[0], kPolicies));
   PolicySettings c;

@@ -45,7 +45,7 @@ std::string rank_text(const sched::GpuScheduler& gs, const sched::SessionSched& 
       if (const std::int64_t f = gs.fair_factor(ss); f > 1) rank += fmt::format(" x{}", f);
       // Across lanes: what its uid received on this GPU, and whether it waits for
       // a uid that received less (GpuScheduler::owner_may_dispatch).
-      if (gs.fair_share() == sched::FairShare::owner) {
+      if (sched::by_owner(gs.fair_share())) {
         rank += fmt::format(" user_gpu_ms={:.1f}",
                             static_cast<double>(gs.owner_service_ns(ss.owner)) / 1e6);
         if (gs.held_for_owner(ss)) rank += " held(user ahead across lanes)";
@@ -392,8 +392,7 @@ std::string Broker::render_policy() const {
                                       : fmt::format("bypass max_bypass={}", opts.max_bypass));
   o += fmt::format("pipeline_depth: {}\n", config_.pipeline_depth);
   o += fmt::format("quantum_ms: {}\n", config_.quantum_ns / 1'000'000);
-  o += fmt::format("fair_share: {}\n",
-                   config_.fair_share == sched::FairShare::owner ? "user" : "session");
+  o += fmt::format("fair_share: {}\n", sched::to_string(config_.fair_share));
   o += fmt::format("oversubscribe: {}\n", opts.oversubscribe);
   if (!gpus_.empty() && opts.oversubscribe > 1.0) {
     // The residency quantum: a session swapped in stays at least this long, so that

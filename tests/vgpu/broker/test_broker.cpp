@@ -243,10 +243,10 @@ int alice_iterations_when_bob_ends(
   return alice_done;
 }
 
-// Per user, bob's 100 iterations end while alice's three have run about 100 between
-// them; per session, all four end together, alice's at about 300.
-void expect_race_shared(sched::FairShare share, int alice_done) {
-  if (share == sched::FairShare::owner)
+// Shared per user (`per_user`), bob's 100 iterations end while alice's three have
+// run about 100 between them; otherwise all four end together, alice's at about 300.
+void expect_race_shared(bool per_user, int alice_done) {
+  if (per_user)
     EXPECT_LE(alice_done, 180) << "alice's sessions ran " << alice_done << " while bob ran 100";
   else
     EXPECT_GE(alice_done, 240) << "alice's sessions ran " << alice_done << " while bob ran 100";
@@ -270,29 +270,31 @@ TEST(Broker, FairSharesALaneEquallyBetweenUsersWhateverTheirSessions) {
                 << b.render_status(alices[0]);
           }
         });
-    expect_race_shared(share, alice_done);
+    expect_race_shared(share == sched::FairShare::owner, alice_done);
   }
 }
 
-// The same across lanes: sessions small enough for a lane each run side by side
-// and slow each other down (the sim device's contention model), so per session
-// alice's three lanes take three quarters of the GPU. FAIR by user holds back
-// the lanes of a user ahead in device time (GpuScheduler::owner_may_dispatch).
-TEST(Broker, FairByUserHoldsBackAUserAheadAcrossLanes) {
-  for (const auto share : {sched::FairShare::owner, sched::FairShare::session}) {
+// Across lanes: sessions small enough for a lane each run side by side and slow
+// each other down (the sim device's contention model), so per session, and per
+// user inside a lane (each has a lane of its own), alice's three lanes take three
+// quarters of the GPU. `user-across-lanes` holds back the lanes of a user ahead
+// in device time (GpuScheduler::owner_may_dispatch).
+TEST(Broker, FairByUserAcrossLanesHoldsBackAUserAhead) {
+  for (const auto share :
+       {sched::FairShare::owner_across_lanes, sched::FairShare::owner, sched::FairShare::session}) {
     const int alice_done = alice_iterations_when_bob_ends(
         share, 64u << 20, "need persistent=1M ephemeral=4M\n",
         [&](Broker& b, const std::vector<SessionId>& alices, SessionId bobs) {
           std::set<std::string> lanes{field(b.render_status(bobs), "lane")};
           for (SessionId id : alices) lanes.insert(field(b.render_status(id), "lane"));
           EXPECT_EQ(lanes.size(), 4u) << "each session in a lane of its own";
-          if (share == sched::FairShare::owner) {  // the uid's time on the GPU shows
+          if (sched::by_owner(share)) {  // the uid's time on the GPU shows
             EXPECT_NE(field(b.render_status(alices[0]), "rank").find(" user_gpu_ms="),
                       std::string::npos)
                 << b.render_status(alices[0]);
           }
         });
-    expect_race_shared(share, alice_done);
+    expect_race_shared(share == sched::FairShare::owner_across_lanes, alice_done);
   }
 }
 
