@@ -71,9 +71,9 @@ class GpuScheduler {
   // owner's sessions competing in its lane (fair_factor), so that an owner's
   // sessions together get one owner's share: weighted fair queueing whose
   // weights follow who is runnable. It also admits, among waiting sessions, the
-  // owner with the fewest admitted here first (queue_key). Set before sessions
-  // arrive; the default, FairShare::session, is what salus-sim models (its
-  // traces have no owners).
+  // owner with the fewest admitted here first (queue_key). owner_across_lanes
+  // adds owner_may_dispatch. Set before sessions arrive; the default here is
+  // FairShare::session (salusd and salus-sim default to owner).
   void set_fair_share(FairShare share);
   FairShare fair_share() const { return fair_share_; }
   // Under FairShare::owner, while sessions of two owners or more compete in s's
