@@ -158,6 +158,7 @@ void GpuScheduler::leave(SessionId id, TimeNs now) {
     // Its iterations in flight no longer count for its owner.
     if (auto c = owners_.find(it->second.owner); c != owners_.end())
       for (std::int64_t e : it->second.service_charged) c->second.charged_ns -= e;
+    owner_moved(it->second.owner, 0, -static_cast<int>(it->second.in_flight));
     // Its owner's waiting sessions move up before the arena's pass admits into the room.
     unlink(it->second);
     count_owner(it->second.owner, -1, it->second.lane ? -1 : 0);
@@ -228,7 +229,7 @@ bool GpuScheduler::lane_may_dispatch(LaneId lane) const {
 
 bool GpuScheduler::owners_gated() const {
   return policy_ == PolicyKind::fair && fair_share_ == FairShare::owner_across_lanes &&
-         owners_runnable_ >= 2;
+         owners_active_ >= 2;
 }
 
 GpuScheduler::OwnerTier GpuScheduler::owner_tier(const SessionSched& s, LaneId lane) const {
@@ -236,7 +237,7 @@ GpuScheduler::OwnerTier GpuScheduler::owner_tier(const SessionSched& s, LaneId l
   if (mine == owners_.end()) return OwnerTier::behind;
   std::int64_t least = INT64_MAX;
   for (const auto& [owner, c] : owners_)
-    if (owner != s.owner && c.runnable > 0) least = std::min(least, c.service_ns + c.charged_ns);
+    if (owner != s.owner && c.active()) least = std::min(least, c.service_ns + c.charged_ns);
   const std::int64_t received = mine->second.service_ns + mine->second.charged_ns;
   if (least == INT64_MAX || received - least <= charge_estimate(s.in)) return OwnerTier::behind;
   // Ahead: one lane of its owner's may still run (none of its iterations elsewhere).
@@ -409,6 +410,7 @@ void GpuScheduler::iteration_dispatched(SessionId id) {
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
   charge_owner(s, charge_estimate(s.in));
+  owner_moved(s.owner, 0, +1);
   const std::int64_t estimate = scaled(charge_estimate(s.in), fair_factor(s));
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
@@ -431,7 +433,10 @@ void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool ite
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
-  if (s.in_flight > 0 && --s.in_flight == 0) forget_in_flight(s);
+  if (s.in_flight > 0) {
+    if (--s.in_flight == 0) forget_in_flight(s);
+    owner_moved(s.owner, 0, -1);
+  }
   account_done(s, device_ns, iteration);
 }
 
@@ -468,9 +473,7 @@ std::size_t GpuScheduler::runnable_in_lane(LaneId lane) const {
 
 void GpuScheduler::unlink(SessionSched& s, bool counts) {
   if (!s.runnable || !s.lane) return;
-  if (counts)
-    if (auto c = owners_.find(s.owner); c != owners_.end() && c->second.runnable > 0)
-      if (--c->second.runnable == 0) --owners_runnable_;
+  if (counts) owner_moved(s.owner, -1, 0);
   auto it = lanes_.find(*s.lane);
   if (it == lanes_.end()) return;
   it->second.runnable.erase({s.key, s.id});
@@ -488,22 +491,48 @@ void GpuScheduler::link(SessionSched& s, bool counts) {
   q.runnable.insert({s.key, s.id});
   if (!counts) return;
   if (by_owner(fair_share_) && ++q.runnable_by_owner[s.owner] == 1) ++q.owners_runnable;
-  const auto c = owners_.find(s.owner);
-  if (c == owners_.end() || c->second.runnable++ > 0) return;
-  ++owners_runnable_;
-  // An owner with nothing runnable here until now starts at the least service of
-  // the others runnable, as a session starts at its lane's clock: no credit for
-  // the time it was away.
+  owner_moved(s.owner, +1, 0);
+}
+
+namespace {
+// A count moved by delta, never below zero.
+std::uint32_t moved(std::uint32_t n, int delta) {
+  return delta < 0 && n < static_cast<std::uint32_t>(-delta)
+             ? 0
+             : static_cast<std::uint32_t>(static_cast<std::int64_t>(n) + delta);
+}
+}  // namespace
+
+// An owner's runnable sessions or iterations in flight here changed by the deltas;
+// it competes (is active) while it has either. An owner that becomes active starts
+// no further behind the least service of the others active than two of its last
+// iterations, as a session starts at its lane's clock: it banks no credit for the
+// time it was away, and loses none for a gap between one iteration and the next
+// (an attached program between its boundary and its next grant).
+void GpuScheduler::owner_moved(std::uint32_t owner, int runnable, int in_flight) {
+  const auto c = owners_.find(owner);
+  if (c == owners_.end()) return;
+  OwnerCount& o = c->second;
+  const bool was = o.active();
+  o.runnable = moved(o.runnable, runnable);
+  o.in_flight = moved(o.in_flight, in_flight);
+  if (was == o.active()) return;
+  if (was) {
+    --owners_active_;
+    return;
+  }
+  ++owners_active_;
   std::int64_t least = INT64_MAX;
-  for (const auto& [owner, other] : owners_)
-    if (owner != s.owner && other.runnable > 0) least = std::min(least, other.service_ns);
-  if (least != INT64_MAX) c->second.service_ns = std::max(c->second.service_ns, least);
+  for (const auto& [other, oc] : owners_)
+    if (other != owner && oc.active()) least = std::min(least, oc.service_ns);
+  if (least != INT64_MAX) o.service_ns = std::max(o.service_ns, least - 2 * o.last_estimate_ns);
 }
 
 void GpuScheduler::charge_owner(SessionSched& s, std::int64_t estimate) {
   auto c = owners_.find(s.owner);
   if (c == owners_.end()) return;
   c->second.charged_ns += estimate;
+  c->second.last_estimate_ns = estimate;
   s.service_charged.push_back(estimate);
 }
 

@@ -95,14 +95,14 @@ class GpuScheduler {
   // on the whole GPU (the earliest arrival with work, to completion), so only
   // that session's lane may dispatch. A session whose last queued iteration is
   // still running holds the GPU until it ends, so the next job does not start
-  // under it. FAIR by owner holds back an owner who is ahead across lanes
+  // under it. FAIR by owner across lanes holds back an owner who is ahead
   // (owner_may_dispatch); the other policies run every lane.
   bool lane_may_dispatch(LaneId lane) const;
-  // FAIR by owner across the lanes of this GPU, which run side by side: while
-  // sessions of two owners or more are runnable here, an owner is ahead when it
-  // has received more device time here (settled, plus estimates in flight) than
-  // the least-served other runnable owner, by more than one of the session's
-  // iterations. A session of an owner ahead is held (pick() passes over it)
+  // FairShare::owner_across_lanes, across the lanes of this GPU, which run side
+  // by side: while two owners or more have sessions runnable or running here, an
+  // owner is ahead when it has received more device time here (settled, plus
+  // estimates in flight) than the least-served other such owner, by more than
+  // one of the session's iterations. A session of an owner ahead is held (pick() passes over it)
   // while another of its owner's iterations runs in another lane, and in any
   // lane goes after the sessions of owners not ahead. One lane per owner always
   // runs, so the GPU never idles for it, and pipelining inside a lane is
@@ -189,6 +189,7 @@ class GpuScheduler {
   void link(SessionSched& s, bool counts = true);
   void charge_owner(SessionSched& s, std::int64_t estimate);
   void settle_owner(SessionSched& s, std::int64_t device_ns);
+  void owner_moved(std::uint32_t owner, int runnable, int in_flight);
   void rerank(SessionSched& s);
   void forget_in_flight(SessionSched& s);
   void requeue_key(const SessionSched& s);
@@ -209,11 +210,14 @@ class GpuScheduler {
     std::uint32_t present = 0;
     std::uint32_t admitted = 0;
     std::uint32_t runnable = 0;   // its sessions runnable in a lane here
-    std::int64_t service_ns = 0;  // device time its sessions received here, settled
-    std::int64_t charged_ns = 0;  // estimates of its iterations in flight here
+    std::uint32_t in_flight = 0;  // its iterations in flight here
+    bool active() const { return runnable > 0 || in_flight > 0; }
+    std::int64_t service_ns = 0;        // device time its sessions received here, settled
+    std::int64_t charged_ns = 0;        // estimates of its iterations in flight here
+    std::int64_t last_estimate_ns = 0;  // the estimate of its latest iteration here
   };
   std::unordered_map<std::uint32_t, OwnerCount> owners_;
-  std::uint32_t owners_runnable_ = 0;   // owners with a session runnable in a lane here
+  std::uint32_t owners_active_ = 0;     // owners with a session runnable or running here
   std::vector<SessionId> passed_held_;  // scratch for pick(): sessions passed over for owners
   std::uint64_t next_arrival_ = 0;
   std::unordered_map<SessionId, SessionSched> sessions_;

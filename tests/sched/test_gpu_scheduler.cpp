@@ -166,9 +166,12 @@ TEST(GpuScheduler, FairByOwnerGivesEachOwnerAnEqualShareWhateverItsSessions) {
 // Owner 1 runs `sessions` sessions, owner 2 one, each in a lane of its own, always
 // runnable; lanes run side by side and share the GPU equally (processor sharing:
 // with m iterations running, each progresses at 1/m), each iteration 500 to 3500
-// ns alone (seeded) and charged the wall time it took. Returns owner 2's share of
-// the work done (alone-equivalent), after checking that the GPU never idled.
-double second_owners_work_across_lanes(FairShare share, std::uint32_t seed, int sessions) {
+// ns alone (seeded) and charged the wall time it took. With `one_at_a_time`, owner
+// 2's session is runnable only while none of its iterations runs, as an attached
+// program waits at its gate. Returns owner 2's share of the work done
+// (alone-equivalent), after checking that the GPU never idled.
+double second_owners_work_across_lanes(FairShare share, std::uint32_t seed, int sessions,
+                                       bool one_at_a_time = false) {
   GpuScheduler s(256 * M, PolicyKind::fair);
   s.set_fair_share(share);
   std::map<SessionId, std::uint32_t> owner;
@@ -194,6 +197,7 @@ double second_owners_work_across_lanes(FairShare share, std::uint32_t seed, int 
       const auto picked = s.pick(l);
       if (!picked) continue;
       s.iteration_dispatched(*picked);
+      if (one_at_a_time && owner[*picked] == 2) s.set_runnable(*picked, false);
       const double alone = 500 + static_cast<double>(rng() % 3001);
       running[*picked] = {alone, alone, static_cast<std::int64_t>(now)};
     }
@@ -210,6 +214,7 @@ double second_owners_work_across_lanes(FairShare share, std::uint32_t seed, int 
     const std::int64_t took = static_cast<std::int64_t>(now) - next->second.started;
     running.erase(next);
     s.iteration_done(id, std::max<std::int64_t>(took, 1));
+    if (one_at_a_time && owner[id] == 2) s.set_runnable(id, true);
   }
   return work[2] / (work[1] + work[2]);
 }
@@ -224,6 +229,11 @@ TEST(GpuScheduler, FairByOwnerAcrossLanesHoldsBackAnOwnerAhead) {
       const double in_lane = second_owners_work_across_lanes(FairShare::owner, seed, sessions);
       const double by_session = second_owners_work_across_lanes(FairShare::session, seed, sessions);
       EXPECT_NEAR(across, 0.5, 0.03) << "seed " << seed << ", " << sessions << " sessions";
+      // Owner 2 not runnable while its iteration runs still counts as competing.
+      EXPECT_NEAR(
+          second_owners_work_across_lanes(FairShare::owner_across_lanes, seed, sessions, true), 0.5,
+          0.03)
+          << "seed " << seed << ", " << sessions << " sessions, one at a time";
       EXPECT_NEAR(in_lane, 1.0 / (sessions + 1), 0.05) << "seed " << seed;
       EXPECT_NEAR(by_session, 1.0 / (sessions + 1), 0.05) << "seed " << seed;
     }
