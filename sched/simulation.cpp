@@ -685,7 +685,7 @@ void Engine::submit(std::uint32_t g, Job& j, TimeNs t) {
         fmt::format("job {}: admission request failed: {}", j.spec->name, arena::to_string(err)));
   j.gpu = g;
   owner_placements_.placed(j.owner, +1);
-  host_keys_stale_ = by_owner_ && !host_queue_.empty();
+  host_keys_stale_ = host_keys_stale_ || (by_owner_ && !host_queue_.empty());
   gpu.waiting_bytes += static_cast<std::int64_t>(j.declared.persistent + j.declared.ephemeral);
   gpu.placed_util += j.util;
   ++gpu.placed_jobs;

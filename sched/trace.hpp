@@ -31,7 +31,7 @@ struct TraceJob {
   std::int64_t arrival_ns = -1;
   // Who submitted the job: FAIR by owner (salus-sim --fair-share user) shares a lane
   // per user. Empty: the job counts as the one anonymous user's.
-  std::string user;
+  std::string user = {};
 };
 
 inline constexpr std::string_view kTraceHeader =
