@@ -232,30 +232,63 @@ bool GpuScheduler::owners_gated() const {
          owners_active_ >= 2;
 }
 
-GpuScheduler::OwnerTier GpuScheduler::owner_tier(const SessionSched& s, LaneId lane) const {
+// Gathered once per decision, so that each session looked at costs O(1) plus the
+// owners running elsewhere (at most lanes x pipeline depth of them), whatever the
+// number of owners.
+GpuScheduler::OwnerView GpuScheduler::owner_view(LaneId lane) const {
+  OwnerView v;
+  for (const auto& [owner, c] : owners_) {
+    if (!c.active()) continue;
+    const std::int64_t received = c.service_ns + c.charged_ns;
+    if (received < v.least) {
+      v.second = v.least;
+      v.least = received;
+      v.least_owner = owner;
+    } else if (received < v.second) {
+      v.second = received;
+    }
+  }
+  running_elsewhere_.clear();
+  for (SessionId id : in_flight_) {
+    const SessionSched& f = sessions_.at(id);
+    if (f.lane != lane && std::find(running_elsewhere_.begin(), running_elsewhere_.end(),
+                                    f.owner) == running_elsewhere_.end())
+      running_elsewhere_.push_back(f.owner);
+  }
+  return v;
+}
+
+GpuScheduler::OwnerTier GpuScheduler::owner_tier(const SessionSched& s, const OwnerView& v) const {
   const auto mine = owners_.find(s.owner);
   if (mine == owners_.end()) return OwnerTier::behind;
-  std::int64_t least = INT64_MAX;
-  for (const auto& [owner, c] : owners_)
-    if (owner != s.owner && c.active()) least = std::min(least, c.service_ns + c.charged_ns);
+  const std::int64_t least = s.owner == v.least_owner ? v.second : v.least;
   const std::int64_t received = mine->second.service_ns + mine->second.charged_ns;
   if (least == INT64_MAX || received - least <= charge_estimate(s.in)) return OwnerTier::behind;
   // Ahead: one lane of its owner's may still run (none of its iterations elsewhere).
-  for (SessionId id : in_flight_) {
-    const SessionSched& f = sessions_.at(id);
-    if (f.owner == s.owner && f.lane != lane) return OwnerTier::held;
-  }
-  return OwnerTier::ahead;
+  return std::find(running_elsewhere_.begin(), running_elsewhere_.end(), s.owner) !=
+                 running_elsewhere_.end()
+             ? OwnerTier::held
+             : OwnerTier::ahead;
 }
 
 bool GpuScheduler::owner_may_dispatch(LaneId lane) const {
   if (!owners_gated()) return true;
   const auto q = lanes_.find(lane);
-  if (q == lanes_.end()) return true;
-  // Any session of the lane whose owner is not held: pick() passes over the others.
-  for (const auto& [key, id] : q->second.runnable)
-    if (owner_tier(sessions_.at(id), lane) != OwnerTier::held) return true;
-  return q->second.runnable.empty();
+  if (q == lanes_.end() || q->second.runnable.empty()) return true;
+  const OwnerView v = owner_view(lane);
+  // Any session of the lane whose owner is not held (among the first kOwnerScan):
+  // pick() passes over the others.
+  std::size_t looked = 0;
+  for (const auto& [key, id] : q->second.runnable) {
+    if (owner_tier(sessions_.at(id), v) != OwnerTier::held) return true;
+    if (++looked == kOwnerScan) break;
+  }
+  return false;
+}
+
+bool GpuScheduler::held_for_owner(const SessionSched& s) const {
+  if (!owners_gated() || !s.runnable || !s.lane) return false;
+  return owner_tier(s, owner_view(*s.lane)) == OwnerTier::held;
 }
 
 std::int64_t GpuScheduler::owner_service_ns(std::uint32_t owner) const {
@@ -290,16 +323,22 @@ std::optional<SessionId> GpuScheduler::pick(LaneId lane) {
 }
 
 // The lane's best-ranked session that may run now: resident when oversubscribed
-// (swapped ones are noted as wanted); under FAIR by owner, first among sessions
-// whose owner is not ahead, then among those whose owner is ahead but runs in no
-// other lane, never one whose owner is held. Sessions ranked before the one
-// chosen and passed over for their owner are noted in passed_held_.
+// (swapped ones are noted as wanted); under FAIR by owner across lanes, first
+// among sessions whose owner is not ahead, then among those whose owner is ahead
+// but runs in no other lane, never one whose owner is held, each pass looking at
+// the lane's first kOwnerScan sessions at most (a lane of thousands then costs
+// what a lane of kOwnerScan does; one whose first kOwnerScan are all held waits
+// for one of their owners' iterations elsewhere to end). Sessions ranked before
+// the one chosen and passed over for their owner are noted in passed_held_.
 std::optional<SessionId> GpuScheduler::first_eligible(const LaneQueue& q, LaneId lane) {
   const bool gated = owners_gated();
+  const OwnerView v = gated ? owner_view(lane) : OwnerView{};
   for (const OwnerTier tier : {OwnerTier::behind, OwnerTier::ahead}) {
     passed_held_.clear();
+    std::size_t looked = 0;
     for (const auto& [key, id] : q.runnable) {
-      if (gated && owner_tier(sessions_.at(id), lane) > tier) {
+      if (gated && ++looked > kOwnerScan) break;
+      if (gated && owner_tier(sessions_.at(id), v) > tier) {
         passed_held_.push_back(id);
         continue;
       }

@@ -110,9 +110,7 @@ class GpuScheduler {
   // user's share. False when every runnable session of the lane is held.
   bool owner_may_dispatch(LaneId lane) const;
   // Whether pick() passes over the session now because its owner is held.
-  bool held_for_owner(const SessionSched& s) const {
-    return owners_gated() && s.runnable && s.lane && owner_tier(s, *s.lane) == OwnerTier::held;
-  }
+  bool held_for_owner(const SessionSched& s) const;
   // The sessions the last pick() passed over for their owners and re-ranked (their
   // keys changed: salus-sim re-sorts its copy of the lane).
   const std::vector<SessionId>& reranked_by_pick() const { return passed_held_; }
@@ -196,7 +194,16 @@ class GpuScheduler {
   bool admits_by_owner() const;
   bool owners_gated() const;
   enum class OwnerTier : std::uint8_t { behind, ahead, held };  // see owner_may_dispatch
-  OwnerTier owner_tier(const SessionSched& s, LaneId lane) const;
+  // The two least-served competing owners' device time here (received: settled
+  // plus in flight), for owner_tier; owner_view also fills running_elsewhere_.
+  struct OwnerView {
+    std::int64_t least = INT64_MAX, second = INT64_MAX;
+    std::uint32_t least_owner = 0;
+  };
+  // Sessions a decision looks at in a lane for their owners (first_eligible).
+  static constexpr std::size_t kOwnerScan = 64;
+  OwnerView owner_view(LaneId lane) const;
+  OwnerTier owner_tier(const SessionSched& s, const OwnerView& v) const;
   std::optional<SessionId> first_eligible(const LaneQueue& q, LaneId lane);
   double queue_key(const RankInputs& in, std::uint32_t owner) const;
   void count_owner(std::uint32_t owner, int present, int admitted);
@@ -219,6 +226,8 @@ class GpuScheduler {
   std::unordered_map<std::uint32_t, OwnerCount> owners_;
   std::uint32_t owners_active_ = 0;     // owners with a session runnable or running here
   std::vector<SessionId> passed_held_;  // scratch for pick(): sessions passed over for owners
+  // Scratch for owner_view: owners with an iteration in flight in another lane.
+  mutable std::vector<std::uint32_t> running_elsewhere_;
   std::uint64_t next_arrival_ = 0;
   std::unordered_map<SessionId, SessionSched> sessions_;
   std::unordered_map<LaneId, LaneQueue> lanes_;

@@ -2,7 +2,9 @@
 // daemon: admission decisions, scheduler decisions and memory utilization.
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <random>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -86,6 +88,60 @@ DecideTimes time_decisions(int sessions, int rounds, sched::PolicyKind policy, i
     t.cycle_us.push_back(us_since(t0));
   }
   return t;
+}
+
+// Decisions on a GPU of `lanes` lanes that run side by side, one iteration in
+// flight each, sessions of `owners` owners spread over them, FAIR shared as
+// `share`: after each completion every idle lane is offered a dispatch, as the
+// broker does; timed is lane_may_dispatch + pick, per decision made.
+std::vector<double> time_lane_decisions(int sessions, int rounds, int lanes, int owners,
+                                        sched::FairShare share) {
+  constexpr arena::Bytes M = 1u << 20;
+  sched::GpuScheduler s(static_cast<arena::Bytes>(lanes) * M + M / 2, sched::PolicyKind::fair);
+  s.set_fair_share(share);
+  for (int i = 1; i <= sessions; ++i)
+    s.arrive(static_cast<arena::SessionId>(i), arena::Need{0, M}, 0, {}, 0,
+             static_cast<std::uint32_t>(i % owners));
+  const auto adm = s.take_admissions();
+  if (adm.size() != static_cast<std::size_t>(sessions)) die("not every session was admitted");
+  std::vector<arena::LaneId> ids;
+  for (const auto& a : adm) {
+    s.set_runnable(a.session, true);
+    if (std::find(ids.begin(), ids.end(), a.lane) == ids.end()) ids.push_back(a.lane);
+  }
+  std::vector<std::optional<arena::SessionId>> running(ids.size());
+  std::vector<double> us;
+  std::uint64_t ns = 1;
+  for (int r = 0; r < rounds; ++r) {
+    for (std::size_t l = 0; l < ids.size(); ++l) {
+      if (running[l]) continue;
+      auto t0 = Clock::now();
+      const auto id = s.lane_may_dispatch(ids[l]) ? s.pick(ids[l]) : std::nullopt;
+      const double took = us_since(t0);
+      if (!id) continue;
+      us.push_back(took);
+      s.iteration_dispatched(*id);
+      running[l] = id;
+    }
+    const std::size_t done = static_cast<std::size_t>(r) % ids.size();
+    if (running[done]) {
+      s.iteration_done(*running[done], static_cast<std::int64_t>(1000 + (ns++ * 7919) % 5000));
+      running[done].reset();
+    }
+  }
+  return us;
+}
+
+int bench_decide_lanes(int sessions, int rounds, int lanes, int owners) {
+  fmt::print("decide policy=fair sessions={} lanes={} owners={} rounds={}\n", sessions, lanes,
+             owners, rounds);
+  for (const auto share :
+       {sched::FairShare::session, sched::FairShare::owner, sched::FairShare::owner_across_lanes}) {
+    const std::vector<double> us = time_lane_decisions(sessions, rounds, lanes, owners, share);
+    fmt::print("  {:18} lane_may_dispatch + pick p50 {:.3f} us  p99 {:.3f} us  ({} decisions)\n",
+               sched::to_string(share), percentile(us, 0.5), percentile(us, 0.99), us.size());
+  }
+  return 0;
 }
 
 int bench_decide(int sessions, int rounds, const std::string& policy_name, int owners) {
@@ -189,7 +245,14 @@ void add_sched_benches(CLI::App& app, Registry& r) {
   dec->add_option("--owners", *decide_owners,
                   "Owners of the sessions: above 1, also timed with FAIR shared per owner")
       ->check(CLI::Range(1, 1 << 20));
+  auto decide_lanes = std::make_shared<int>(1);
+  dec->add_option("--lanes", *decide_lanes,
+                  "Lanes side by side: above 1, FAIR per session, user and user-across-lanes "
+                  "(--policy is fair)")
+      ->check(CLI::Range(1, 4096));
   r.add(dec, [=](Target&) {
+    if (*decide_lanes > 1)
+      return bench_decide_lanes(*decide_sessions, *decide_rounds, *decide_lanes, *decide_owners);
     return bench_decide(*decide_sessions, *decide_rounds, *decide_policy, *decide_owners);
   });
 
