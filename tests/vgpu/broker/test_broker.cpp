@@ -29,11 +29,13 @@ using namespace std::chrono_literals;
 namespace {
 
 std::unique_ptr<Broker> make_broker(int gpus = 1, Bytes memory = 256u << 20,
-                                    sched::PolicyKind policy = sched::PolicyKind::fair) {
+                                    sched::PolicyKind policy = sched::PolicyKind::fair,
+                                    sched::FairShare share = sched::FairShare::owner) {
   std::vector<std::unique_ptr<Device>> devs;
   for (int i = 0; i < gpus; ++i) devs.push_back(std::make_unique<SimDevice>(i, memory));
   BrokerConfig cfg;
   cfg.policy = policy;
+  cfg.fair_share = share;
   return std::make_unique<Broker>(std::move(devs), cfg);
 }
 
@@ -41,6 +43,7 @@ std::unique_ptr<Broker> make_broker(int gpus = 1, Bytes memory = 256u << 20,
 // namespace) is refused for anything done as the caller.
 const Caller kRoot{0, 0, ::getpid(), true};
 const Caller kAlice{1000, 1000, ::getpid(), false};
+const Caller kBob{1001, 1001, ::getpid(), false};
 
 // Submits text and waits for the (possibly deferred) reply.
 std::pair<int, std::string> run(Broker& b, SessionId id, const std::string& text,
@@ -215,25 +218,31 @@ namespace {
 // GPU of `capacity`, each session 100 iterations of a 2 ms spin: how many
 // iterations alice's three have run when bob's 100 end. `check`, called while they
 // run, looks at the broker (lanes, status).
+// Alice's three sessions, then bob's one, each opened with `need`.
+struct ThreeAndOne {
+  std::vector<SessionId> alices;
+  SessionId bob = 0;
+};
+ThreeAndOne open_three_and_one(Broker& b, const std::string& need) {
+  ThreeAndOne t;
+  for (int i = 0; i < 3; ++i) {
+    t.alices.push_back(static_cast<SessionId>(b.create_session(kAlice, "")));
+    EXPECT_EQ(run(b, t.alices.back(), need, kAlice).first, 0);
+  }
+  t.bob = static_cast<SessionId>(b.create_session(kBob, ""));
+  EXPECT_EQ(run(b, t.bob, need, kBob).first, 0);
+  return t;
+}
+
 int alice_iterations_when_bob_ends(
     sched::FairShare share, Bytes capacity, const std::string& need,
     const std::function<void(Broker&, const std::vector<SessionId>&, SessionId)>& check) {
-  std::vector<std::unique_ptr<Device>> devs;
-  devs.push_back(std::make_unique<SimDevice>(0, capacity));
-  BrokerConfig cfg;
-  cfg.fair_share = share;
-  Broker b(std::move(devs), cfg);
-  const Caller bob{1001, 1001, ::getpid(), false};
-  std::vector<SessionId> alices;
-  for (int i = 0; i < 3; ++i) {
-    alices.push_back(static_cast<SessionId>(b.create_session(kAlice, "")));
-    EXPECT_EQ(run(b, alices.back(), need, kAlice).first, 0);
-  }
-  const auto bobs = static_cast<SessionId>(b.create_session(bob, ""));
-  EXPECT_EQ(run(b, bobs, need, bob).first, 0);
+  const auto broker = make_broker(1, capacity, sched::PolicyKind::fair, share);
+  Broker& b = *broker;
+  const auto [alices, bobs] = open_three_and_one(b, need);
   for (SessionId id : alices)
     EXPECT_EQ(run(b, id, "begin\nspin 2000\nend x100\n", kAlice).first, 0);
-  EXPECT_EQ(run(b, bobs, "begin\nspin 2000\nend x100\n", bob).first, 0);
+  EXPECT_EQ(run(b, bobs, "begin\nspin 2000\nend x100\n", kBob).first, 0);
   check(b, alices, bobs);
   EXPECT_EQ(wait_for(b, bobs).first, 0);
   int alice_done = 0;
@@ -304,19 +313,9 @@ TEST(Broker, FairByUserAcrossLanesHoldsBackAUserAhead) {
 // placed) before alice's third; per session, arrival order places alice's.
 TEST(Broker, TheHostWideQueuePlacesTheUserWithFewestPlacedFirst) {
   for (const auto share : {sched::FairShare::owner, sched::FairShare::session}) {
-    std::vector<std::unique_ptr<Device>> devs;
-    for (int i = 0; i < 2; ++i) devs.push_back(std::make_unique<SimDevice>(i, 64u << 20));
-    BrokerConfig cfg;
-    cfg.fair_share = share;
-    Broker b(std::move(devs), cfg);
-    const Caller bob{1001, 1001, ::getpid(), false};
-    std::vector<SessionId> alices;
-    for (int i = 0; i < 3; ++i) {
-      alices.push_back(static_cast<SessionId>(b.create_session(kAlice, "")));
-      ASSERT_EQ(run(b, alices.back(), "need persistent=40M ephemeral=1M\n", kAlice).first, 0);
-    }
-    const auto bobs = static_cast<SessionId>(b.create_session(bob, ""));
-    ASSERT_EQ(run(b, bobs, "need persistent=40M ephemeral=1M\n", bob).first, 0);
+    const auto broker = make_broker(2, 64u << 20, sched::PolicyKind::fair, share);
+    Broker& b = *broker;
+    const auto [alices, bobs] = open_three_and_one(b, "need persistent=40M ephemeral=1M\n");
     ASSERT_EQ(field(b.render_status(alices[2]), "gpu"), "-");
     ASSERT_EQ(field(b.render_status(bobs), "gpu"), "-");
     b.end_session(alices[0]);
