@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "sched/saturating_count.hpp"
+
 namespace salus::sched {
 
 std::string_view to_string(FairShare f) {
@@ -209,7 +211,6 @@ void GpuScheduler::set_runnable(SessionId id, bool runnable) {
 }
 
 bool GpuScheduler::lane_may_dispatch(LaneId lane) const {
-  if (policy_ == PolicyKind::fair) return owner_may_dispatch(lane);
   if (policy_ != PolicyKind::fifo) return true;
   // The earliest arrival among sessions with work, queued or running. FIFO ranks by
   // arrival alone, so runnable keys and in-flight arrivals compare directly.
@@ -269,21 +270,6 @@ GpuScheduler::OwnerTier GpuScheduler::owner_tier(const SessionSched& s, const Ow
                  running_elsewhere_.end()
              ? OwnerTier::held
              : OwnerTier::ahead;
-}
-
-bool GpuScheduler::owner_may_dispatch(LaneId lane) const {
-  if (!owners_gated()) return true;
-  const auto q = lanes_.find(lane);
-  if (q == lanes_.end() || q->second.runnable.empty()) return true;
-  const OwnerView v = owner_view(lane);
-  // Any session of the lane whose owner is not held (among the first kOwnerScan):
-  // pick() passes over the others.
-  std::size_t looked = 0;
-  for (const auto& [key, id] : q->second.runnable) {
-    if (owner_tier(sessions_.at(id), v) != OwnerTier::held) return true;
-    if (++looked == kOwnerScan) break;
-  }
-  return false;
 }
 
 bool GpuScheduler::held_for_owner(const SessionSched& s) const {
@@ -448,9 +434,9 @@ void GpuScheduler::iteration_dispatched(SessionId id) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
-  charge_owner(s, charge_estimate(s.in));
-  owner_moved(s.owner, 0, +1);
-  const std::int64_t estimate = scaled(charge_estimate(s.in), fair_factor(s));
+  const std::int64_t unscaled = charge_estimate(s.in);
+  charge_owner(s, unscaled, +1);
+  const std::int64_t estimate = scaled(unscaled, fair_factor(s));
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
   if (s.in_flight++ == 0) in_flight_.push_back(id);
@@ -461,27 +447,27 @@ void GpuScheduler::iteration_cycle(SessionId id, std::int64_t device_ns) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
-  charge_owner(s, charge_estimate(s.in));
-  const std::int64_t estimate = scaled(charge_estimate(s.in), fair_factor(s));
+  const std::int64_t unscaled = charge_estimate(s.in);
+  charge_owner(s, unscaled, 0);  // dispatched and done at once: in_flight stays
+  const std::int64_t estimate = scaled(unscaled, fair_factor(s));
   s.charged.push_back(estimate);
   s.in.vtime += estimate;
-  account_done(s, device_ns, true);  // dispatched and done at once: in_flight stays
+  account_done(s, device_ns, true);
 }
 
 void GpuScheduler::iteration_done(SessionId id, std::int64_t device_ns, bool iteration) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionSched& s = it->second;
-  if (s.in_flight > 0) {
-    if (--s.in_flight == 0) forget_in_flight(s);
-    owner_moved(s.owner, 0, -1);
-  }
-  account_done(s, device_ns, iteration);
+  const int ended = s.in_flight > 0 ? 1 : 0;
+  if (ended && --s.in_flight == 0) forget_in_flight(s);
+  account_done(s, device_ns, iteration, -ended);
 }
 
-void GpuScheduler::account_done(SessionSched& s, std::int64_t device_ns, bool iteration) {
+void GpuScheduler::account_done(SessionSched& s, std::int64_t device_ns, bool iteration,
+                                int in_flight) {
   s.gpu_ns += device_ns;
-  settle_owner(s, device_ns);
+  settle_owner(s, device_ns, in_flight);
   if (iteration) {
     s.in.done += 1;
     s.in.measured_ns += device_ns;
@@ -533,15 +519,6 @@ void GpuScheduler::link(SessionSched& s, bool counts) {
   owner_moved(s.owner, +1, 0);
 }
 
-namespace {
-// A count moved by delta, never below zero.
-std::uint32_t moved(std::uint32_t n, int delta) {
-  return delta < 0 && n < static_cast<std::uint32_t>(-delta)
-             ? 0
-             : static_cast<std::uint32_t>(static_cast<std::int64_t>(n) + delta);
-}
-}  // namespace
-
 // An owner's runnable sessions or iterations in flight here changed by the deltas;
 // it competes (is active) while it has either. An owner that becomes active starts
 // no further behind the least service of the others active than two of its last
@@ -549,12 +526,14 @@ std::uint32_t moved(std::uint32_t n, int delta) {
 // time it was away, and loses none for a gap between one iteration and the next
 // (an attached program between its boundary and its next grant).
 void GpuScheduler::owner_moved(std::uint32_t owner, int runnable, int in_flight) {
-  const auto c = owners_.find(owner);
-  if (c == owners_.end()) return;
-  OwnerCount& o = c->second;
+  if (const auto c = owners_.find(owner); c != owners_.end())
+    owner_moved(owner, c->second, runnable, in_flight);
+}
+
+void GpuScheduler::owner_moved(std::uint32_t owner, OwnerCount& o, int runnable, int in_flight) {
   const bool was = o.active();
-  o.runnable = moved(o.runnable, runnable);
-  o.in_flight = moved(o.in_flight, in_flight);
+  o.runnable = count_moved(o.runnable, runnable);
+  o.in_flight = count_moved(o.in_flight, in_flight);
   if (was == o.active()) return;
   if (was) {
     --owners_active_;
@@ -567,21 +546,24 @@ void GpuScheduler::owner_moved(std::uint32_t owner, int runnable, int in_flight)
   if (least != INT64_MAX) o.service_ns = std::max(o.service_ns, least - 2 * o.last_estimate_ns);
 }
 
-void GpuScheduler::charge_owner(SessionSched& s, std::int64_t estimate) {
-  auto c = owners_.find(s.owner);
+void GpuScheduler::charge_owner(SessionSched& s, std::int64_t estimate, int in_flight) {
+  const auto c = owners_.find(s.owner);
   if (c == owners_.end()) return;
   c->second.charged_ns += estimate;
   c->second.last_estimate_ns = estimate;
   s.service_charged.push_back(estimate);
+  if (in_flight != 0) owner_moved(s.owner, c->second, 0, in_flight);
 }
 
-void GpuScheduler::settle_owner(SessionSched& s, std::int64_t device_ns) {
-  auto c = owners_.find(s.owner);
+void GpuScheduler::settle_owner(SessionSched& s, std::int64_t device_ns, int in_flight) {
+  const auto c = owners_.find(s.owner);
   if (c == owners_.end()) return;
   c->second.service_ns += std::max<std::int64_t>(device_ns, 1);
-  if (s.service_charged.empty()) return;
-  c->second.charged_ns -= s.service_charged.front();
-  s.service_charged.pop_front();
+  if (!s.service_charged.empty()) {
+    c->second.charged_ns -= s.service_charged.front();
+    s.service_charged.pop_front();
+  }
+  if (in_flight != 0) owner_moved(s.owner, c->second, 0, in_flight);
 }
 
 void GpuScheduler::forget_in_flight(SessionSched& s) {

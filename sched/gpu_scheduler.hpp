@@ -24,7 +24,7 @@ using arena::SessionId;
 // How FAIR divides the GPU: equal shares per session; equal shares of a lane per
 // owner (a uid), each owner's share split among its sessions that compete in the
 // lane; or that, and per owner across the lanes of the GPU too, which run side by
-// side (owner_may_dispatch). Named session, user and user-across-lanes in salusd's
+// side (pick). Named session, user and user-across-lanes in salusd's
 // and salus-sim's flags and in /salus/policy.
 enum class FairShare : std::uint8_t { session, owner, owner_across_lanes };
 // Whether shares follow owners (both owner modes).
@@ -43,7 +43,7 @@ struct SessionSched {
   std::uint32_t in_flight = 0;       // iterations dispatched and not yet done
   std::int64_t gpu_ns = 0;           // device time of finished iterations
   std::deque<std::int64_t> charged;  // FAIR: estimates charged for iterations in flight
-  // The same estimates unscaled, as charged to its owner's service (owner_may_dispatch).
+  // The same estimates unscaled, as charged to its owner's service (see pick).
   std::deque<std::int64_t> service_charged;
   RankKey key;  // valid while runnable
 };
@@ -72,7 +72,7 @@ class GpuScheduler {
   // sessions together get one owner's share: weighted fair queueing whose
   // weights follow who is runnable. It also admits, among waiting sessions, the
   // owner with the fewest admitted here first (queue_key). owner_across_lanes
-  // adds owner_may_dispatch. Set before sessions arrive; the default here is
+  // adds holding owners back across lanes (pick). Set before sessions arrive; the default here is
   // FairShare::session (salusd and salus-sim default to owner).
   void set_fair_share(FairShare share);
   FairShare fair_share() const { return fair_share_; }
@@ -95,20 +95,9 @@ class GpuScheduler {
   // on the whole GPU (the earliest arrival with work, to completion), so only
   // that session's lane may dispatch. A session whose last queued iteration is
   // still running holds the GPU until it ends, so the next job does not start
-  // under it. FAIR by owner across lanes holds back an owner who is ahead
-  // (owner_may_dispatch); the other policies run every lane.
+  // under it. The other policies run every lane (FAIR by owner across lanes
+  // holds owners back in pick()).
   bool lane_may_dispatch(LaneId lane) const;
-  // FairShare::owner_across_lanes, across the lanes of this GPU, which run side
-  // by side: while two owners or more have sessions runnable or running here, an
-  // owner is ahead when it has received more device time here (settled, plus
-  // estimates in flight) than the least-served other such owner, by more than
-  // one of the session's iterations. A session of an owner ahead is held (pick() passes over it)
-  // while another of its owner's iterations runs in another lane, and in any
-  // lane goes after the sessions of owners not ahead. One lane per owner always
-  // runs, so the GPU never idles for it, and pipelining inside a lane is
-  // untouched; a user who opens many sessions in many lanes gets about one
-  // user's share. False when every runnable session of the lane is held.
-  bool owner_may_dispatch(LaneId lane) const;
   // Whether pick() passes over the session now because its owner is held.
   bool held_for_owner(const SessionSched& s) const;
   // The sessions the last pick() passed over for their owners and re-ranked (their
@@ -122,6 +111,17 @@ class GpuScheduler {
   // The decision: the lane's best-ranked runnable session, counted in stats. When
   // oversubscribed, only a resident session that is not leaving or arriving is picked;
   // swapped sessions ranked ahead of it are noted as wanted for plan_residency.
+  //
+  // FairShare::owner_across_lanes, across the lanes of this GPU, which run side
+  // by side: while two owners or more have sessions runnable or running here, an
+  // owner is ahead when it has received more device time here (settled, plus
+  // estimates in flight) than the least-served other such owner, by more than
+  // one of the session's iterations. A session of an owner ahead is held (passed
+  // over; nullopt when the lane has no other) while another of its owner's
+  // iterations runs in another lane, and in any lane goes after the sessions of
+  // owners not ahead (first_eligible). One lane per owner always runs, so the GPU
+  // never idles for it, and pipelining inside a lane is untouched; a user who
+  // opens many sessions in many lanes gets about one user's share.
   std::optional<SessionId> pick(LaneId lane);
   // Oversubscription: which swaps to start now, for the sessions picks found swapped.
   ResidencyPlan plan_residency(const std::function<bool(SessionId)>& swappable, TimeNs now);
@@ -180,20 +180,24 @@ class GpuScheduler {
     std::unordered_map<std::uint32_t, std::uint32_t> runnable_by_owner;
     std::uint32_t owners_runnable = 0;  // owners with a runnable session here
   };
-  void account_done(SessionSched& s, std::int64_t device_ns, bool iteration);
+  struct OwnerCount;
+  void account_done(SessionSched& s, std::int64_t device_ns, bool iteration, int in_flight = 0);
   // `counts`: also the owner's runnable counts (not for a re-rank, which
   // removes and inserts the same session).
   void unlink(SessionSched& s, bool counts = true);
   void link(SessionSched& s, bool counts = true);
-  void charge_owner(SessionSched& s, std::int64_t estimate);
-  void settle_owner(SessionSched& s, std::int64_t device_ns);
+  // The owner's side of an iteration dispatched (estimate charged) or done (device
+  // time settled), its iterations in flight moved by `in_flight`.
+  void charge_owner(SessionSched& s, std::int64_t estimate, int in_flight);
+  void settle_owner(SessionSched& s, std::int64_t device_ns, int in_flight);
   void owner_moved(std::uint32_t owner, int runnable, int in_flight);
+  void owner_moved(std::uint32_t owner, OwnerCount& o, int runnable, int in_flight);
   void rerank(SessionSched& s);
   void forget_in_flight(SessionSched& s);
   void requeue_key(const SessionSched& s);
   bool admits_by_owner() const;
   bool owners_gated() const;
-  enum class OwnerTier : std::uint8_t { behind, ahead, held };  // see owner_may_dispatch
+  enum class OwnerTier : std::uint8_t { behind, ahead, held };  // see pick
   // The two least-served competing owners' device time here (received: settled
   // plus in flight), for owner_tier; owner_view also fills running_elsewhere_.
   struct OwnerView {

@@ -1,19 +1,13 @@
 #include "sched/owner_placements.hpp"
 
-namespace salus::sched {
+#include "sched/saturating_count.hpp"
 
-namespace {
-// A count moved by delta, never below zero: a caller's extra -1 must not wrap.
-std::uint32_t moved(std::uint32_t n, int delta) {
-  if (delta < 0 && n < static_cast<std::uint32_t>(-delta)) return 0;
-  return static_cast<std::uint32_t>(static_cast<std::int64_t>(n) + delta);
-}
-}  // namespace
+namespace salus::sched {
 
 void OwnerPlacements::add(std::uint32_t owner, int placed, int waiting) {
   Count& c = counts_[owner];
-  c.placed = moved(c.placed, placed);
-  c.waiting = moved(c.waiting, waiting);
+  c.placed = count_moved(c.placed, placed);
+  c.waiting = count_moved(c.waiting, waiting);
   if (c.placed == 0 && c.waiting == 0) counts_.erase(owner);
 }
 
@@ -21,6 +15,14 @@ std::optional<double> OwnerPlacements::key(std::uint32_t owner) const {
   if (counts_.size() < 2) return std::nullopt;
   const auto c = counts_.find(owner);
   return c == counts_.end() ? 0.0 : static_cast<double>(c->second.placed);
+}
+
+double host_queue_key(PolicyKind policy, bool exclusive, const OwnerPlacements* owners,
+                      std::uint32_t owner, const RankInputs& in) {
+  if (exclusive) return static_cast<double>(in.arrival);
+  if (owners)
+    if (const std::optional<double> k = owners->key(owner)) return *k;
+  return admission_key(policy, in);
 }
 
 }  // namespace salus::sched

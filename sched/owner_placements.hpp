@@ -9,6 +9,8 @@
 #include <optional>
 #include <unordered_map>
 
+#include "sched/policy.hpp"
+
 namespace salus::sched {
 
 class OwnerPlacements {
@@ -31,5 +33,11 @@ class OwnerPlacements {
   void add(std::uint32_t owner, int placed, int waiting);
   std::unordered_map<std::uint32_t, Count> counts_;
 };
+
+// A session's key in a host-wide queue, lower first: arrival order under exclusive
+// placement (`in.arrival`); under FAIR by owner (`owners` set) with two owners or
+// more counted, the owners' order; else the policy's admission key.
+double host_queue_key(PolicyKind policy, bool exclusive, const OwnerPlacements* owners,
+                      std::uint32_t owner, const RankInputs& in);
 
 }  // namespace salus::sched

@@ -574,17 +574,14 @@ void Engine::share_by_owner() {
   if (cfg_.policy == PolicyKind::fair && owners_ >= 2) cfg_.coalesce = false;
 }
 
-// A job's key in the host-wide queue: arrival order under exclusive placement, the
-// owners' order under FAIR by owner with two owners or more, else the policy's key.
+// A job's key in the host-wide queue (sched::host_queue_key, salusd's too).
 double Engine::host_key(const Job& j, std::uint64_t arrival) const {
-  if (cfg_.placement == Placement::exclusive) return static_cast<double>(arrival);
-  if (by_owner_)
-    if (const std::optional<double> k = owner_placements_.key(j.owner)) return *k;
   RankInputs in;
   in.arrival = arrival;
   in.priority = j.spec->priority;
   in.iters = j.spec->iters;
-  return admission_key(cfg_.policy, in);
+  return host_queue_key(cfg_.policy, cfg_.placement == Placement::exclusive,
+                        by_owner_ ? &owner_placements_ : nullptr, j.owner, in);
 }
 
 void Engine::rekey_host_queue() {

@@ -997,18 +997,17 @@ sched::OwnerPlacements Broker::owner_placements() const {
   return owners;
 }
 
-// The host-wide queue's order: the policy's admission key (sched::admission_key), or
-// arrival order under exclusive placement; under FAIR by owner with two uids or more,
-// sched::OwnerPlacements' key, as each GPU's queue does (GpuScheduler::queue_key).
+// The host-wide queue's order (sched::host_queue_key, salus-sim's too); under FAIR
+// by owner it follows what each uid has placed, as each GPU's queue follows what
+// each uid has admitted (GpuScheduler::queue_key).
 double Broker::host_key(const Session& s, std::uint64_t arrival,
                         const sched::OwnerPlacements& owners) const {
-  if (config_.placement == Placement::exclusive) return static_cast<double>(arrival);
-  if (const std::optional<double> k = owners.key(s.uid)) return *k;
   sched::RankInputs in;
   in.arrival = arrival;
   in.priority = s.priority;
   in.iters = s.need.iters;
-  return sched::admission_key(config_.policy, in);
+  return sched::host_queue_key(config_.policy, config_.placement == Placement::exclusive, &owners,
+                               s.uid, in);
 }
 
 std::string Broker::host_queue_position(SessionId id) const {

@@ -44,7 +44,7 @@ std::string rank_text(const sched::GpuScheduler& gs, const sched::SessionSched& 
       // Charged for each of its uid's sessions competing in the lane.
       if (const std::int64_t f = gs.fair_factor(ss); f > 1) rank += fmt::format(" x{}", f);
       // Across lanes: what its uid received on this GPU, and whether it waits for
-      // a uid that received less (GpuScheduler::owner_may_dispatch).
+      // a uid that received less (GpuScheduler::pick).
       if (sched::by_owner(gs.fair_share())) {
         rank += fmt::format(" user_gpu_ms={:.1f}",
                             static_cast<double>(gs.owner_service_ns(ss.owner)) / 1e6);

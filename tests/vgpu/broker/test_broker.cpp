@@ -287,7 +287,7 @@ TEST(Broker, FairSharesALaneEquallyBetweenUsersWhateverTheirSessions) {
 // each other down (the sim device's contention model), so per session, and per
 // user inside a lane (each has a lane of its own), alice's three lanes take three
 // quarters of the GPU. `user-across-lanes` holds back the lanes of a user ahead
-// in device time (GpuScheduler::owner_may_dispatch).
+// in device time (GpuScheduler::pick).
 TEST(Broker, FairByUserAcrossLanesHoldsBackAUserAhead) {
   for (const auto share :
        {sched::FairShare::owner_across_lanes, sched::FairShare::owner, sched::FairShare::session}) {
