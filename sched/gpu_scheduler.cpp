@@ -354,9 +354,9 @@ ResidencyPlan GpuScheduler::plan_residency(const std::function<bool(SessionId)>&
   // Sessions wanted for an allocation or a transfer, not for a dispatch, come last.
   auto key = [&](SessionId id) {
     auto it = sessions_.find(id);
-    return it != sessions_.end() && it->second.runnable
-               ? std::make_pair(0, it->second.key)
-               : std::make_pair(1, RankKey{0.0, it != sessions_.end() ? it->second.in.arrival : 0});
+    if (it == sessions_.end() || !it->second.runnable)
+      return std::make_pair(1, RankKey{0.0, it != sessions_.end() ? it->second.in.arrival : 0});
+    return std::make_pair(0, cross_lane_key(it->second));
   };
   std::stable_sort(wanted_.begin(), wanted_.end(),
                    [&](SessionId a, SessionId b) { return key(a) < key(b); });
@@ -373,6 +373,20 @@ ResidencyPlan GpuScheduler::plan_residency(const std::function<bool(SessionId)>&
       arena_, wanted_, [&](SessionId id) { return id != holder && swappable(id); }, now);
   wanted_.clear();
   return plan;
+}
+
+// FAIR's keys are virtual times on each lane's own clock, and lanes' clocks run
+// apart (a lane made later starts at 0, a lane that waits on swaps runs slower), so
+// across lanes a session ranks by how far it is behind its lane's clock: how much
+// of its lane's service it is owed. Raw virtual times let the lane with the slowest
+// clock take every swap-in while the others' swapped sessions waited (a newcomer
+// waited 32 s for 0.3 s turns in salus-sim). The other policies' keys are global.
+RankKey GpuScheduler::cross_lane_key(const SessionSched& s) const {
+  RankKey k = s.key;
+  if (policy_ != PolicyKind::fair || !s.lane) return k;
+  if (const auto q = lanes_.find(*s.lane); q != lanes_.end())
+    k.primary -= static_cast<double>(q->second.vclock);
+  return k;
 }
 
 std::int64_t GpuScheduler::charge_estimate(const RankInputs& in) {

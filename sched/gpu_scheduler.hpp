@@ -210,6 +210,8 @@ class GpuScheduler {
   OwnerTier owner_tier(const SessionSched& s, const OwnerView& v) const;
   std::optional<SessionId> first_eligible(const LaneQueue& q, LaneId lane);
   double queue_key(const RankInputs& in, std::uint32_t owner) const;
+  // A runnable session's rank among other lanes' (plan_residency's order).
+  RankKey cross_lane_key(const SessionSched& s) const;
   void count_owner(std::uint32_t owner, int present, int admitted);
 
   arena::GpuArena arena_;
