@@ -19,6 +19,10 @@
 #        FAIR_SHARE (user: both sides' default; session: salusd --fair-share session
 #        and salus-sim --fair-share session). A trace with a user column is replayed
 #        with each user's sessions as a uid of its own (tools/salus-replay).
+#        OVERSUBSCRIBE (1: salusd and salus-sim --oversubscribe; a replayed job
+#        declares its memory with `need` and allocates no buffer, so its swaps move
+#        no bytes and take salusd's bookkeeping only), SWAP_GBPS (salus-sim
+#        --swap-gbps; default 10000: near-free swaps, as the replay's are).
 #
 # The overhead is salusd's host-side cost per iteration boundary on this machine at
 # this depth: one job of 1 ms iterations is replayed alone with 200 and 1200 iterations,
@@ -37,6 +41,8 @@ salusd=$build/tools/salusd salus_sim=$build/tools/salus-sim
 gpus=${GPUS:-1}
 placement=${PLACEMENT:-magm}
 fair_share=${FAIR_SHARE:-user}
+oversubscribe=${OVERSUBSCRIBE:-1}
+swap_gbps=${SWAP_GBPS:-10000}
 read -r -a backend_args <<<"${BACKEND_ARGS:---backend sim --sim-gpus $gpus --sim-memory ${MEMORY:-16G}}"
 trace=${TRACE:-$here/../traces/online-100.csv}
 scale=${SCALE:-256}
@@ -66,7 +72,7 @@ start_salusd() {  # LOG: a fresh daemon, so no run inherits another's lanes or c
   mnt=$(mktemp -d /tmp/salus-replay-bench.XXXXXX)
   # --state-dir '': no named session of another run (or of the host) comes back.
   "$salusd" "${backend_args[@]}" --placement "$placement" --fair-share "$fair_share" --log-level warn \
-    --pipeline-depth "$depth" --mount "$mnt" --state-dir '' >"$1" 2>&1 &
+    --pipeline-depth "$depth" --oversubscribe "$oversubscribe" --mount "$mnt" --state-dir '' >"$1" 2>&1 &
   dpid=$!
   for _ in $(seq 600); do [ -e "$mnt/version" ] && break; sleep 0.1; done
   [ -e "$mnt/version" ] || { echo "replay-bench: salusd did not mount $mnt" >&2; exit 1; }
@@ -101,11 +107,13 @@ for p in "${policies[@]}"; do
   python3 "$here/salus-replay" --mount "$mnt" --trace "$trace" --scale "$scale" \
     "${iter_args[@]}" --policy "$p" --scaled-out "$out/scaled.csv" \
     --jobs-out "$out/replay-$p.csv" | tail -1 >"$out/replay-$p.summary"
+  cat "$mnt/policy" >"$out/policy-$p.txt"  # swap totals and bandwidth, when oversubscribed
   cleanup
 done
 
 "$salus_sim" --trace "$out/scaled.csv" --policy all --lanes algorithm1 --gpu-memory "$capacity" \
   --gpus "$gpus" --placement "$placement" --fair-share "$fair_share" \
+  --oversubscribe "$oversubscribe" --swap-gbps "$swap_gbps" \
   --iteration-overhead-us "$overhead" --jobs-out "$out/sim-all.csv" >"$out/sim.summary"
 for p in "${policies[@]}"; do
   echo "== $p (salusd --pipeline-depth $depth, scale $scale, salus-sim --iteration-overhead-us $overhead)"
