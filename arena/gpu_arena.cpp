@@ -121,6 +121,7 @@ struct GpuArena::Impl {
     return (v >= cap ? static_cast<Bytes>(cap) : static_cast<Bytes>(v)) & ~(kAlignment - 1);
   }
   bool too_large(const Need& need, Bytes used) const;
+  std::optional<Bytes> lane_growth_left(SessionId id, Bytes p_new) const;
   LaneDecision decide(SessionId id, Bytes p_new, Bytes e, std::uint32_t group, bool& held,
                       Bytes& room_wanted) const;
   bool try_admit(const QueuedRequest& q);
@@ -159,6 +160,38 @@ bool GpuArena::Impl::may_admit() const {
   return queue.min_persistent() <= b.room && queue.min_total() <= b.total;
 }
 
+// Oversubscribed, a session runs only with its movable bytes on the card beside every
+// lane and every session's unswappable part, the others swapped out. Lanes are for
+// life, so a step after which that would not fit for some admitted session (or the
+// request, `id` with `p_new` new bytes) could leave every session swapped out and none
+// able to come back: salus-sim found a GPU idle for ever, its lanes holding all but
+// 504M and each of its sessions needing more. This is how much the lanes may still
+// grow with the request admitted (nullopt: not even by nothing); swapping cannot help
+// past it. O(sessions here), only oversubscribed: at ratio 1 every P is resident
+// beside the lanes, so physical slack says the same.
+std::optional<Bytes> GpuArena::Impl::lane_growth_left(SessionId id, Bytes p_new) const {
+  if (!(options.oversubscribe > 1.0)) return ~Bytes{0};
+  Bytes pinned = 0, largest = 0;
+  auto count = [&](Bytes reserved, Bytes pin) {
+    pin = std::min(pin, reserved);
+    pinned += pin;
+    largest = std::max(largest, reserved - pin);
+  };
+  bool known = false;
+  for (const auto& [sid, s] : sessions) {
+    if (sid == id) {
+      known = true;
+      count(s.used + p_new, s.pin);
+    } else if (s.admitted) {
+      count(s.reserved(), s.pin);
+    }
+  }
+  if (!known) count(p_new, 0);
+  const Bytes needed = lanes.total() + pinned + largest;
+  if (needed > usable) return std::nullopt;
+  return usable - needed;
+}
+
 // Where a request of `id` (0: a session not yet known) would go now: the lane step, or
 // none. `held` is set when the step needs bytes above the lane region that are still
 // held, so the request must wait for them.
@@ -182,12 +215,21 @@ LaneDecision GpuArena::Impl::decide(SessionId id, Bytes p_new, Bytes e, std::uin
   // Oversubscribed, P may start swapped but a lane is physical: Algorithm 1 runs on
   // min(admission slack, physical slack + p), which asks both of every step (at ratio 1
   // the two slacks are equal and this is plain Algorithm 1).
+  // Oversubscribed, lanes also stop where a session could no longer run beside them.
+  const std::optional<Bytes> growth = lane_growth_left(id, p_new);
+  if (!growth) return LaneDecision{};
+  const Bytes live_slack = *growth > ~Bytes{0} - p_new ? ~Bytes{0} : *growth + p_new;
+  if (d.step == LaneStep::join && d.room > *growth) d = LaneDecision{};
   if (d.step == LaneStep::none)
-    d = find_lane(lanes, std::min(slack(), phys_slack() + p_new), p_new, e, options.lane_mode);
+    d = find_lane(lanes, std::min({slack(), phys_slack() + p_new, live_slack}), p_new, e,
+                  options.lane_mode);
   if (d.step == LaneStep::none) {
     // The accounting would open a lane but the card has no room for it: the residency
-    // planner may swap sessions out for it.
-    if (p_new + e <= slack() && e > phys_slack()) room_wanted = e;
+    // planner may swap sessions out for it, if every session could still run after.
+    if (p_new + e <= slack() && e > phys_slack() &&
+        find_lane(lanes, std::min(slack(), live_slack), p_new, e, options.lane_mode).step !=
+            LaneStep::none)
+      room_wanted = e;
     return d;
   }
   if (d.room > 0 && d.room > phys_slack()) {

@@ -90,7 +90,7 @@ void ResidencyPlanner::swap_in_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs
 std::vector<SessionId> ResidencyPlanner::victims(const arena::GpuArena& arena, Bytes need,
                                                  SessionId keep,
                                                  const std::function<bool(SessionId)>& swappable,
-                                                 TimeNs now) const {
+                                                 TimeNs now, bool quanta) const {
   struct Candidate {
     TimeNs last_ran;
     SessionId id;
@@ -104,7 +104,7 @@ std::vector<SessionId> ResidencyPlanner::victims(const arena::GpuArena& arena, B
     if (!p || !p->admitted) continue;
     const Bytes bytes = arena.swap_in_bytes(id);
     if (bytes == 0) continue;  // holds nothing: evicting it frees nothing
-    if (quanta_ && now - r.resident_since < cost_.quantum_ns(bytes)) continue;
+    if (quanta && now - r.resident_since < cost_.quantum_ns(bytes)) continue;
     if (!swappable(id)) continue;
     cands.push_back({r.last_ran, id, bytes});
   }
@@ -131,7 +131,7 @@ ResidencyPlan ResidencyPlanner::plan(const arena::GpuArena& arena,
   const Bytes room = arena.resident_room();
   // A lane that waits for physical room (an admission) is served like a wanted session.
   if (const Bytes lane = arena.lane_room_wanted(); lane > room) {
-    out.swap_out = victims(arena, lane - room, 0, swappable, now);
+    out.swap_out = victims(arena, lane - room, 0, swappable, now, quanta_);
     for (SessionId v : out.swap_out) sessions_[v].evicting = true;
     if (!out.swap_out.empty()) return out;
   }
@@ -142,9 +142,17 @@ ResidencyPlan ResidencyPlanner::plan(const arena::GpuArena& arena,
       out.swap_in = w;
       return out;
     }
-    out.swap_out = victims(arena, need - room, w, swappable, now);
+    out.swap_out = victims(arena, need - room, w, swappable, now, quanta_);
     for (SessionId v : out.swap_out) sessions_[v].evicting = true;
-    return out;  // the first wanted session waits for its room; nobody overtakes it
+    // The first wanted session waits for its room and nobody overtakes it, so that
+    // small sessions do not starve a large one; but only while quanta ending can
+    // make that room. When even every resident, swappable session would not (the
+    // others are swapped too, or not swappable), waiting would hold the GPU idle
+    // for ever (it did, in salus-sim, with every lane's sessions swapped out): the
+    // next wanted session that can come in does, and once resident it is a victim
+    // that can make the room.
+    if (!out.swap_out.empty() || !victims(arena, need - room, w, swappable, now, false).empty())
+      return out;
   }
   return out;
 }

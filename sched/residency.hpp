@@ -90,14 +90,17 @@ class ResidencyPlanner {
   // fits is swapped in; otherwise resident sessions whose quantum is over are chosen,
   // least recently run first, until it would fit. Nothing is chosen while earlier
   // victims are still leaving, and a session that cannot be made to fit yet waits:
-  // the ones behind it do not overtake it (no starvation by smaller sessions).
+  // the ones behind it do not overtake it (no starvation by smaller sessions), unless
+  // no ending quantum could make it fit (then the next wanted one that can comes in).
   ResidencyPlan plan(const arena::GpuArena& arena, const std::vector<SessionId>& wanted,
                      const std::function<bool(SessionId)>& swappable, TimeNs now);
 
  private:
-  // Victims for `need` more resident bytes, or empty when the quanta do not allow it yet.
+  // Victims for `need` more resident bytes, or empty when there are not enough (with
+  // `quanta`: whose quanta are over).
   std::vector<SessionId> victims(const arena::GpuArena& arena, Bytes need, SessionId keep,
-                                 const std::function<bool(SessionId)>& swappable, TimeNs now) const;
+                                 const std::function<bool(SessionId)>& swappable, TimeNs now,
+                                 bool quanta) const;
 
   SwapCostModel cost_;
   std::unordered_map<SessionId, SessionResidency> sessions_;

@@ -73,6 +73,38 @@ TEST(ArenaResidency, OversubscribedAdmitsBeyondCapacityAndSwaps) {
   EXPECT_EQ(a.check_invariants(), "");
 }
 
+// Oversubscribed, a lane may open only if every admitted session could still run
+// beside all the lanes, the others swapped out: lanes are for life, and lanes that
+// left no session room would hold the GPU idle with everyone swapped out.
+TEST(ArenaResidency, ALaneOpensOnlyIfEverySessionCouldStillRunBesideTheLanes) {
+  GpuArena a(100 * M, oversub(2.0));
+  ASSERT_EQ(a.request(1, {40 * M, 10 * M}, 0), ArenaError::ok);
+  ASSERT_EQ(a.request(2, {40 * M, 10 * M}, 0), ArenaError::ok);
+  EXPECT_EQ(a.take_admissions().size(), 2u);
+  const Bytes lanes = a.memory().lane_total;
+  // 55M more of lanes would leave 100 - lanes - 55 < 40M for session 1 or 2.
+  ASSERT_LT(100 * M - lanes - 55 * M, 40 * M);
+  ASSERT_EQ(a.request(3, {10 * M, 55 * M}, 0), ArenaError::ok);
+  EXPECT_TRUE(a.take_admissions().empty());
+  EXPECT_EQ(a.lane_room_wanted(), 0u);  // swapping cannot make that room
+  EXPECT_EQ(a.check_invariants(), "");
+  // When session 2 leaves, 3 may grow 1's lane: 55M of lanes and 40M of P fit.
+  a.leave(2, 1);
+  EXPECT_EQ(a.take_admissions().size(), 1u);
+  EXPECT_LE(a.memory().lane_total + 40 * M, 100 * M);
+
+  // A lane that leaves room for the largest P beside every lane is room worth
+  // swapping for.
+  GpuArena b(100 * M, oversub(2.0));
+  ASSERT_EQ(b.request(1, {40 * M, 10 * M}, 0), ArenaError::ok);
+  ASSERT_EQ(b.request(2, {40 * M, 10 * M}, 0), ArenaError::ok);
+  b.take_admissions();
+  const Bytes e = 100 * M - lanes - 40 * M;
+  ASSERT_EQ(b.request(3, {10 * M, e}, 0), ArenaError::ok);
+  EXPECT_TRUE(b.take_admissions().empty());  // 1 and 2 are resident
+  EXPECT_EQ(b.lane_room_wanted(), e);
+}
+
 TEST(ArenaResidency, FreeOfASwappedBufferAndLeave) {
   GpuArena a(100 * M, oversub(1.5));
   ASSERT_EQ(a.request(1, {40 * M, 10 * M}, 0), ArenaError::ok);
@@ -109,38 +141,57 @@ TEST(ArenaResidency, TheUnswappablePartStaysOnTheCard) {
   ASSERT_EQ(a.request(1, pinned, 0), ArenaError::ok);
   ASSERT_EQ(a.take_admissions().size(), 1u);
   EXPECT_EQ(a.swap_in_bytes(1), 24 * M);  // what a swap-out frees
+  const Bytes lanes = a.memory().lane_total;
+  // 2 does not fit beside 1 and starts swapped; it could run beside 1's 16M.
+  ASSERT_EQ(a.request(2, {72 * M, lanes}, 1), ArenaError::ok);
+  ASSERT_EQ(a.take_admissions().size(), 1u);
+  EXPECT_EQ(a.residency(2), Residency::swapped);
   std::vector<SwapBuffer> out;
   ASSERT_TRUE(a.begin_swap_out(1, out));
   a.finish_swap_out(1, 1);
   EXPECT_EQ(a.residency(1), Residency::swapped);
   EXPECT_EQ(a.memory().resident_reserved, 16 * M);
-  const Bytes lanes = a.memory().lane_total;
-  EXPECT_EQ(a.resident_room(), 100 * M - 16 * M - lanes);
-  // Admitted swapped (its P does not fit beside the others), a session still puts
-  // its unswappable part on the card: 2 fits only by that part, 3 not even by it.
-  ASSERT_EQ(a.request(2, {90 * M, lanes}, 2), ArenaError::ok);
-  ASSERT_EQ(a.take_admissions().size(), 1u);
-  EXPECT_EQ(a.residency(2), Residency::swapped);
+  EXPECT_EQ(a.resident_room(), 100 * M - 16 * M - a.memory().lane_total);
+  ASSERT_EQ(a.swap_in(2, out), ArenaError::ok);
+  EXPECT_EQ(a.resident_room(), 100 * M - 16 * M - 72 * M - a.memory().lane_total);
+  // A session whose unswappable part cannot sit beside 16M + lanes is never
+  // admitted; nor is one after which 2 could no longer run.
   Need big = {85 * M, lanes};
   big.unswappable = 90 * M;
   ASSERT_EQ(a.request(3, big, 3), ArenaError::ok);
-  EXPECT_TRUE(a.take_admissions().empty());  // 90M cannot sit beside 16M + lanes
+  EXPECT_TRUE(a.take_admissions().empty());
   a.leave(3, 4);
-  big.unswappable = 40 * M;
+  big = {30 * M, lanes};
+  big.unswappable = 10 * M;
   ASSERT_EQ(a.request(4, big, 5), ArenaError::ok);
+  EXPECT_TRUE(a.take_admissions().empty());
+  a.leave(4, 6);
+  // With 2 out, admitted swapped (its P does not fit beside the others), a session
+  // still puts its unswappable part on the card.
+  ASSERT_TRUE(a.begin_swap_out(2, out));
+  a.finish_swap_out(2, 7);
+  ASSERT_EQ(a.swap_in(1, out), ArenaError::ok);
+  EXPECT_EQ(a.memory().resident_reserved, 40 * M);
+  big = {60 * M, lanes};
+  big.unswappable = 12 * M;
+  ASSERT_EQ(a.request(5, big, 8), ArenaError::ok);
+  ASSERT_EQ(a.take_admissions().size(), 0u);  // 2 could not run beside 16M + 12M
+  a.leave(5, 9);
+  big = {60 * M, lanes};
+  big.unswappable = 4 * M;
+  ASSERT_EQ(a.request(6, big, 10), ArenaError::ok);
   ASSERT_EQ(a.take_admissions().size(), 1u);
-  EXPECT_EQ(a.residency(4), Residency::swapped);
-  EXPECT_EQ(a.memory().resident_reserved, 56 * M);
-  EXPECT_EQ(a.swap_in_bytes(4), 45 * M);
-  // Swapping 1 back in needs room for its movable 24M only.
-  EXPECT_EQ(a.resident_room(), 100 * M - 56 * M - a.memory().lane_total);
-  ASSERT_LT(a.resident_room(), 40 * M);
-  ASSERT_GE(a.resident_room(), 24 * M) << a.memory().lane_total;
+  EXPECT_EQ(a.residency(6), Residency::swapped);
+  EXPECT_EQ(a.memory().resident_reserved, 44 * M);
+  EXPECT_EQ(a.swap_in_bytes(6), 56 * M);
+  // Swapping 1 out and back in needs room for its movable 24M only.
+  ASSERT_TRUE(a.begin_swap_out(1, out));
+  a.finish_swap_out(1, 11);
+  EXPECT_EQ(a.memory().resident_reserved, 20 * M);
   EXPECT_EQ(a.swap_in(1, out), ArenaError::ok);
-  EXPECT_EQ(a.memory().resident_reserved, 80 * M);
+  EXPECT_EQ(a.memory().resident_reserved, 44 * M);
   EXPECT_EQ(a.check_invariants(), "");
-  a.leave(1, 6);
-  a.leave(4, 7);
+  for (SessionId id : {1, 2, 6}) a.leave(id, 12);
   EXPECT_EQ(a.memory().resident_reserved, 0u);
   EXPECT_EQ(a.check_invariants(), "");
 }
@@ -256,6 +307,40 @@ TEST(ResidencyPlanner, WaitsForTheQuantumThenEvictsLeastRecentlyRun) {
   EXPECT_TRUE(p.plan(
                    a, {2}, [](SessionId) { return false; }, 100 * q)
                   .swap_out.empty());
+}
+
+// The first wanted session waits for victims' quanta, and those behind it do not
+// overtake it; but one that no eviction could make room for (the others are out
+// already, or cannot be swapped: an attached program without movable memory) must
+// not hold back one that fits, or the GPU may idle for ever.
+TEST(ResidencyPlanner, NobodyOvertakesUnlessNoEvictionCouldMakeRoom) {
+  GpuArena a(100 * M, oversub(3.0));
+  ResidencyPlanner p;
+  two_resident_one_swapped(a, p);
+  if (HasFatalFailure()) return;
+  ASSERT_EQ(a.request(4, {60 * M, 5 * M}, 0), ArenaError::ok);
+  p.add(4, 0);
+  ASSERT_EQ(a.take_admissions().size(), 1u);
+  ASSERT_EQ(a.residency(4), Residency::swapped);
+  std::vector<SwapBuffer> out;
+  ASSERT_TRUE(a.begin_swap_out(2, out));
+  p.swap_started(2);
+  a.finish_swap_out(2, 1);
+  p.swap_out_done(2, 45 * M, 1'000'000, 1, true);
+  const TimeNs q = p.cost().quantum_ns(45 * M);
+  ASSERT_LT(a.resident_room(), 60 * M);
+  ASSERT_GE(a.resident_room(), 45 * M);
+  // 4 fits once 1's quantum is over: 3, which fits now, waits behind it.
+  auto yes = [](SessionId) { return true; };
+  const ResidencyPlan waiting = p.plan(a, {4, 3}, yes, q - 1);
+  EXPECT_TRUE(waiting.swap_out.empty());
+  EXPECT_FALSE(waiting.swap_in);
+  // 1 cannot be swapped at all: waiting cannot make 4's room, so 3 comes in.
+  const ResidencyPlan plan = p.plan(
+      a, {4, 3}, [](SessionId id) { return id != 1; }, q - 1);
+  EXPECT_TRUE(plan.swap_out.empty());
+  EXPECT_EQ(plan.swap_in, std::optional<SessionId>{3});
+  EXPECT_EQ(a.check_invariants(), "");
 }
 
 TEST(ResidencyPlanner, WithQuantaOffAStopDoesNotWaitForThem) {
