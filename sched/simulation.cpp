@@ -190,6 +190,8 @@ struct Gpu {
   };
   TimeNs swap_until = 0;
   std::vector<Swap> swaps;
+  // Since when nothing has run or swapped while sessions wait (-1: not idle so).
+  TimeNs idle_since = -1;
   bool quiet = true;  // no lane waits to move or for room: boundaries change nothing
   // Placement bookkeeping.
   std::int64_t waiting_bytes = 0;  // declared P + E of jobs placed here, not admitted
@@ -450,6 +452,7 @@ class Engine {
   // Oversubscription: lands the swaps that ended, starts the ones the planner asks
   // for; false while the GPU is busy swapping (no iteration may start).
   bool drive_swaps(std::uint32_t g, TimeNs t);
+  void check_not_stalled(std::uint32_t g, TimeNs t);
   void close_instant(std::uint32_t g, TimeNs t);
   void record_work(const Job& j, TimeNs t, double work);
   Job& job_of(SessionId id) { return jobs_[id - 1]; }
@@ -1395,15 +1398,43 @@ void Engine::close_instant(std::uint32_t g, TimeNs t) {
   if (const std::optional<TimeNs> next = gpu.model.next_completion())
     heap_.push({*next, g, gpu.epoch});
   if (gpu.swap_until > t) {
+    gpu.idle_since = -1;
     heap_.push({gpu.swap_until, g, gpu.epoch});
   } else if (gpu.sched.oversubscribed() && gpu.model.active() == 0) {
     // Idle, with someone perhaps waiting for a resident session's quantum to end.
-    for (const auto& [lane, ls] : gpu.lanes)
-      if (!ls.waiting.empty()) {
-        heap_.push({t + gpu.sched.residency().cost().min_quantum_ns, g, gpu.epoch});
-        break;
-      }
+    bool waits = false;
+    for (const auto& [lane, ls] : gpu.lanes) waits = waits || !ls.waiting.empty();
+    if (waits) {
+      check_not_stalled(g, t);
+      heap_.push({t + gpu.sched.residency().cost().min_quantum_ns, g, gpu.epoch});
+    } else {
+      gpu.idle_since = -1;
+    }
+  } else {
+    gpu.idle_since = -1;
   }
+}
+
+// An oversubscribed GPU may idle while a session waits for a victim's quantum, but no
+// longer than the longest quantum a session of this GPU could have: past that,
+// nothing will ever change, and the simulation would run on for ever. A scheduler
+// stall is a bug (the residency planner's and the arena's liveness rules exist so
+// that there are none): say so and stop.
+void Engine::check_not_stalled(std::uint32_t g, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  if (gpu.idle_since < 0) {
+    gpu.idle_since = t;
+    return;
+  }
+  const SwapCostModel& cost = gpu.sched.residency().cost();
+  const TimeNs bound = cost.quantum_ns(gpu.sched.arena().memory().capacity) + 1'000'000'000;
+  if (t - gpu.idle_since <= bound) return;
+  std::size_t waiting = 0;
+  for (const auto& [lane, ls] : gpu.lanes) waiting += ls.waiting.size();
+  throw std::logic_error(fmt::format(
+      "salus-sim: GPU {} idle since {:.3f} s with {} sessions waiting and nothing to swap "
+      "in (a scheduler stall)",
+      g, static_cast<double>(gpu.idle_since) / 1e9, waiting));
 }
 
 SimResult Engine::run() {
