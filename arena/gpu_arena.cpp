@@ -212,14 +212,14 @@ LaneDecision GpuArena::Impl::decide(SessionId id, Bytes p_new, Bytes e, std::uin
       }
     }
   }
-  // Oversubscribed, P may start swapped but a lane is physical: Algorithm 1 runs on
-  // min(admission slack, physical slack + p), which asks both of every step (at ratio 1
-  // the two slacks are equal and this is plain Algorithm 1).
-  // Oversubscribed, lanes also stop where a session could no longer run beside them.
+  // Oversubscribed, lanes also stop where a session could no longer run beside them
+  // (a join adds no lane, but the request's P must still fit beside the lanes).
   const std::optional<Bytes> growth = lane_growth_left(id, p_new);
   if (!growth) return LaneDecision{};
   const Bytes live_slack = *growth > ~Bytes{0} - p_new ? ~Bytes{0} : *growth + p_new;
-  if (d.step == LaneStep::join && d.room > *growth) d = LaneDecision{};
+  // Oversubscribed, P may start swapped but a lane is physical: Algorithm 1 runs on
+  // min(admission slack, physical slack + p), which asks both of every step (at ratio 1
+  // the two slacks are equal and this is plain Algorithm 1), and on the bound above.
   if (d.step == LaneStep::none)
     d = find_lane(lanes, std::min({slack(), phys_slack() + p_new, live_slack}), p_new, e,
                   options.lane_mode);

@@ -147,10 +147,9 @@ ResidencyPlan ResidencyPlanner::plan(const arena::GpuArena& arena,
     // The first wanted session waits for its room and nobody overtakes it, so that
     // small sessions do not starve a large one; but only while quanta ending can
     // make that room. When even every resident, swappable session would not (the
-    // others are swapped too, or not swappable), waiting would hold the GPU idle
-    // for ever (it did, in salus-sim, with every lane's sessions swapped out): the
-    // next wanted session that can come in does, and once resident it is a victim
-    // that can make the room.
+    // others are swapped out too, or cannot be swapped), waiting changes nothing and
+    // may hold the GPU idle: the next wanted session that can come in does, and once
+    // resident it is a victim that can make the room.
     if (!out.swap_out.empty() || !victims(arena, need - room, w, swappable, now, false).empty())
       return out;
   }
