@@ -126,13 +126,25 @@ ResidencyPlan ResidencyPlanner::plan(const arena::GpuArena& arena,
                                      const std::vector<SessionId>& wanted,
                                      const std::function<bool(SessionId)>& swappable, TimeNs now) {
   ResidencyPlan out;
+  // One step at a time: let the swaps under way land first, but not for ever. A
+  // victim is asked to leave at its iteration boundary, and an attached program that
+  // does not come to one (a notebook gone idle after a cell, a hung collective, a
+  // hostile program) would otherwise stop every swap on the GPU for everyone. Past
+  // stuck_after_ the plan goes on around it: it stays chosen, and its bytes count as
+  // held until they are out, so the room below is still exact.
   for (const auto& [id, r] : sessions_)
-    if (r.evicting || r.swapping) return out;  // one step at a time: let those land first
+    if ((r.evicting || r.swapping) && now - r.step_since < stuck_after_) return out;
+  auto evict = [&](const std::vector<SessionId>& victims) {
+    for (SessionId v : victims) {
+      sessions_[v].evicting = true;
+      sessions_[v].step_since = now;
+    }
+  };
   const Bytes room = arena.resident_room();
   // A lane that waits for physical room (an admission) is served like a wanted session.
   if (const Bytes lane = arena.lane_room_wanted(); lane > room) {
     out.swap_out = victims(arena, lane - room, 0, swappable, now, quanta_);
-    for (SessionId v : out.swap_out) sessions_[v].evicting = true;
+    evict(out.swap_out);
     if (!out.swap_out.empty()) return out;
   }
   for (SessionId w : wanted) {
@@ -140,10 +152,11 @@ ResidencyPlan ResidencyPlanner::plan(const arena::GpuArena& arena,
     const Bytes need = arena.swap_in_bytes(w);
     if (need <= room) {
       out.swap_in = w;
+      if (auto it = sessions_.find(w); it != sessions_.end()) it->second.step_since = now;
       return out;
     }
     out.swap_out = victims(arena, need - room, w, swappable, now, quanta_);
-    for (SessionId v : out.swap_out) sessions_[v].evicting = true;
+    evict(out.swap_out);
     // The first wanted session waits for its room and nobody overtakes it, so that
     // small sessions do not starve a large one; but only while quanta ending can
     // make that room. When even every resident, swappable session would not (the

@@ -53,6 +53,7 @@ struct SessionResidency {
   TimeNs last_ran = 0;        // last dispatch
   bool evicting = false;      // chosen to leave: not dispatched until it is out
   bool swapping = false;      // a swap of its memory is in progress (either way)
+  TimeNs step_since = 0;      // when the planner chose it to leave or to come back
   ResidencyStats stats;
 };
 
@@ -77,6 +78,10 @@ class ResidencyPlanner {
   // in. For salusd's stop, when the save of named sessions must bring each one
   // in once and thrashing no longer costs anything that matters. On by default.
   void set_quanta(bool on) { quanta_ = on; }
+  // How long the plan waits for a chosen swap to land before it goes on around it
+  // (see plan). 30 s by default, salusd's --attach-hold-limit default.
+  void set_stuck_after(TimeNs ns) { stuck_after_ = ns; }
+  TimeNs stuck_after() const { return stuck_after_; }
 
   // The swap the caller started (`swapping` until swap_*_done).
   void swap_started(SessionId id);
@@ -89,9 +94,11 @@ class ResidencyPlanner {
   // attached program without a movable-memory path cannot). A swapped session that
   // fits is swapped in; otherwise resident sessions whose quantum is over are chosen,
   // least recently run first, until it would fit. Nothing is chosen while earlier
-  // victims are still leaving, and a session that cannot be made to fit yet waits:
-  // the ones behind it do not overtake it (no starvation by smaller sessions), unless
-  // no ending quantum could make it fit (then the next wanted one that can comes in).
+  // victims are still leaving (for stuck_after() at most: a victim that does not
+  // come to its boundary must not stop every swap), and a session that cannot be
+  // made to fit yet waits: the ones behind it do not overtake it (no starvation by
+  // smaller sessions), unless no ending quantum could make it fit (then the next
+  // wanted one that can comes in).
   ResidencyPlan plan(const arena::GpuArena& arena, const std::vector<SessionId>& wanted,
                      const std::function<bool(SessionId)>& swappable, TimeNs now);
 
@@ -106,6 +113,7 @@ class ResidencyPlanner {
   std::unordered_map<SessionId, SessionResidency> sessions_;
   ResidencyStats totals_;
   bool quanta_ = true;
+  TimeNs stuck_after_ = 30'000'000'000;
 };
 
 }  // namespace salus::sched

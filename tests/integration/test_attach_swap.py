@@ -857,3 +857,41 @@ def test_a_program_past_what_admission_counts_is_warned_about_or_killed(tmp_path
         except OSError:
             pass
         d.stop()
+
+
+def test_a_victim_that_never_comes_to_its_boundary_does_not_stop_every_swap():
+    """A victim swaps out at its iteration boundary. An attached program that never
+    comes to one (a notebook gone idle after a cell, a hung job) held up the residency
+    planner for ever: no swapped session came back. Past --attach-hold-limit the
+    planner goes on around it and the stuck session's log says so. 64M card at
+    --oversubscribe 2: the holder (30M, granted, its iteration never done) is the
+    least recently run, so the first victim; a hosted session Y (30M) runs on; W
+    (30M) is admitted swapped and must get its 20 iterations, Y making the room."""
+    from conftest import Salusd
+    d = Salusd(extra_args=["--oversubscribe", "2", "--policy", "fair",
+                           "--attach-hold-limit", "1"], sim_memory="64M", gpus=1).start()
+    h = None
+    sessions = []
+    try:
+        h = Holder(d, persistent="30M")
+        h.ask()
+        assert wait_until(h.granted, timeout=5)
+        y = Session(d)
+        sessions.append(y)
+        y.cmd("need persistent=30M ephemeral=0 gpu=0\n")
+        y.cmd("begin\nspin 2000\nend x100000\n")
+        assert wait_until(lambda: int(y.status().get("iterations_done", 0)) >= 5)
+        w = Session(d)
+        sessions.append(w)
+        w.cmd("need persistent=30M ephemeral=0 gpu=0\n")
+        w.cmd("begin\nspin 1000\nend x20\n")
+        ok = wait_until(lambda: w.status().get("iterations_done") == "20", timeout=20)
+        assert ok, (w.read("status"), h.s.read("log"))
+        assert "still waiting for its iteration boundary" in h.s.read("log")
+        assert int(y.status().get("swaps_out", 0)) >= 1, y.status()
+    finally:
+        for s in sessions:
+            s.close()
+        if h:
+            h.close()
+        d.stop()

@@ -343,6 +343,34 @@ TEST(ResidencyPlanner, NobodyOvertakesUnlessNoEvictionCouldMakeRoom) {
   EXPECT_EQ(a.check_invariants(), "");
 }
 
+// A victim leaves at its iteration boundary. One that never comes to it (an attached
+// notebook gone idle after a cell, a hung program) holds up the planner for
+// stuck_after() at most; then another victim makes the room, and the stuck one,
+// still chosen, is not chosen twice.
+TEST(ResidencyPlanner, AVictimThatNeverLeavesHoldsUpTheOthersOnlyForAWhile) {
+  GpuArena a(100 * M, oversub(3.0));
+  ResidencyPlanner p;
+  two_resident_one_swapped(a, p);
+  if (HasFatalFailure()) return;
+  p.ran(1, 10);
+  p.ran(2, 5);
+  auto yes = [](SessionId) { return true; };
+  const TimeNs q = p.cost().quantum_ns(45 * M);
+  ASSERT_EQ(p.plan(a, {3}, yes, q).swap_out, std::vector<SessionId>{2});
+  // 2 never starts its swap-out (its iteration never ends).
+  const TimeNs stuck = q + p.stuck_after();
+  EXPECT_TRUE(p.plan(a, {3}, yes, stuck - 1).swap_out.empty());
+  EXPECT_EQ(p.plan(a, {3}, yes, stuck).swap_out, std::vector<SessionId>{1});
+  EXPECT_TRUE(p.evicting(2));
+  std::vector<SwapBuffer> out;
+  ASSERT_TRUE(a.begin_swap_out(1, out));
+  p.swap_started(1);
+  a.finish_swap_out(1, stuck);
+  p.swap_out_done(1, 45 * M, 10'000'000, stuck, true);
+  EXPECT_EQ(p.plan(a, {3}, yes, stuck).swap_in, std::optional<SessionId>{3});
+  EXPECT_EQ(a.check_invariants(), "");
+}
+
 TEST(ResidencyPlanner, WithQuantaOffAStopDoesNotWaitForThem) {
   GpuArena a(100 * M, oversub(3.0));
   ResidencyPlanner p;

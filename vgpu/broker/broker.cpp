@@ -106,6 +106,10 @@ Broker::Broker(std::vector<std::unique_ptr<Device>> devices, BrokerConfig config
   for (std::size_t i = 0; i < devices.size(); ++i) {
     auto g = std::make_unique<Gpu>(i, std::move(devices[i]), config_.policy, config_.arena);
     g->sched.set_fair_share(config_.fair_share);
+    // A victim that does not come to its boundary holds up the residency planner as
+    // long as an attached iteration may hold up a lane (30 s when that is never).
+    if (config_.attach_hold_limit_ns > 0)
+      g->sched.residency().set_stuck_after(config_.attach_hold_limit_ns);
     g->sink = std::make_unique<Sink>(*g);
     g->device->set_sink(g->sink.get());
     g->staging = std::make_unique<StagingPool>(*g->device, config_.staging_cache);

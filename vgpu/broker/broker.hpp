@@ -493,6 +493,7 @@ class Broker {
   // Oversubscription (broker_swap.cpp). Swaps happen between a session's
   // iterations, on the GPU's swap stream; the residency planner decides whom.
   void drive_residency(Gpu& g, Deferred& later);
+  void say_if_swap_stuck(Gpu& g, Session& s);
   void finish_swap(Gpu& g, const Completion& c, Deferred& later);
   // One interface per session kind: hosted sessions swap their buffers here;
   // attached ones ask their program through the gate (request_attached_swap), and

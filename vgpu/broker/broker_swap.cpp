@@ -473,6 +473,7 @@ void Broker::drive_residency(Gpu& g, Deferred& later) {
     }
     if (s.wants_resident && ar.residency(id) == arena::Residency::swapped && !s.dead)
       g.sched.want_resident(id);
+    say_if_swap_stuck(g, s);
   }
   const sched::ResidencyPlan plan = g.sched.plan_residency(
       [this](SessionId id) {
@@ -494,6 +495,25 @@ void Broker::drive_residency(Gpu& g, Deferred& later) {
       if (err == 0 && !s->swapping) update_runnable(g, *s);
     }
   }
+}
+
+// A session chosen to swap out (or asked back) that has not moved in the planner's
+// stuck_after: the planner now goes on around it (ResidencyPlanner::plan). Said once
+// per step in its log and salusd's, since a program that does not come to its
+// boundary is often an idle notebook or a hung job.
+void Broker::say_if_swap_stuck(Gpu& g, Session& s) {
+  const sched::ResidencyPlanner& rp = g.sched.residency();
+  const sched::SessionResidency* r = rp.find(s.id);
+  if (!r || !(r->evicting || r->swapping) || s.swap_stuck_said == r->step_since) return;
+  if (now() - r->step_since < rp.stuck_after()) return;
+  s.swap_stuck_said = r->step_since;
+  const std::string text = fmt::format(
+      "{} {:.0f} s ago and still waiting for its iteration boundary; swapping other "
+      "sessions meanwhile",
+      r->evicting ? "chosen to swap out" : "asked to swap back in",
+      static_cast<double>(now() - r->step_since) / 1e9);
+  log(s, text);
+  spdlog::warn("gpu {}: session {}: {}", g.index, s.id, text);
 }
 
 void Broker::render_residency(const Session& s, std::string& out) const {

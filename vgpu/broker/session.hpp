@@ -231,11 +231,12 @@ struct Session {
   // of it, each buffer at its (offset, size) there.
   std::unordered_map<arena::BufferHandle, std::pair<off_t, Bytes>> spilled;
   off_t spill_off = 0;
-  Bytes spill_bytes = 0;               // the extent's size; 0 when nothing is spilled
-  int swap_error = 0;                  // errno of the last failed swap-out, 0 after a good one
-  TimeNs spill_retry_at = 0;           // a failed spill is not tried again before this
-  bool swapping = false;               // a swap of its memory is in progress (either way)
-  bool wants_resident = false;         // a write or transfer waits for its memory to come back
+  Bytes spill_bytes = 0;        // the extent's size; 0 when nothing is spilled
+  int swap_error = 0;           // errno of the last failed swap-out, 0 after a good one
+  TimeNs spill_retry_at = 0;    // a failed spill is not tried again before this
+  bool swapping = false;        // a swap of its memory is in progress (either way)
+  bool wants_resident = false;  // a write or transfer waits for its memory to come back
+  TimeNs swap_stuck_said = -1;  // the planner step it was chosen at, once the log said it is stuck
   std::uint64_t queued_instances = 0;  // counted against the uid's quota
   std::uint64_t submitted_seq = 0;
   std::uint64_t completed_seq = 0;
