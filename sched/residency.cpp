@@ -49,8 +49,13 @@ const SessionResidency* ResidencyPlanner::find(SessionId id) const {
   return it == sessions_.end() ? nullptr : &it->second;
 }
 
-void ResidencyPlanner::swap_started(SessionId id) {
-  if (auto it = sessions_.find(id); it != sessions_.end()) it->second.swapping = true;
+void ResidencyPlanner::swap_started(SessionId id, TimeNs now) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  SessionResidency& r = it->second;
+  r.swapping = true;
+  // A victim's wait counts from when the plan chose it; any other swap's from now.
+  if (!r.evicting) r.step_since = now;
 }
 
 void ResidencyPlanner::swap_out_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now, bool ok) {
@@ -152,7 +157,6 @@ ResidencyPlan ResidencyPlanner::plan(const arena::GpuArena& arena,
     const Bytes need = arena.swap_in_bytes(w);
     if (need <= room) {
       out.swap_in = w;
-      if (auto it = sessions_.find(w); it != sessions_.end()) it->second.step_since = now;
       return out;
     }
     out.swap_out = victims(arena, need - room, w, swappable, now, quanta_);

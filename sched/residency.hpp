@@ -53,7 +53,7 @@ struct SessionResidency {
   TimeNs last_ran = 0;        // last dispatch
   bool evicting = false;      // chosen to leave: not dispatched until it is out
   bool swapping = false;      // a swap of its memory is in progress (either way)
-  TimeNs step_since = 0;      // when the planner chose it to leave or to come back
+  TimeNs step_since = 0;      // when it was chosen to leave, or its swap started
   ResidencyStats stats;
 };
 
@@ -83,8 +83,8 @@ class ResidencyPlanner {
   void set_stuck_after(TimeNs ns) { stuck_after_ = ns; }
   TimeNs stuck_after() const { return stuck_after_; }
 
-  // The swap the caller started (`swapping` until swap_*_done).
-  void swap_started(SessionId id);
+  // The swap the caller started at `now` (`swapping` until swap_*_done).
+  void swap_started(SessionId id, TimeNs now);
   // A swap finished after `ns`, moving `bytes`: counted and fed to the cost model.
   void swap_out_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now, bool ok);
   void swap_in_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now);

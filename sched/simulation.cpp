@@ -1283,7 +1283,7 @@ bool Engine::drive_swaps(std::uint32_t g, TimeNs t) {
     if (!ar.begin_swap_out(v, bufs)) return;  // its iteration still runs: at its boundary
     const Bytes n = ar.swap_in_bytes(v);
     ar.finish_swap_out(v, t);
-    rp.swap_started(v);
+    rp.swap_started(v, t);
     const TimeNs ns = rp.cost().swap_ns(n);
     cost += ns;
     gpu.swaps.push_back({v, n, ns, true});
@@ -1298,7 +1298,7 @@ bool Engine::drive_swaps(std::uint32_t g, TimeNs t) {
   for (SessionId v : plan.swap_out) swap_out(v);
   if (plan.swap_in && ar.swap_in(*plan.swap_in, bufs) == arena::ArenaError::ok) {
     const Bytes n = ar.swap_in_bytes(*plan.swap_in);
-    rp.swap_started(*plan.swap_in);
+    rp.swap_started(*plan.swap_in, t);
     const TimeNs ns = rp.cost().swap_ns(n);
     cost += ns;
     gpu.swaps.push_back({*plan.swap_in, n, ns, false});

@@ -298,7 +298,7 @@ TEST(ResidencyPlanner, WaitsForTheQuantumThenEvictsLeastRecentlyRun) {
   EXPECT_TRUE(p.plan(a, {3}, yes, q).swap_out.empty());  // one step at a time
   std::vector<SwapBuffer> out;
   ASSERT_TRUE(a.begin_swap_out(2, out));
-  p.swap_started(2);
+  p.swap_started(2, q);
   a.finish_swap_out(2, q);
   p.swap_out_done(2, 45 * M, 10'000'000, q, true);
   const ResidencyPlan next = p.plan(a, {3}, yes, q);
@@ -324,7 +324,7 @@ TEST(ResidencyPlanner, NobodyOvertakesUnlessNoEvictionCouldMakeRoom) {
   ASSERT_EQ(a.residency(4), Residency::swapped);
   std::vector<SwapBuffer> out;
   ASSERT_TRUE(a.begin_swap_out(2, out));
-  p.swap_started(2);
+  p.swap_started(2, 1);
   a.finish_swap_out(2, 1);
   p.swap_out_done(2, 45 * M, 1'000'000, 1, true);
   const TimeNs q = p.cost().quantum_ns(45 * M);
@@ -364,7 +364,7 @@ TEST(ResidencyPlanner, AVictimThatNeverLeavesHoldsUpTheOthersOnlyForAWhile) {
   EXPECT_TRUE(p.evicting(2));
   std::vector<SwapBuffer> out;
   ASSERT_TRUE(a.begin_swap_out(1, out));
-  p.swap_started(1);
+  p.swap_started(1, stuck);
   a.finish_swap_out(1, stuck);
   p.swap_out_done(1, 45 * M, 10'000'000, stuck, true);
   EXPECT_EQ(p.plan(a, {3}, yes, stuck).swap_in, std::optional<SessionId>{3});

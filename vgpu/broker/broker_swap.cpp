@@ -49,7 +49,7 @@ int Broker::attached_swap_out(Gpu& g, Session& s) {
   if (err == EALREADY) {  // already out (an admin swap): only the bookkeeping is left
     learn_unswappable(g, s);
     ar.finish_swap_out(s.id, now());
-    g.sched.residency().swap_started(s.id);
+    g.sched.residency().swap_started(s.id, now());
     g.sched.residency().swap_out_done(s.id, 0, 1, now(), true);
     return 0;
   }
@@ -59,7 +59,7 @@ int Broker::attached_swap_out(Gpu& g, Session& s) {
   }
   gt.swap_for_residency = true;
   s.swapping = true;
-  g.sched.residency().swap_started(s.id);
+  g.sched.residency().swap_started(s.id, now());
   return 0;
 }
 
@@ -128,7 +128,7 @@ int Broker::attached_swap_in(Gpu& g, Session& s) {
   const arena::ArenaError e = ar.swap_in(s.id, placed);
   if (e == arena::ArenaError::fragmented) kick(g);
   if (e != arena::ArenaError::ok) return EAGAIN;
-  g.sched.residency().swap_started(s.id);
+  g.sched.residency().swap_started(s.id, now());
   const int err = request_attached_swap(s, false);
   if (err != 0) {
     // EALREADY: its memory is back already (a grant brought it); anything else:
@@ -230,7 +230,7 @@ int Broker::hosted_swap_out(Gpu& g, Session& s) {
   else
     g.host_swapped += total;
   s.swapping = true;
-  g.sched.residency().swap_started(s.id);
+  g.sched.residency().swap_started(s.id, now());
   const std::uint64_t token = next_token_++;
   g.swap_jobs.emplace(token, std::move(job));
   g.device->notify(*g.swap_stream, token);
@@ -272,7 +272,7 @@ int Broker::hosted_swap_in(Gpu& g, Session& s) {
   g.host_swapped -= std::min(g.host_swapped, s.host_bytes);
   s.host_bytes = 0;
   s.swapping = true;
-  g.sched.residency().swap_started(s.id);
+  g.sched.residency().swap_started(s.id, now());
   const std::uint64_t token = next_token_++;
   g.swap_jobs.emplace(token, std::move(job));
   g.device->notify(*g.swap_stream, token);
@@ -331,7 +331,7 @@ int Broker::spill_swap_in(Gpu& g, Session& s) {
     job.blocks.emplace_back(b.buffer, std::move(it->second));
   }
   s.swapping = true;
-  g.sched.residency().swap_started(s.id);
+  g.sched.residency().swap_started(s.id, now());
   const std::uint64_t token = next_token_++;
   g.swap_jobs.emplace(token, std::move(job));
   spill_io(g, token, false);
