@@ -281,6 +281,17 @@ void two_resident_one_swapped(GpuArena& a, ResidencyPlanner& p) {
   ASSERT_EQ(a.alloc_persistent(2, 45 * M).error, ArenaError::ok);
 }
 
+// Swaps `id` out at `now` as the planner's caller does: the arena's copy, then the
+// planner's bookkeeping of a swap that took `took`.
+void swap_out_now(GpuArena& a, ResidencyPlanner& p, SessionId id, TimeNs now, TimeNs took) {
+  const Bytes bytes = a.swap_in_bytes(id);
+  std::vector<SwapBuffer> out;
+  ASSERT_TRUE(a.begin_swap_out(id, out));
+  p.swap_started(id, now);
+  a.finish_swap_out(id, now);
+  p.swap_out_done(id, bytes, took, now, true);
+}
+
 TEST(ResidencyPlanner, WaitsForTheQuantumThenEvictsLeastRecentlyRun) {
   GpuArena a(100 * M, oversub(3.0));
   ResidencyPlanner p;
@@ -296,11 +307,8 @@ TEST(ResidencyPlanner, WaitsForTheQuantumThenEvictsLeastRecentlyRun) {
   ASSERT_EQ(plan.swap_out, std::vector<SessionId>{2});  // ran longest ago
   EXPECT_TRUE(p.evicting(2));
   EXPECT_TRUE(p.plan(a, {3}, yes, q).swap_out.empty());  // one step at a time
-  std::vector<SwapBuffer> out;
-  ASSERT_TRUE(a.begin_swap_out(2, out));
-  p.swap_started(2, q);
-  a.finish_swap_out(2, q);
-  p.swap_out_done(2, 45 * M, 10'000'000, q, true);
+  swap_out_now(a, p, 2, q, 10'000'000);
+  if (HasFatalFailure()) return;
   const ResidencyPlan next = p.plan(a, {3}, yes, q);
   ASSERT_EQ(next.swap_in, std::optional<SessionId>{3});
   // A kind that cannot swap (attached without movable memory) is never a victim.
@@ -322,11 +330,8 @@ TEST(ResidencyPlanner, NobodyOvertakesUnlessNoEvictionCouldMakeRoom) {
   p.add(4, 0);
   ASSERT_EQ(a.take_admissions().size(), 1u);
   ASSERT_EQ(a.residency(4), Residency::swapped);
-  std::vector<SwapBuffer> out;
-  ASSERT_TRUE(a.begin_swap_out(2, out));
-  p.swap_started(2, 1);
-  a.finish_swap_out(2, 1);
-  p.swap_out_done(2, 45 * M, 1'000'000, 1, true);
+  swap_out_now(a, p, 2, 1, 1'000'000);
+  if (HasFatalFailure()) return;
   const TimeNs q = p.cost().quantum_ns(45 * M);
   ASSERT_LT(a.resident_room(), 60 * M);
   ASSERT_GE(a.resident_room(), 45 * M);
@@ -362,11 +367,8 @@ TEST(ResidencyPlanner, AVictimThatNeverLeavesHoldsUpTheOthersOnlyForAWhile) {
   EXPECT_TRUE(p.plan(a, {3}, yes, stuck - 1).swap_out.empty());
   EXPECT_EQ(p.plan(a, {3}, yes, stuck).swap_out, std::vector<SessionId>{1});
   EXPECT_TRUE(p.evicting(2));
-  std::vector<SwapBuffer> out;
-  ASSERT_TRUE(a.begin_swap_out(1, out));
-  p.swap_started(1, stuck);
-  a.finish_swap_out(1, stuck);
-  p.swap_out_done(1, 45 * M, 10'000'000, stuck, true);
+  swap_out_now(a, p, 1, stuck, 10'000'000);
+  if (HasFatalFailure()) return;
   EXPECT_EQ(p.plan(a, {3}, yes, stuck).swap_in, std::optional<SessionId>{3});
   EXPECT_EQ(a.check_invariants(), "");
 }

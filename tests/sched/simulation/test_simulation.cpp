@@ -41,6 +41,29 @@ sc::TraceJob owned(sc::TraceJob j, std::string user) {
   return j;
 }
 
+// Seeded random traces: each figure drawn uniformly from [lo, lo + spread).
+struct Draw {
+  std::uint32_t lo, spread;
+};
+struct RandomJobs {
+  Draw jobs, users, arrival_ms, iter_ms, iters, persistent_mb, ephemeral_mb;
+};
+std::vector<sc::TraceJob> random_trace(std::uint32_t seed, const RandomJobs& r) {
+  std::mt19937 rng(seed);
+  auto draw = [&](Draw d) { return d.lo + rng() % d.spread; };
+  const std::uint32_t jobs = draw(r.jobs), users = draw(r.users);
+  std::vector<sc::TraceJob> t;
+  for (std::uint32_t i = 0; i < jobs; ++i) {
+    const double arrival_s = draw(r.arrival_ms) / 1000.0, iter_ms = draw(r.iter_ms);
+    const std::uint64_t iters = draw(r.iters);
+    const double util = 0.1 + (rng() % 90) / 100.0;
+    const double p_mb = draw(r.persistent_mb), e_mb = draw(r.ephemeral_mb);
+    t.push_back(owned(job(fmt::format("j{}", i), arrival_s, iter_ms, iters, util, p_mb, e_mb),
+                      fmt::format("u{}", rng() % users)));
+  }
+  return t;
+}
+
 struct RunSpec {
   PolicyKind policy = PolicyKind::fifo;
   LaneModel lanes = LaneModel::automatic;
@@ -255,14 +278,8 @@ TEST(SimFairShare, FairByUserAcrossLanesHoldsBackAUserAhead) {
 // must follow: this found that it did not.)
 TEST(SimFairShare, RandomTracesWithUsersRunToTheEnd) {
   for (std::uint32_t seed = 1; seed <= 30; ++seed) {
-    std::mt19937 rng(seed);
-    std::vector<sc::TraceJob> t;
-    const int jobs = 6 + static_cast<int>(rng() % 15), users = 2 + static_cast<int>(rng() % 3);
-    for (int i = 0; i < jobs; ++i)
-      t.push_back(
-          owned(job(fmt::format("j{}", i), (rng() % 2000) / 1000.0, 1 + rng() % 20, 1 + rng() % 80,
-                    0.1 + (rng() % 90) / 100.0, 100 + rng() % 3000, 100 + rng() % 6000),
-                fmt::format("u{}", rng() % users)));
+    const std::vector<sc::TraceJob> t = random_trace(
+        seed, {{6, 15}, {2, 3}, {0, 2000}, {1, 20}, {1, 80}, {100, 3000}, {100, 6000}});
     for (const auto f : {sc::FairShare::owner, sc::FairShare::owner_across_lanes})
       for (const auto lanes : {LaneModel::shared, LaneModel::algorithm1})
         for (std::uint32_t gpus : {1u, 2u}) {
@@ -337,18 +354,12 @@ TEST(SimOversubscribe, ASwappedNewcomerIsSwappedInWithinAFewRoundsOfItsLane) {
 // GPUs: every job finishes. It found GPUs idle for ever with every session swapped
 // out, each needing more than the lanes had left: lanes had grown into the room the
 // sessions needed to come back (now bounded by GpuArena's lane_growth_left; without
-// that, seed 2 stalls even under FIFO). The engine throws on a stall instead of
-// running on for ever.
+// that, seed 7 stalls under SRTF). The engine throws on a stall instead of running
+// on for ever.
 TEST(SimOversubscribe, RandomTracesRunToTheEnd) {
   for (std::uint32_t seed = 1; seed <= 20; ++seed) {
-    std::mt19937 rng(seed);
-    std::vector<sc::TraceJob> t;
-    const int jobs = 8 + static_cast<int>(rng() % 16), users = 1 + static_cast<int>(rng() % 3);
-    for (int i = 0; i < jobs; ++i)
-      t.push_back(owned(
-          job(fmt::format("j{}", i), (rng() % 60000) / 1000.0, 5 + rng() % 500, 1 + rng() % 300,
-              0.1 + (rng() % 90) / 100.0, 30 + rng() % 870, 500 + rng() % 12500),
-          fmt::format("u{}", rng() % users)));
+    const std::vector<sc::TraceJob> t = random_trace(
+        seed, {{8, 16}, {1, 3}, {0, 60000}, {5, 500}, {1, 300}, {30, 870}, {500, 12500}});
     for (double ratio : {1.25, 2.0})
       for (const auto lanes : {LaneModel::shared, LaneModel::algorithm1})
         for (std::uint32_t gpus : {1u, 2u})
