@@ -354,7 +354,8 @@ bool LineParser::parse_need(Command& out) {
 }
 
 bool LineParser::parse_attach(Command& out) {
-  static constexpr std::array<std::string_view, 3> kKeys = {"gate=", "bell=", "lane="};
+  static constexpr std::array<std::string_view, 4> kKeys = {
+      "gate=", "bell=", "lane=", "lane_room="};
   auto& cmd = out.emplace<vgpu::AttachCmd>();
   Options<kKeys.size()> opts{kKeys};
   for (std::string_view token = next(); !token.empty(); token = next()) {
@@ -362,11 +363,15 @@ bool LineParser::parse_attach(Command& out) {
     std::string_view value;
     if (!option(token, opts, i, value)) return false;
     std::uint64_t n = 0;
-    if (!unsigned_num(value, kKeys[i], 0, INT32_MAX, n)) return false;
-    (i == 0 ? cmd.gate_fd : i == 1 ? cmd.bell_fd : cmd.lane_fd) = static_cast<int>(n);
+    if (!unsigned_num(value, kKeys[i], 0, i == 3 ? 1 : INT32_MAX, n)) return false;
+    if (i == 3)
+      cmd.lane_room = n == 1;
+    else
+      (i == 0 ? cmd.gate_fd : i == 1 ? cmd.bell_fd : cmd.lane_fd) = static_cast<int>(n);
   }
   if (!opts.has(0)) return fail(EINVAL, "attach: missing gate=");
   if (!opts.has(1)) return fail(EINVAL, "attach: missing bell=");
+  if (cmd.lane_room && !opts.has(2)) return fail(EINVAL, "attach: lane_room=1 without lane=");
   return true;
 }
 

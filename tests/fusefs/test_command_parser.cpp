@@ -86,6 +86,18 @@ TEST(CommandParser, NeedGpuAnyAndLimits) {
   EXPECT_EQ(c->attached, false);
 }
 
+TEST(CommandParser, AttachWithTheLaneAsRoom) {
+  auto r = parse_commands("attach gate=3 bell=4 lane=5 lane_room=1");
+  auto* c = single<vgpu::AttachCmd>(r);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->lane_fd, 5);
+  EXPECT_TRUE(c->lane_room);
+  r = parse_commands("attach gate=3 bell=4 lane=5");
+  c = single<vgpu::AttachCmd>(r);
+  ASSERT_NE(c, nullptr);
+  EXPECT_FALSE(c->lane_room);
+}
+
 TEST(CommandParser, AllocAndFree) {
   auto r = parse_commands("alloc weights 64M");
   const auto* a = single<vgpu::AllocCmd>(r);
@@ -516,6 +528,10 @@ const BadCase kBadCases[] = {
     {"BadNeedName", "need persistent=1 ephemeral=1 name=a:b", EINVAL, 1, "'a:b' for name="},
     {"BadNeedKind", "need persistent=1 ephemeral=1 kind=gpu", EINVAL, 1,
      "need: bad kind 'gpu': expected hosted or attached"},
+    {"LaneRoomWithoutLane", "attach gate=3 bell=4 lane_room=1", EINVAL, 1,
+     "attach: lane_room=1 without lane="},
+    {"LaneRoomNotABool", "attach gate=3 bell=4 lane=5 lane_room=2", ERANGE, 1,
+     "'2' for lane_room="},
     {"EndX0", "end x0", ERANGE, 1, "'0' for end xN"},
     {"EndWithoutX", "end 3", EINVAL, 1, "'3' (expected xN)"},
     {"EndBareX", "end x", EINVAL, 1, "for end xN"},

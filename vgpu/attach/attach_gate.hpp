@@ -112,6 +112,7 @@ struct AttachedGate {
   UniqueFd lane_sock;
   std::uint32_t lane_sent = 0;  // the lane memory generation whose fd was sent
   bool lane_off = false;        // the lane failed for this session: granted without it
+  bool lane_room = false;       // takes the lane as room, not memory (attach lane_room=1)
   // The pending request came from the residency planner (Broker::swap_out/swap_in),
   // not from /salus/ctl: its answer completes the residency bookkeeping.
   bool swap_for_residency = false;

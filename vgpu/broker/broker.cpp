@@ -398,7 +398,10 @@ std::uint64_t Broker::submit(
       taken.gate = std::make_unique<AttachedGate>();
       taken.error =
           take_gate(caller.pid, at->gate_fd, at->bell_fd, at->lane_fd, *taken.gate, taken.why);
-      if (taken.error) taken.gate.reset();
+      if (taken.error)
+        taken.gate.reset();
+      else
+        taken.gate->lane_room = at->lane_room;
       attach_gates.emplace(i, std::move(taken));
     }
   }

@@ -559,6 +559,7 @@ class Broker {
   // (off the lock, through `later`) or hands it over, and says false until s
   // holds it.
   bool lane_ready(Gpu& g, Session& s, Deferred& later);
+  bool grant_lane_room(Gpu& g, Session& s, Bytes room);  // lane_room=1: the lane as room
   // Whether nobody else holds the lane for s (asking the holder to yield).
   bool lane_free_for(SharedLane& L, Session& s);
   // Whether a session other than `other_than` asked for the lane and still

@@ -217,13 +217,14 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   gate_store(G.state, SALUS_GATE_ATTACHED);
   s.gate->wake();
   const Bytes own = s.need.persistent + (shares_lane(s) ? 0 : s.need.ephemeral);
-  log(s, fmt::format("line {}: attached gate={} bell={} of pid {}: gpu {}, budget {}{}{}", ln,
-                     c.gate_fd, c.bell_fd, s.gate->pid, g.index,
-                     own == 0 ? std::string("unlimited") : arena::format_size(own),
-                     context_reserve_note(s),
-                     shares_lane(s) ? fmt::format(", shared lane lane={} ({} ephemeral)", c.lane_fd,
-                                                  arena::format_size(s.need.ephemeral))
-                                    : std::string()));
+  log(s, fmt::format(
+             "line {}: attached gate={} bell={} of pid {}: gpu {}, budget {}{}{}", ln, c.gate_fd,
+             c.bell_fd, s.gate->pid, g.index,
+             own == 0 ? std::string("unlimited") : arena::format_size(own), context_reserve_note(s),
+             shares_lane(s) ? fmt::format(", shared lane lane={} ({} ephemeral{})", c.lane_fd,
+                                          arena::format_size(s.need.ephemeral),
+                                          c.lane_room ? ", as room for its cuMemCreate" : "")
+                            : std::string()));
   note_memory_outside_arena(g, s, ln);
   // Re-place the need as an attached one; admission may wait.
   const arena::ArenaError err = g.sched.change_need(s.id, need, std::nullopt, now());

@@ -103,6 +103,7 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
     if (o && o->gpu == s.gpu && shares_lane(*o)) want = std::max(want, o->need.ephemeral);
   }
   want = lane_bytes_for(std::max<Bytes>(want, 1));
+  if (gt.lane_room) return grant_lane_room(g, s, want);
   Gpu* gp = &g;
   const SessionId next = s.id;
   if (!L.memory || L.bytes < want) {
@@ -135,6 +136,25 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
   L.dirty_uid = s.uid;
   gate_store(gt.g().lane_bytes, std::uint64_t{L.bytes});
   gate_store(gt.g().lane_grant, L.generation);
+  return true;
+}
+
+bool Broker::grant_lane_room(Gpu& g, Session& s, Bytes room) {
+  // The holder makes its own memory within `room` (its cuMemCreate, charged
+  // to the lane by its shim) and clears it before its yield report: salusd
+  // holds none meanwhile, or the lane would be on the card twice. Nobody maps
+  // salusd's memory now (lane_free_for), so it goes; the next memory holder
+  // gets fresh, cleared memory.
+  SharedLane& L = g.shared_lane;
+  drop_memory(*g.device, L);
+  if (L.generation == 0) L.generation = 1;
+  if (L.holder != s.id) ++L.handovers;
+  L.holder = s.id;
+  if (L.asker == s.id) L.asker = 0;
+  L.release_asked = false;
+  L.dirty_uid.reset();
+  gate_store(s.gate->g().lane_bytes, std::uint64_t{room});
+  gate_store(s.gate->g().lane_grant, L.generation);
   return true;
 }
 
@@ -228,6 +248,7 @@ void Broker::lane_detach(Session& s) {
     if (!gone && gate_load(s.gate->g().lane_held) != 0) {
       // Alive and maybe still mapped: never hand this memory to anyone again.
       drop_memory(*g->device, L);
+      ++L.generation;  // a room holder's next grant tells it its room was given up
       ++L.abandoned;
       log(s,
           "shared lane: the program let go of the gate with the lane mapped; its memory "
@@ -249,11 +270,16 @@ void Broker::lane_tick(Gpu& g, TimeNs t) {
   SharedLane& L = g.shared_lane;
   if (!L.release_asked || t - L.release_asked_at < kLaneReleaseLimitNs) return;
   Session* h = get(L.holder);
-  if (h)
+  if (h && h->gate && h->gate->lane_room)
+    log(*h, fmt::format("shared lane: no yield report within {} s; the room this program holds "
+                        "in the lane is abandoned to it (its segments stay its own, uncharged)",
+                        kLaneReleaseLimitNs / 1'000'000'000));
+  else if (h)
     log(*h, fmt::format("shared lane: no yield report within {} s; the lane memory is abandoned "
                         "to this program and the lane gets fresh memory",
                         kLaneReleaseLimitNs / 1'000'000'000));
   drop_memory(*g.device, L);
+  ++L.generation;  // a room holder's next grant tells it its room was given up
   ++L.abandoned;
   L.holder = 0;
   L.release_asked = false;

@@ -253,6 +253,8 @@ void Broker::render_lane_status(const Session& s, const Gpu& g, std::string& o) 
                                         : L.holder == s.id ? "held"
                                                            : "free");
   if (!on) return;
+  // room: its own cuMemCreate is charged to the lane (SALUS_SHARED_LANE=segments).
+  o += fmt::format("lane_use: {}\n", s.gate->lane_room ? "room" : "memory");
   o += fmt::format(
       "lane_memory: {}\nlane_handovers: {}\nlane_clears: {}\nlane_clear_ms: {:.3f}\n"
       "lane_yield_wait_ms: {:.3f}\nlane_abandoned: {}\n",

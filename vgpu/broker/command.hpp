@@ -127,10 +127,14 @@ struct TransferCmd {
 // are file descriptors of the writer, taken with pidfd_getfd. lane=FD
 // (optional): the writer's end of a SOCK_SEQPACKET Unix socket pair that opts
 // the session into its lane's shared memory (client/salus_gate.h).
+// lane_room=1 (with lane=): the program takes the lane as room for its own
+// cuMemCreate (SALUS_SHARED_LANE=segments), so salusd holds no lane memory
+// while it holds the lane.
 struct AttachCmd {
   int gate_fd = -1;
   int bell_fd = -1;
   int lane_fd = -1;
+  bool lane_room = false;
 };
 
 using Command = std::variant<NeedCmd, AllocCmd, FreeCmd, BeginCmd, EndCmd, RunCmd, FillCmd, CopyCmd,

@@ -89,9 +89,16 @@ struct Program {
     for (int fd : {memfd, bell, sock[0], sock[1], lane_fd})
       if (fd >= 0) close(fd);
   }
+  bool room = false;  // attach lane_room=1: the lane as room (SALUS_SHARED_LANE=segments)
   std::string attach() const {
     return sock[1] < 0 ? fmt::format("attach gate={} bell={}\n", memfd, bell)
-                       : fmt::format("attach gate={} bell={} lane={}\n", memfd, bell, sock[1]);
+                       : fmt::format("attach gate={} bell={} lane={}{}\n", memfd, bell, sock[1],
+                                     room ? " lane_room=1" : "");
+  }
+  // Whether salusd sent lane memory on the socket (a room holder gets none).
+  bool memory_sent() const {
+    char buf[sizeof(salus_lane_msg)];
+    return recv(sock[0], buf, sizeof buf, MSG_DONTWAIT | MSG_PEEK) > 0;
   }
   void ring() const {
     const std::uint64_t one = 1;
@@ -376,4 +383,82 @@ TEST(SharedLane, ALargerNeedGetsLargerMemoryOnceTheLaneIsFree) {
   ASSERT_TRUE(a.take_lane());
   EXPECT_EQ(a.msg.generation, c.msg.generation);
   EXPECT_EQ(ld(a.g->lane_bytes), std::uint64_t{64} << 20);
+}
+
+TEST(SharedLane, ARoomHolderGetsTheLanesSizeAndSalusdHoldsNoMemoryMeanwhile) {
+  auto b = make_broker();
+  Program a, r;
+  r.room = true;
+  const SessionId ia = attached(*b, a, user(1000));
+  const SessionId ir = attached(*b, r, user(1001));
+  EXPECT_NE(b->render_log(ir).find("as room for its cuMemCreate"), std::string::npos)
+      << b->render_log(ir);
+  EXPECT_NE(b->render_status(ir).find("lane_use: room"), std::string::npos);
+  EXPECT_NE(b->render_status(ia).find("lane_use: memory"), std::string::npos);
+  // a holds the lane memory; r waits for it, a yields.
+  a.request(1);
+  ASSERT_TRUE(a.granted(1));
+  ASSERT_TRUE(a.take_lane());
+  std::memset(a.bytes(), 0x5a, a.msg.bytes);
+  r.request(1);
+  a.request(2);
+  a.complete(1);
+  ASSERT_TRUE(eventually([&] { return ld(a.g->lane_grant) == 0u; }));
+  EXPECT_FALSE(r.granted(1, 100ms)) << "granted before the holder's yield report";
+  a.yield_lane();
+  // r gets the lane as room: its size, no memory of salusd's (dropped: the
+  // card holds r's own segments in its place).
+  ASSERT_TRUE(r.granted(1)) << b->render_log(ir);
+  EXPECT_NE(ld(r.g->lane_grant), 0u);
+  EXPECT_EQ(ld(r.g->lane_bytes), std::uint64_t{32} << 20);
+  EXPECT_FALSE(r.memory_sent());
+  EXPECT_NE(b->render_status(ir).find("shared_lane: held\nlane_use: room\nlane_memory: 0\n"),
+            std::string::npos)
+      << b->render_status(ir);
+  // r takes room (as its shim does: lane_held = the grant), then a waits for it.
+  st(r.g->lane_held, ld(r.g->lane_grant));
+  r.request(2);
+  r.complete(1);
+  ASSERT_TRUE(eventually([&] { return ld(r.g->lane_grant) == 0u; })) << b->render_log(ir);
+  EXPECT_FALSE(a.granted(2, 100ms)) << "granted before the room holder's yield report";
+  st(r.g->lane_held, 0u);
+  r.ring();
+  // a gets fresh memory: a new generation, cleared (r's uid differs, and the
+  // memory is new anyway).
+  ASSERT_TRUE(a.granted(2)) << b->render_log(ia);
+  const std::uint32_t before = a.msg.generation;
+  ASSERT_TRUE(a.take_lane());
+  EXPECT_GT(a.msg.generation, before);
+  EXPECT_EQ(a.bytes()[0], 0);
+}
+
+TEST(SharedLane, ARoomHolderThatNeverReportsLosesTheRoomAndItsNextGrantSaysSo) {
+  auto b = make_broker();
+  Program r, c;
+  r.room = true;
+  const SessionId ir = attached(*b, r, user(1000));
+  attached(*b, c, user(1000));
+  r.request(1);
+  ASSERT_TRUE(r.granted(1));
+  const std::uint32_t first = ld(r.g->lane_grant);
+  st(r.g->lane_held, first);
+  c.request(1);
+  r.request(2);
+  r.complete(1);
+  ASSERT_TRUE(eventually([&] { return ld(r.g->lane_grant) == 0u; }));
+  // No report: after 2 s the room is abandoned to r and c gets the lane.
+  ASSERT_TRUE(c.granted(1, 4000ms)) << b->render_log(ir);
+  EXPECT_NE(b->render_log(ir).find("the room this program holds in the lane is abandoned"),
+            std::string::npos)
+      << b->render_log(ir);
+  ASSERT_TRUE(c.take_lane());
+  // When r has the lane again its grant differs from the one it still
+  // reports: its shim then knows its segments are its own, uncharged.
+  c.request(2);
+  c.complete(1);
+  ASSERT_TRUE(eventually([&] { return ld(c.g->lane_grant) == 0u; })) << b->render_log(ir);
+  c.yield_lane();
+  ASSERT_TRUE(r.granted(2)) << b->render_log(ir);
+  EXPECT_NE(ld(r.g->lane_grant), 0u);
+  EXPECT_NE(ld(r.g->lane_grant), first);
 }
