@@ -88,14 +88,16 @@ def _shim_functions():
 
 
 def lane_release():
-    """With SALUS_SHARED_LANE=alloc: PyTorch's cached GPU memory goes back to the
-    shared lane before the boundary (synchronize, then empty_cache), so that only
+    """With SALUS_SHARED_LANE=alloc or segments: PyTorch's cached GPU memory goes
+    back to the shared lane before the boundary (synchronize, then empty_cache), so that only
     segments holding live tensors are promoted to the program's own memory.
     Nothing without torch imported or before CUDA is initialised. step() and
     salus-run's automatic marks call it before every boundary."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
-    if os.environ.get("SALUS_SHARED_LANE") != "alloc" or cuda is None or not cuda.is_initialized():
+    if os.environ.get("SALUS_SHARED_LANE") not in ("alloc", "segments"):
+        return
+    if cuda is None or not cuda.is_initialized():
         return
     try:  # never synchronize inside CUDA graph capture: it would invalidate it
         if cuda.is_current_stream_capturing():
@@ -110,7 +112,7 @@ def step():
     """An iteration boundary: ends the running iteration and returns once salusd
     grants the next one. Returns 0, or -errno when the program is not attached
     (it then runs ungated). Without the shim: a warning the first time, then 0.
-    With SALUS_SHARED_LANE=alloc, PyTorch's cached GPU memory is released first
+    With SALUS_SHARED_LANE=alloc or segments, PyTorch's cached GPU memory is released first
     (torch.cuda.synchronize() and torch.cuda.empty_cache())."""
     fns = _shim_functions()
     if fns:

@@ -490,12 +490,16 @@ int run(const Ctx& ctx, const RunOptions& o) {
   env.shared_lane = o.shared_lane;
   if (o.shared_lane == "alloc")
     for (const char* var : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"})
-      if (const char* conf = std::getenv(var); conf && expandable_segments_on(conf))
-        warn(fmt::format(
-            "warning: {}={}: expandable segments allocate with cuMemCreate, which the shared lane "
-            "does not serve; that memory is charged to the persistent budget (--persistent), so "
-            "leave expandable_segments off with --shared-lane=alloc",
-            var, conf));
+      if (const char* conf = std::getenv(var); conf && expandable_segments_on(conf)) {
+        // Its allocator makes every segment with cuMemCreate, which the memory
+        // lane cannot hand out: the lane is room for them instead.
+        env.shared_lane = "segments";
+        if (o.verbose)
+          warn(
+              fmt::format("salus-run: {}={}: expandable segments allocate with cuMemCreate, so "
+                          "the shared lane serves them as room (--shared-lane=segments)",
+                          var, conf));
+      }
   if (env.automark) {
     const auto d = find_data("automark", "sitecustomize.py", SALUS_AUTOMARK_SOURCE);
     if (!d) fail("the PyTorch automark (sitecustomize.py) is not installed; use --no-automark");

@@ -91,8 +91,11 @@ std::optional<std::string> parse_args(int argc, char** argv, RunOptions& o, std:
                "Take ephemeral memory from the GPU's shared lane: --ephemeral then counts once "
                "for the lane. Alone (or =1): salus_lane_alloc only (SALUS_SHARED_LANE=1); "
                "--shared-lane=alloc: cuMemAlloc too, blocks that outlive an iteration "
-               "promoted to the program's own memory (SALUS_SHARED_LANE=alloc)")
-      ->check(CLI::IsMember({"1", "alloc"}));
+               "promoted to the program's own memory (SALUS_SHARED_LANE=alloc), or, with "
+               "PyTorch's expandable_segments on, =segments; --shared-lane=segments: the "
+               "program's own cuMemCreate is made in the lane's room, what outlives an "
+               "iteration charged as persistent (SALUS_SHARED_LANE=segments)")
+      ->check(CLI::IsMember({"1", "alloc", "segments"}));
   app.add_flag("--no-automark", o.no_automark,
                "Do not mark PyTorch iterations automatically (explicit salus.step() only)");
   app.add_option("-m,--mount", mount, "Where salusd is mounted (default $SALUS_MOUNT or /salus)");

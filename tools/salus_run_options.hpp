@@ -23,7 +23,8 @@ struct RunOptions {
   std::optional<unsigned> mps_threads;
   std::vector<std::string> hints;  // --policy-hint KEY=VALUE, appended to `need`
   bool retry_on_oom = false, no_automark = false, verbose = false;
-  // --shared-lane[=alloc]: SALUS_SHARED_LANE for the program ("1", "alloc"; empty: off)
+  // --shared-lane[=alloc|segments]: SALUS_SHARED_LANE for the program ("1", "alloc",
+  // "segments"; empty: off)
   std::string shared_lane;
   std::vector<std::string> command;
 };
@@ -51,7 +52,7 @@ std::pair<unsigned long long, unsigned long long> measured_need(unsigned long lo
 // Whether a PyTorch allocator setting (PYTORCH_CUDA_ALLOC_CONF or
 // PYTORCH_ALLOC_CONF: comma-separated KEY:VALUE) turns expandable segments on.
 // Their memory is the program's own cuMemCreate, which --shared-lane=alloc does
-// not serve, so salus-run warns.
+// not serve, so salus-run gives such a program the lane as room (segments).
 bool expandable_segments_on(std::string_view alloc_conf);
 
 // The mount point without trailing slashes, made absolute from the cwd.

@@ -25,7 +25,7 @@ The marker is libsalus-shim.so's salus_step(), found with ctypes in the process
 (the shim is LD_PRELOADed by salus-run). Without it, enable() warns once and
 installs nothing.
 
-With SALUS_SHARED_LANE=alloc (salus-run --shared-lane=alloc), each boundary
+With SALUS_SHARED_LANE=alloc or segments (salus-run --shared-lane=alloc), each boundary
 first hands PyTorch's cached GPU memory back: once CUDA is initialised,
 torch.cuda.synchronize() and then torch.cuda.empty_cache(). The caching
 allocator keeps freed blocks cached, so without it nothing allocated in an
@@ -56,10 +56,10 @@ def shim_marker():
 
 
 def releasing(mark):
-    """`mark` preceded by salus.lane_release() when SALUS_SHARED_LANE=alloc: the
+    """`mark` preceded by salus.lane_release() when SALUS_SHARED_LANE=alloc or segments: the
     client module's, which salus.step() runs too (salus-run puts both on
     PYTHONPATH)."""
-    if os.environ.get("SALUS_SHARED_LANE") != "alloc":
+    if os.environ.get("SALUS_SHARED_LANE") not in ("alloc", "segments"):
         return mark
     try:
         import salus

@@ -464,8 +464,8 @@ bool try_attach(Client& c, bool reattach) {
     const int lane = lane_socket_for_attach();  // -1 unless SALUS_SHARED_LANE=1
     const int len =
         lane < 0 ? std::snprintf(line, sizeof line, "attach gate=%d bell=%d\n", c.memfd, bell)
-                 : std::snprintf(line, sizeof line, "attach gate=%d bell=%d lane=%d\n", c.memfd,
-                                 bell, lane);
+                 : std::snprintf(line, sizeof line, "attach gate=%d bell=%d lane=%d%s\n", c.memfd,
+                                 bell, lane, lane_room_mode() ? " lane_room=1" : "");
     if (::write(ctl, line, static_cast<std::size_t>(len)) != len) err = errno != 0 ? errno : EIO;
     lane_attach_done(err == 0);
   }

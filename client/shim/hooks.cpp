@@ -21,6 +21,7 @@
 #include <mutex>
 #include <new>
 #include <unordered_map>
+#include <vector>
 
 #include "client/shim/shim.hpp"
 
@@ -157,6 +158,15 @@ std::uint64_t unmap_locked(Vmm& v, CUmemGenericAllocationHandle h) {
 
 std::uint64_t charged_now() {
   return g_charged.load(std::memory_order_acquire);
+}
+
+void vmm_adopt(CUmemGenericAllocationHandle h, std::uint64_t bytes, int refs,
+               const std::vector<CUdeviceptr>& mapped_at) {
+  Vmm& v = vmm();
+  std::lock_guard lk(v.mu);
+  Handle& rec = v.handles[h];
+  rec = Handle{bytes, refs, static_cast<int>(mapped_at.size()), refs == 0};
+  for (CUdeviceptr p : mapped_at) v.mappings[p] = h;
 }
 
 // Charges n bytes, or refuses if that would pass the budget: with `what`, a
@@ -357,12 +367,18 @@ extern "C" SALUS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* h, st
   // Only device-located memory counts against the GPU budget (host VMM does not).
   const bool on_device = prop != nullptr && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
   const std::uint64_t bytes = on_device ? n : 0;
-  // With SALUS_SHARED_LANE=alloc the budget is the persistent need alone: say
-  // why memory the program means as ephemeral (expandable segments) ran out.
-  const char* what = lane_serves_allocs()
-                         ? "cuMemCreate, which the shared lane does not serve: PyTorch's "
-                           "expandable_segments memory is charged as persistent"
-                         : "cuMemCreate";
+  // SALUS_SHARED_LANE=segments: made uncharged in the lane's room while the
+  // program holds it (lane_room.cpp).
+  if (CUresult rr; on_device && room_create(h, n, prop, flags, &rr)) return rr;
+  // With a shared lane the budget is the persistent need alone: say why
+  // memory the program means as ephemeral (expandable segments) ran out.
+  const char* what =
+      lane_serves_allocs() ? "cuMemCreate, which SALUS_SHARED_LANE=alloc does not serve "
+                             "(=segments does): PyTorch's expandable_segments memory is charged "
+                             "as persistent"
+      : lane_room_active() ? "cuMemCreate past the shared lane's room, or while the lane is not "
+                             "held: charged as persistent"
+                           : "cuMemCreate";
   if (bytes > 0 && !charge(bytes, what)) return CUDA_ERROR_OUT_OF_MEMORY;
   // Movable (SALUS_SWAP=1): the program gets a handle of the shim's.
   const bool own = program_handle_wanted(prop, flags);
@@ -380,6 +396,7 @@ extern "C" SALUS_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle* h, st
 
 extern "C" SALUS_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
   CUresult r;
+  if (room_release(h, &r)) return r;  // the lane's room keeps it
   if (is_program_handle(h)) {
     r = program_handle_release(h);
   } else {
@@ -416,6 +433,7 @@ extern "C" SALUS_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocat
     r = f(h, addr);
   }
   if (r != CUDA_SUCCESS || h == nullptr) return r;
+  room_retained(*h);
   Vmm& v = vmm();
   std::lock_guard lk(v.mu);
   if (auto it = v.handles.find(*h); it != v.handles.end()) ++it->second.refs;
@@ -433,7 +451,7 @@ extern "C" SALUS_EXPORT CUresult cuMemMap(CUdeviceptr p, std::size_t n, std::siz
     if (f == nullptr) return CUDA_ERROR_NOT_INITIALIZED;
     r = f(p, n, off, h, flags);
   }
-  if (r != CUDA_SUCCESS) return r;
+  if (r != CUDA_SUCCESS || room_mapped(p, n, h)) return r;
   Vmm& v = vmm();
   std::lock_guard lk(v.mu);
   auto it = v.handles.find(h);
@@ -452,6 +470,7 @@ extern "C" SALUS_EXPORT CUresult cuMemUnmap(CUdeviceptr p, std::size_t n) {
     r = f(p, n);
   }
   if (r != CUDA_SUCCESS) return r;
+  room_unmapped(p, n);
   std::uint64_t refunded = 0;
   {
     Vmm& v = vmm();

@@ -67,6 +67,7 @@ const LaneDriver& lane_driver() {
     get("cuEventSynchronize", r.event_synchronize);
     get("cuEventDestroy", r.event_destroy);
     r.events_ok = ok && r.ok;
+    get("cuMemsetD8Async", r.memset_async);
     return r;
   }();
   return v;
@@ -94,13 +95,14 @@ using namespace lane_detail;
 
 Lane g_lane;  // trivially destructible: hooks may run after static destructors
 
-enum class Mode { kOff, kExplicit, kAlloc };
+enum class Mode { kOff, kExplicit, kAlloc, kSegments };
 Mode mode() {
   static const Mode m = [] {
     const char* v = std::getenv("SALUS_SHARED_LANE");
     if (v == nullptr) return Mode::kOff;
     if (std::strcmp(v, "1") == 0) return Mode::kExplicit;
     if (std::strcmp(v, "alloc") == 0) return Mode::kAlloc;
+    if (std::strcmp(v, "segments") == 0) return Mode::kSegments;
     return Mode::kOff;
   }();
   return m;
@@ -353,6 +355,7 @@ void lane_attach_done(bool ok) {
 void serve_lane(salus_gate* g, bool granted) {
   Lane& L = g_lane;
   if (!L.on.load(std::memory_order_acquire)) return;  // not opted in
+  if (mode() == Mode::kSegments) return room_serve(g);
   std::lock_guard lk(L.mu);
   const std::uint32_t grant = __atomic_load_n(&g->lane_grant, __ATOMIC_ACQUIRE);
   if (L.mapped_gen != 0 && grant != L.mapped_gen) {
@@ -376,6 +379,7 @@ void serve_lane(salus_gate* g, bool granted) {
 std::size_t lane_boundary() {
   Lane& L = g_lane;
   if (!L.on.load(std::memory_order_acquire)) return 0;
+  if (mode() == Mode::kSegments) return room_boundary(), 0;
   std::lock_guard lk(L.mu);
   // Every salus_lane_alloc block ends at the boundary; cuMemAlloc blocks are
   // promoted (or, if that fails, stay, and so does the mapping).
@@ -383,6 +387,14 @@ std::size_t lane_boundary() {
   if (L.mapped_gen != 0) reclaim_locked(L, true);
   if (L.nblocks > 0 && L.mapped_gen != 0) promote_locked(L);
   return ended;
+}
+
+bool lane_room_mode() {
+  return mode() == Mode::kSegments;
+}
+
+bool lane_room_active() {
+  return mode() == Mode::kSegments && g_lane.on.load(std::memory_order_acquire);
 }
 
 bool lane_serves_allocs() {
@@ -460,6 +472,7 @@ bool lane_try_free_async(CUdeviceptr p, CUstream stream, CUresult* r) {
 
 void lane_detach(salus_gate* g) {
   Lane& L = g_lane;
+  if (mode() == Mode::kSegments && L.on.load(std::memory_order_acquire)) room_detach(g);
   std::lock_guard lk(L.mu);
   let_go_locked(L);
   drop_handle_locked(L);
@@ -480,6 +493,7 @@ void lane_forget_in_child() {
   L.peer = -1;
   L.mapped_gen = 0;
   L.nblocks = 0;
+  room_forget_in_child();
 }
 
 }  // namespace salus::shim

@@ -36,6 +36,9 @@ struct LaneDriver {
   CUresult (*granularity)(std::size_t*, const CUmemAllocationProp*,
                           CUmemAllocationGranularity_flags) = nullptr;
   CUresult (*copy)(CUdeviceptr, CUdeviceptr, std::size_t) = nullptr;  // cuMemcpyDtoD_v2
+  // For clearing the room's spares (lane_room.cpp), on the context's NULL
+  // stream, then a synchronize; null: they go back uncleared (noted).
+  CUresult (*memset_async)(CUdeviceptr, unsigned char, std::size_t, CUstream) = nullptr;
   // For stream-ordered frees of lane blocks (cuMemFreeAsync); events_ok says all
   // are there, else such a free is a synchronous one.
   bool events_ok = false;

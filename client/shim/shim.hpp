@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "client/salus_gate.h"
 
@@ -263,5 +264,30 @@ bool lane_serves_allocs();
 // salusd let go: unmap and drop everything of the lane.
 void lane_detach(salus_gate* g);
 void lane_forget_in_child();
+// SALUS_SHARED_LANE=segments: the lane is room, not memory (lane_room.cpp).
+bool lane_room_mode();    // opted in so (attach says lane_room=1)
+bool lane_room_active();  // and attached with the lane socket
+
+// ---- lane_room.cpp: the shared lane as room for the program's cuMemCreate ----
+// A cuMemCreate of plain device memory while the program holds the lane:
+// made (or a spare reused) uncharged, within the lane's size. True with *r
+// set; false: the ordinary, charged path.
+bool room_create(CUmemGenericAllocationHandle* h, std::size_t n, const CUmemAllocationProp* prop,
+                 unsigned long long flags, CUresult* r);
+// The program's cuMemRelease of a room handle (true, *r: the answer): the
+// last reference is kept as a spare, not released.
+bool room_release(CUmemGenericAllocationHandle h, CUresult* r);
+void room_retained(CUmemGenericAllocationHandle h);  // after the driver's retain
+// After the driver mapped h at p: true if h is the room's (recorded there).
+bool room_mapped(CUdeviceptr p, std::size_t n, CUmemGenericAllocationHandle h);
+void room_unmapped(CUdeviceptr p, std::size_t n);  // after the driver's unmap
+void room_boundary();                              // live room handles are charged as persistent
+void room_serve(salus_gate* g);   // salusd asked for the lane: clear, release, yield
+void room_detach(salus_gate* g);  // salusd let go
+void room_forget_in_child();
+// hooks.cpp: a handle made elsewhere, charged `bytes` already, is accounted as
+// the program's own from now on (refs references, mapped at those addresses).
+void vmm_adopt(CUmemGenericAllocationHandle h, std::uint64_t bytes, int refs,
+               const std::vector<CUdeviceptr>& mapped_at);
 
 }  // namespace salus::shim

@@ -29,7 +29,18 @@
 // so it exits 3 once the session's log has the shim's note (printed as
 // "log: LINE"; or after 5 s); exit 4 if the handle was made after all.
 //
-// usage: lane_program [--malloc|--async|--pitch|--create] [--keep KMIB] SEED MIB ITERS [HOLD_FILE]
+// --segments: the block is made as PyTorch's expandable segments make theirs
+// (cuMemCreate of device memory with a POSIX-fd handle type, cuMemMap at a
+// reservation, cuMemSetAccess; cuMemUnmap and cuMemRelease to free it), which
+// SALUS_SHARED_LANE=segments serves from the lane's room; with --keep the kept
+// block is made so too. --spy (with --segments): iteration 1 exports its
+// block's handle (POSIX fd) before freeing it, and after every boundary maps
+// that memory through the fd and prints "spy K 0xNN", its first byte: the
+// pattern while the shim keeps the memory for the program, 0 once it went back
+// to the driver (cleared first).
+//
+// usage: lane_program [--malloc|--async|--pitch|--create|--segments [--spy]] [--keep KMIB]
+//                     SEED MIB ITERS [HOLD_FILE]
 #include <cuda.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -66,8 +77,64 @@ struct Cuda {
   CUresult (*stream_create)(CUstream*, unsigned);
   CUresult (*create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
                      unsigned long long);
+  CUresult (*release)(CUmemGenericAllocationHandle);
+  CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*addr_free)(CUdeviceptr, size_t);
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+  CUresult (*unmap)(CUdeviceptr, size_t);
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+  CUresult (*export_fd)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                        unsigned long long);
+  CUresult (*import_fd)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType);
 };
 static Cuda cu;
+
+// One block made as an expandable segment is: its own handle, mapped at a
+// reservation of its own.
+struct Segment {
+  CUmemGenericAllocationHandle handle = 0;
+  CUdeviceptr va = 0;
+  size_t bytes = 0;
+};
+
+static CUresult map_rw(CUdeviceptr va, size_t n, CUmemGenericAllocationHandle h) {
+  if (CUresult r = cu.map(va, n, 0, h, 0)) return r;
+  CUmemAccessDesc rw{};
+  rw.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  rw.location.id = 0;
+  rw.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return cu.set_access(va, n, &rw, 1);
+}
+
+static CUresult segment_alloc(Segment& s, size_t n) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  s.bytes = n;
+  if (CUresult r = cu.create(&s.handle, n, &prop, 0)) return r;
+  if (CUresult r = cu.reserve(&s.va, n, 0, 0, 0)) return r;
+  return map_rw(s.va, n, s.handle);
+}
+
+static CUresult segment_free(Segment& s) {
+  if (CUresult r = cu.unmap(s.va, s.bytes)) return r;
+  if (CUresult r = cu.release(s.handle)) return r;
+  return cu.addr_free(s.va, s.bytes);
+}
+
+// The first byte of the memory behind an exported fd, through a mapping of its own.
+static int spy_first(int fd, size_t n) {
+  CUmemGenericAllocationHandle h = 0;
+  CUdeviceptr va = 0;
+  unsigned char first = 0xff;
+  if (cu.import_fd(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) ||
+      cu.reserve(&va, n, 0, 0, 0) || map_rw(va, n, h) || cu.dtoh(&first, va, 1))
+    exit(2);
+  if (cu.unmap(va, n) || cu.release(h) || cu.addr_free(va, n)) exit(2);
+  return first;
+}
 
 // Checks that d holds pattern (seed, k) over n bytes. 0, or 1 after a message.
 static int check(CUdeviceptr d, size_t n, uint32_t seed, int k, const char* what, int iter) {
@@ -124,6 +191,7 @@ static size_t budget_left() {
 
 int main(int argc, char** argv) {
   bool use_malloc = false, use_async = false, use_pitch = false, use_create = false;
+  bool use_segments = false, spy = false;
   size_t keep = 0;
   int a = 1;
   for (; a < argc && argv[a][0] == '-'; ++a) {
@@ -135,6 +203,10 @@ int main(int argc, char** argv) {
       use_malloc = use_pitch = true;
     } else if (strcmp(argv[a], "--create") == 0) {
       use_create = true;
+    } else if (strcmp(argv[a], "--segments") == 0) {
+      use_segments = true;
+    } else if (strcmp(argv[a], "--spy") == 0) {
+      spy = true;
     } else if (strcmp(argv[a], "--keep") == 0 && a + 1 < argc) {
       keep = static_cast<size_t>(atoi(argv[++a])) << 20;
 
@@ -173,15 +245,28 @@ int main(int argc, char** argv) {
   get("cuMemAllocPitch", cu.alloc_pitch);
   get("cuStreamCreate", cu.stream_create);
   get("cuMemCreate", cu.create);
+  get("cuMemRelease", cu.release);
+  get("cuMemAddressReserve", cu.reserve);
+  get("cuMemAddressFree", cu.addr_free);
+  get("cuMemMap", cu.map);
+  get("cuMemUnmap", cu.unmap);
+  get("cuMemSetAccess", cu.set_access);
+  get("cuMemExportToShareableHandle", cu.export_fd);
+  get("cuMemImportFromShareableHandle", cu.import_fd);
   CUcontext ctx;
   if (init(0) || retain(&ctx, 0) || set(ctx)) return 2;
   CUstream stream = nullptr;
   if (use_async && cu.stream_create(&stream, CU_STREAM_NON_BLOCKING)) return 2;
   const uint32_t kseed = seed + 100;
   CUdeviceptr kept = 0;
+  Segment kept_segment;
+  int spy_fd = -1;
   if (keep > 0) {
     const size_t before = budget_left();
-    if (cu.alloc(&kept, keep)) return 2;
+    if (use_segments ? segment_alloc(kept_segment, keep) != CUDA_SUCCESS
+                     : cu.alloc(&kept, keep) != 0)
+      return 2;
+    if (use_segments) kept = kept_segment.va;
     fill(kept, keep, kseed, 0);
     // Not charged: the shim served it from the lane.
     printf("kept at %#llx %s\n", static_cast<unsigned long long>(kept),
@@ -195,7 +280,14 @@ int main(int argc, char** argv) {
     unsigned long long d = 0;
     int r = 0;
     size_t pitch = 0;
-    if (use_create) {
+    Segment segment;
+    if (use_segments) {
+      r = segment_alloc(segment, bytes) ? -12 : 0;
+      d = segment.va;
+      if (r == 0 && spy && k == 1 &&
+          cu.export_fd(&spy_fd, segment.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0))
+        return 2;
+    } else if (use_create) {
       CUmemAllocationProp prop{};
       prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
       prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -230,16 +322,18 @@ int main(int argc, char** argv) {
     if (check(d, bytes, seed, k, "the iteration's block", k)) return 1;
     printf("verified %d\n", k);
     fflush(stdout);
-    if (use_async    ? cu.free_async(d, stream) != CUDA_SUCCESS
+    if (use_segments ? segment_free(segment) != CUDA_SUCCESS
+        : use_async  ? cu.free_async(d, stream) != CUDA_SUCCESS
         : use_malloc ? cu.free(d) != CUDA_SUCCESS
                      : lane_free(d) != 0)
       return 2;
     step();
     if (keep > 0) printf("free %d %zu\n", k, budget_left());
+    if (spy_fd >= 0) printf("spy %d %#x\n", k, spy_first(spy_fd, bytes));
   }
   if (keep > 0) {
     if (check(kept, keep, kseed, iters, "the kept block", iters + 1)) return 1;
-    if (cu.free(kept)) return 2;
+    if (use_segments ? segment_free(kept_segment) != CUDA_SUCCESS : cu.free(kept) != 0) return 2;
     printf("free end %zu\n", budget_left());
   }
   return 0;

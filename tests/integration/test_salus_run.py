@@ -153,14 +153,16 @@ def test_environment_and_exit_status(salusd):
                   "sh", "-c", 'echo "L=$SALUS_SHARED_LANE"')
     assert r.returncode == 0 and "L=alloc\n" in r.stdout, r
     assert "expandable" not in r.stderr, r
-    # Expandable segments take memory the lane does not serve: said before the run.
+    # Expandable segments allocate with cuMemCreate: the lane serves them as room.
     conf = dict(env(), PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64,expandable_segments:True")
-    r = subprocess.run([SALUS_RUN, "--mount", salusd.mnt, "--shared-lane=alloc", "--persistent",
-                        "1M", "--ephemeral", "1M", "--", "true"], capture_output=True,
+    r = subprocess.run([SALUS_RUN, "--mount", salusd.mnt, "--shared-lane=alloc", "-v",
+                        "--persistent", "1M", "--ephemeral", "1M", "--", "sh", "-c",
+                        'echo "L=$SALUS_SHARED_LANE"'], capture_output=True,
                        text=True, timeout=120, env=conf)
-    assert r.returncode == 0, r
+    assert r.returncode == 0 and "L=segments\n" in r.stdout, r
     assert ("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64,expandable_segments:True: expandable "
-            "segments allocate with cuMemCreate, which the shared lane does not serve") in r.stderr, r
+            "segments allocate with cuMemCreate, so the shared lane serves them as room") \
+        in r.stderr, r
     r = salus_run(salusd, "--persistent", "1M", "--ephemeral", "1M", "--", "/nonexistent/prog")
     assert r.returncode == 127 and "/nonexistent/prog" in r.stderr
 

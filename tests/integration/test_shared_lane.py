@@ -52,6 +52,7 @@ def session(salusd, mib):
 
 
 MALLOC = {"lane": "alloc", "extra": ["--malloc"]}  # SALUS_SHARED_LANE=alloc, cuMemAlloc
+SEGMENTS = {"lane": "segments", "extra": ["--segments"]}  # PyTorch's expandable segments
 
 
 def finish(p, timeout=20):
@@ -98,6 +99,27 @@ def stop_all(procs, sessions):
             p.wait()
     for s in sessions:
         s.close()
+
+
+def run_two(salusd, opts, iters=6):
+    """Two programs of `opts` with 16M each per iteration on 8M budgets, to the
+    end: both exit 0 having verified every iteration. Their outputs and logs."""
+    a, b = session(salusd, 16), session(salusd, 16)
+    pa = start(salusd, a, 1, 16, iters, **opts)
+    pb = start(salusd, b, 2, 16, iters, **opts)
+    wa, wb = LogWatcher(a, pa), LogWatcher(b, pb)
+    try:
+        ra, oa, ea = finish(pa)
+        rb, ob, eb = finish(pb)
+        la, lb = wa.wait(), wb.wait()
+        assert ra == 0, (oa, ea, la)
+        assert rb == 0, (ob, eb, lb)
+        for out in (oa, ob):
+            for k in range(1, iters + 1):
+                assert f"verified {k}" in out
+        return oa, ob, la, lb
+    finally:
+        stop_all((pa, pb), (a, b))
 
 
 def test_two_programs_alternate_in_one_lane(salusd):
@@ -151,11 +173,11 @@ def fd_count(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-@pytest.mark.parametrize("how", ["salus_lane_alloc", "cuMemAlloc"])
+@pytest.mark.parametrize("how", ["salus_lane_alloc", "cuMemAlloc", "cuMemCreate"])
 def test_sigkill_of_the_holder_mid_iteration_hands_the_lane_on(salusd, tmp_path, how):
     a, b = session(salusd, 16), session(salusd, 16)
     fds = fd_count(salusd.proc.pid)
-    opts = MALLOC if how == "cuMemAlloc" else {}
+    opts = {"cuMemAlloc": MALLOC, "cuMemCreate": SEGMENTS}.get(how, {})
     pa = start(salusd, a, 1, 16, 3, hold=tmp_path / "never", **opts)
     pb = None
     try:
@@ -181,23 +203,9 @@ def test_cuda_malloc_freed_within_iterations_takes_the_lane_uncharged(salusd):
     """SALUS_SHARED_LANE=alloc: cuMemAlloc of 16M inside each iteration, freed
     before the boundary, comes from the one lane memory the two programs hold in
     turn. Charged, it would be refused: the budget is the 8M persistent need."""
-    a, b = session(salusd, 16), session(salusd, 16)
-    pa = start(salusd, a, 1, 16, 6, **MALLOC)
-    pb = start(salusd, b, 2, 16, 6, **MALLOC)
-    wa, wb = LogWatcher(a, pa), LogWatcher(b, pb)
-    try:
-        ra, oa, ea = finish(pa)
-        rb, ob, eb = finish(pb)
-        la, lb = wa.wait(), wb.wait()
-        assert ra == 0, (oa, ea, la)
-        assert rb == 0, (ob, eb, lb)
-        for out in (oa, ob):
-            for k in range(1, 7):
-                assert f"verified {k}" in out
-        assert "0x62" in oa and "0xb1" in ob, (oa, ob)  # one memory, as with salus_lane_alloc
-        assert la and "promote" not in la + lb, (la, lb)  # the logs were read
-    finally:
-        stop_all((pa, pb), (a, b))
+    oa, ob, la, lb = run_two(salusd, MALLOC)
+    assert "0x62" in oa and "0xb1" in ob, (oa, ob)  # one memory, as with salus_lane_alloc
+    assert la and "promote" not in la + lb, (la, lb)  # the logs were read
 
 
 def test_cumemcreate_is_charged_and_its_refusal_says_the_lane_does_not_serve_it(salusd):
@@ -212,8 +220,8 @@ def test_cumemcreate_is_charged_and_its_refusal_says_the_lane_does_not_serve_it(
         assert r == 3, (out, err)
         assert "cuMemCreate: 2\n" in out, out  # CUDA_ERROR_OUT_OF_MEMORY
         assert ("out of memory: budget 8388608, charged 0, request 16777216 (cuMemCreate, which "
-                "the shared lane does not serve: PyTorch's expandable_segments memory is charged "
-                "as persistent)") in out, out
+                "SALUS_SHARED_LANE=alloc does not serve (=segments does): PyTorch's "
+                "expandable_segments memory is charged as persistent)") in out, out
     finally:
         stop_all((p,), (s,))
 
@@ -245,35 +253,40 @@ def frees(out):
             if line.startswith("free ") and line.split()[1] != "end"]
 
 
-def start_keeping(salusd, a, b, tmp_path, keep, mib, iters, env_extra=None):
+def start_keeping(salusd, a, b, tmp_path, keep, mib, iters, env_extra=None, how=None):
     """a keeps a `keep` MiB block from iteration 1; b starts and waits for the
-    lane while a still holds it in iteration 1. Returns both processes and a
-    LogWatcher of a."""
+    lane while a still holds it in iteration 1. Both use `how` (MALLOC by
+    default). Returns both processes and a LogWatcher of a."""
+    how = how or MALLOC
     hold = tmp_path / "go"
-    pa = start(salusd, a, 1, mib, iters, hold=hold, lane="alloc",
-               extra=["--malloc", "--keep", str(keep)], env_extra=env_extra)
+    pa = start(salusd, a, 1, mib, iters, hold=hold, lane=how["lane"],
+               extra=[*how["extra"], "--keep", str(keep)], env_extra=env_extra)
     watcher = LogWatcher(a, pa)
     kept = pa.stdout.readline()
     assert kept.startswith("kept at ") and kept.strip().endswith("in lane"), kept
     assert pa.stdout.readline().startswith("first 1")
     assert pa.stdout.readline().strip() == "holding"
-    pb = start(salusd, b, 2, mib, iters, **MALLOC)
+    pb = start(salusd, b, 2, mib, iters, **how)
     assert wait_until(lambda: b.status().get("gate") == "attached")
     hold.write_text("")
     return pa, pb, watcher
 
 
-def test_a_block_kept_across_boundaries_is_promoted_at_its_address(salusd, tmp_path):
-    """A 4M cuMemAlloc block made in iteration 1 from the lane and kept for 20
+@pytest.mark.parametrize("how", ["cuMemAlloc", "cuMemCreate"])
+def test_a_block_kept_across_boundaries_is_promoted_at_its_address(salusd, tmp_path, how):
+    """A 4M block made in iteration 1 from the lane and kept for 20
     iterations, while another program takes the lane in between: promoted at the
     first boundary to memory of its own at the same address (charged: the 8M
     budget has 4M left), every byte checked in every iteration; freeing it
     gives the charge back. Without promotion the other program's pattern would
-    overwrite it."""
+    overwrite it. cuMemAlloc: a block in the lane memory, copied to granules of
+    its own (SALUS_SHARED_LANE=alloc); cuMemCreate: a segment made in the
+    lane's room, whose charge moves and whose bytes do not (=segments)."""
     a, b = session(salusd, 24), session(salusd, 24)
     pa = pb = None
     try:
-        pa, pb, watcher = start_keeping(salusd, a, b, tmp_path, 4, 16, 20)
+        pa, pb, watcher = start_keeping(salusd, a, b, tmp_path, 4, 16, 20,
+                                        how=SEGMENTS if how == "cuMemCreate" else MALLOC)
         ra, oa, ea = finish(pa, timeout=60)
         rb, ob, eb = finish(pb, timeout=60)
         log = watcher.wait()
@@ -282,8 +295,10 @@ def test_a_block_kept_across_boundaries_is_promoted_at_its_address(salusd, tmp_p
         assert "verified 20" in oa and "verified 20" in ob
         assert frees(oa) == [4 << 20] * 20, oa  # 4M promoted and charged, once
         assert f"free end {8 << 20}" in oa, oa  # and given back by cuMemFree
-        assert "0x62" in oa and "0xb1" in ob, (oa, ob)  # the lane went back and forth
+        if how == "cuMemAlloc":  # one lane memory went back and forth
+            assert "0x62" in oa and "0xb1" in ob, (oa, ob)
         assert "abandoned" not in log and "cannot promote" not in log, log
+        assert "out of memory" not in log, log
     finally:
         stop_all((pa, pb), (a, b))
 
@@ -315,6 +330,44 @@ def test_a_failed_promotion_keeps_the_bytes_and_says_so(salusd, tmp_path, why):
         assert "the lane memory is abandoned to this program" in log, log
         assert "stay in lane memory" in log, log  # the kept memory, after the abandonment
         assert frees(oa) == [8 << 20] * 6 and f"free end {8 << 20}" in oa, oa
+    finally:
+        stop_all((pa, pb), (a, b))
+
+
+def test_expandable_segments_take_the_lanes_room_uncharged(salusd):
+    """SALUS_SHARED_LANE=segments: each iteration makes a 16M segment as
+    expandable segments do (cuMemCreate, cuMemMap, cuMemSetAccess) and frees
+    it (cuMemUnmap, cuMemRelease) before its boundary. Charged, it would be
+    refused on the 8M budget; the lane's room serves it, to the two programs in
+    turn, and salusd holds no lane memory of its own meanwhile."""
+    oa, ob, la, lb = run_two(salusd, SEGMENTS)
+    assert "as room for its cuMemCreate" in la, la
+    assert "out of memory" not in la + lb and "segment" not in la + lb, (la, lb)
+
+
+def test_a_segment_goes_back_to_the_driver_only_cleared(salusd, tmp_path):
+    """The program exports its iteration-1 segment's handle before freeing it
+    and looks at that memory after every boundary through the fd: while the
+    shim keeps it for the program's next cuMemCreate it holds the program's
+    pattern; once the lane was asked for (the other program waits), the shim
+    zeroes it before releasing it to the driver."""
+    a, b = session(salusd, 16), session(salusd, 16)
+    hold = tmp_path / "go"
+    pa = start(salusd, a, 1, 16, 6, hold=hold, lane="segments", extra=["--segments", "--spy"])
+    pb = None
+    try:
+        assert pa.stdout.readline().startswith("first 1")
+        assert pa.stdout.readline().strip() == "holding"
+        pb = start(salusd, b, 2, 16, 6, **SEGMENTS)
+        assert wait_until(lambda: b.status().get("gate") == "attached")
+        hold.write_text("")
+        ra, oa, ea = finish(pa)
+        rb, ob, eb = finish(pb)
+        assert ra == 0 and rb == 0, (oa, ea, ob, eb)
+        spied = [line.split()[2] for line in oa.splitlines() if line.startswith("spy ")]
+        assert len(spied) == 6, oa
+        assert set(spied) <= {"0xb1", "0"}, spied  # the program's own bytes, or zeros
+        assert "0" in spied, oa  # given up once at least, and cleared
     finally:
         stop_all((pa, pb), (a, b))
 

@@ -66,6 +66,9 @@ TEST(SalusRunOptions, SharedLaneAloneIsTheExplicitLaneAndAllocIsTheAllocatorHook
   EXPECT_EQ(one.shared_lane, "1");
   EXPECT_EQ(parse({"--shared-lane=alloc", "--", "prog"}, alloc), std::nullopt);
   EXPECT_EQ(alloc.shared_lane, "alloc");
+  RunOptions segments;
+  EXPECT_EQ(parse({"--shared-lane=segments", "prog"}, segments), std::nullopt);
+  EXPECT_EQ(segments.shared_lane, "segments");
   EXPECT_NE(parse({"--shared-lane=yes", "prog"}, bad), std::nullopt);
 }
 
