@@ -248,8 +248,15 @@ bool room_create(CUmemGenericAllocationHandle* h, std::size_t n, const CUmemAllo
     R.spares.erase(spare);
   } else {
     auto f = real<PFN_cuMemCreate_v10020>(kMemCreate);
-    const CUresult made = f == nullptr ? CUDA_ERROR_NOT_INITIALIZED : f(h, n, prop, flags);
-    if (made != CUDA_SUCCESS) return false;  // the charged path tries (and says) the rest
+    if (f == nullptr) return false;
+    // The room was promised by admission, but salusd's lane memory, dropped
+    // at this grant, may still be on its way back to the card (the executor
+    // frees it off salusd's lock): tried again for a moment, as the charged
+    // path does. A failure then is the driver's answer: the charged path
+    // would find the card as full.
+    *r = with_driver_oom_retry(n, "cuMemCreate in the shared lane's room",
+                               [&] { return f(h, n, prop, flags); });
+    if (*r != CUDA_SUCCESS) return true;
     R.used += n;
   }
   if (R.ctx == nullptr) driver().ctx_get_current(&R.ctx);

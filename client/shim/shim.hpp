@@ -271,7 +271,9 @@ bool lane_room_active();  // and attached with the lane socket
 // ---- lane_room.cpp: the shared lane as room for the program's cuMemCreate ----
 // A cuMemCreate of plain device memory while the program holds the lane:
 // made (or a spare reused) uncharged, within the lane's size. True with *r
-// set; false: the ordinary, charged path.
+// set (the driver's answer, after the out-of-memory retry); false: not the
+// room's to serve (not held, full, or not plain device memory): the ordinary,
+// charged path.
 bool room_create(CUmemGenericAllocationHandle* h, std::size_t n, const CUmemAllocationProp* prop,
                  unsigned long long flags, CUresult* r);
 // The program's cuMemRelease of a room handle (true, *r: the answer): the

@@ -372,6 +372,30 @@ def test_a_segment_goes_back_to_the_driver_only_cleared(salusd, tmp_path):
         stop_all((pa, pb), (a, b))
 
 
+def test_a_room_the_card_is_still_freeing_is_waited_for(salusd, tmp_path):
+    """The room was promised by admission, but the card may still be freeing
+    what salusd gave back: the mock's cuMemCreate says out of memory until the
+    test removes a file, 200 ms in; the program's first segment is made once it
+    may be (the shim tries again for up to a second) and the log says how long
+    it waited."""
+    s = session(salusd, 16)
+    full = tmp_path / "full"
+    full.write_text("")
+    p = start(salusd, s, 1, 16, 2, env_extra={"SALUS_MOCK_NO_MEMORY_FILE": str(full)},
+              **SEGMENTS)
+    watcher = LogWatcher(s, p)
+    try:
+        time.sleep(0.2)
+        full.unlink()
+        r, out, err = finish(p)
+        log = watcher.wait()
+        assert r == 0 and "verified 2" in out, (out, err, log)
+        assert ("cuMemCreate in the shared lane's room of 16777216 bytes: the driver had no "
+                "memory for it within the budget; it had after") in log, log
+    finally:
+        stop_all((p,), (s,))
+
+
 def test_without_the_opt_in_there_is_no_lane_memory(salusd):
     a = session(salusd, 16)
     pa = start(salusd, a, 1, 16, 1, lane="0")
