@@ -42,7 +42,9 @@
 #               default one more than fit with their own memory, at most 8: on
 #               a large card each job gets live state until 7 fill it) at once under
 #               FAIR, first each with its own memory (need P + E), then with
-#               salus-run --shared-lane=alloc (need P, the lane's E once per GPU):
+#               salus-run --shared-lane=alloc (need P, the lane's E once per GPU),
+#               then with PyTorch's expandable segments on, which salus-run serves
+#               as --shared-lane=segments (the lane as room for their cuMemCreate):
 #               the most sessions admitted at once, total time, steps/s, and each
 #               job's losses against the same job run alone
 #
@@ -494,23 +496,33 @@ part_lanes() {
   "${srun[@]}" --shared-lane=alloc --persistent "${own_mib}M" --ephemeral "${own_mib}M" \
     -- "${job[@]}" --tag alone-lane >"$d/alone-lane.json"
   p_mib=$(jget "$d/alone-lane.json" "max(16, int(int(d['session'].get('memory_peak') or 0) * 1.1 / $mib) + 1)")
+  # With expandable segments what it keeps is whole live segments (20 MiB
+  # pages), which may be more than the alloc hook's 2 MiB granules.
+  local es=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) ps_mib
+  env "${es[@]}" "${srun[@]}" --shared-lane=alloc --persistent "${own_mib}M" \
+    --ephemeral "${own_mib}M" -- "${job[@]}" --tag alone-segments >"$d/alone-segments.json"
+  ps_mib=$(jget "$d/alone-segments.json" "max(16, int(int(d['session'].get('memory_peak') or 0) * 1.1 / $mib) + 1)")
   e_mib=$((own_mib > p_mib ? own_mib - p_mib : 16))
   n=${SALUS_LANES_N:-$((cap_mib / own_mib + 1))}
   [ $dry = 1 ] && [ -z "${SALUS_LANES_N:-}" ] && n=2  # the sim card holds any number
   echo "GPT job alone: ${own_mib} MiB with its own memory, ${p_mib} MiB kept with the lane" \
+    "(${ps_mib} MiB with expandable segments)" \
     "(lane ${e_mib} MiB; ${state_mib} MiB of it live state); ${n} jobs of ${steps} steps on ${cap_mib} MiB:" \
     "own memory needs $((n * own_mib)) MiB, the shared lane $((n * p_mib + e_mib)) MiB"
   policy fair
   local how
-  for how in own lane; do
-    local args=(--persistent "${own_mib}M" --ephemeral 0)
+  for how in own lane segments; do
+    local args=(--persistent "${own_mib}M" --ephemeral 0) conf=()
     [ $how = lane ] && args=(--shared-lane=alloc --persistent "${p_mib}M" --ephemeral "${e_mib}M")
+    [ $how = segments ] && conf=("${es[@]}") &&
+      args=(--shared-lane=alloc --persistent "${ps_mib}M" --ephemeral "${e_mib}M")
     rm -f "$work/stop"
     max_admitted "$work/stop" >"$d/$how-admitted.txt" &
     local sampler=$! t0 t1 i pids=()
     t0=$(date +%s.%N)
     for i in $(seq "$n"); do
-      "${srun[@]}" --gpu 0 "${args[@]}" -- "${job[@]}" --tag "$how$i" >"$d/$how-$i.json" &
+      env "${conf[@]}" "${srun[@]}" --gpu 0 "${args[@]}" -- "${job[@]}" --tag "$how$i" \
+        >"$d/$how-$i.json" &
       pids+=($!)
     done
     wait "${pids[@]}"

@@ -71,10 +71,11 @@ def test_dry_run_oversub(tmp_path):
 
 def test_dry_run_lanes(tmp_path):
     """Issue 15's shared-lane part: the job alone twice (own memory, then
-    --shared-lane=alloc), then two at once each way; on the CPU the shim sees no
-    allocation, so only the plumbing and the losses are checked."""
+    --shared-lane=alloc), then two at once each way (and with expandable
+    segments, the lane as room); on the CPU the shim sees no allocation, so only
+    the plumbing and the losses are checked."""
     text = dry_run(tmp_path, "lanes")
     assert "GPT job alone: 64 MiB with its own memory" in text, text
-    for how in ("own", "lane"):
+    for how in ("own", "lane", "segments"):
         assert f"{how} memory: 2 jobs, at most " in text, text
         assert "losses bit-identical to the job alone in 2/2" in text, text
