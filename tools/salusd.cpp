@@ -83,6 +83,9 @@ struct Settings {
   // An attached iteration holding its lane longer than this while others wait
   // loses the lane; 0: never.
   double attach_hold_limit_s = 30;
+  // A GPU idle this long while sessions wait for it is reported once per
+  // episode; 0: never reported (still counted in gpus/N/info and metrics).
+  double idle_warn_s = 60;
   // Past the host limit, swapped-out bytes spill to an unnamed (O_TMPFILE) file
   // here, written by salusd; empty: no spill file.
   std::string swap_dir = "/var/tmp";
@@ -199,6 +202,7 @@ bool load_config(const std::string& path, Settings& s, std::string& why) {
   s.attach_context_reserve = t["attach"]["context_reserve"].value_or(s.attach_context_reserve);
   s.attach_overrun = t["attach"]["overrun"].value_or(s.attach_overrun);
   s.attach_hold_limit_s = t["attach"]["hold_limit_s"].value_or(s.attach_hold_limit_s);
+  s.idle_warn_s = t["idle_warn_s"].value_or(s.idle_warn_s);
   s.sim_gpus = t["sim"]["gpus"].value_or(s.sim_gpus);
   s.cuda_memory_fraction = t["cuda"]["memory_fraction"].value_or(s.cuda_memory_fraction);
   s.cuda_arena = t["cuda"]["arena"].value_or(s.cuda_arena);
@@ -292,6 +296,8 @@ bool validate(const Settings& s, std::string& why) {
   if (!(s.attach_hold_limit_s >= 0 && s.attach_hold_limit_s <= 86400))
     return bad(fmt::format("attach_hold_limit_s {}: expected 0 (never) to 86400 seconds",
                            s.attach_hold_limit_s));
+  if (!(s.idle_warn_s >= 0 && s.idle_warn_s <= 86400))
+    return bad(fmt::format("idle_warn_s {}: expected 0 (never) to 86400 seconds", s.idle_warn_s));
   if (!s.metrics_listen.empty() && !salus::tools::parse_listen_address(s.metrics_listen, sub_why))
     return bad(fmt::format("metrics_listen {}", sub_why));
   return true;
@@ -407,6 +413,9 @@ void add_flags(CLI::App& flags, Settings& s) {
   flags.add_option("--swap-dir", s.swap_dir,
                    "Past --swap-host-limit, swapped-out bytes spill to an unnamed file here "
                    "(\"\": refuse such swap-outs)");
+  flags.add_option("--idle-warn", s.idle_warn_s,
+                   "Seconds a GPU may run nothing while sessions wait for it before salusd "
+                   "reports it, with why each waits (0: never)");
   add_attach_flags(flags, s);
   flags.add_flag("--fuse-debug", s.fuse_debug, "Log every FUSE request (very verbose)");
 }
@@ -605,6 +614,7 @@ salus::vgpu::BrokerConfig broker_config(const Settings& s, const std::string& ba
   bc.attach_context_learn = s.attach_context_reserve == "auto";
   bc.attach_overrun_kill = s.attach_overrun == "kill";
   bc.attach_hold_limit_ns = static_cast<std::int64_t>(s.attach_hold_limit_s * 1e9);
+  bc.idle_warn_ns = static_cast<std::int64_t>(s.idle_warn_s * 1e9);
   return bc;
 }
 

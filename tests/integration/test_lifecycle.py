@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import Salusd, Session, is_mounted, SALUSD
+from conftest import Salusd, Session, is_mounted, wait_until, SALUSD
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +87,8 @@ def test_bad_config_values_are_refused(tmp_path):
                        ('policy = \n', "config"),
                        ('[attach]\ncontext_reserve = "lots"\n', "attach_context_reserve 'lots'"),
                        ('[attach]\noverrun = "shout"\n',
-                        "attach_overrun 'shout': expected warn or kill")]:
+                        "attach_overrun 'shout': expected warn or kill"),
+                       ('idle_warn_s = -1\n', "idle_warn_s -1: expected 0 (never) to 86400")]:
         cfg = tmp_path / "bad.toml"
         cfg.write_text(text)
         out = subprocess.run([SALUSD, "--config", str(cfg), "--mount", str(tmp_path)],
@@ -102,3 +103,24 @@ def test_help_lists_every_flag():
     for flag in ["--mount", "--backend", "--sim-gpus", "--sim-memory", "--policy", "--admin-group",
                  "--log-level", "--config"]:
         assert flag in out.stdout
+
+
+def test_a_gpu_idle_while_a_session_waits_is_reported(salusd_factory):
+    """--idle-warn: one session holds most of the card and runs nothing, the
+    next waits for admission. Past the limit the waiter's log and salusd's say
+    so once, with what holds the memory, and gpus/0/info counts the episode."""
+    d = salusd_factory(extra_args=["--idle-warn", "0.5"], sim_memory="100M", gpus=1).start()
+    holder, waiter = Session(d), Session(d)
+    try:
+        holder.cmd("need persistent=60M ephemeral=10M gpu=0\n")
+        waiter.cmd("need persistent=60M ephemeral=10M gpu=0\n")  # queued: the card is held
+        assert wait_until(lambda: "has been idle" in waiter.read("log"), timeout=5)
+        log = waiter.read("log")
+        assert "while this session waits for admission: needs 60.0M + 10.0M" in log, log
+        assert f"admitted and running nothing: session {holder.id}" in log, log
+        with open(d.path("gpus/0/info")) as f:
+            info = f.read()
+        assert "idle_waiting_reports: 1\n" in info, info
+    finally:
+        waiter.close()
+        holder.close()

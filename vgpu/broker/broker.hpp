@@ -104,6 +104,10 @@ struct BrokerConfig {
   // An attached iteration that holds its lane longer than this while other
   // sessions of the lane wait loses the lane (Broker::release_long_hold); 0: never.
   std::int64_t attach_hold_limit_ns = 30'000'000'000;
+  // A GPU idle this long while sessions wait for it (to be admitted, swapped
+  // in or dispatched) is reported once per episode, in salusd's log and each
+  // waiting session's (Broker::watch_idle); 0: never reported, still counted.
+  std::int64_t idle_warn_ns = 60'000'000'000;
   // Arena memory no longer held stays backed this long before it goes back to
   // the card (broker_backing.cpp), unless room promised to attached programs
   // needs it sooner. Tests lengthen it.
@@ -560,6 +564,12 @@ class Broker {
   // holds it.
   bool lane_ready(Gpu& g, Session& s, Deferred& later);
   bool grant_lane_room(Gpu& g, Session& s, Bytes room);  // lane_room=1: the lane as room
+  // broker_idle_watch.cpp: a GPU idle while sessions wait for it.
+  void watch_idle(Gpu& g, TimeNs t);
+  bool gpu_working(const Gpu& g) const;
+  std::vector<std::pair<const Session*, std::string>> idle_waiters(const Gpu& g) const;
+  void warn_idle(const Gpu& g, TimeNs idle_ns,
+                 const std::vector<std::pair<const Session*, std::string>>& waiting);
   // Whether nobody else holds the lane for s (asking the holder to yield).
   bool lane_free_for(SharedLane& L, Session& s);
   // Whether a session other than `other_than` asked for the lane and still

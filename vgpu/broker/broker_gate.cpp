@@ -707,6 +707,8 @@ void Broker::gate_tick() {
     const TimeNs t = now();
     for (auto& g : gpus_) lane_tick(*g, t);
     for (SessionId id : attached_) tick_attached(id, t, later);
+    if (gate_ticks_ % kIdleWatchTicks == 0)
+      for (auto& g : gpus_) watch_idle(*g, t);
   }
   run_deferred(later);
 }

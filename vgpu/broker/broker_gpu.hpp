@@ -24,6 +24,10 @@ namespace salus::vgpu {
 // for memory held past what admission counts (broker_gate.cpp, broker_swap.cpp).
 inline constexpr Bytes kDriverFigureSlack = Bytes{16} << 20;
 
+// Gate ticks (25 ms) between two looks at whether a GPU idles while sessions
+// wait for it (broker_idle_watch.cpp): a pass over the sessions, 4 times a second.
+inline constexpr std::uint64_t kIdleWatchTicks = 10;
+
 // `--attach-context-reserve auto` learns a GPU's reserve from the contexts it
 // measures, up to this: a CUDA context with its libraries' modules takes well
 // under it, so more is memory a program took around the shim (warned about, or
@@ -84,6 +88,15 @@ struct Broker::Gpu {
   bool draining = false;
   std::uint32_t placed = 0;  // sessions placed on this GPU
   SharedLane shared_lane;    // attached sessions' shared ephemeral memory (broker_lanes.cpp)
+  // Idle while sessions wait for it (broker_idle_watch.cpp), sampled every
+  // kIdleWatchTicks gate ticks: since when (0: not now), summed over all
+  // episodes, when last sampled, whether this episode was reported, and how
+  // many were.
+  TimeNs idle_waiting_since = 0;
+  std::int64_t idle_waiting_ns = 0;
+  TimeNs idle_watched_at = 0;
+  bool idle_warned = false;
+  std::uint64_t idle_warnings = 0;
   // The arena backed on demand (broker_backing.cpp). Under the broker lock:
   // what the device holds backed for certain, the ranges held at `held_version`
   // of the layout, and why the last try to back new memory failed (empty once

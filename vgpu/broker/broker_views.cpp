@@ -290,6 +290,16 @@ std::string Broker::mps_lines(std::size_t gi) const {
                      m->pipe_directory());
 }
 
+namespace {
+// How long the GPU has been idle while sessions wait for it, this episode (0: not now).
+template <class G>
+double idle_episode_ms(const G& g) {
+  return g.idle_waiting_since == 0
+             ? 0.0
+             : static_cast<double>(g.idle_watched_at - g.idle_waiting_since) / 1e6;
+}
+}  // namespace
+
 std::string Broker::render_gpu_info(std::size_t gi) const {
   // gpus_ never changes size after construction; the snapshot is taken before
   // mu_ so the two locks are never held together.
@@ -302,14 +312,17 @@ std::string Broker::render_gpu_info(std::size_t gi) const {
   return fmt::format(
              "index: {}\nname: {}\nuuid: {}\nbackend: {}\ncapacity: {}\nmemory_total: {}\n"
              "sms: {}\ndriver: {}\nspin_cycles_per_us: {}\ndraining: {}\nbusy_1s: {:.3f}\n"
-             "busy_10s: {:.3f}\nbusy_60s: {:.3f}\nisolation: {}\nexecutor_pid: {}\nstate: {}\n"
-             "restarts: {}\nlast_restart: {}\nlast_fault: {}\n",
+             "busy_10s: {:.3f}\nbusy_60s: {:.3f}\nidle_waiting_ms: {:.1f}\n"
+             "idle_waiting_total_s: {:.3f}\nidle_waiting_reports: {}\nisolation: {}\n"
+             "executor_pid: {}\nstate: {}\nrestarts: {}\nlast_restart: {}\nlast_fault: {}\n",
              gi, d.name, d.uuid, d.backend, d.arena_size, d.total_memory, d.sm_count,
              d.driver_version,
              d.spin_cycles_per_usec > 0 ? fmt::format("{:.1f}", d.spin_cycles_per_usec) : "-",
              gpus_[gi]->draining ? "yes" : "no", busy_fraction(*gpus_[gi], 1'000'000'000),
              busy_fraction(*gpus_[gi], 10'000'000'000), busy_fraction(*gpus_[gi], 60'000'000'000),
-             h.isolation, h.executor_pid > 0 ? std::to_string(h.executor_pid) : std::string("-"),
+             idle_episode_ms(*gpus_[gi]), static_cast<double>(gpus_[gi]->idle_waiting_ns) / 1e9,
+             gpus_[gi]->idle_warnings, h.isolation,
+             h.executor_pid > 0 ? std::to_string(h.executor_pid) : std::string("-"),
              h.usable ? std::string("ok") : "out-of-service: " + h.unusable_why, h.restarts,
              or_dash(h.last_restart), or_dash(h.last_fault)) +
          mps_lines(gi) + nvml;
@@ -675,6 +688,13 @@ void memory_families(MetricsText& m, const Gpus& gpus) {
   m.per_gpu(gpus, "salus_swap_seconds_total", "counter",
             "Oversubscription: time spent swapping, both directions.",
             [&](const auto& g) { return seconds(g.sched.residency().totals().swap_ns); });
+  m.per_gpu(gpus, "salus_gpu_idle_waiting_seconds_total", "counter",
+            "Time the GPU ran nothing while sessions waited for it (admission, swap-in or "
+            "dispatch), sampled every 250 ms.",
+            [&](const auto& g) { return seconds(g.idle_waiting_ns); });
+  m.per_gpu(gpus, "salus_gpu_idle_waiting_reports_total", "counter",
+            "Episodes of the GPU idle while sessions waited that lasted past --idle-warn.",
+            [&](const auto& g) { return str(g.idle_warnings); });
   m.per_gpu(gpus, "salus_shared_lane_bytes", "gauge",
             "Shared lane of attached sessions: size of its memory now (0: none).",
             [&](const auto& g) { return str(g.shared_lane.bytes); });

@@ -726,3 +726,77 @@ TEST(Broker, EndingASessionCancelsItsTransferAndFreesEverything) {
   EXPECT_EQ(field(b->render_gpu_memory(0), "persistent_used"), "0");
   std::filesystem::remove_all(dir);
 }
+
+namespace {
+bool eventually(const std::function<bool()>& f, std::chrono::milliseconds limit = 3000ms) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!f()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+// One 100M sim GPU, an idle episode reported after `warn_ns`.
+std::unique_ptr<Broker> idle_watched_broker(std::int64_t warn_ns) {
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, 100u << 20));
+  BrokerConfig cfg;
+  cfg.idle_warn_ns = warn_ns;
+  return std::make_unique<Broker>(std::move(devs), cfg);
+}
+
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+}  // namespace
+
+TEST(Broker, AGpuIdleWhileASessionWaitsForAdmissionIsCountedAndReportedOnce) {
+  auto bp = idle_watched_broker(300'000'000);
+  Broker& b = *bp;
+  const auto holder = static_cast<SessionId>(b.create_session(kRoot, ""));
+  const auto waiter = static_cast<SessionId>(b.create_session(kAlice, ""));
+  ASSERT_EQ(run(b, holder, "need persistent=60M ephemeral=10M\n").first, 0);
+  ASSERT_EQ(run(b, waiter, "need persistent=60M ephemeral=10M\n", kAlice).first, 0);
+  ASSERT_EQ(field(b.render_status(waiter), "state"), "queued");
+  // The holder runs nothing and keeps its memory: the GPU idles while the
+  // waiter waits, which is counted, and reported once past --idle-warn.
+  const std::string report = "gpu 0 has been idle for";
+  ASSERT_TRUE(eventually([&] { return b.render_log(waiter).find(report) != std::string::npos; }))
+      << b.render_log(waiter);
+  const std::string log = b.render_log(waiter);
+  EXPECT_NE(log.find("while this session waits for admission: needs 60.0M + 10.0M, 30.0M free"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(
+      log.find(fmt::format("admitted and running nothing: session {} (uid 0, 70.0M)", holder)),
+      std::string::npos)
+      << log;
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(count_of(b.render_log(waiter), report), 1u) << "once per episode";
+  const std::string info = b.render_gpu_info(0);
+  EXPECT_EQ(field(info, "idle_waiting_reports"), "1") << info;
+  EXPECT_GT(std::stod(field(info, "idle_waiting_ms")), 300.0) << info;
+  EXPECT_GT(std::stod(field(info, "idle_waiting_total_s")), 0.3) << info;
+  EXPECT_NE(b.render_metrics().find("salus_gpu_idle_waiting_reports_total{gpu=\"0\"} 1"),
+            std::string::npos);
+  // Its memory freed, the waiter is admitted: the episode ends, the total stays.
+  b.end_session(holder);
+  ASSERT_TRUE(eventually([&] { return field(b.render_gpu_info(0), "idle_waiting_ms") == "0.0"; }));
+  EXPECT_GT(std::stod(field(b.render_gpu_info(0), "idle_waiting_total_s")), 0.3);
+}
+
+TEST(Broker, AGpuAtWorkWhileASessionWaitsIsNotIdle) {
+  auto bp = idle_watched_broker(200'000'000);
+  Broker& b = *bp;
+  const auto busy = static_cast<SessionId>(b.create_session(kRoot, ""));
+  const auto waiter = static_cast<SessionId>(b.create_session(kRoot, ""));
+  ASSERT_EQ(run(b, busy, "need persistent=60M ephemeral=10M\nbegin\nspin 2000\nend x400\n").first,
+            0);
+  ASSERT_EQ(run(b, waiter, "need persistent=60M ephemeral=10M\n").first, 0);
+  std::this_thread::sleep_for(600ms);
+  EXPECT_EQ(b.render_log(waiter).find("has been idle"), std::string::npos) << b.render_log(waiter);
+  EXPECT_EQ(field(b.render_gpu_info(0), "idle_waiting_reports"), "0");
+}
