@@ -126,7 +126,6 @@ void Broker::watch_idle(Gpu& g, TimeNs t) {
     return;
   }
   g.idle_waiting_ns += t - last;
-  kick(g);  // a wake-up lost somewhere costs a tick, not the GPU
   const std::int64_t idle = t - g.idle_waiting_since;
   if (g.idle_warned || config_.idle_warn_ns <= 0 || idle < config_.idle_warn_ns) return;
   g.idle_warned = true;
