@@ -301,11 +301,20 @@ std::string unreadable_state(int err) {
   return err == EACCES ? "no-access" : fmt::format("error:{}", strerrorname_np(err));
 }
 
+// How long the GPU has run nothing while sessions wait for it, in seconds
+// (salus(5) idle_waiting_ms): "-" when it does not, or salusd does not say.
+std::string idle_wait_cell(const std::string& ms) {
+  char* end = nullptr;
+  const double v = std::strtod(ms.c_str(), &end);
+  if (ms.empty() || *end != '\0' || !(v > 0)) return "-";
+  return fmt::format("{:.1f}s", v / 1000);
+}
+
 Table gpu_table(const std::vector<GpuView>& gpus, bool exact, const std::vector<double>* busy) {
   std::vector<std::string> header = {"GPU", "NAME", "BACKEND"};
   if (busy) header.push_back("BUSY%");
   for (const char* h : {"CAPACITY", "PERSISTENT", "RESERVED", "EPHEMERAL", "FREE", "OUTSIDE",
-                        "LANES", "QUEUED", "DRAINING"})
+                        "LANES", "QUEUED", "DRAINING", "IDLE_WAIT"})
     header.push_back(h);
   Table t(header);
   for (std::size_t i = 0; i < gpus.size(); ++i) {
@@ -318,6 +327,7 @@ Table gpu_table(const std::vector<GpuView>& gpus, bool exact, const std::vector<
     row.push_back(get(g.memory, "lanes"));
     row.push_back(get(g.memory, "queued"));
     row.push_back(get(g.info, "draining"));
+    row.push_back(idle_wait_cell(get(g.info, "idle_waiting_ms")));
     t.add(std::move(row));
   }
   return t;

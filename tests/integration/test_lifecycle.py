@@ -121,6 +121,12 @@ def test_a_gpu_idle_while_a_session_waits_is_reported(salusd_factory):
         with open(d.path("gpus/0/info")) as f:
             info = f.read()
         assert "idle_waiting_reports: 1\n" in info, info
+        # salusctl's GPU table shows the episode (seconds, last column).
+        salusctl = os.path.join(os.path.dirname(os.path.abspath(SALUSD)), "salusctl")
+        out = subprocess.run([salusctl, "--mount", d.mnt, "status"], capture_output=True,
+                             text=True, timeout=30).stdout
+        gpus = out.split("\nGPUS\n")[1].split("\n\n")[0].splitlines()
+        assert gpus[0].split()[-1] == "IDLE_WAIT" and gpus[1].split()[-1].endswith("s"), out
     finally:
         waiter.close()
         holder.close()

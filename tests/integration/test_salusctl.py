@@ -74,7 +74,7 @@ def test_status_tables(salusd):
     assert gpus.splitlines()[0].split()[:3] == ["GPU", "NAME", "BACKEND"]
     assert "Salus simulated GPU" in gpus and len(gpus.splitlines()) == 3
     g0 = gpus.splitlines()[1]
-    assert g0.split()[0] == "0" and g0.rstrip().endswith("no")       # not draining
+    assert g0.split()[0] == "0" and g0.split()[-2:] == ["no", "-"]   # not draining, not idle
     assert " 1G " in g0                                                 # capacity, human
     lanes = out.split("\nLANES\n")[1].split("\n\n")[0]
     assert row(lanes, "0")[3] == "32M" and row(lanes, "1")[3] == "16M"
@@ -287,7 +287,7 @@ def test_drain_and_undrain(salusd):
     assert r.returncode == 0 and r.stdout == "gpu 0 draining\n", r.stderr
     with open(salusd.path("gpus", "0", "info")) as f:
         assert "draining: yes" in f.read()
-    assert row(ctl(salusd, "status").stdout.split("\nGPUS\n")[1], "0")[-1] == "yes"
+    assert row(ctl(salusd, "status").stdout.split("\nGPUS\n")[1], "0")[-2] == "yes"
     # New sessions go elsewhere.
     for _ in range(3):
         s = Session(salusd)
