@@ -1481,6 +1481,142 @@ TEST(Swap, LetGoWhileSwappedOutTheMemoryComesBackFirst) {
   salusd->auto_grant = true;
 }
 
+// ---- the shared lane as room (SALUS_SHARED_LANE=segments; a process of its own) ----
+// The fake salusd lends the room by hand: lane_bytes and lane_grant in the gate,
+// as Broker::grant_lane_room sets them.
+
+struct RoomVmm {
+  PFN_cuMemCreate_v10020 create = cuda().get<PFN_cuMemCreate_v10020>("cuMemCreate");
+  PFN_cuMemRelease_v10020 release = cuda().get<PFN_cuMemRelease_v10020>("cuMemRelease");
+  PFN_cuMemMap_v10020 map = cuda().get<PFN_cuMemMap_v10020>("cuMemMap");
+  PFN_cuMemUnmap_v10020 unmap = cuda().get<PFN_cuMemUnmap_v10020>("cuMemUnmap");
+  PFN_cuMemAddressReserve_v10020 reserve =
+      cuda().get<PFN_cuMemAddressReserve_v10020>("cuMemAddressReserve");
+  PFN_cuMemAddressFree_v10020 addr_free =
+      cuda().get<PFN_cuMemAddressFree_v10020>("cuMemAddressFree");
+  PFN_cuMemRetainAllocationHandle_v11000 retain =
+      cuda().get<PFN_cuMemRetainAllocationHandle_v11000>("cuMemRetainAllocationHandle");
+
+  // A segment as expandable segments make one.
+  CUmemGenericAllocationHandle make(std::uint64_t n, CUresult* r = nullptr) {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    CUmemGenericAllocationHandle h = 0;
+    const CUresult got = create(&h, n, &prop, 0);
+    if (r != nullptr)
+      *r = got;
+    else
+      EXPECT_EQ(got, CUDA_SUCCESS);
+    return h;
+  }
+  CUdeviceptr map_at_new(CUmemGenericAllocationHandle h, std::uint64_t n) {
+    CUdeviceptr va = 0;
+    EXPECT_EQ(reserve(&va, n, 0, 0, 0), CUDA_SUCCESS);
+    EXPECT_EQ(map(va, n, 0, h, 0), CUDA_SUCCESS);
+    CUmemAccessDesc rw{};
+    rw.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    rw.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    EXPECT_EQ(cuda().get<PFN_cuMemSetAccess_v10020>("cuMemSetAccess")(va, n, &rw, 1), CUDA_SUCCESS);
+    return va;
+  }
+  void unmap_and_free(CUdeviceptr va, std::uint64_t n) {
+    EXPECT_EQ(unmap(va, n), CUDA_SUCCESS);
+    EXPECT_EQ(addr_free(va, n), CUDA_SUCCESS);
+  }
+};
+
+void lend_room(std::uint64_t bytes, std::uint32_t grant) {
+  salus_gate* g = salusd->gate();
+  __atomic_store_n(&g->lane_bytes, bytes, __ATOMIC_RELEASE);
+  __atomic_store_n(&g->lane_grant, grant, __ATOMIC_SEQ_CST);
+}
+
+// Each test's start: the room lent (16M, grant 1), the charge counted from here.
+struct Room {
+  Room() {
+    gpu();  // cuInit: the shim attaches, and the fake salusd has a gate
+    g = salusd->gate();
+    lend_room(16 * kMiB, 1);
+    base = load(g->charged_bytes);
+  }
+  std::uint64_t charged() const { return load(g->charged_bytes) - base; }
+  salus_gate* g = nullptr;
+  RoomVmm v;
+  std::uint64_t base = 0;
+};
+
+TEST(LaneRoom, ACreateWhileHeldIsUnchargedAndAReleasedHandleServesTheNext) {
+  Room t;
+  RoomVmm& v = t.v;
+  const CUmemGenericAllocationHandle h = v.make(4 * kMiB);
+  EXPECT_EQ(t.charged(), 0u) << "the room's, not the budget's";
+  EXPECT_EQ(load32(t.g->lane_held), 1u) << "the room is held: salusd must ask for it back";
+  const CUdeviceptr va = v.map_at_new(h, 4 * kMiB);
+  // A second reference (by address) and both released: still mapped, so the
+  // memory is in use and no spare yet.
+  CUmemGenericAllocationHandle again = 0;
+  ASSERT_EQ(v.retain(&again, reinterpret_cast<void*>(va)), CUDA_SUCCESS);
+  EXPECT_EQ(again, h);
+  EXPECT_EQ(v.release(h), CUDA_SUCCESS);
+  EXPECT_EQ(v.release(h), CUDA_SUCCESS);
+  const CUmemGenericAllocationHandle other = v.make(4 * kMiB);
+  EXPECT_NE(other, h) << "h is still mapped: not a spare";
+  // Unmapped, it is a spare and serves the next segment of its size.
+  v.unmap_and_free(va, 4 * kMiB);
+  EXPECT_EQ(v.make(4 * kMiB), h);
+  EXPECT_EQ(t.charged(), 0u);
+  EXPECT_EQ(v.release(h), CUDA_SUCCESS);
+  EXPECT_EQ(v.release(other), CUDA_SUCCESS);  // two 4M spares now
+}
+
+TEST(LaneRoom, SparesOfAnotherSizeGiveWayWhenTheRoomIsShort) {
+  Room t;
+  RoomVmm& v = t.v;
+  // 8M of 4M spares and 12M more do not fit 16M: the spares go, the segment
+  // is made in the room.
+  const CUmemGenericAllocationHandle h = v.make(12 * kMiB);
+  EXPECT_EQ(t.charged(), 0u);
+  EXPECT_EQ(v.release(h), CUDA_SUCCESS);
+}
+
+TEST(LaneRoom, PastTheRoomOrWithoutTheLaneItIsCharged) {
+  Room t;
+  RoomVmm& v = t.v;
+  const CUmemGenericAllocationHandle big = v.make(32 * kMiB);  // past the room: the budget
+  EXPECT_EQ(t.charged(), 32 * kMiB);
+  EXPECT_EQ(v.release(big), CUDA_SUCCESS);
+  EXPECT_EQ(t.charged(), 0u);
+  lend_room(16 * kMiB, 0);  // not held
+  const CUmemGenericAllocationHandle h = v.make(2 * kMiB);
+  EXPECT_EQ(t.charged(), 2 * kMiB);
+  EXPECT_EQ(v.release(h), CUDA_SUCCESS);
+  EXPECT_EQ(t.charged(), 0u);
+}
+
+TEST(LaneRoom, ASegmentLiveAtABoundaryIsChargedWhereItIsMapped) {
+  Room t;
+  RoomVmm& v = t.v;
+  const CUmemGenericAllocationHandle h = v.make(4 * kMiB);
+  const CUdeviceptr va = v.map_at_new(h, 4 * kMiB);
+  const std::vector<char> bytes(4 * kMiB, 0x5a);
+  auto htod = cuda().get<PFN_cuMemcpyHtoD_v3020>("cuMemcpyHtoD");
+  auto dtoh = cuda().get<PFN_cuMemcpyDtoH_v3020>("cuMemcpyDtoH");
+  ASSERT_EQ(htod(va, bytes.data(), bytes.size()), CUDA_SUCCESS);
+  EXPECT_EQ(t.charged(), 0u);
+  ASSERT_EQ(shim_step(), 0);
+  EXPECT_EQ(t.charged(), 4 * kMiB) << "what outlives the iteration is persistent";
+  std::vector<char> back(bytes.size());
+  ASSERT_EQ(dtoh(back.data(), va, back.size()), CUDA_SUCCESS);
+  EXPECT_EQ(back, bytes) << "nothing moved";
+  // Released while mapped, then unmapped: refunded as the program's own memory.
+  EXPECT_EQ(v.release(h), CUDA_SUCCESS);
+  EXPECT_EQ(t.charged(), 4 * kMiB);
+  v.unmap_and_free(va, 4 * kMiB);
+  EXPECT_EQ(t.charged(), 0u);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
