@@ -21,8 +21,12 @@
 #        with each user's sessions as a uid of its own (tools/salus-replay).
 #        OVERSUBSCRIBE (1: salusd and salus-sim --oversubscribe; a replayed job
 #        declares its memory with `need` and allocates no buffer, so its swaps move
-#        no bytes and take salusd's bookkeeping only), SWAP_GBPS (salus-sim
-#        --swap-gbps; default 10000: near-free swaps, as the replay's are).
+#        no bytes and take salusd's bookkeeping only), HOLD_PERSISTENT (1: each job
+#        allocates its persistent size and keeps it, so that swaps move its bytes:
+#        salus-replay --hold-persistent), SWAP_GBPS (salus-sim --swap-gbps; default
+#        10000: near-free swaps, as the replay's are without HOLD_PERSISTENT;
+#        `measured`: the median of what salusd measured in the replays, from its
+#        policy file's swap_bandwidth_gbps).
 #
 # The overhead is salusd's host-side cost per iteration boundary on this machine at
 # this depth: one job of 1 ms iterations is replayed alone with 200 and 1200 iterations,
@@ -50,6 +54,7 @@ depth=${DEPTH:-1}
 tie=${TIE:-0.05}
 iter_args=(--iter-scale "${ITER_SCALE:-4}")
 [ -n "${KERNEL_US:-}" ] && iter_args+=(--kernel-us "$KERNEL_US")
+[ "${HOLD_PERSISTENT:-0}" = 1 ] && iter_args+=(--hold-persistent)
 mkdir -p "$out"
 
 mnt=""
@@ -111,6 +116,14 @@ for p in "${policies[@]}"; do
   cleanup
 done
 
+if [ "$swap_gbps" = measured ]; then
+  swap_gbps=$(python3 -c '
+import statistics, sys
+seen = [float(l.split()[1]) for f in sys.argv[1:] for l in open(f)
+        if l.startswith("swap_bandwidth_gbps:") and "not measured" not in l]
+print(f"{statistics.median(seen):.3f}" if seen else "10000")' "$out"/policy-*.txt)
+  echo "replay-bench: salus-sim --swap-gbps $swap_gbps (what salusd measured in the replays)"
+fi
 "$salus_sim" --trace "$out/scaled.csv" --policy all --lanes algorithm1 --gpu-memory "$capacity" \
   --gpus "$gpus" --placement "$placement" --fair-share "$fair_share" \
   --oversubscribe "$oversubscribe" --swap-gbps "$swap_gbps" \
