@@ -1077,7 +1077,12 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& su
     return 0;
   }
   if (r.error == arena::ArenaError::fragmented) {
-    // Compaction is planned; the write waits (holding no thread) and retries.
+    // Compaction is planned; the write waits (holding no thread) and retries
+    // when it completes, or when the GPU's worker next runs (memory freed by
+    // a session that left, a swap-out or a lane that shrank may be the room
+    // it needs, and a plan that moves nothing completes nothing).
+    if (std::find(g.alloc_waiters.begin(), g.alloc_waiters.end(), s.id) == g.alloc_waiters.end())
+      g.alloc_waiters.push_back(s.id);
     kick(g);
     suspend = true;
     return 0;
@@ -1647,6 +1652,15 @@ void Broker::kick(Gpu& g) {
   g.cq_cv.notify_one();
 }
 
+void Broker::retry_waiting_allocs(Gpu& g, Deferred& later) {
+  if (g.alloc_waiters.empty()) return;
+  std::vector<SessionId> ids;
+  ids.swap(g.alloc_waiters);  // a retry that still finds no hole puts its session back
+  for (SessionId id : ids)
+    if (Session* s = get(id); s && !s->writes.empty() && !s->writes.front().syncing)
+      resume_writes(*s, later);
+}
+
 void Broker::worker_loop(Gpu& g) {
   std::vector<Completion> batch;
   Deferred later;
@@ -1664,6 +1678,7 @@ void Broker::worker_loop(Gpu& g) {
       std::lock_guard lk(mu_);
       for (const Completion& c : batch) complete(g, c, later);
       check_generation(g, later);
+      retry_waiting_allocs(g, later);
       dispatch(g, later);
       sample_busy(g);
     } catch (const std::exception& e) {

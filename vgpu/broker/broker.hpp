@@ -425,6 +425,8 @@ class Broker {
   void finish_instance(Gpu& g, Session& s, WorkItem& item, int status, std::int64_t device_ns,
                        Deferred& later);
   void kick(Gpu& g);
+  // Writes whose `alloc` found no hole (fragmented) try again (on the worker).
+  void retry_waiting_allocs(Gpu& g, Deferred& later);
   // Utilization from the device's busy time, sampled by the worker every 100 ms:
   // the busy fraction over the last `window` ns.
   void sample_busy(Gpu& g);

@@ -88,6 +88,9 @@ struct Broker::Gpu {
   bool draining = false;
   std::uint32_t placed = 0;  // sessions placed on this GPU
   SharedLane shared_lane;    // attached sessions' shared ephemeral memory (broker_lanes.cpp)
+  // Sessions whose front write waits for an `alloc` that found no hole
+  // (fragmented): retried by the worker (Broker::retry_waiting_allocs).
+  std::vector<SessionId> alloc_waiters;
   // Idle while sessions wait for it (broker_idle_watch.cpp), sampled every
   // kIdleWatchTicks gate ticks: since when (0: not now), summed over all
   // episodes, when last sampled, whether this episode was reported, and how

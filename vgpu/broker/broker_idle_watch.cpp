@@ -61,6 +61,10 @@ std::vector<std::pair<const Session*, std::string>> Broker::idle_waiters(const G
                           arena::format_size(s.need.ephemeral), arena::format_size(m.free)));
       continue;
     }
+    if (std::find(g.alloc_waiters.begin(), g.alloc_waiters.end(), s.id) != g.alloc_waiters.end()) {
+      out.emplace_back(&s, "waits for room for an alloc (no hole is big enough yet)");
+      continue;
+    }
     const sched::SessionSched* ss = g.sched.find(s.id);
     if (s.state != SessionState::admitted || !ss || !ss->runnable) continue;
     if (!health.usable)
