@@ -1083,7 +1083,9 @@ int Broker::exec_alloc(Session& s, const AllocCmd& c, std::uint32_t ln, bool& su
     // it needs, and a plan that moves nothing completes nothing).
     if (std::find(g.alloc_waiters.begin(), g.alloc_waiters.end(), s.id) == g.alloc_waiters.end())
       g.alloc_waiters.push_back(s.id);
-    kick(g);
+    // The dispatch pass starts the compaction. A retry runs on the worker just
+    // before one, and a kick from there would wake it again at once: a spin.
+    if (!g.retrying_allocs) kick(g);
     suspend = true;
     return 0;
   }
@@ -1656,6 +1658,11 @@ void Broker::retry_waiting_allocs(Gpu& g, Deferred& later) {
   if (g.alloc_waiters.empty()) return;
   std::vector<SessionId> ids;
   ids.swap(g.alloc_waiters);  // a retry that still finds no hole puts its session back
+  g.retrying_allocs = true;
+  struct Reset {  // also if a retry throws (the worker logs it and goes on)
+    bool& on;
+    ~Reset() { on = false; }
+  } reset{g.retrying_allocs};
   for (SessionId id : ids)
     if (Session* s = get(id); s && !s->writes.empty() && !s->writes.front().syncing)
       resume_writes(*s, later);

@@ -91,6 +91,7 @@ struct Broker::Gpu {
   // Sessions whose front write waits for an `alloc` that found no hole
   // (fragmented): retried by the worker (Broker::retry_waiting_allocs).
   std::vector<SessionId> alloc_waiters;
+  bool retrying_allocs = false;  // inside retry_waiting_allocs: no kick from exec_alloc
   // Idle while sessions wait for it (broker_idle_watch.cpp), sampled every
   // kIdleWatchTicks gate ticks: since when (0: not now), summed over all
   // episodes, when last sampled, whether this episode was reported, and how
