@@ -16,6 +16,8 @@
 #include <mutex>
 #include <thread>
 
+#include <sys/resource.h>
+
 #include <unistd.h>
 
 #include "fusefs/command_parser.hpp"
@@ -400,19 +402,32 @@ TEST(Broker, APipeliningOwnerDoesNotStarveCompactionOfItsBuffers) {
 
 // status says so while an owner is held: what it has in flight runs, no
 // iteration starts, and its buffers move at the boundary.
+namespace {
+// On a 64M GPU: a session whose 6M buffers leave holes of 6M at most, with two
+// of its three `spin` iterations in flight (nothing of it can move yet), and an
+// admitted session c with room for 7M persistent that no hole can take.
+std::pair<SessionId, SessionId> busy_owner_and_a_waiter(Broker& b, int spin_us) {
+  const auto a = static_cast<SessionId>(b.create_session(kRoot, ""));
+  EXPECT_EQ(run(b, a, "need persistent=48M ephemeral=8M\n").first, 0);
+  for (int i = 1; i <= 9; ++i) EXPECT_EQ(run(b, a, fmt::format("alloc a{} 6M\n", i)).first, 0);
+  EXPECT_EQ(
+      run(b, a,
+          fmt::format("free a2\nfree a4\nfree a6\nfree a8\nbegin\nspin {}\nend x3\n", spin_us))
+          .first,
+      0);
+  EXPECT_EQ(field(b.render_status(a), "compaction"), "-");
+  for (int i = 0; i < 200 && field(b.render_status(a), "in_flight") != "2"; ++i)
+    std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(field(b.render_status(a), "in_flight"), "2");  // busy: nothing can move yet
+  const auto c = static_cast<SessionId>(b.create_session(kRoot, ""));
+  EXPECT_EQ(run(b, c, "need persistent=7M ephemeral=8M\n").first, 0);
+  return {a, c};
+}
+}  // namespace
+
 TEST(Broker, StatusSaysWhileCompactionHoldsASession) {
   auto b = make_broker(1, 64u << 20);
-  const auto a = static_cast<SessionId>(b->create_session(kRoot, ""));
-  ASSERT_EQ(run(*b, a, "need persistent=48M ephemeral=8M\n").first, 0);
-  for (int i = 1; i <= 9; ++i) ASSERT_EQ(run(*b, a, fmt::format("alloc a{} 6M\n", i)).first, 0);
-  ASSERT_EQ(run(*b, a, "free a2\nfree a4\nfree a6\nfree a8\nbegin\nspin 300000\nend x3\n").first,
-            0);
-  EXPECT_EQ(field(b->render_status(a), "compaction"), "-");
-  for (int i = 0; i < 200 && field(b->render_status(a), "in_flight") != "2"; ++i)
-    std::this_thread::sleep_for(1ms);
-  ASSERT_EQ(field(b->render_status(a), "in_flight"), "2");  // busy: nothing can move yet
-  const auto c = static_cast<SessionId>(b->create_session(kRoot, ""));
-  ASSERT_EQ(run(*b, c, "need persistent=7M ephemeral=8M\n").first, 0);
+  const auto [a, c] = busy_owner_and_a_waiter(*b, 300000);
   auto alloc = std::async(std::launch::async, [&] { return run(*b, c, "alloc big 7M\n").first; });
   bool seen = false;
   for (int i = 0; i < 200 && !seen; ++i) {
@@ -425,6 +440,30 @@ TEST(Broker, StatusSaysWhileCompactionHoldsASession) {
   EXPECT_LT(std::stoi(field(st, "iterations_done")) + std::stoi(field(st, "in_flight")), 3) << st;
   ASSERT_EQ(alloc.get(), 0) << b->render_log(c);
   EXPECT_EQ(field(b->render_status(a), "compaction"), "-");
+  ASSERT_EQ(wait_for(*b, a).first, 0) << b->render_log(a);
+}
+
+// A write waiting for room is retried whenever the GPU's worker runs; the retry
+// must not wake the worker again at once (it did: the worker spun for as long
+// as the write waited). The process's CPU time over the wait stays far below
+// the wall time (the sim backend's spins sleep).
+TEST(Broker, AnAllocWaitingForRoomDoesNotSpinTheWorker) {
+  auto b = make_broker(1, 64u << 20);
+  const auto [a, c] = busy_owner_and_a_waiter(*b, 400000);
+  auto alloc = std::async(std::launch::async, [&] { return run(*b, c, "alloc big 7M\n").first; });
+  std::this_thread::sleep_for(50ms);
+  const auto cpu = [] {
+    rusage u{};
+    ::getrusage(RUSAGE_SELF, &u);
+    return std::chrono::seconds(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           std::chrono::microseconds(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  };
+  const auto before = cpu();
+  std::this_thread::sleep_for(300ms);
+  const auto used = cpu() - before;
+  EXPECT_EQ(alloc.wait_for(0ms), std::future_status::timeout) << "the write was still waiting";
+  EXPECT_LT(used, 100ms) << "CPU time while an alloc waited 300 ms";
+  ASSERT_EQ(alloc.get(), 0) << b->render_log(c);
   ASSERT_EQ(wait_for(*b, a).first, 0) << b->render_log(a);
 }
 
