@@ -566,12 +566,14 @@ class Broker {
   // holds it.
   bool lane_ready(Gpu& g, Session& s, Deferred& later);
   bool grant_lane_room(Gpu& g, Session& s, Bytes room);  // lane_room=1: the lane as room
+  // The lane is s's from here: its gate says `bytes` and the lane's generation.
+  void hand_lane_to(SharedLane& L, Session& s, Bytes bytes);
   // broker_idle_watch.cpp: a GPU idle while sessions wait for it.
   void watch_idle(Gpu& g, TimeNs t);
   bool gpu_working(const Gpu& g) const;
-  std::vector<std::pair<const Session*, std::string>> idle_waiters(const Gpu& g) const;
+  std::vector<std::pair<Session*, std::string>> idle_waiters(const Gpu& g);
   void warn_idle(const Gpu& g, TimeNs idle_ns,
-                 const std::vector<std::pair<const Session*, std::string>>& waiting);
+                 const std::vector<std::pair<Session*, std::string>>& waiting);
   // Whether nobody else holds the lane for s (asking the holder to yield).
   bool lane_free_for(SharedLane& L, Session& s);
   // Whether a session other than `other_than` asked for the lane and still

@@ -47,12 +47,12 @@ bool Broker::gpu_working(const Gpu& g) const {
   return false;
 }
 
-std::vector<std::pair<const Session*, std::string>> Broker::idle_waiters(const Gpu& g) const {
-  std::vector<std::pair<const Session*, std::string>> out;
+std::vector<std::pair<Session*, std::string>> Broker::idle_waiters(const Gpu& g) {
+  std::vector<std::pair<Session*, std::string>> out;
   const auto m = g.sched.arena().memory();
   const DeviceHealth health = g.device->health();
-  for (const auto& [id, sp] : sessions_) {
-    const Session& s = *sp;
+  for (auto& [id, sp] : sessions_) {
+    Session& s = *sp;
     if (s.gpu != static_cast<int>(g.index) || s.dead) continue;
     if (s.state == SessionState::queued) {
       out.emplace_back(
@@ -82,7 +82,7 @@ std::vector<std::pair<const Session*, std::string>> Broker::idle_waiters(const G
 }
 
 void Broker::warn_idle(const Gpu& g, TimeNs idle_ns,
-                       const std::vector<std::pair<const Session*, std::string>>& waiting) {
+                       const std::vector<std::pair<Session*, std::string>>& waiting) {
   // What holds the card: admitted sessions that run nothing now.
   std::vector<const Session*> holders;
   for (const auto& [id, sp] : sessions_) {
@@ -108,17 +108,16 @@ void Broker::warn_idle(const Gpu& g, TimeNs idle_ns,
                seconds(idle_ns), waiting.size(), held_by);
   for (const auto& [s, why] : waiting) {
     spdlog::warn("gpu {}: session {} (uid {}) {}", g.index, s->id, s->uid, why);
-    log(*const_cast<Session*>(s),
-        fmt::format("gpu {} has been idle for {:.1f} s while this session {}; {} (salusd "
-                    "--idle-warn)",
-                    g.index, seconds(idle_ns), why, held_by));
+    log(*s, fmt::format("gpu {} has been idle for {:.1f} s while this session {}; {} (salusd "
+                        "--idle-warn)",
+                        g.index, seconds(idle_ns), why, held_by));
   }
 }
 
 void Broker::watch_idle(Gpu& g, TimeNs t) {
   const TimeNs last = g.idle_watched_at;
   g.idle_watched_at = t;
-  std::vector<std::pair<const Session*, std::string>> waiting;
+  std::vector<std::pair<Session*, std::string>> waiting;
   if (!gpu_working(g)) waiting = idle_waiters(g);
   if (waiting.empty()) {
     g.idle_waiting_since = 0;

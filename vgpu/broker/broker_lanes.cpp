@@ -129,14 +129,18 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
     }
     gt.lane_sent = L.generation;
   }
+  hand_lane_to(L, s, L.bytes);
+  L.dirty_uid = s.uid;
+  return true;
+}
+
+void Broker::hand_lane_to(SharedLane& L, Session& s, Bytes bytes) {
   if (L.holder != s.id) ++L.handovers;
   L.holder = s.id;
   if (L.asker == s.id) L.asker = 0;
   L.release_asked = false;
-  L.dirty_uid = s.uid;
-  gate_store(gt.g().lane_bytes, std::uint64_t{L.bytes});
-  gate_store(gt.g().lane_grant, L.generation);
-  return true;
+  gate_store(s.gate->g().lane_bytes, std::uint64_t{bytes});
+  gate_store(s.gate->g().lane_grant, L.generation);
 }
 
 bool Broker::grant_lane_room(Gpu& g, Session& s, Bytes room) {
@@ -148,13 +152,8 @@ bool Broker::grant_lane_room(Gpu& g, Session& s, Bytes room) {
   SharedLane& L = g.shared_lane;
   drop_memory(*g.device, L);
   if (L.generation == 0) L.generation = 1;
-  if (L.holder != s.id) ++L.handovers;
-  L.holder = s.id;
-  if (L.asker == s.id) L.asker = 0;
-  L.release_asked = false;
+  hand_lane_to(L, s, room);
   L.dirty_uid.reset();
-  gate_store(s.gate->g().lane_bytes, std::uint64_t{room});
-  gate_store(s.gate->g().lane_grant, L.generation);
   return true;
 }
 
