@@ -181,15 +181,17 @@ struct Gpu {
   std::map<LaneId, LaneState> lanes;  // ordered: dispatch visits lanes by id
   std::uint64_t epoch = 0;
   bool touched = false;
-  // Oversubscription: no iteration starts before swap_until; the swaps ending then.
+  // Oversubscription: the swaps on the GPU's swap stream, in order. Like salusd's copies,
+  // they run one after another beside the lanes' kernels: a session swapping in is not
+  // picked until its copy ends, and a swap-out frees its room only then.
   struct Swap {
     SessionId id;
     Bytes bytes;
-    TimeNs ns;
+    TimeNs ns;   // the copy's own time, bytes / bandwidth
+    TimeNs end;  // when it lands: after the swaps queued before it
     bool out;
   };
-  TimeNs swap_until = 0;
-  std::vector<Swap> swaps;
+  std::deque<Swap> swaps;
   // Since when nothing has run or swapped while sessions wait (-1: not idle so).
   TimeNs idle_since = -1;
   bool quiet = true;  // no lane waits to move or for room: boundaries change nothing
@@ -449,9 +451,10 @@ class Engine {
     return pos_ < order_.size() ? jobs_[order_[pos_]].arrival : std::numeric_limits<TimeNs>::max();
   }
   void dispatch(std::uint32_t g, TimeNs t);
-  // Oversubscription: lands the swaps that ended, starts the ones the planner asks
-  // for; false while the GPU is busy swapping (no iteration may start).
-  bool drive_swaps(std::uint32_t g, TimeNs t);
+  // Oversubscription: lands the swaps that ended, queues the ones the planner asks for.
+  void drive_swaps(std::uint32_t g, TimeNs t);
+  void land_swaps(Gpu& gpu, TimeNs t);
+  void queue_swap(Gpu& gpu, SessionId id, Bytes bytes, bool out, TimeNs t);
   void check_not_stalled(std::uint32_t g, TimeNs t);
   void close_instant(std::uint32_t g, TimeNs t);
   void record_work(const Job& j, TimeNs t, double work);
@@ -1265,56 +1268,55 @@ void Engine::replay_merged(Gpu& gpu, LaneId lane, const Run& r, TimeNs end) {
   counters_.iterations += r.planned;
 }
 
-bool Engine::drive_swaps(std::uint32_t g, TimeNs t) {
-  Gpu& gpu = gpus_[g];
-  if (t < gpu.swap_until) return false;
+void Engine::land_swaps(Gpu& gpu, TimeNs t) {
   ResidencyPlanner& rp = gpu.sched.residency();
-  arena::GpuArena& ar = gpu.sched.arena();
-  for (const Gpu::Swap& s : gpu.swaps) {
-    if (s.out)
+  while (!gpu.swaps.empty() && gpu.swaps.front().end <= t) {
+    const Gpu::Swap s = gpu.swaps.front();
+    gpu.swaps.pop_front();
+    if (s.out) {
+      gpu.sched.arena().finish_swap_out(s.id, t);  // its copy is on the host: room is free
       rp.swap_out_done(s.id, s.bytes, s.ns, t, true);
-    else
+    } else {
       rp.swap_in_done(s.id, s.bytes, s.ns, t);
+    }
   }
-  gpu.swaps.clear();
-  TimeNs cost = 0;
+}
+
+void Engine::queue_swap(Gpu& gpu, SessionId id, Bytes bytes, bool out, TimeNs t) {
+  ResidencyPlanner& rp = gpu.sched.residency();
+  rp.swap_started(id, t);
+  const TimeNs ns = rp.cost().swap_ns(bytes);
+  const TimeNs start = gpu.swaps.empty() ? t : std::max(t, gpu.swaps.back().end);
+  gpu.swaps.push_back({id, bytes, ns, start + ns, out});
+  counters_.swap_ns += ns;
+  ++(out ? counters_.swaps_out : counters_.swaps_in);
+}
+
+void Engine::drive_swaps(std::uint32_t g, TimeNs t) {
+  Gpu& gpu = gpus_[g];
+  arena::GpuArena& ar = gpu.sched.arena();
+  land_swaps(gpu, t);
   std::vector<arena::SwapBuffer> bufs;
   auto swap_out = [&](SessionId v) {
     if (!ar.begin_swap_out(v, bufs)) return;  // its iteration still runs: at its boundary
-    const Bytes n = ar.swap_in_bytes(v);
-    ar.finish_swap_out(v, t);
-    rp.swap_started(v, t);
-    const TimeNs ns = rp.cost().swap_ns(n);
-    cost += ns;
-    gpu.swaps.push_back({v, n, ns, true});
-    ++counters_.swaps_out;
+    queue_swap(gpu, v, ar.swap_in_bytes(v), true, t);
   };
   for (const auto& [lane, ls] : gpu.lanes)
     for (SessionId id : ls.members)
-      if (rp.evicting(id)) swap_out(id);
+      if (gpu.sched.residency().evicting(id)) swap_out(id);
   // A job that ran its last iteration leaves at the end of this instant: never a victim.
   const ResidencyPlan plan = gpu.sched.plan_residency(
       [this](SessionId id) { return job_of(id).done < job_of(id).spec->iters; }, t);
   for (SessionId v : plan.swap_out) swap_out(v);
-  if (plan.swap_in && ar.swap_in(*plan.swap_in, bufs) == arena::ArenaError::ok) {
-    const Bytes n = ar.swap_in_bytes(*plan.swap_in);
-    rp.swap_started(*plan.swap_in, t);
-    const TimeNs ns = rp.cost().swap_ns(n);
-    cost += ns;
-    gpu.swaps.push_back({*plan.swap_in, n, ns, false});
-    ++counters_.swaps_in;
-  }
-  counters_.swap_ns += cost;
-  if (cost == 0) return true;
-  gpu.swap_until = t + cost;
-  return false;
+  if (plan.swap_in && ar.swap_in(*plan.swap_in, bufs) == arena::ArenaError::ok)
+    queue_swap(gpu, *plan.swap_in, ar.swap_in_bytes(*plan.swap_in), false, t);
 }
 
 void Engine::dispatch(std::uint32_t g, TimeNs t) {
   Gpu& gpu = gpus_[g];
   arena::GpuArena& ar = gpu.sched.arena();
   started_.clear();
-  if (gpu.sched.oversubscribed() && !drive_swaps(g, t)) return;
+  if (gpu.sched.oversubscribed()) drive_swaps(g, t);
   for (auto& [lane, ls] : gpu.lanes) {
     // The broker's order: lane ready, lane allowed (FIFO runs one session per GPU), pick,
     // begin_iteration, iteration_dispatched.
@@ -1397,9 +1399,9 @@ void Engine::close_instant(std::uint32_t g, TimeNs t) {
   ++gpu.epoch;
   if (const std::optional<TimeNs> next = gpu.model.next_completion())
     heap_.push({*next, g, gpu.epoch});
-  if (gpu.swap_until > t) {
+  if (!gpu.swaps.empty()) {
     gpu.idle_since = -1;
-    heap_.push({gpu.swap_until, g, gpu.epoch});
+    heap_.push({gpu.swaps.front().end, g, gpu.epoch});
   } else if (gpu.sched.oversubscribed() && gpu.model.active() == 0) {
     // Idle, with someone perhaps waiting for a resident session's quantum to end.
     bool waits = false;

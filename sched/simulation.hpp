@@ -63,8 +63,10 @@ struct SimConfig {
   // device time only. 0: an ideal broker (the paper's tables).
   arena::TimeNs iteration_overhead_ns = 0;
   // Oversubscription (design.md): admit up to this many times each GPU's memory; the
-  // residency planner salusd uses swaps sessions, and a swap holds the GPU (no new
-  // iteration starts) for its bytes / swap_gbps. Runs are not coalesced then.
+  // residency planner salusd uses swaps sessions. A swap takes bytes / swap_gbps on the
+  // GPU's swap stream, one after another, beside the other lanes' kernels (a copy engine
+  // beside the SMs, as salusd copies); its session waits for it. Runs are not
+  // coalesced then.
   double oversubscribe = 1.0;
   double swap_gbps = 12.0;
   // How FAIR divides a lane, as salusd --fair-share: per user (the trace's user column;
@@ -109,7 +111,7 @@ struct SimCounters {
   std::uint64_t risky_skips = 0;
   std::uint64_t swaps_out = 0;  // oversubscription
   std::uint64_t swaps_in = 0;
-  std::int64_t swap_ns = 0;  // GPU time spent swapping
+  std::int64_t swap_ns = 0;  // time the swap streams spent copying
 };
 
 // A job's cumulative work (alone-equivalent device nanoseconds) at the times its rate

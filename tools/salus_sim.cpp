@@ -160,9 +160,11 @@ void add_flags(CLI::App& app, Options& o) {
                  "tools/replay-bench.sh to predict a real salusd")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1e6));
-  app.add_option("--oversubscribe", o.oversubscribe,
-                 "admit jobs whose memory adds up to RATIO x each GPU's (1 to 16); idle jobs are "
-                 "swapped out as salusd does, each swap holding the GPU for bytes / --swap-gbps")
+  app.add_option(
+         "--oversubscribe", o.oversubscribe,
+         "admit jobs whose memory adds up to RATIO x each GPU's (1 to 16); idle jobs are "
+         "swapped out as salusd does, each swap taking bytes / --swap-gbps on the GPU's swap "
+         "stream beside the other lanes' kernels")
       ->capture_default_str()
       ->check(CLI::Range(1.0, 16.0));
   app.add_option("--swap-gbps", o.swap_gbps,

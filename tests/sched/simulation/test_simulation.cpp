@@ -349,6 +349,30 @@ TEST(SimOversubscribe, ASwappedNewcomerIsSwappedInWithinAFewRoundsOfItsLane) {
   }
 }
 
+// A swap is a copy on the GPU's swap stream beside the other lanes' kernels, as in
+// salusd: it holds back only the session it moves. On 16 GiB at --oversubscribe 2, L
+// (100 MiB + 1000 MiB, util 0.5, 200 x 10 ms) has a lane of its own. A and B (7000 MiB
+// persistent each, util 0.5, 100 x 10 ms) cannot both be resident, so B arrives
+// swapped out and is swapped in when A leaves at 1 s: 7000 MiB at the default 12 GB/s
+// take 7000 x 2^20 / 12e9 s = 611.67 ms, so B runs [1.612, 2.612] s. L's utils beside A
+// or B sum to 1 (no slowdown), and the swap does not stop it: L ends at 2 s, not 0.612
+// s later as when a swap held the whole GPU.
+TEST(SimOversubscribe, ASwapHoldsBackOnlyTheSessionItMoves) {
+  const std::vector<sc::TraceJob> t{job("L", 0, 10, 200, 0.5, 100, 1000),
+                                    job("A", 0, 10, 100, 0.5, 7000, 1000),
+                                    job("B", 0.05, 10, 100, 0.5, 7000, 1000)};
+  const std::int64_t swap = 611'669'333;
+  for (PolicyKind policy : {PolicyKind::fair, PolicyKind::srtf, PolicyKind::pack}) {
+    const RunSpec spec{policy,          LaneModel::algorithm1, 1,
+                       Placement::magm, sc::FairShare::owner,  2.0};
+    check(t, spec, {{0, 2 * kSec}, {0, 1 * kSec}, {1 * kSec + swap, 2 * kSec + swap}});
+    const sc::SimResult r = run(t, spec);
+    EXPECT_EQ(r.counters.swaps_in, 1u) << sc::to_string(policy);
+    EXPECT_EQ(r.counters.swaps_out, 0u) << sc::to_string(policy);
+    EXPECT_NEAR(r.counters.swap_ns, swap, 1000) << sc::to_string(policy);
+  }
+}
+
 // Seeded random traces of the Salus mix's sizes (P up to 900M, lanes up to 13G on
 // 16G) oversubscribed, under every policy and FAIR share, both lane models, one or two
 // GPUs: every job finishes. It found GPUs idle for ever with every session swapped
