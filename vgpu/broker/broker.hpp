@@ -572,6 +572,7 @@ class Broker {
   void watch_idle(Gpu& g, TimeNs t);
   bool gpu_working(const Gpu& g) const;
   std::vector<std::pair<Session*, std::string>> idle_waiters(const Gpu& g);
+  void add_host_waiters(const Gpu& g, std::vector<std::pair<Session*, std::string>>& out);
   void warn_idle(const Gpu& g, TimeNs idle_ns,
                  const std::vector<std::pair<Session*, std::string>>& waiting);
   // Whether nobody else holds the lane for s (asking the holder to yield).

@@ -10,6 +10,9 @@
 // else explaining it is a scheduler stall, which salus-sim stops on as a bug;
 // salusd says so instead of staying silent.
 //
+// Sessions waiting host-wide (gpu=any, bound to no GPU yet) count as waiting
+// for every idle GPU they could fit.
+//
 // Sampled from the gate tick every kIdleWatchTicks (250 ms): one pass over the
 // sessions, never on a dispatch path.
 #include <algorithm>
@@ -78,7 +81,24 @@ std::vector<std::pair<Session*, std::string>> Broker::idle_waiters(const Gpu& g)
                                        "log)",
                                        sched::to_string(g.sched.policy())));
   }
+  add_host_waiters(g, out);
   return out;
+}
+
+// Sessions opened with gpu=any that no GPU has taken yet wait for this one too,
+// if they could ever fit it: memory that idle holders keep here is what stops
+// them, and this GPU's idle time is what they lose.
+void Broker::add_host_waiters(const Gpu& g, std::vector<std::pair<Session*, std::string>>& out) {
+  const auto m = g.sched.arena().memory();
+  host_queue_.for_each([&](const arena::QueuedRequest& q) {
+    Session* s = get(q.session);
+    if (!s || s->dead || s->need.persistent + s->need.ephemeral > m.capacity) return;
+    out.emplace_back(
+        s, fmt::format("waits for a GPU (gpu=any, no GPU has taken it yet): needs "
+                       "{} + {}, gpu {} has {} free",
+                       arena::format_size(s->need.persistent),
+                       arena::format_size(s->need.ephemeral), g.index, arena::format_size(m.free)));
+  });
 }
 
 void Broker::warn_idle(const Gpu& g, TimeNs idle_ns,

@@ -827,6 +827,36 @@ TEST(Broker, AGpuIdleWhileASessionWaitsForAdmissionIsCountedAndReportedOnce) {
   EXPECT_GT(std::stod(field(b.render_gpu_info(0), "idle_waiting_total_s")), 0.3);
 }
 
+// gpu=any on a host of two: a session no GPU has taken yet waits for both, and
+// both idle GPUs report it, each naming what it has free.
+TEST(Broker, IdleGpusReportASessionWaitingForAnyGpu) {
+  std::vector<std::unique_ptr<Device>> devs;
+  devs.push_back(std::make_unique<SimDevice>(0, 100u << 20));
+  devs.push_back(std::make_unique<SimDevice>(1, 100u << 20));
+  BrokerConfig cfg;
+  cfg.idle_warn_ns = 300'000'000;
+  Broker b(std::move(devs), cfg);
+  for (int gpu : {0, 1}) {
+    const auto holder = static_cast<SessionId>(b.create_session(kRoot, ""));
+    ASSERT_EQ(run(b, holder, fmt::format("need persistent=60M ephemeral=10M gpu={}\n", gpu)).first,
+              0);
+  }
+  const auto waiter = static_cast<SessionId>(b.create_session(kAlice, ""));
+  ASSERT_EQ(run(b, waiter, "need persistent=60M ephemeral=10M\n", kAlice).first, 0);
+  ASSERT_EQ(field(b.render_status(waiter), "state"), "queued");
+  for (int gpu : {0, 1}) {
+    const std::string report = fmt::format("gpu {} has been idle for", gpu);
+    ASSERT_TRUE(eventually([&] { return b.render_log(waiter).find(report) != std::string::npos; }))
+        << b.render_log(waiter);
+    const std::string why = fmt::format(
+        "while this session waits for a GPU (gpu=any, no GPU has taken it yet): needs 60.0M + "
+        "10.0M, gpu {} has 30.0M free",
+        gpu);
+    EXPECT_NE(b.render_log(waiter).find(why), std::string::npos) << b.render_log(waiter);
+    EXPECT_EQ(field(b.render_gpu_info(static_cast<std::size_t>(gpu)), "idle_waiting_reports"), "1");
+  }
+}
+
 TEST(Broker, AGpuAtWorkWhileASessionWaitsIsNotIdle) {
   auto bp = idle_watched_broker(200'000'000);
   Broker& b = *bp;
