@@ -17,10 +17,12 @@ TimeNs SwapCostModel::quantum_ns(Bytes bytes) const {
   return std::max(min_quantum_ns, static_cast<TimeNs>(std::min(q, 9.0e18)));
 }
 
-void SwapCostModel::observe(Bytes bytes, TimeNs ns) {
+void SwapCostModel::observe(Bytes bytes, TimeNs ns, SwapSource source) {
   // Small swaps are dominated by fixed latency and would understate the bandwidth.
   if (bytes < (Bytes{1} << 20) || ns <= 0) return;
-  const double bw = static_cast<double>(bytes) / (static_cast<double>(ns) / 1e9);
+  double bw = static_cast<double>(bytes) / (static_cast<double>(ns) / 1e9);
+  if (source == SwapSource::reported && bytes_per_s > 1.0)
+    bw = std::clamp(bw, bytes_per_s / 2, bytes_per_s * 2);
   bytes_per_s = measured == 0 ? bw : 0.75 * bytes_per_s + 0.25 * bw;
   ++measured;
 }
@@ -58,7 +60,8 @@ void ResidencyPlanner::swap_started(SessionId id, TimeNs now) {
   if (!r.evicting) r.step_since = now;
 }
 
-void ResidencyPlanner::swap_out_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now, bool ok) {
+void ResidencyPlanner::swap_out_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now, bool ok,
+                                     SwapSource source) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionResidency& r = it->second;
@@ -74,10 +77,11 @@ void ResidencyPlanner::swap_out_done(SessionId id, Bytes bytes, TimeNs ns, TimeN
   ++totals_.swaps_out;
   totals_.swap_ns += ns;
   totals_.bytes_out += bytes;
-  cost_.observe(bytes, ns);
+  cost_.observe(bytes, ns, source);
 }
 
-void ResidencyPlanner::swap_in_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now) {
+void ResidencyPlanner::swap_in_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now,
+                                    SwapSource source) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   SessionResidency& r = it->second;
@@ -89,7 +93,7 @@ void ResidencyPlanner::swap_in_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs
   ++totals_.swaps_in;
   totals_.swap_ns += ns;
   totals_.bytes_in += bytes;
-  cost_.observe(bytes, ns);
+  cost_.observe(bytes, ns, source);
 }
 
 std::vector<SessionId> ResidencyPlanner::victims(const arena::GpuArena& arena, Bytes need,

@@ -24,6 +24,13 @@ using arena::Bytes;
 using arena::SessionId;
 using arena::TimeNs;
 
+// Who timed a swap: salusd, copying a hosted session's buffers itself, or an
+// attached program, whose gate reports the bytes it moved and whose answer
+// salusd times. A program may lie in either, so its report moves the GPU's
+// estimate at most 2x either way (else one program could set every session's
+// quantum: an instant answer makes swaps look free and everyone thrash).
+enum class SwapSource : std::uint8_t { measured, reported };
+
 struct SwapCostModel {
   // Measured host<->device swap bandwidth, bytes per second, averaged (EWMA). Starts at
   // a PCIe-4 x16-like prior until the first swap is measured.
@@ -37,7 +44,7 @@ struct SwapCostModel {
   TimeNs swap_ns(Bytes bytes) const;
   // How long a session holding `bytes` stays resident once swapped in, at least.
   TimeNs quantum_ns(Bytes bytes) const;
-  void observe(Bytes bytes, TimeNs ns);
+  void observe(Bytes bytes, TimeNs ns, SwapSource source = SwapSource::measured);
 };
 
 struct ResidencyStats {
@@ -86,8 +93,10 @@ class ResidencyPlanner {
   // The swap the caller started at `now` (`swapping` until swap_*_done).
   void swap_started(SessionId id, TimeNs now);
   // A swap finished after `ns`, moving `bytes`: counted and fed to the cost model.
-  void swap_out_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now, bool ok);
-  void swap_in_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now);
+  void swap_out_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now, bool ok,
+                     SwapSource source = SwapSource::measured);
+  void swap_in_done(SessionId id, Bytes bytes, TimeNs ns, TimeNs now,
+                    SwapSource source = SwapSource::measured);
 
   // The decision. `wanted`: swapped sessions that a lane would run next, best first.
   // `swappable(id)`: whether that resident session's kind can be swapped at all (an

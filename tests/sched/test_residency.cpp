@@ -269,6 +269,27 @@ TEST(SwapCost, QuantumKeepsSwapUnderTenPercent) {
   EXPECT_EQ(c.measured, 1u);
 }
 
+// A program's swap report (attached sessions: its gate says the bytes, it
+// decides when to answer) moves the GPU's estimate at most 2x either way, so
+// that one program cannot make swaps look free (every quantum at its floor:
+// thrash for all) or endless (every quantum huge). salusd's own copies move it
+// freely.
+TEST(SwapCost, AProgramsReportMovesTheEstimateAtMostTwofold) {
+  SwapCostModel c;
+  const double prior = c.bytes_per_s;
+  c.observe(1024 * M, 1, SwapSource::reported);  // 1 GiB "in 1 ns"
+  EXPECT_DOUBLE_EQ(c.bytes_per_s, 2 * prior);
+  c.observe(1024 * M, 3'600'000'000'000, SwapSource::reported);  // "in an hour"
+  EXPECT_DOUBLE_EQ(c.bytes_per_s, 0.75 * 2 * prior + 0.25 * prior);
+  for (int i = 0; i < 3; ++i) c.observe(1024 * M, 1, SwapSource::reported);
+  EXPECT_LE(c.bytes_per_s, 1.25 * 1.25 * 1.25 * 1.75 * prior * (1 + 1e-12));
+  // salusd's own copy, under half the estimate now, is taken as measured.
+  const double before = c.bytes_per_s;
+  ASSERT_GT(before / 2, 1024.0 * M / 0.1);
+  c.observe(1024 * M, 100'000'000);
+  EXPECT_NEAR(c.bytes_per_s, 0.75 * before + 0.25 * 1024.0 * M / 0.1, 1.0);
+}
+
 // Three sessions of 45M + 5M on 100M at ratio 3: 1 and 2 resident with their
 // buffers, 3 swapped.
 void two_resident_one_swapped(GpuArena& a, ResidencyPlanner& p) {

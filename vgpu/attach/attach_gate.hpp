@@ -65,6 +65,10 @@ struct AttachedGate {
   std::uint64_t granted = 0;         // what salusd wrote to `granted`
   std::uint64_t completed_seen = 0;  // completions already accounted
   std::uint64_t gpu_ns_seen = 0;     // gpu_ns_total already accounted
+  // When it attached, and gpu_ns_total then: what it reports from there is held
+  // to twice the wall time since (Broker::serve_gate).
+  std::int64_t attached_at = 0;
+  std::uint64_t gpu_ns_at_attach = 0;
   std::uint32_t note_seq_seen = 0;
   std::int64_t granted_at = 0;  // broker time of the last grant (the fallback slice)
   // Broker time up to which the session's hold of its lane has been charged: the

@@ -600,6 +600,7 @@ class Broker {
   bool must_drain(const Lane& lane, const Session& next) const;
   // Reads the program's side of the gate: completions, requests, the note.
   void serve_gate(Gpu& g, Session& s, Deferred& later);
+  static std::uint64_t device_time_ceiling(const AttachedGate& gt, TimeNs t);
   // One granted iteration of an attached session ends: `device_ns` as the program
   // reported it (the session's GPU time), `charge_ns` what the policy is charged.
   void finish_grant(Gpu& g, Session& s, std::int64_t device_ns, std::int64_t charge_ns, bool counts,

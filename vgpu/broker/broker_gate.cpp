@@ -190,6 +190,8 @@ int Broker::exec_attach(Session& s, const AttachCmd& c, PendingWrite& w, std::ui
   gate->completed_seen = gate_load(G.completed);
   gate->granted = std::max(gate_load(G.granted), gate->completed_seen);
   gate->gpu_ns_seen = gate_load(G.gpu_ns_total);
+  gate->gpu_ns_at_attach = gate->gpu_ns_seen;
+  gate->attached_at = now();
   gate_store(G.granted, gate->granted);
   gate_store(G.gpu, static_cast<std::uint32_t>(g.index));
   gate_store(G.quantum_ns, static_cast<std::uint64_t>(config_.quantum_ns));
@@ -397,6 +399,19 @@ void Broker::release_long_hold(Gpu& g, Session& s, TimeNs t, Deferred& later) {
   dispatch(g, later);
 }
 
+// The most device time a program's gate may have reported by `t`: its
+// iterations run one after another on one GPU, so their event-timed spans add
+// up to about the wall time since it attached; twice that and a second is room
+// for spans that overlap. Past it the figure is a lie (or garbage): charging it
+// would only cost the program itself, but summed into int64 device times it
+// would wrap, and a wrapped FAIR virtual time ranks first for ever.
+std::uint64_t Broker::device_time_ceiling(const AttachedGate& gt, TimeNs t) {
+  const auto wall = static_cast<std::uint64_t>(std::max<TimeNs>(t - gt.attached_at, 0));
+  const std::uint64_t room = 2 * wall + 1'000'000'000;
+  const std::uint64_t base = gt.gpu_ns_at_attach;  // the program's figure: may be anything
+  return base > UINT64_MAX - room ? UINT64_MAX : base + room;
+}
+
 void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
   AttachedGate& gt = *s.gate;
   salus_gate& G = gt.g();
@@ -404,11 +419,11 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
   const std::uint64_t completed = std::min(gate_load(G.completed), gt.granted);
   if (completed > gt.completed_seen) {
     const std::uint64_t n = completed - gt.completed_seen;
-    const std::uint64_t total = gate_load(G.gpu_ns_total);
+    const TimeNs t = now();
+    const std::uint64_t total = std::min(gate_load(G.gpu_ns_total), device_time_ceiling(gt, t));
     const std::uint64_t delta = total > gt.gpu_ns_seen ? total - gt.gpu_ns_seen : 0;
     gt.gpu_ns_seen = std::max(gt.gpu_ns_seen, total);
     gt.completed_seen = completed;
-    const TimeNs t = now();
     // What the hold limit already measured, and, when this batch reaches grants
     // still on the lane, their hold up to now.
     std::uint64_t held = std::exchange(gt.released_hold_ns, 0);

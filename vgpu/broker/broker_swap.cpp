@@ -152,7 +152,10 @@ void Broker::attached_residency_done(Gpu& g, Session& s, Deferred& later) {
   arena::GpuArena& ar = g.sched.arena();
   const TimeNs t = now();
   const TimeNs took = std::max<TimeNs>(t - gt.swap_asked_at, 1);
-  const Bytes moved = gate_load(G.swapped_bytes);
+  // The program's figures: never more than its budget, and the GPU's bandwidth
+  // estimate moves at most 2x on them (sched::SwapSource).
+  const Bytes budget = s.need.persistent + s.need.ephemeral;
+  const Bytes moved = std::min<Bytes>(gate_load(G.swapped_bytes), budget);
   if (gt.swap_request == SALUS_SWAP_REQ_OUT) {
     const bool ok = gt.swap_error == 0;
     if (ok) {
@@ -165,9 +168,10 @@ void Broker::attached_residency_done(Gpu& g, Session& s, Deferred& later) {
       gt.unswappable = true;
       log(s, "not movable: counted resident from now on and never asked to swap again");
     }
-    g.sched.residency().swap_out_done(s.id, moved, took, t, ok);
+    g.sched.residency().swap_out_done(s.id, moved, took, t, ok, sched::SwapSource::reported);
   } else {
-    g.sched.residency().swap_in_done(s.id, gate_load(G.resident_bytes), took, t);
+    g.sched.residency().swap_in_done(s.id, std::min<Bytes>(gate_load(G.resident_bytes), budget),
+                                     took, t, sched::SwapSource::reported);
     s.wants_resident = false;
   }
   update_runnable(g, s);

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <random>
 #include <thread>
 
 #include "client/salus_gate.h"
@@ -1156,5 +1157,92 @@ TEST(Attach, OnlyADescendantUsingTheGpuTakesOverAndOnlyFromAHolderThatDoesNot) {
     st(contender.g->uses_gpu, 1u);
     refused(id, contender, me(), child.pid);
     EXPECT_EQ(ld(holder.g->state), SALUS_GATE_ATTACHED);
+  }
+}
+
+// The gate is shared memory the program writes at will: a hostile or broken
+// program may put anything anywhere in it, at any moment, and ring the bell as
+// often as it likes. Seeded: a program scribbles random words over the whole
+// gate (with protocol-shaped writes among them, so that salusd's paths past
+// validation run too: requests, completions, swap answers, lane reports)
+// while an honest program shares the lane, on a GPU with and without
+// oversubscription. salusd must not crash, must keep granting the honest
+// program (the scribbler holds the lane at most the hold limit), and must free
+// everything when both sessions end.
+TEST(Attach, AProgramScribblingOverItsGateStallsNobodyAndLeaksNothing) {
+  for (std::uint32_t seed = 1; seed <= 4; ++seed) {
+    std::vector<std::unique_ptr<Device>> devs;
+    devs.push_back(std::make_unique<SimDevice>(0, Bytes{256} << 20));
+    BrokerConfig cfg;
+    cfg.policy = seed % 2 ? sched::PolicyKind::fair : sched::PolicyKind::srtf;
+    cfg.pipeline_depth = 2;
+    cfg.quantum_ns = 20'000'000;
+    cfg.attach_hold_limit_ns = 100'000'000;
+    if (seed > 2) cfg.arena.oversubscribe = 2.0;
+    auto b = std::make_unique<Broker>(std::move(devs), cfg);
+    Program honest, hostile;
+    const auto began = std::chrono::steady_clock::now();
+    const SessionId good = attached_session(*b, honest, "need persistent=64M ephemeral=16M\n");
+    const SessionId bad = attached_session(*b, hostile, "need persistent=64M ephemeral=16M\n");
+    std::atomic<bool> stop{false};
+    std::thread scribbler([&] {
+      std::mt19937_64 rng(seed);
+      auto* words = reinterpret_cast<std::uint64_t*>(hostile.g);
+      const std::size_t n = sizeof(salus_gate) / sizeof(std::uint64_t);
+      while (!stop.load()) {
+        for (int i = 0; i < 64; ++i) {
+          const std::uint64_t r = rng();
+          switch (r % 8) {
+            case 0:
+              st(hostile.g->requested, ld(hostile.g->granted) + r % 3);
+              break;
+            case 1:
+              st(hostile.g->completed, ld(hostile.g->requested) - r % 2);
+              break;
+            case 2:
+              st(hostile.g->swap_done_seq, ld(hostile.g->swap_seq));
+              break;
+            case 3:
+              st(hostile.g->lane_held, ld(hostile.g->lane_grant));
+              break;
+            default:
+              st(words[(r >> 8) % n], rng());
+              break;
+          }
+        }
+        hostile.ring();
+        std::this_thread::sleep_for(200us);
+      }
+    });
+    // The honest program's iterations go on beside it.
+    bool all_granted = true;
+    for (std::uint64_t k = 1; k <= 20 && all_granted; ++k) {
+      honest.request(k);
+      all_granted = honest.granted(k, 5000ms);
+      honest.complete(k, 1'000'000);
+    }
+    stop = true;
+    scribbler.join();
+    EXPECT_TRUE(all_granted) << "seed " << seed << ": " << b->render_log(good);
+    // Device time is held to what the wall time allows (twice it, and a second):
+    // the scribbler's reports summed past it would wrap FAIR's virtual time.
+    const double wall_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
+    EXPECT_LE(std::stod(field(b->render_status(bad), "gpu_time_ms")), 2 * wall_ms + 1000)
+        << "seed " << seed;
+    EXPECT_FALSE(b->render_metrics().empty());
+    EXPECT_FALSE(b->render_gpu_memory(0).empty());
+    b->end_session(bad);
+    b->end_session(good);
+    const bool freed = [&] {
+      for (int i = 0; i < 600; ++i) {
+        if (b->render_stats().find("\nsessions 0\n") != std::string::npos &&
+            field(b->render_gpu_memory(0), "persistent_used") == "0")
+          return true;
+        std::this_thread::sleep_for(5ms);
+      }
+      return false;
+    }();
+    EXPECT_TRUE(freed) << "seed " << seed << "\n" << b->render_stats() << b->render_gpu_memory(0);
   }
 }
