@@ -32,7 +32,8 @@
 # this depth: one job of 1 ms iterations is replayed alone with 200 and 1200 iterations,
 # three times each; the median of (JCT difference / 1000 - 1 ms) goes to salus-sim.
 #
-# Needs root and /dev/fuse. The daemon and its mount are removed on any exit.
+# OUT/sim-command.txt is the salus-sim command run, to compare another salus-sim on the
+# same scaled trace. Needs root and /dev/fuse. The daemon and its mount are removed on any exit.
 set -eu
 build=${1:?usage: replay-bench.sh BUILD OUT [policy...]}
 out=${2:?usage: replay-bench.sh BUILD OUT [policy...]}
@@ -124,10 +125,12 @@ seen = [float(l.split()[1]) for f in sys.argv[1:] for l in open(f)
 print(f"{statistics.median(seen):.3f}" if seen else "10000")' "$out"/policy-*.txt)
   echo "replay-bench: salus-sim --swap-gbps $swap_gbps (what salusd measured in the replays)"
 fi
-"$salus_sim" --trace "$out/scaled.csv" --policy all --lanes algorithm1 --gpu-memory "$capacity" \
-  --gpus "$gpus" --placement "$placement" --fair-share "$fair_share" \
-  --oversubscribe "$oversubscribe" --swap-gbps "$swap_gbps" \
-  --iteration-overhead-us "$overhead" --jobs-out "$out/sim-all.csv" >"$out/sim.summary"
+sim_args=(--trace "$out/scaled.csv" --policy all --lanes algorithm1 --gpu-memory "$capacity"
+  --gpus "$gpus" --placement "$placement" --fair-share "$fair_share"
+  --oversubscribe "$oversubscribe" --swap-gbps "$swap_gbps"
+  --iteration-overhead-us "$overhead" --jobs-out "$out/sim-all.csv")
+echo "salus-sim ${sim_args[*]}" >"$out/sim-command.txt"  # to predict again with another build
+"$salus_sim" "${sim_args[@]}" >"$out/sim.summary"
 for p in "${policies[@]}"; do
   echo "== $p (salusd --pipeline-depth $depth, scale $scale, salus-sim --iteration-overhead-us $overhead)"
   python3 "$here/replay-compare" "$out/replay-$p.csv" "$out/sim-all.csv" --policy "$p" --tie "$tie" |
