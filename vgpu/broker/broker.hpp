@@ -512,7 +512,7 @@ class Broker {
   int undo_swap_in(Gpu& g, Session& s);
   int attached_swap_out(Gpu& g, Session& s);
   int attached_swap_in(Gpu& g, Session& s);
-  void attached_residency_done(Gpu& g, Session& s, Deferred& later);
+  void attached_residency_done(Gpu& g, Session& s);
   // The spill file's part (broker_swap.cpp): swap-in of a spilled session, the
   // file write or read of the swap job under `token` (its answer comes back as a
   // completion on the swap stream), and the end of a swap-out.
@@ -618,7 +618,7 @@ class Broker {
   // attached_swap_done runs when the program answers (through its doorbell, on
   // the gate service); else an errno (ENOTCONN, EBUSY, EALREADY).
   int request_attached_swap(Session& s, bool out);
-  void attached_swap_done(Gpu& g, Session& s, Deferred& later);
+  void attached_swap_done(Gpu& g, Session& s);
   void learn_unswappable(Gpu& g, Session& s);
   void gate_loop();
   void gate_tick();

@@ -451,7 +451,7 @@ void Broker::serve_gate(Gpu& g, Session& s, Deferred& later) {
     gt.note_seq_seen = seq;
     log(s, "program: " + sanitize_note(G));
   }
-  if (gt.swap_pending && gate_load(G.swap_done_seq) == gt.swap_seq) attached_swap_done(g, s, later);
+  if (gt.swap_pending && gate_load(G.swap_done_seq) == gt.swap_seq) attached_swap_done(g, s);
   lane_serve(g, s);
   check_waiters(s, later);
   update_runnable(g, s);
@@ -468,7 +468,7 @@ void Broker::detach_gate(Session& s, Deferred& later, std::uint32_t state) {
   gt.swap_pending = false;
   if (gt.swap_for_residency) {  // the residency bookkeeping ends as a failed swap
     gt.swap_error = ENOTCONN;
-    if (Gpu* g = gpu_of(s)) attached_residency_done(*g, s, later);
+    if (Gpu* g = gpu_of(s)) attached_residency_done(*g, s);
   }
   lane_detach(s);
   ::epoll_ctl(gate_epoll_.get(), EPOLL_CTL_DEL, gt.bell.get(), nullptr);
@@ -505,7 +505,7 @@ int Broker::request_attached_swap(Session& s, bool out) {
   return 0;
 }
 
-void Broker::attached_swap_done(Gpu& g, Session& s, Deferred& later) {
+void Broker::attached_swap_done(Gpu& g, Session& s) {
   AttachedGate& gt = *s.gate;
   salus_gate& G = gt.g();
   gt.swap_pending = false;
@@ -530,7 +530,7 @@ void Broker::attached_swap_done(Gpu& g, Session& s, Deferred& later) {
   // swapped session comes back at its next grant (grant_one needs nothing
   // more: the shim brings it back before the program runs). grant_one held
   // the session back while the swap-out was unanswered: dispatch again.
-  if (gt.swap_for_residency) attached_residency_done(g, s, later);
+  if (gt.swap_for_residency) attached_residency_done(g, s);
   update_runnable(g, s);
   kick(g);
 }

@@ -144,7 +144,7 @@ int Broker::attached_swap_in(Gpu& g, Session& s) {
 }
 
 // The residency side of an attached program's answer (from attached_swap_done).
-void Broker::attached_residency_done(Gpu& g, Session& s, Deferred& later) {
+void Broker::attached_residency_done(Gpu& g, Session& s) {
   AttachedGate& gt = *s.gate;
   salus_gate& G = gt.g();
   gt.swap_for_residency = false;
@@ -175,7 +175,8 @@ void Broker::attached_residency_done(Gpu& g, Session& s, Deferred& later) {
     s.wants_resident = false;
   }
   update_runnable(g, s);
-  maybe_finalize(s, later);
+  // Never finalizes `s` here: its callers go on using it. A session ended during
+  // the swap is finalized by end_session, after detach_gate has come here.
 }
 
 void Broker::want_resident(Gpu& g, Session& s) {
