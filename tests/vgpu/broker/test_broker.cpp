@@ -486,10 +486,13 @@ TEST(Broker, ANeighbourKeepingTheLaneBusyDoesNotStarveCompaction) {
   const int before = iterations_done(*b, a) + iterations_done(*b, n);
   auto [err, reply] = run(*b, c, "alloc big 7M\n");
   ASSERT_EQ(err, 0) << b->render_log(c);
-  // A few iterations ran meanwhile here; without taking the owner between its
-  // neighbour's iterations, it waits for a moment the lane happens to be idle
-  // (the worker late), tens to hundreds of iterations later.
-  EXPECT_LT(iterations_done(*b, a) + iterations_done(*b, n) - before, 50)
+  // Some iterations run meanwhile (33 to 80 of 1 ms here on 2 loaded cores,
+  // before and after the retry of waiting allocs); without taking the owner
+  // between its neighbour's iterations, it waits for a moment the lane happens
+  // to be idle (the worker late), tens to hundreds of iterations later. The
+  // bound was 50, which a loaded machine failed about one run in five; this one
+  // catches only the long waits.
+  EXPECT_LT(iterations_done(*b, a) + iterations_done(*b, n) - before, kIters / 4)
       << "the allocation waited for the lane to go idle";
   ASSERT_EQ(wait_for(*b, a).first, 0) << b->render_log(a);
   ASSERT_EQ(wait_for(*b, n).first, 0) << b->render_log(n);
