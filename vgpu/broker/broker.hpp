@@ -580,6 +580,7 @@ class Broker {
   // Whether a session other than `other_than` asked for the lane and still
   // waits for a grant.
   bool lane_asked_for(const SharedLane& L, SessionId other_than) const;
+  bool lane_claimed_against(const SharedLane& L, const Session& s) const;
   void ask_to_yield(SharedLane& L, Session& holder);
   // The holder's yield report (gate lane_held = 0) frees the lane.
   void lane_serve(Gpu& g, Session& s);

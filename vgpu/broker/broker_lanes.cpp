@@ -54,8 +54,20 @@ void Broker::ask_to_yield(SharedLane& L, Session& h) {
   h.gate->wake();
 }
 
+// Whether a session of another arena lane asked for the lane first and still
+// waits: s lets it go first. Within one arena lane the policy's pick decides
+// who is next, so a claim there never holds back the session picked: an
+// asker the policy no longer picks (a newcomer ranked ahead of it, a policy
+// switch, a tie it loses) would otherwise hold back the lane for ever, since
+// only the pick could let the asker run (found by the gate-scribbling test).
+bool Broker::lane_claimed_against(const SharedLane& L, const Session& s) const {
+  if (!lane_asked_for(L, s.id)) return false;
+  const Session* asker = get(L.asker);
+  return asker && asker->lane != s.lane;
+}
+
 bool Broker::lane_free_for(SharedLane& L, Session& s) {
-  if (L.holder == s.id && (L.release_asked || lane_asked_for(L, s.id))) {
+  if (L.holder == s.id && (L.release_asked || lane_claimed_against(L, s))) {
     // Another session waits for the lane (sessions of other arena lanes of the
     // group are dispatched on their own): the holder gets no more grants
     // until it has yielded, or the two could keep it from each other forever.
@@ -80,9 +92,9 @@ bool Broker::lane_free_for(SharedLane& L, Session& s) {
     L.holder = 0;
     L.release_asked = false;
   }
-  // The session that asked for the lane gets it before the others, while it
-  // still waits for a grant.
-  if (lane_asked_for(L, s.id)) return false;
+  // The session that asked for the lane gets it before the sessions of other
+  // arena lanes, while it still waits for a grant.
+  if (lane_claimed_against(L, s)) return false;
   if (L.asker != s.id) L.asker = 0;
   return true;
 }
@@ -92,7 +104,8 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
   SharedLane& L = g.shared_lane;
   AttachedGate& gt = *s.gate;
   if (gt.lane_off) return true;
-  if (L.holder == s.id && gate_load(gt.g().lane_grant) == L.generation && !lane_asked_for(L, s.id))
+  if (L.holder == s.id && gate_load(gt.g().lane_grant) == L.generation &&
+      !lane_claimed_against(L, s))
     return true;
   if (L.busy) return false;
   if (!lane_free_for(L, s)) return false;

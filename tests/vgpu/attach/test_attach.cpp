@@ -16,12 +16,12 @@
 #include <chrono>
 #include <cstring>
 #include <future>
-#include <random>
 #include <thread>
 
 #include "client/salus_gate.h"
 #include "fusefs/command_parser.hpp"
 #include "tests/support/broker_driver.hpp"
+#include "tests/support/gate_scribbler.hpp"
 #include "vgpu/broker/broker.hpp"
 #include "vgpu/sim/sim_device.hpp"
 
@@ -1188,36 +1188,7 @@ TEST(Attach, AProgramScribblingOverItsGateStallsNobodyAndLeaksNothing) {
     const std::string need = "need persistent=134M ephemeral=16M\n";
     const SessionId good = attached_session(*b, honest, need);
     const SessionId bad = attached_session(*b, hostile, need);
-    std::atomic<bool> stop{false};
-    std::thread scribbler([&] {
-      std::mt19937_64 rng(seed);
-      auto* words = reinterpret_cast<std::uint64_t*>(hostile.g);
-      const std::size_t n = sizeof(salus_gate) / sizeof(std::uint64_t);
-      while (!stop.load()) {
-        for (int i = 0; i < 64; ++i) {
-          const std::uint64_t r = rng();
-          switch (r % 8) {
-            case 0:
-              st(hostile.g->requested, ld(hostile.g->granted) + r % 3);
-              break;
-            case 1:
-              st(hostile.g->completed, ld(hostile.g->requested) - r % 2);
-              break;
-            case 2:
-              st(hostile.g->swap_done_seq, ld(hostile.g->swap_seq));
-              break;
-            case 3:
-              st(hostile.g->lane_held, ld(hostile.g->lane_grant));
-              break;
-            default:
-              st(words[(r >> 8) % n], rng());
-              break;
-          }
-        }
-        hostile.ring();
-        std::this_thread::sleep_for(200us);
-      }
-    });
+    test::GateScribbler scribbler(hostile.g, hostile.bell, seed);
     // The honest program's iterations go on beside it, for 300 ms at least; it
     // answers the swaps salusd asks of it at once.
     const Bytes own = Bytes{150} << 20;
@@ -1249,8 +1220,7 @@ TEST(Attach, AProgramScribblingOverItsGateStallsNobodyAndLeaksNothing) {
       honest.complete(k, 1'000'000);
       answer_swaps();
     }
-    stop = true;
-    scribbler.join();
+    scribbler.stop();
     // Oversubscribed, a program that never answers a swap-out keeps its room, as
     // one whose memory is not movable does, and the session waiting for that
     // room waits until it leaves (design.md, *Hostile callers*).
