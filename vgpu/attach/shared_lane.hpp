@@ -33,6 +33,7 @@ struct SharedLane {
   std::uint64_t holder = 0;      // session that may have it mapped; 0: nobody
   bool release_asked = false;    // the holder's lane_grant was set to 0
   std::uint64_t asker = 0;       // who asked for it: served before other arena lanes' sessions
+  std::int64_t asked_at = 0;     // when the asker last tried (its claim lapses unless renewed)
   std::int64_t release_asked_at = 0;
   std::optional<uid_t> dirty_uid;  // whose bytes may be in it; none: cleared
   bool busy = false;               // the device makes or clears it (off the broker lock)

@@ -576,11 +576,11 @@ class Broker {
   void warn_idle(const Gpu& g, TimeNs idle_ns,
                  const std::vector<std::pair<Session*, std::string>>& waiting);
   // Whether nobody else holds the lane for s (asking the holder to yield).
-  bool lane_free_for(SharedLane& L, Session& s);
+  bool lane_free_for(Gpu& g, Session& s);
   // Whether a session other than `other_than` asked for the lane and still
   // waits for a grant.
   bool lane_asked_for(const SharedLane& L, SessionId other_than) const;
-  bool lane_claimed_against(const SharedLane& L, const Session& s) const;
+  bool lane_claimed_against(const Gpu& g, const Session& s) const;
   void ask_to_yield(SharedLane& L, Session& holder);
   // The holder's yield report (gate lane_held = 0) frees the lane.
   void lane_serve(Gpu& g, Session& s);

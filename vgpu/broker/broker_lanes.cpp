@@ -19,6 +19,9 @@ namespace {
 // gate: CPU work, or a hang) loses the memory: salusd drops its reference and
 // makes fresh memory for the others; the holder's mapping keeps the old alive.
 constexpr std::int64_t kLaneReleaseLimitNs = 2'000'000'000;
+// A claim on the lane (lane_claimed_against) lapses unless its session renews
+// it, by trying again, within this: twice the worker's longest sleep.
+constexpr std::int64_t kClaimFreshNs = 200'000'000;
 // Whose bytes fresh memory may hold: nobody's we know, so it is cleared first.
 constexpr uid_t kUnknownUid = static_cast<uid_t>(-1);
 
@@ -55,19 +58,31 @@ void Broker::ask_to_yield(SharedLane& L, Session& h) {
 }
 
 // Whether a session of another arena lane asked for the lane first and still
-// waits: s lets it go first. Within one arena lane the policy's pick decides
-// who is next, so a claim there never holds back the session picked: an
-// asker the policy no longer picks (a newcomer ranked ahead of it, a policy
-// switch, a tie it loses) would otherwise hold back the lane for ever, since
-// only the pick could let the asker run (found by the gate-scribbling test).
-bool Broker::lane_claimed_against(const SharedLane& L, const Session& s) const {
+// waits for it: s lets it go first. A claim must be one the scheduler would
+// serve, or the lane stalls for good, since only the asker's pick could let it
+// run:
+//  - within one arena lane the policy's pick decides who is next, so a claim
+//    there never holds back the session picked (a newcomer ranked ahead of the
+//    asker, a tie it loses);
+//  - the asker's arena lane must be allowed to dispatch (FIFO lets one lane
+//    run);
+//  - and the asker must still be trying: a claim not renewed within
+//    kClaimFreshNs (every dispatch pass that picks the asker renews it, and
+//    the worker passes every 100 ms at least) is one the policy no longer
+//    picks there (held for its owner, a policy switch).
+// Found by the gate-scribbling and random-policy tests.
+bool Broker::lane_claimed_against(const Gpu& g, const Session& s) const {
+  const SharedLane& L = g.shared_lane;
   if (!lane_asked_for(L, s.id)) return false;
   const Session* asker = get(L.asker);
-  return asker && asker->lane != s.lane;
+  if (!asker || !asker->lane || asker->lane == s.lane) return false;
+  return g.sched.lane_may_dispatch(*asker->lane) && now() - L.asked_at < kClaimFreshNs;
 }
 
-bool Broker::lane_free_for(SharedLane& L, Session& s) {
-  if (L.holder == s.id && (L.release_asked || lane_claimed_against(L, s))) {
+bool Broker::lane_free_for(Gpu& g, Session& s) {
+  SharedLane& L = g.shared_lane;
+  if (L.asker == s.id) L.asked_at = now();  // still trying: the claim stands
+  if (L.holder == s.id && (L.release_asked || lane_claimed_against(g, s))) {
     // Another session waits for the lane (sessions of other arena lanes of the
     // group are dispatched on their own): the holder gets no more grants
     // until it has yielded, or the two could keep it from each other forever.
@@ -82,7 +97,10 @@ bool Broker::lane_free_for(SharedLane& L, Session& s) {
       // Never taken back in the middle of an iteration: the holder may map it
       // only after its grant, and uses it until its boundary. Asked once that
       // iteration completed (its completion dispatches again).
-      if (!lane_asked_for(L, 0)) L.asker = s.id;
+      if (L.asker != s.id && !lane_claimed_against(g, s)) {
+        L.asker = s.id;
+        L.asked_at = now();
+      }
       if (h->in_flight > 0) return false;
       if (!L.release_asked) ask_to_yield(L, *h);
       // A holder that never mapped it (or gave it back) owes no report.
@@ -94,7 +112,7 @@ bool Broker::lane_free_for(SharedLane& L, Session& s) {
   }
   // The session that asked for the lane gets it before the sessions of other
   // arena lanes, while it still waits for a grant.
-  if (lane_claimed_against(L, s)) return false;
+  if (lane_claimed_against(g, s)) return false;
   if (L.asker != s.id) L.asker = 0;
   return true;
 }
@@ -105,10 +123,10 @@ bool Broker::lane_ready(Gpu& g, Session& s, Deferred& later) {
   AttachedGate& gt = *s.gate;
   if (gt.lane_off) return true;
   if (L.holder == s.id && gate_load(gt.g().lane_grant) == L.generation &&
-      !lane_claimed_against(L, s))
+      !lane_claimed_against(g, s))
     return true;
   if (L.busy) return false;
-  if (!lane_free_for(L, s)) return false;
+  if (!lane_free_for(g, s)) return false;
   // Sized for the largest ephemeral need of the GPU's sharing sessions.
   Bytes want = 0;
   for (SessionId id : attached_) {
