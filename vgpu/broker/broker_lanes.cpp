@@ -76,7 +76,8 @@ bool Broker::lane_claimed_against(const Gpu& g, const Session& s) const {
   if (!lane_asked_for(L, s.id)) return false;
   const Session* asker = get(L.asker);
   if (!asker || !asker->lane || asker->lane == s.lane) return false;
-  return g.sched.lane_may_dispatch(*asker->lane) && now() - L.asked_at < kClaimFreshNs;
+  // Freshness first: lane_may_dispatch walks the GPU's lanes under FIFO.
+  return now() - L.asked_at < kClaimFreshNs && g.sched.lane_may_dispatch(*asker->lane);
 }
 
 bool Broker::lane_free_for(Gpu& g, Session& s) {
